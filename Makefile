@@ -42,7 +42,7 @@ test-fast: $(STAMP) ## unit tests only (seconds)
 	$(PY) -m pytest -q tests/unit $(ARGS)
 
 run: $(STAMP) ## provision the default model, start worker + scheduler on 127.0.0.1:50051
-	$(PY) -m scripts.run_local --model $(MODEL) --grpc-address $(GRPC_ADDRESS) $(ARGS)
+	$(PY) scripts/run_local.py --model $(MODEL) --grpc-address $(GRPC_ADDRESS) $(ARGS)
 
 bench: $(STAMP) ## the benchmark suite on the default model (about 15 minutes)
 	$(PY) -m client.bench_suite $(ARGS)

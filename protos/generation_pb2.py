@@ -24,47 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\tpagoda.v1\"\xbf\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"|\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\"\xf1\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x13.pagoda.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12-\n\x08stopping\x18\x04 \x01(\x0b\x32\x1b.pagoda.v1.StoppingCriteria\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x10\n\x08logprobs\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xcb\x01\n\x0b\x43hatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pagoda.v1.ChatMessage\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12-\n\x08stopping\x18\x03 \x01(\x0b\x32\x1b.pagoda.v1.StoppingCriteria\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x10\n\x08logprobs\x18\x05 \x01(\r\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"F\n\x07Timings\x12\x11\n\tqueued_ms\x18\x01 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xe8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.pagoda.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.pagoda.v1.Usage\x12#\n\x07timings\x18\x07 \x01(\x0b\x32\x12.pagoda.v1.Timings\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xdf\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x15\n\rnum_kv_tokens\x18\x06 \x01(\x04\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x18\n\x10worker_connected\x18\n \x01(\x08\"\x14\n\x12ServerStatsRequest\"\xe1\x02\n\x0bServerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x1a\n\x12num_kv_blocks_used\x18\x03 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x04 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x11\n\tnum_steps\x18\x07 \x01(\x04\x12\x18\n\x10worker_connected\x18\x08 \x01(\x08\x12\x1c\n\x14num_kv_blocks_cached\x18\t \x01(\r\x12\x1d\n\x15num_requests_finished\x18\n \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x0b \x01(\x04\x12\x1d\n\x15worker_incarnation_id\x18\x0c \x01(\t\x12\x10\n\x08\x64raining\x18\r \x01(\x08*]\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\r\n\tCANCELLED\x10\x03\x12\t\n\x05\x45RROR\x10\x04\x32\xe3\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.pagoda.v1.GenerateRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x16.pagoda.v1.ChatRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.pagoda.v1.TokenizeRequest\x1a\x1b.pagoda.v1.TokenizeResponse\x12\x41\n\x0cGetModelInfo\x12\x1b.pagoda.v1.ModelInfoRequest\x1a\x14.pagoda.v1.ModelInfo\x12G\n\x0eGetServerStats\x12\x1d.pagoda.v1.ServerStatsRequest\x1a\x16.pagoda.v1.ServerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\tpagoda.v1\"\xea\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\x94\x01\n\x10StoppingCriteria\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\x11\n\x0f_max_new_tokens\"\xf1\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x13.pagoda.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12-\n\x08stopping\x18\x04 \x01(\x0b\x32\x1b.pagoda.v1.StoppingCriteria\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x10\n\x08logprobs\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xcb\x01\n\x0b\x43hatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pagoda.v1.ChatMessage\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12-\n\x08stopping\x18\x03 \x01(\x0b\x32\x1b.pagoda.v1.StoppingCriteria\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x10\n\x08logprobs\x18\x05 \x01(\r\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"F\n\x07Timings\x12\x11\n\tqueued_ms\x18\x01 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xe8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.pagoda.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.pagoda.v1.Usage\x12#\n\x07timings\x18\x07 \x01(\x0b\x32\x12.pagoda.v1.Timings\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xdf\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x15\n\rnum_kv_tokens\x18\x06 \x01(\x04\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x18\n\x10worker_connected\x18\n \x01(\x08\"\x14\n\x12ServerStatsRequest\"\xe1\x02\n\x0bServerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x1a\n\x12num_kv_blocks_used\x18\x03 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x04 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x11\n\tnum_steps\x18\x07 \x01(\x04\x12\x18\n\x10worker_connected\x18\x08 \x01(\x08\x12\x1c\n\x14num_kv_blocks_cached\x18\t \x01(\r\x12\x1d\n\x15num_requests_finished\x18\n \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x0b \x01(\x04\x12\x1d\n\x15worker_incarnation_id\x18\x0c \x01(\t\x12\x10\n\x08\x64raining\x18\r \x01(\x08*]\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\r\n\tCANCELLED\x10\x03\x12\t\n\x05\x45RROR\x10\x04\x32\xe3\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.pagoda.v1.GenerateRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x16.pagoda.v1.ChatRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.pagoda.v1.TokenizeRequest\x1a\x1b.pagoda.v1.TokenizeResponse\x12\x41\n\x0cGetModelInfo\x12\x1b.pagoda.v1.ModelInfoRequest\x1a\x14.pagoda.v1.ModelInfo\x12G\n\x0eGetServerStats\x12\x1d.pagoda.v1.ServerStatsRequest\x1a\x16.pagoda.v1.ServerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2111
-  _globals['_FINISHREASON']._serialized_end=2204
+  _globals['_FINISHREASON']._serialized_start=2179
+  _globals['_FINISHREASON']._serialized_end=2272
   _globals['_SAMPLINGPARAMS']._serialized_start=39
-  _globals['_SAMPLINGPARAMS']._serialized_end=230
-  _globals['_STOPPINGCRITERIA']._serialized_start=232
-  _globals['_STOPPINGCRITERIA']._serialized_end=356
-  _globals['_GENERATEREQUEST']._serialized_start=359
-  _globals['_GENERATEREQUEST']._serialized_end=600
-  _globals['_TOKENIDS']._serialized_start=602
-  _globals['_TOKENIDS']._serialized_end=625
-  _globals['_CHATMESSAGE']._serialized_start=627
-  _globals['_CHATMESSAGE']._serialized_end=671
-  _globals['_CHATREQUEST']._serialized_start=674
-  _globals['_CHATREQUEST']._serialized_end=877
-  _globals['_TOKENLOGPROB']._serialized_start=879
-  _globals['_TOKENLOGPROB']._serialized_end=973
-  _globals['_USAGE']._serialized_start=975
-  _globals['_USAGE']._serialized_end=1062
-  _globals['_TIMINGS']._serialized_start=1064
-  _globals['_TIMINGS']._serialized_end=1134
-  _globals['_GENERATERESPONSE']._serialized_start=1137
-  _globals['_GENERATERESPONSE']._serialized_end=1369
-  _globals['_TOKENIZEREQUEST']._serialized_start=1371
-  _globals['_TOKENIZEREQUEST']._serialized_end=1430
-  _globals['_TOKENIZERESPONSE']._serialized_start=1432
-  _globals['_TOKENIZERESPONSE']._serialized_end=1485
-  _globals['_MODELINFOREQUEST']._serialized_start=1487
-  _globals['_MODELINFOREQUEST']._serialized_end=1505
-  _globals['_MODELINFO']._serialized_start=1508
-  _globals['_MODELINFO']._serialized_end=1731
-  _globals['_SERVERSTATSREQUEST']._serialized_start=1733
-  _globals['_SERVERSTATSREQUEST']._serialized_end=1753
-  _globals['_SERVERSTATS']._serialized_start=1756
-  _globals['_SERVERSTATS']._serialized_end=2109
-  _globals['_GENERATION']._serialized_start=2207
-  _globals['_GENERATION']._serialized_end=2562
+  _globals['_SAMPLINGPARAMS']._serialized_end=273
+  _globals['_STOPPINGCRITERIA']._serialized_start=276
+  _globals['_STOPPINGCRITERIA']._serialized_end=424
+  _globals['_GENERATEREQUEST']._serialized_start=427
+  _globals['_GENERATEREQUEST']._serialized_end=668
+  _globals['_TOKENIDS']._serialized_start=670
+  _globals['_TOKENIDS']._serialized_end=693
+  _globals['_CHATMESSAGE']._serialized_start=695
+  _globals['_CHATMESSAGE']._serialized_end=739
+  _globals['_CHATREQUEST']._serialized_start=742
+  _globals['_CHATREQUEST']._serialized_end=945
+  _globals['_TOKENLOGPROB']._serialized_start=947
+  _globals['_TOKENLOGPROB']._serialized_end=1041
+  _globals['_USAGE']._serialized_start=1043
+  _globals['_USAGE']._serialized_end=1130
+  _globals['_TIMINGS']._serialized_start=1132
+  _globals['_TIMINGS']._serialized_end=1202
+  _globals['_GENERATERESPONSE']._serialized_start=1205
+  _globals['_GENERATERESPONSE']._serialized_end=1437
+  _globals['_TOKENIZEREQUEST']._serialized_start=1439
+  _globals['_TOKENIZEREQUEST']._serialized_end=1498
+  _globals['_TOKENIZERESPONSE']._serialized_start=1500
+  _globals['_TOKENIZERESPONSE']._serialized_end=1553
+  _globals['_MODELINFOREQUEST']._serialized_start=1555
+  _globals['_MODELINFOREQUEST']._serialized_end=1573
+  _globals['_MODELINFO']._serialized_start=1576
+  _globals['_MODELINFO']._serialized_end=1799
+  _globals['_SERVERSTATSREQUEST']._serialized_start=1801
+  _globals['_SERVERSTATSREQUEST']._serialized_end=1821
+  _globals['_SERVERSTATS']._serialized_start=1824
+  _globals['_SERVERSTATS']._serialized_end=2177
+  _globals['_GENERATION']._serialized_start=2275
+  _globals['_GENERATION']._serialized_end=2630
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,165 @@
+"""`python -m scheduler_svc` / `pagoda-scheduler`: the gRPC API in front of one worker."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from scheduler_svc import settings
+from scheduler_svc.api import SERVICE_NAME, GenerationServicer, build_server
+from scheduler_svc.config import ConfigError
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.metrics import Metrics
+from scheduler_svc.output_streams import OutputStreams
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.settings import ServiceConfig
+from scheduler_svc.step_loop import StepLoop
+from scheduler_svc.systemd import notify
+from scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
+from scheduler_svc.worker_link import WorkerLink
+
+log = logging.getLogger("pagoda.scheduler")
+
+
+def resolve_tokenizer_dir(model: str) -> Path:
+    """The directory holding the tokenizer of `model` (the same spec the worker takes).
+
+    Resolution may convert a GGUF file, which needs torch; it runs in a child process
+    so this process never imports torch. `dummy` uses the default model's tokenizer.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    spec = "default" if model == "dummy" else model
+    result = subprocess.run(
+        [sys.executable, "-m", "gpu_worker.model_loader", spec],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    if result.returncode != 0 or not result.stdout.strip():
+        raise ConfigError(f"cannot find the tokenizer of model {model!r} (see the message above)")
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+async def serve(config: ServiceConfig, tokenizer: TextTokenizer, model_id: str) -> int:
+    metrics = Metrics()
+    streams = OutputStreams()
+    scheduler = Scheduler(config.scheduler, lambda: IncrementalDetokenizer(tokenizer))
+    health_servicer = None
+    background: set[asyncio.Task] = set()
+
+    def on_worker_change(attached: bool) -> None:
+        status = "SERVING" if attached and not servicer.draining else "NOT_SERVING"
+        for service in ("", SERVICE_NAME):
+            task = asyncio.create_task(health_servicer.set(service, _health_status(status)))
+            background.add(task)
+            task.add_done_callback(background.discard)
+
+    loop = StepLoop(
+        scheduler,
+        streams,
+        metrics,
+        worker_timeout_s=config.worker_timeout_s,
+        worker_grace_s=config.worker_grace_s,
+        status_interval_s=config.status_interval_s,
+        on_worker_change=on_worker_change,
+    )
+    link = WorkerLink(config.zmq_endpoint, loop.worker_attached, loop.worker_detached)
+    loop.link = link
+    servicer = GenerationServicer(loop, tokenizer, config, model_id)
+    server, health_servicer = build_server(config, servicer)
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, _health_status("NOT_SERVING"))
+    metrics.watch(lambda: scheduler.stats, lambda: loop.worker is not None)
+    if config.metrics_address:
+        metrics.serve(config.metrics_address)
+        log.info("metrics on http://%s/metrics", config.metrics_address)
+
+    await server.start()
+    await link.start()
+    loop_task = asyncio.create_task(loop.run(), name="step-loop")
+    log.info("serving pagoda.v1.Generation on %s", config.grpc_address)
+    notify("READY=1", f"STATUS=serving on {config.grpc_address}")
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    watchdog = asyncio.create_task(_watchdog(loop_task))
+    done, _ = await asyncio.wait({asyncio.create_task(stop.wait()), loop_task}, return_when=asyncio.FIRST_COMPLETED)
+    if loop_task in done and loop_task.exception() is not None:
+        log.error("the step loop failed", exc_info=loop_task.exception())
+        await server.stop(grace=None)
+        return 1
+
+    await _drain(config, servicer, health_servicer, loop, streams)
+    watchdog.cancel()
+    loop.stop()
+    await server.stop(grace=1.0)
+    await asyncio.gather(loop_task, return_exceptions=True)
+    await link.close()
+    log.info("stopped")
+    return 0
+
+
+async def _drain(config, servicer, health_servicer, loop: StepLoop, streams: OutputStreams) -> None:
+    """Stop accepting, let in-flight streams finish for drain_timeout_s, cancel the rest."""
+    notify("STOPPING=1")
+    servicer.draining = True
+    await health_servicer.enter_graceful_shutdown()
+    log.info("draining %d streams for up to %g s", len(streams), config.drain_timeout_s)
+    deadline = asyncio.get_running_loop().time() + config.drain_timeout_s
+    while len(streams) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    if len(streams):
+        log.warning("cancelling %d streams still running after the drain timeout", len(streams))
+        for request_id in streams.request_ids():
+            loop.cancel(request_id)
+        # Give the loop one step to publish the cancellations to their streams.
+        for _ in range(40):
+            if not len(streams):
+                break
+            await asyncio.sleep(0.05)
+
+
+async def _watchdog(loop_task: asyncio.Task) -> None:
+    """systemd WatchdogSec keep-alives while the step loop is alive."""
+    while not loop_task.done():
+        notify("WATCHDOG=1")
+        await asyncio.sleep(5)
+
+
+def _health_status(name: str):
+    from grpc_health.v1 import health_pb2
+
+    return getattr(health_pb2.HealthCheckResponse, name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        loaded, print_config = settings.load(argv)
+    except ConfigError as exc:
+        print(f"pagoda-scheduler: {exc}", file=sys.stderr)
+        return 2
+    if print_config:
+        print(settings.describe(loaded))
+        return 0
+    config = loaded.config
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        tokenizer_dir = resolve_tokenizer_dir(config.model)
+        tokenizer = load_tokenizer(tokenizer_dir)
+        return asyncio.run(serve(config, tokenizer, config.model))
+    except ConfigError as exc:
+        print(f"pagoda-scheduler: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

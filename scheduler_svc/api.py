@@ -1,0 +1,260 @@
+"""The gRPC edge: a thin pagoda.v1.Generation servicer, health, reflection and auth.
+
+Validation lives in validation.py and scheduling in the step loop; this module maps
+between protobuf and the domain and turns failures into status codes with a sentence.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import generation_pb2, generation_pb2_grpc
+from scheduler_svc.config import ConfigError
+from scheduler_svc.request import FinishReason, RequestOutput, ValidRequest
+from scheduler_svc.scheduler import QueueFullError, RequestTooLargeError
+from scheduler_svc.settings import ServiceConfig
+from scheduler_svc.step_loop import StepLoop, Unavailable
+from scheduler_svc.tokenizer import TextTokenizer
+from scheduler_svc.validation import Limits, ValidationError, validate_chat, validate_generate
+
+log = logging.getLogger("pagoda.api")
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+_FINISH_REASONS = {
+    FinishReason.LENGTH: generation_pb2.LENGTH,
+    FinishReason.STOP: generation_pb2.STOP,
+    FinishReason.CANCELLED: generation_pb2.CANCELLED,
+    FinishReason.ERROR: generation_pb2.ERROR,
+}
+
+
+def to_response(output: RequestOutput) -> generation_pb2.GenerateResponse:
+    response = generation_pb2.GenerateResponse(
+        request_id=output.request_id, text=output.text, token_ids=output.token_ids
+    )
+    for logprob in output.logprobs or ():
+        response.logprobs.add(
+            token_id=logprob.token_id,
+            logprob=logprob.logprob,
+            top_token_ids=logprob.top_token_ids,
+            top_logprobs=logprob.top_logprobs,
+        )
+    if output.finish_reason is not None:
+        response.finish_reason = _FINISH_REASONS[output.finish_reason]
+    if output.usage is not None:
+        response.usage.CopyFrom(
+            generation_pb2.Usage(
+                prompt_tokens=output.usage.prompt_tokens,
+                completion_tokens=output.usage.completion_tokens,
+                cached_prompt_tokens=output.usage.cached_prompt_tokens,
+            )
+        )
+    if output.timings is not None:
+        response.timings.CopyFrom(
+            generation_pb2.Timings(
+                queued_ms=output.timings.queued_ms,
+                first_token_ms=output.timings.first_token_ms,
+                total_ms=output.timings.total_ms,
+            )
+        )
+    return response
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, loop: StepLoop, tokenizer: TextTokenizer, config: ServiceConfig, model_id: str) -> None:
+        self._loop = loop
+        self._tokenizer = tokenizer
+        self._config = config
+        self._model_id = model_id
+        self._last_hello = None
+        self.draining = False
+
+    def _limits(self) -> Limits | None:
+        worker = self._loop.worker
+        if worker is not None:
+            self._last_hello = worker.hello
+        hello = self._last_hello
+        if hello is None:
+            return None
+        return Limits(
+            max_context_tokens=hello.max_context_tokens,
+            vocab_size=hello.vocab_size,
+            default_max_new_tokens=self._config.default_max_new_tokens,
+            max_stop_strings=self._config.max_stop_strings,
+            max_stop_string_bytes=self._config.max_stop_string_bytes,
+            max_logprobs=min(self._config.max_logprobs, hello.max_logprobs or self._config.max_logprobs),
+        )
+
+    async def Generate(self, request, context):
+        async for response in self._serve(validate_generate, request, context):
+            yield response
+
+    async def Chat(self, request, context):
+        async for response in self._serve(validate_chat, request, context):
+            yield response
+
+    async def _serve(self, validate, request, context):
+        valid = await self._admit(validate, request, context)
+        slot = await self._submit(valid, context)
+        finished = False
+        try:
+            while not finished:
+                output = await slot.next()
+                finished = output.finish_reason is not None
+                if output.finish_reason is FinishReason.ERROR:
+                    if output.token_ids or output.text:
+                        yield to_response(output)
+                    code = getattr(grpc.StatusCode, slot.error_code or "INTERNAL")
+                    self._loop.metrics.observe_error(code.name)
+                    await context.abort(code, output.error_message or "the request failed")
+                yield to_response(output)
+        finally:
+            # Reached on normal end, client cancel, deadline or disconnect (grpc.aio
+            # raises CancelledError at the pending await): a live request is cancelled
+            # so its blocks are free before the next step is planned.
+            self._loop.streams.close(valid.request_id)
+            if not finished:
+                self._loop.cancel(valid.request_id)
+
+    async def _admit(self, validate, request, context) -> ValidRequest:
+        if self.draining:
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "the server is draining for shutdown")
+        limits = self._limits()
+        if limits is None:
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "no worker is connected yet")
+        try:
+            return validate(request, self._tokenizer, limits)
+        except ValidationError as exc:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _submit(self, valid: ValidRequest, context):
+        try:
+            return self._loop.submit(valid)
+        except Unavailable as exc:
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+        except QueueFullError as exc:
+            await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except (RequestTooLargeError, ValueError) as exc:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _abort(self, context, code: grpc.StatusCode, sentence: str):
+        self._loop.metrics.observe_error(code.name)
+        await context.abort(code, sentence)
+
+    async def Tokenize(self, request, context):
+        if len(request.text) > self._config.max_grpc_message_bytes:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "text is too long")
+        ids = self._tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        return generation_pb2.TokenizeResponse(
+            token_ids=ids, tokens=[self._tokenizer.id_to_piece(i) for i in ids]
+        )
+
+    async def GetModelInfo(self, request, context):
+        self._limits()
+        hello = self._last_hello
+        info = generation_pb2.ModelInfo(
+            model_id=self._model_id,
+            vocab_size=self._tokenizer.vocab_size,
+            eos_token_ids=sorted(self._tokenizer.eos_token_ids),
+            worker_connected=self._loop.worker is not None,
+        )
+        if hello is not None:
+            info.model_id = hello.model_id
+            info.max_context_tokens = hello.max_context_tokens
+            info.vocab_size = hello.vocab_size
+            info.block_size = hello.block_size
+            info.num_kv_blocks = hello.num_kv_blocks
+            info.num_kv_tokens = hello.num_kv_blocks * hello.block_size
+            info.device = hello.device
+            info.dtype = hello.dtype
+            del info.eos_token_ids[:]
+            info.eos_token_ids.extend(sorted(hello.eos_token_ids))
+        return info
+
+    async def GetServerStats(self, request, context):
+        stats = self._loop.scheduler.stats
+        worker = self._loop.worker
+        return generation_pb2.ServerStats(
+            num_waiting=stats.num_waiting,
+            num_running=stats.num_running,
+            num_kv_blocks_used=stats.num_kv_blocks_used,
+            num_kv_blocks_total=stats.num_kv_blocks_total,
+            num_kv_blocks_cached=stats.num_kv_blocks_cached,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            num_preemptions=stats.num_preemptions,
+            num_steps=stats.num_steps,
+            num_requests_finished=stats.num_requests_finished,
+            num_generated_tokens=stats.num_generated_tokens,
+            worker_connected=worker is not None,
+            worker_incarnation_id=worker.hello.incarnation_id if worker else "",
+            draining=self.draining,
+        )
+
+
+class BearerAuth(grpc.aio.ServerInterceptor):
+    """Refuses every RPC but health checks without `authorization: Bearer <key>`."""
+
+    def __init__(self, api_key: str) -> None:
+        self._expected = f"Bearer {api_key}".encode()
+
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required")
+
+        self._refusal = grpc.unary_unary_rpc_method_handler(refuse)
+        self._stream_refusal = grpc.unary_stream_rpc_method_handler(refuse)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(handler_call_details)
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        token = str(metadata.get("authorization", "")).encode()
+        if hmac.compare_digest(token, self._expected):
+            return await continuation(handler_call_details)
+        streaming = handler_call_details.method.endswith(("/Generate", "/Chat"))
+        return self._stream_refusal if streaming else self._refusal
+
+
+def build_server(config: ServiceConfig, servicer: GenerationServicer) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """The grpc.aio server with Generation, health (NOT_SERVING until a worker) and reflection."""
+    interceptors = []
+    if config.api_key_file:
+        try:
+            api_key = open(config.api_key_file).read().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read api_key_file: {exc}") from None
+        if not api_key:
+            raise ConfigError(f"api_key_file {config.api_key_file} is empty")
+        interceptors.append(BearerAuth(api_key))
+    options = [
+        ("grpc.max_receive_message_length", config.max_grpc_message_bytes),
+        ("grpc.max_send_message_length", config.max_grpc_message_bytes),
+        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(interceptors=interceptors, options=options)
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    if config.tls_cert:
+        try:
+            credentials = grpc.ssl_server_credentials(
+                [(open(config.tls_key, "rb").read(), open(config.tls_cert, "rb").read())]
+            )
+        except OSError as exc:
+            raise ConfigError(f"cannot read the TLS files: {exc}") from None
+        port = server.add_secure_port(config.grpc_address, credentials)
+    else:
+        port = server.add_insecure_port(config.grpc_address)
+    if port == 0:
+        raise ConfigError(f"cannot listen on {config.grpc_address}")
+    return server, health_servicer

@@ -1,0 +1,92 @@
+"""Prometheus metrics of the scheduler, served over HTTP when --metrics-address is set.
+
+Histograms are observed by the step loop as events happen; gauges of the queue and
+the KV pool are read from the scheduler at scrape time, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from scheduler_svc.request import RequestOutput
+from scheduler_svc.scheduler import SchedulerStats
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+STEP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class _LiveStats(Collector):
+    def __init__(self, stats: Callable[[], SchedulerStats], worker_connected: Callable[[], bool]) -> None:
+        self._stats = stats
+        self._worker_connected = worker_connected
+
+    def collect(self):
+        stats = self._stats()
+        values = {
+            "pagoda_requests_running": ("Requests being computed", stats.num_running),
+            "pagoda_requests_waiting": ("Requests in the waiting queue", stats.num_waiting),
+            "pagoda_kv_blocks_used": ("KV blocks owned by requests", stats.num_kv_blocks_used),
+            "pagoda_kv_blocks_total": ("KV blocks in the worker's pool", stats.num_kv_blocks_total),
+            "pagoda_kv_blocks_cached": ("Ownerless KV blocks kept for prefix reuse", stats.num_kv_blocks_cached),
+            "pagoda_prefix_cache_query_tokens": ("Prompt tokens looked up in the prefix cache", stats.num_prefix_queries_tokens),
+            "pagoda_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache", stats.num_prefix_hit_tokens),
+            "pagoda_preemptions": ("Requests preempted for recompute since start", stats.num_preemptions),
+            "pagoda_worker_connected": ("1 when a worker is attached", int(self._worker_connected())),
+        }
+        for name, (documentation, value) in values.items():
+            yield GaugeMetricFamily(name, documentation, value=value)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft_s = Histogram("pagoda_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.itl_s = Histogram("pagoda_inter_token_latency_seconds", "Mean time between generated tokens, per request", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.e2e_s = Histogram("pagoda_request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.queue_s = Histogram("pagoda_queue_time_seconds", "Arrival to first scheduled", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.finished = Counter("pagoda_requests_finished", "Finished requests", ["finish_reason"], registry=r)
+        self.errors = Counter("pagoda_request_errors", "Requests refused or failed, by gRPC code", ["code"], registry=r)
+        self.step_s = Histogram("pagoda_step_seconds", "Step time by part", ["part"], buckets=STEP_BUCKETS_S, registry=r)
+        self.step_tokens = Histogram("pagoda_step_tokens", "Tokens computed per step", ["kind"], buckets=TOKENS_BUCKETS, registry=r)
+        self.generated_tokens = Counter("pagoda_generated_tokens", "Generated tokens", registry=r)
+        self.prompt_tokens = Counter("pagoda_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+
+    def watch(self, stats: Callable[[], SchedulerStats], worker_connected: Callable[[], bool]) -> None:
+        self.registry.register(_LiveStats(stats, worker_connected))
+
+    def serve(self, address: str) -> None:
+        host, _, port = address.rpartition(":")
+        start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=self.registry)
+
+    def observe_step(self, *, schedule_s: float, transport_s: float, forward_s: float, num_prefill_tokens: int, num_decode_tokens: int) -> None:
+        self.step_s.labels("schedule").observe(schedule_s)
+        self.step_s.labels("transport").observe(transport_s)
+        self.step_s.labels("forward").observe(forward_s)
+        self.step_tokens.labels("prefill").observe(num_prefill_tokens)
+        self.step_tokens.labels("decode").observe(num_decode_tokens)
+
+    def observe_finish(self, output: RequestOutput) -> None:
+        assert output.finish_reason is not None
+        self.finished.labels(output.finish_reason.name.lower()).inc()
+        usage, timings = output.usage, output.timings
+        if usage is not None:
+            self.generated_tokens.inc(usage.completion_tokens)
+            self.prompt_tokens.inc(usage.prompt_tokens)
+        if timings is None:
+            return
+        self.e2e_s.observe(timings.total_ms / 1000)
+        self.queue_s.observe(timings.queued_ms / 1000)
+        if usage is not None and usage.completion_tokens > 0:
+            self.ttft_s.observe(timings.first_token_ms / 1000)
+            if usage.completion_tokens > 1:
+                decode_ms = timings.total_ms - timings.first_token_ms
+                self.itl_s.observe(decode_ms / 1000 / (usage.completion_tokens - 1))
+
+    def observe_error(self, code: str) -> None:
+        self.errors.labels(code).inc()

@@ -1,0 +1,263 @@
+"""The scheduler process's configuration: flags > environment > TOML file > defaults.
+
+Built once in __main__ into a frozen `ServiceConfig` (which embeds the scheduling
+knobs as a `SchedulerConfig`), validated, then passed down. This is the only module
+that reads os.environ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scheduler_svc.config import ConfigError, SchedulerConfig
+
+ENV_PREFIX = "PAGODA_"
+
+
+def default_zmq_endpoint() -> str:
+    """A private ipc:// path: $XDG_RUNTIME_DIR/pagoda/worker.sock, else /tmp/pagoda-$UID/."""
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime_dir) / "pagoda" if runtime_dir else Path(f"/tmp/pagoda-{os.getuid()}")
+    return f"ipc://{base / 'worker.sock'}"
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """Everything the scheduler process needs besides the scheduling knobs."""
+
+    grpc_address: str = "127.0.0.1:50051"
+    zmq_endpoint: str = field(default_factory=default_zmq_endpoint)
+    model: str = "default"
+    metrics_address: str | None = None
+    worker_timeout_s: float = 30.0
+    worker_grace_s: float = 60.0
+    drain_timeout_s: float = 30.0
+    default_max_new_tokens: int = 256
+    max_stop_strings: int = 16
+    max_stop_string_bytes: int = 256
+    max_logprobs: int = 20
+    max_grpc_message_bytes: int = 4 * 1024 * 1024
+    max_concurrent_streams: int = 4096
+    status_interval_s: float = 10.0
+    api_key_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    log_level: str = "INFO"
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def validate(self) -> None:
+        self.scheduler.validate()
+        positive = (
+            "worker_timeout_s",
+            "worker_grace_s",
+            "default_max_new_tokens",
+            "max_grpc_message_bytes",
+            "max_concurrent_streams",
+            "status_interval_s",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("drain_timeout_s", "max_stop_strings", "max_stop_string_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.max_logprobs <= 20:
+            raise ConfigError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
+        if not self.zmq_endpoint.startswith(("ipc://", "tcp://")):
+            raise ConfigError(f"zmq_endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.zmq_endpoint!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key must be given together")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+
+
+HELP: dict[str, str] = {
+    "grpc_address": "host:port the gRPC API listens on (loopback by default)",
+    "zmq_endpoint": "ZeroMQ endpoint the scheduler binds for the worker (ipc:// or tcp://)",
+    "model": "tokenizer and chat template source: default, a directory, a .gguf file or a hub id",
+    "metrics_address": "host:port for Prometheus metrics over HTTP (off when unset)",
+    "worker_timeout_s": "seconds to wait for a step result before the worker counts as lost",
+    "worker_grace_s": "seconds waiting requests survive without a worker before UNAVAILABLE",
+    "drain_timeout_s": "on SIGTERM, seconds in-flight streams may finish before being cancelled",
+    "default_max_new_tokens": "max_new_tokens when a request leaves it 0 (clamped to the context)",
+    "max_stop_strings": "most stop strings one request may carry",
+    "max_stop_string_bytes": "longest stop string in UTF-8 bytes",
+    "max_logprobs": "largest top-n logprobs a request may ask for (at most 20)",
+    "max_grpc_message_bytes": "largest gRPC message accepted or sent",
+    "max_concurrent_streams": "HTTP/2 concurrent streams per connection",
+    "status_interval_s": "seconds between the periodic one-line status logs",
+    "api_key_file": "file holding a bearer token; when set, every RPC must present it",
+    "tls_cert": "PEM certificate chain for gRPC TLS (with --tls-key)",
+    "tls_key": "PEM private key for gRPC TLS (with --tls-cert)",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "max_num_batched_tokens": "tokens (prefill + decode) in one step",
+    "prefill_max_tokens": "cap on prompt tokens admitted per step (unset: no extra cap)",
+    "prefill_max_batch_size": "cap on requests admitted per step (unset: no cap)",
+    "max_active_requests": "cap on unfinished running requests; when full, steps only decode",
+    "max_decode_batch_size": "decode at most this many per step, round-robin (unset: all)",
+    "admission_policy": "fifo, pack (cheapest first within the lookahead) or priority",
+    "admission_lookahead": "how many waiting requests pack looks at",
+    "force_fifo_every": "every N-th admission round is FIFO so long prompts never starve",
+    "chunked_prefill": "split prompts across steps instead of admitting them whole",
+    "decode_first": "when prefill and decode cannot share a step, decode wins",
+    "prefix_caching": "reuse KV blocks of identical prompt prefixes",
+    "max_waiting_requests": "bound of the waiting queue (RESOURCE_EXHAUSTED beyond it)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    config: ServiceConfig
+    sources: dict[str, str]  # knob name -> "flag", "env PAGODA_X", "toml FILE", "default"
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _base_type(annotation: Any) -> tuple[type, bool]:
+    """(scalar type, optional?) of an annotation such as `int | None`."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0], True
+    return annotation, False
+
+
+def _knob_types() -> dict[str, tuple[type, bool]]:
+    knobs = {n: _base_type(t) for n, t in _field_types(ServiceConfig).items() if n != "scheduler"}
+    knobs.update({n: _base_type(t) for n, t in _field_types(SchedulerConfig).items()})
+    return knobs
+
+
+def _parse_scalar(name: str, text: str, kind: type, optional: bool) -> Any:
+    if optional and text.strip().lower() in ("", "none", "null"):
+        return None
+    if kind is bool:
+        lowered = text.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name} must be true or false, got {text!r}")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"{name} must be {kind.__name__}, got {text!r}") from None
+
+
+def _check_toml_value(name: str, value: Any, kind: type, optional: bool) -> Any:
+    if value is None and optional:
+        return None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{name} in the TOML file must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagoda-scheduler",
+        description=(
+            "Pagoda's scheduler: serves pagoda.v1.Generation over gRPC and drives a "
+            "gpu_worker over ZeroMQ. Each option may also be set by the environment "
+            f"variable {ENV_PREFIX}<NAME> (e.g. {ENV_PREFIX}ADMISSION_POLICY=pack) or a "
+            "key of the --config TOML file (top level, underscores); flags win over "
+            "the environment, which wins over the file."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", help="TOML file of settings (keys as in --print-config)")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved settings and where each came from, then exit",
+    )
+    defaults = _defaults()
+    for name, (kind, optional) in _knob_types().items():
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{HELP.get(name, name)} (default: {defaults[name]})"
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(flag, type=str, metavar=kind.__name__.upper(), help=help_text)
+    return parser
+
+
+def _defaults() -> dict[str, Any]:
+    service = ServiceConfig()
+    values = {n: getattr(service, n) for n in _field_types(ServiceConfig) if n != "scheduler"}
+    values.update({n: getattr(service.scheduler, n) for n in _field_types(SchedulerConfig)})
+    return values
+
+
+def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> tuple[Loaded, bool]:
+    """Parse flags, environment and TOML into a validated config; also return --print-config."""
+    environ = dict(os.environ) if environ is None else environ
+    args = vars(build_parser().parse_args(argv))
+    knobs = _knob_types()
+    values = _defaults()
+    sources = dict.fromkeys(values, "default")
+
+    config_path = args.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG")
+    if config_path:
+        try:
+            table = tomllib.loads(Path(config_path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read the config file {config_path}: {exc}") from None
+        for key, value in table.items():
+            if key not in knobs:
+                raise ConfigError(f"unknown key {key!r} in {config_path}")
+            values[key] = _check_toml_value(key, value, *knobs[key])
+            sources[key] = f"toml {config_path}"
+
+    for name, (kind, optional) in knobs.items():
+        env_name = ENV_PREFIX + name.upper()
+        if env_name in environ:
+            values[name] = _parse_scalar(env_name, environ[env_name], kind, optional)
+            sources[name] = f"env {env_name}"
+
+    print_config = bool(args.pop("print_config", False))
+    for name, raw in args.items():
+        kind, optional = knobs[name]
+        values[name] = raw if kind is bool else _parse_scalar("--" + name.replace("_", "-"), raw, kind, optional)
+        sources[name] = "flag"
+
+    scheduler_names = set(_field_types(SchedulerConfig))
+    scheduler = SchedulerConfig(**{n: v for n, v in values.items() if n in scheduler_names})
+    config = ServiceConfig(
+        scheduler=scheduler, **{n: v for n, v in values.items() if n not in scheduler_names}
+    )
+    config.validate()
+    return Loaded(config, sources), print_config
+
+
+def describe(loaded: Loaded) -> str:
+    """One line per setting: name = value  # source, TOML-shaped so it can seed a file."""
+    values = _defaults()
+    for name in values:
+        holder = loaded.config.scheduler if hasattr(loaded.config.scheduler, name) else loaded.config
+        values[name] = getattr(holder, name)
+    lines = []
+    for name, value in values.items():
+        line = f"# {name} (unset)" if value is None else f"{name} = {_toml_literal(value)}"
+        lines.append(line.ljust(48) + f"  # {loaded.sources[name]}")
+    return "\n".join(lines)
+
+
+def _toml_literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return str(value)

@@ -1,0 +1,192 @@
+"""Public requests -> Valid* domain values, or one sentence naming the field and its limit.
+
+Works on the pagoda.v1 request messages by their field names (it never builds one),
+so the servicer stays thin and every limit lives here.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import uuid
+from dataclasses import dataclass
+
+from scheduler_svc.request import ValidRequest, ValidSampling, ValidStopping
+from scheduler_svc.tokenizer import TextTokenizer
+
+MAX_REQUEST_ID_BYTES = 128
+MAX_STOP_TOKEN_IDS = 64
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_ABS_PRESENCE_FREQUENCY = 2.0
+# Prompt text is bounded before tokenizing, so a huge string costs no tokenizer time.
+MAX_PROMPT_BYTES_PER_TOKEN = 32
+
+
+class ValidationError(ValueError):
+    """A request the server refuses with INVALID_ARGUMENT; the message is the sentence."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_context_tokens: int
+    vocab_size: int
+    default_max_new_tokens: int
+    max_stop_strings: int
+    max_stop_string_bytes: int
+    max_logprobs: int
+
+
+def validate_generate(request, tokenizer: TextTokenizer, limits: Limits) -> ValidRequest:
+    """A pagoda.v1.GenerateRequest -> ValidRequest."""
+    which = request.WhichOneof("input")
+    if which == "prompt_token_ids":
+        prompt_token_ids = list(request.prompt_token_ids.ids)
+        for token_id in prompt_token_ids:
+            if token_id >= limits.vocab_size:
+                raise ValidationError(
+                    f"prompt_token_ids contains {token_id}, beyond the vocabulary of {limits.vocab_size} tokens"
+                )
+    else:
+        prompt = request.prompt if which == "prompt" else ""
+        _check_prompt_text(prompt, limits)
+        prompt_token_ids = tokenizer.encode(prompt, add_special_tokens=True)
+    return _finish(request, tuple(prompt_token_ids), limits)
+
+
+def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidRequest:
+    """A pagoda.v1.ChatRequest -> ValidRequest, rendered with the model's chat template."""
+    if not request.messages:
+        raise ValidationError("messages must hold at least one message")
+    conversation: list[tuple[str, str]] = []
+    for index, message in enumerate(request.messages):
+        if message.role not in tokenizer.known_roles:
+            roles = ", ".join(sorted(tokenizer.known_roles))
+            raise ValidationError(f"messages[{index}].role {message.role!r} is not one of: {roles}")
+        conversation.append((message.role, message.content))
+    try:
+        rendered = tokenizer.render_chat(conversation)
+    except Exception as exc:  # the template's own raise_exception() and jinja errors
+        raise ValidationError(f"the model's chat template refused the conversation: {exc}") from None
+    _check_prompt_text(rendered, limits)
+    # The template already wrote the special tokens (BOS, turn markers).
+    prompt_token_ids = tokenizer.encode(rendered, add_special_tokens=False)
+    return _finish(request, tuple(prompt_token_ids), limits)
+
+
+def _check_prompt_text(prompt: str, limits: Limits) -> None:
+    if not prompt:
+        raise ValidationError("prompt must not be empty")
+    max_bytes = limits.max_context_tokens * MAX_PROMPT_BYTES_PER_TOKEN
+    if len(prompt) > max_bytes:
+        raise ValidationError(
+            f"prompt of {len(prompt)} characters is far beyond the context of "
+            f"{limits.max_context_tokens} tokens"
+        )
+
+
+def _finish(request, prompt_token_ids: tuple[int, ...], limits: Limits) -> ValidRequest:
+    num_prompt_tokens = len(prompt_token_ids)
+    if num_prompt_tokens == 0:
+        raise ValidationError("prompt must not be empty")
+    if num_prompt_tokens >= limits.max_context_tokens:
+        raise ValidationError(
+            f"prompt has {num_prompt_tokens} tokens; the context holds {limits.max_context_tokens} "
+            "including at least one generated token"
+        )
+    if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
+        raise ValidationError(f"request_id must be at most {MAX_REQUEST_ID_BYTES} bytes")
+    if request.logprobs > limits.max_logprobs:
+        raise ValidationError(f"logprobs must be at most {limits.max_logprobs}, got {request.logprobs}")
+    return ValidRequest(
+        request_id=request.request_id or uuid.uuid4().hex,
+        prompt_token_ids=prompt_token_ids,
+        sampling=_sampling(request.sampling, request.logprobs),
+        stopping=_stopping(request.stopping, num_prompt_tokens, limits),
+        priority=request.priority,
+    )
+
+
+def _finite(name: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise ValidationError(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def _sampling(sampling, num_logprobs: int) -> ValidSampling:
+    temperature = _finite("sampling.temperature", sampling.temperature)
+    if not 0.0 <= temperature <= MAX_TEMPERATURE:
+        raise ValidationError(f"sampling.temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature:g}")
+    top_p = _finite("sampling.top_p", sampling.top_p) if sampling.HasField("top_p") else 1.0
+    if not 0.0 < top_p <= 1.0:
+        raise ValidationError(f"sampling.top_p must be in (0, 1], got {top_p:g}")
+    if sampling.top_k < 0:
+        raise ValidationError(f"sampling.top_k must be >= 0 (0 is off), got {sampling.top_k}")
+    min_p = _finite("sampling.min_p", sampling.min_p)
+    if not 0.0 <= min_p <= 1.0:
+        raise ValidationError(f"sampling.min_p must be in [0, 1], got {min_p:g}")
+    repetition_penalty = 1.0
+    if sampling.HasField("repetition_penalty"):
+        repetition_penalty = _finite("sampling.repetition_penalty", sampling.repetition_penalty)
+    if not 0.0 < repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise ValidationError(
+            f"sampling.repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {repetition_penalty:g}"
+        )
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _finite(f"sampling.{name}", getattr(sampling, name))
+        if abs(value) > MAX_ABS_PRESENCE_FREQUENCY:
+            raise ValidationError(f"sampling.{name} must be in [-2, 2], got {value:g}")
+    return ValidSampling(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=sampling.top_k,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        # Every request is seeded so a recompute after preemption draws the same tokens.
+        seed=sampling.seed if sampling.HasField("seed") else secrets.randbits(63),
+        num_logprobs=num_logprobs,
+    )
+
+
+def _stopping(stopping, num_prompt_tokens: int, limits: Limits) -> ValidStopping:
+    room = limits.max_context_tokens - num_prompt_tokens
+    if stopping.HasField("max_new_tokens"):
+        max_new_tokens = stopping.max_new_tokens
+        if max_new_tokens == 0:
+            raise ValidationError("stopping.max_new_tokens must be >= 1 (leave it unset for the default)")
+        if max_new_tokens > room:
+            raise ValidationError(
+                f"prompt ({num_prompt_tokens} tokens) plus stopping.max_new_tokens ({max_new_tokens}) "
+                f"exceeds the context of {limits.max_context_tokens} tokens"
+            )
+    else:
+        max_new_tokens = min(limits.default_max_new_tokens, room)
+    if stopping.min_new_tokens > max_new_tokens:
+        raise ValidationError(
+            f"stopping.min_new_tokens ({stopping.min_new_tokens}) must not exceed max_new_tokens ({max_new_tokens})"
+        )
+    if len(stopping.stop) > limits.max_stop_strings:
+        raise ValidationError(f"stopping.stop holds {len(stopping.stop)} strings; at most {limits.max_stop_strings}")
+    for index, stop in enumerate(stopping.stop):
+        if not stop:
+            raise ValidationError(f"stopping.stop[{index}] must not be empty")
+        if len(stop.encode()) > limits.max_stop_string_bytes:
+            raise ValidationError(
+                f"stopping.stop[{index}] is {len(stop.encode())} bytes; at most {limits.max_stop_string_bytes}"
+            )
+    if len(stopping.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValidationError(f"stopping.stop_token_ids holds more than {MAX_STOP_TOKEN_IDS} ids")
+    for token_id in stopping.stop_token_ids:
+        if token_id >= limits.vocab_size:
+            raise ValidationError(
+                f"stopping.stop_token_ids contains {token_id}, beyond the vocabulary of {limits.vocab_size}"
+            )
+    return ValidStopping(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=stopping.min_new_tokens,
+        stop_strings=tuple(stopping.stop),
+        stop_token_ids=frozenset(stopping.stop_token_ids),
+        ignore_eos=stopping.ignore_eos,
+    )

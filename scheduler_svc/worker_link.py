@@ -1,0 +1,197 @@
+"""The scheduler's end of the step protocol: a ZeroMQ ROUTER that one worker connects to.
+
+Owns the conversation of protos/step.proto (hello, ack, heartbeats, rehello) and
+turns it into three facts for the step loop: a worker attached (with its hello),
+the worker is gone, and the result of a step. Called only from the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from protos import step_pb2, wire
+
+log = logging.getLogger("pagoda.worker_link")
+
+# A worker sends a heartbeat every second while idle; this much silence between
+# steps means it is gone.
+HEARTBEAT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    identity: bytes  # the worker's ZeroMQ routing id
+    hello: step_pb2.Hello
+
+
+class WorkerLost(Exception):
+    """The worker went away (timeout, restart, unreachable) while a step was in flight."""
+
+
+class WorkerLink:
+    def __init__(
+        self,
+        endpoint: str,
+        on_attach: Callable[[WorkerInfo], None],
+        on_detach: Callable[[str], None],
+    ) -> None:
+        self.endpoint = endpoint
+        self.scheduler_incarnation_id = uuid.uuid4().hex
+        self._on_attach = on_attach
+        self._on_detach = on_detach
+        self._context = zmq.asyncio.Context()
+        self._socket: zmq.asyncio.Socket | None = None
+        self._worker: WorkerInfo | None = None
+        self._last_seen_s = 0.0
+        self._pending: tuple[int, asyncio.Future[step_pb2.StepResult]] | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def worker(self) -> WorkerInfo | None:
+        return self._worker
+
+    async def start(self) -> None:
+        if self.endpoint.startswith("ipc://"):
+            socket_path = Path(self.endpoint.removeprefix("ipc://"))
+            socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # A socket file left by a crashed scheduler would make bind fail.
+            if socket_path.exists():
+                socket_path.unlink()
+        socket = self._context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 1024)
+        socket.bind(self.endpoint)
+        if self.endpoint.startswith("ipc://"):
+            os.chmod(self.endpoint.removeprefix("ipc://"), 0o600)
+        self._socket = socket
+        self._tasks = [
+            asyncio.create_task(self._receive_forever(), name="worker-link-receive"),
+            asyncio.create_task(self._watch_heartbeats(), name="worker-link-watchdog"),
+        ]
+        log.info("waiting for a worker on %s", self.endpoint)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._socket is not None:
+            self._socket.close(linger=0)
+        self._context.term()
+
+    async def run_step(self, plan: step_pb2.StepPlan, timeout_s: float) -> step_pb2.StepResult:
+        """Send one plan and await its result; WorkerLost if the worker does not answer."""
+        worker = self._worker
+        if worker is None or self._socket is None:
+            raise WorkerLost("no worker attached")
+        future: asyncio.Future[step_pb2.StepResult] = asyncio.get_running_loop().create_future()
+        self._pending = (plan.step_id, future)
+        try:
+            await self._send(worker.identity, plan)
+            return await asyncio.wait_for(future, timeout_s)
+        except (TimeoutError, zmq.ZMQError) as exc:
+            reason = f"no result for step {plan.step_id} within {timeout_s:g} s" if isinstance(
+                exc, TimeoutError
+            ) else f"cannot reach the worker ({exc})"
+            self._drop_worker(reason)
+            raise WorkerLost(reason) from None
+        finally:
+            self._pending = None
+
+    async def _send(self, identity: bytes, message) -> None:
+        assert self._socket is not None
+        await self._socket.send_multipart([identity, *wire.encode(message)])
+
+    async def _receive_forever(self) -> None:
+        assert self._socket is not None
+        while True:
+            frames = await self._socket.recv_multipart()
+            identity, body = frames[0], frames[1:]
+            try:
+                message = wire.decode(body)
+            except wire.FrameError as exc:
+                log.warning("ignored a malformed frame from %s: %s", identity.hex(), exc)
+                continue
+            try:
+                await self._dispatch(identity, message)
+            except zmq.ZMQError as exc:
+                log.warning("could not answer the worker %s: %s", identity.hex(), exc)
+
+    async def _dispatch(self, identity: bytes, message) -> None:
+        if isinstance(message, step_pb2.Hello):
+            await self._on_hello(identity, message)
+            return
+        current = self._worker
+        if current is None or current.identity != identity:
+            # A worker we have not acknowledged (we restarted, or it is a stray):
+            # ask it to introduce itself.
+            if isinstance(message, step_pb2.Heartbeat | step_pb2.StepResult):
+                await self._send(identity, step_pb2.Rehello(reason="unknown worker"))
+            return
+        self._last_seen_s = time.monotonic()
+        if isinstance(message, step_pb2.StepResult):
+            pending = self._pending
+            if pending is not None and pending[0] == message.step_id and not pending[1].done():
+                pending[1].set_result(message)
+            else:
+                log.warning("ignored a result for step %d that is not in flight", message.step_id)
+
+    async def _on_hello(self, identity: bytes, hello: step_pb2.Hello) -> None:
+        if hello.protocol_version != wire.PROTOCOL_VERSION:
+            reason = (
+                f"protocol version {hello.protocol_version} is not supported; this scheduler "
+                f"speaks version {wire.PROTOCOL_VERSION}"
+            )
+            log.error("refused worker %s: %s", hello.incarnation_id or identity.hex(), reason)
+            await self._send(identity, step_pb2.HelloAck(accepted=False, reason=reason))
+            return
+        current = self._worker
+        same = current is not None and current.identity == identity
+        if not (same and current.hello.incarnation_id == hello.incarnation_id):
+            if current is not None:
+                self._drop_worker(f"worker {hello.incarnation_id} replaced {current.hello.incarnation_id}")
+            self._worker = WorkerInfo(identity=identity, hello=hello)
+            log.info(
+                "worker %s attached: model %s on %s, %d KV blocks of %d tokens",
+                hello.incarnation_id,
+                hello.model_id,
+                hello.device,
+                hello.num_kv_blocks,
+                hello.block_size,
+            )
+            self._on_attach(self._worker)
+        self._last_seen_s = time.monotonic()
+        await self._send(
+            identity,
+            step_pb2.HelloAck(
+                accepted=True,
+                protocol_version=wire.PROTOCOL_VERSION,
+                scheduler_incarnation_id=self.scheduler_incarnation_id,
+            ),
+        )
+
+    async def _watch_heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_TIMEOUT_S / 5)
+            silent_s = time.monotonic() - self._last_seen_s
+            if self._worker is not None and self._pending is None and silent_s > HEARTBEAT_TIMEOUT_S:
+                self._drop_worker(f"no heartbeat for {silent_s:.1f} s")
+
+    def _drop_worker(self, reason: str) -> None:
+        if self._worker is None:
+            return
+        log.warning("worker %s lost: %s", self._worker.hello.incarnation_id, reason)
+        self._worker = None
+        if self._pending is not None and not self._pending[1].done():
+            self._pending[1].set_exception(WorkerLost(reason))
+        self._on_detach(reason)

@@ -1,0 +1,152 @@
+"""The service against the weightless `--model dummy` worker: load, queueing, worker loss."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+import pytest
+
+from protos import generation_pb2, generation_pb2_grpc, wire
+from tests.e2e.conftest import running_service, stop_process, wait_serving, wait_until
+
+pytestmark = pytest.mark.slow
+
+VOCAB_SIZE = 49152
+
+
+def dummy_continuation(prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """What the dummy worker generates after `prompt_ids`, token by token."""
+    tokens = list(prompt_ids)
+    for _ in range(num_tokens):
+        tokens.append(wire.dummy_next_token(tokens[-1], len(tokens) - 1, VOCAB_SIZE))
+    return tokens[len(prompt_ids) :]
+
+
+def request(prompt_ids: list[int], max_new_tokens: int) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        prompt_token_ids=generation_pb2.TokenIds(ids=prompt_ids),
+        stopping=generation_pb2.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True),
+    )
+
+
+async def stream_tokens(stub, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], int]:
+    tokens: list[int] = []
+    finish = 0
+    async for response in stub.Generate(request(prompt_ids, max_new_tokens), timeout=120):
+        tokens.extend(response.token_ids)
+        finish = response.finish_reason
+    return tokens, finish
+
+
+async def many_streams(address: str, prompts: list[list[int]], max_new_tokens: int):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        return await asyncio.gather(*(stream_tokens(stub, p, max_new_tokens) for p in prompts))
+
+
+def prompts(count: int, length: int = 40) -> list[list[int]]:
+    return [[(7 * i + j) % 4000 + 10 for j in range(length + i % 13)] for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def dummy_service(tmp_path_factory):
+    with running_service(
+        tmp_path_factory.mktemp("dummy"),
+        model="dummy",
+        worker_args=["--num-kv-blocks", "512"],
+        scheduler_args=["--max-num-batched-tokens", "256", "--max-active-requests", "32"],
+    ) as service:
+        yield service
+
+
+def test_fifty_concurrent_streams_all_complete_with_exact_tokens(dummy_service):
+    batch = prompts(50)
+    results = asyncio.run(many_streams(dummy_service.address, batch, 32))
+    for prompt_ids, (tokens, finish) in zip(batch, results, strict=True):
+        assert finish == generation_pb2.LENGTH
+        assert tokens == dummy_continuation(prompt_ids, 32)
+    stats = dummy_service.stats()
+    assert stats.num_running == stats.num_waiting == stats.num_kv_blocks_used == 0
+
+
+def test_kv_pressure_preempts_without_losing_or_repeating_tokens(tmp_path):
+    # 24 requests of ~100 tokens each need far more than 40 blocks of 16 tokens at once.
+    with running_service(
+        tmp_path, model="dummy", worker_args=["--num-kv-blocks", "40"], scheduler_args=["--no-prefix-caching"]
+    ) as service:
+        batch = prompts(24, length=60)
+        results = asyncio.run(many_streams(service.address, batch, 48))
+        for prompt_ids, (tokens, finish) in zip(batch, results, strict=True):
+            assert finish == generation_pb2.LENGTH
+            assert tokens == dummy_continuation(prompt_ids, 48)
+        assert service.stats().num_preemptions > 0
+
+
+def test_worker_killed_mid_stream_resumes_on_a_new_worker(tmp_path):
+    with running_service(tmp_path, model="dummy", scheduler_args=["--max-num-batched-tokens", "64"]) as service:
+        batch = prompts(4, length=30)
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(service.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                tasks = [asyncio.create_task(stream_tokens(stub, p, 3000)) for p in batch]
+                await asyncio.to_thread(
+                    wait_until, lambda: service.stats().num_generated_tokens > 200, 60, "tokens to flow"
+                )
+                old = service.stats().worker_incarnation_id
+                service.worker.send_signal(signal.SIGKILL)
+                service.worker.wait()
+                service.start_worker()
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: (s := service.stats()).worker_connected and s.worker_incarnation_id != old,
+                    60,
+                    "a new worker incarnation",
+                )
+                return await asyncio.gather(*tasks)
+
+        results = asyncio.run(scenario())
+        for prompt_ids, (tokens, finish) in zip(batch, results, strict=True):
+            assert finish == generation_pb2.LENGTH
+            assert tokens == dummy_continuation(prompt_ids, 3000)
+
+
+def test_no_worker_gives_unavailable_and_health_follows(tmp_path):
+    with running_service(tmp_path, model="dummy", scheduler_args=["--worker-grace-s", "0.5"]) as service:
+        stop_process(service.worker)
+        wait_until(lambda: not service.stats().worker_connected, 30, "the worker to be seen gone")
+        with service.channel() as channel, pytest.raises(grpc.RpcError) as caught:
+            list(service.stub(channel).Generate(request([5, 6, 7], 4), timeout=30))
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        service.start_worker()
+        wait_serving(service.address, [service.scheduler, service.worker])
+
+
+def test_full_queue_gives_resource_exhausted(tmp_path):
+    with running_service(
+        tmp_path,
+        model="dummy",
+        scheduler_args=["--max-waiting-requests", "2", "--max-active-requests", "1"],
+    ) as service:
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(service.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                calls = [stub.Generate(request([5, 6, 7, i], 2000), timeout=120) for i in range(8)]
+                outcomes = await asyncio.gather(*(_drain_code(c) for c in calls))
+                return outcomes
+
+        codes = asyncio.run(scenario())
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+        assert grpc.StatusCode.OK in codes
+
+
+async def _drain_code(call) -> grpc.StatusCode:
+    try:
+        async for _ in call:
+            pass
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK

@@ -1,0 +1,61 @@
+"""Output slots coalesce deltas so the step loop never waits for a reader."""
+
+from __future__ import annotations
+
+import asyncio
+
+from scheduler_svc.output_streams import OutputStreams
+from scheduler_svc.request import FinishReason, RequestOutput, TokenLogprob
+
+
+def out(text, ids, finish=None, logprobs=None):
+    return RequestOutput("r1", text, ids, logprobs, finish)
+
+
+def test_unread_outputs_merge_into_one_in_order():
+    async def scenario():
+        streams = OutputStreams()
+        slot = streams.open("r1")
+        streams.publish([out("Hel", [1], logprobs=[TokenLogprob(1, -0.1, [], [])])])
+        streams.publish([out("lo", [2], logprobs=[TokenLogprob(2, -0.2, [], [])])])
+        streams.publish([out("!", [3], FinishReason.STOP, logprobs=[TokenLogprob(3, -0.3, [], [])])])
+        merged = await slot.next()
+        assert (merged.text, merged.token_ids, merged.finish_reason) == ("Hello!", [1, 2, 3], FinishReason.STOP)
+        assert [lp.token_id for lp in merged.logprobs] == [1, 2, 3]
+        # Nothing after the finish is accepted.
+        slot.publish(out("late", [9]))
+        assert slot._pending is None
+
+    asyncio.run(scenario())
+
+
+def test_a_reader_gets_each_delta_exactly_once():
+    async def scenario():
+        streams = OutputStreams()
+        slot = streams.open("r1")
+        received = []
+
+        async def reader():
+            while True:
+                output = await slot.next()
+                received.extend(output.token_ids)
+                if output.finish_reason:
+                    return
+
+        task = asyncio.create_task(reader())
+        for i in range(100):
+            streams.publish([out(str(i), [i], FinishReason.LENGTH if i == 99 else None)])
+            if i % 7 == 0:
+                await asyncio.sleep(0)
+        await task
+        assert received == list(range(100))
+
+    asyncio.run(scenario())
+
+
+def test_outputs_for_closed_requests_are_dropped():
+    streams = OutputStreams()
+    streams.open("r1")
+    streams.close("r1")
+    streams.publish([out("x", [1])])  # no error, nothing kept
+    assert "r1" not in streams and len(streams) == 0
