@@ -1,1 +1,39 @@
-"""Python client for Pagoda's pagoda.v1.Generation API."""
+"""Python client for Pagoda's pagoda.v1.Generation API: `Client` (blocking) and `AsyncClient`."""
+
+from client.async_client import AsyncChunkStream, AsyncClient
+from client.errors import (
+    DeadlineExceededError,
+    InternalError,
+    InvalidArgumentError,
+    PagodaError,
+    RequestCancelledError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+    error_from_rpc,
+)
+from client.results import Chunk, Completion, ModelInfo, ServerStats, Timings, TokenLogprob, Usage
+from client.sync_client import ChunkStream, Client
+
+__all__ = [
+    "AsyncChunkStream",
+    "AsyncClient",
+    "Chunk",
+    "ChunkStream",
+    "Client",
+    "Completion",
+    "DeadlineExceededError",
+    "InternalError",
+    "InvalidArgumentError",
+    "ModelInfo",
+    "PagodaError",
+    "RequestCancelledError",
+    "ResourceExhaustedError",
+    "ServerStats",
+    "Timings",
+    "TokenLogprob",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "Usage",
+    "error_from_rpc",
+]

@@ -1,0 +1,194 @@
+"""The `pagoda` commands that talk to one server: generate, chat, info, stats.
+
+Each takes the open Client and the parsed arguments and returns the exit status; server
+refusals propagate as PagodaError (except inside chat, which reports them and goes on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from client.convert import GenerationOptions
+from client.errors import PagodaError
+from client.results import Completion, join_chunks
+from client.sync_client import ChunkStream, Client
+
+EXIT_ERROR = 1
+
+# The CLI flags that become generation options share their names with the converter's.
+OPTION_NAMES = tuple(GenerationOptions.__annotations__)
+
+
+def generation_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options given on the command line; the rest stay at the server's defaults."""
+    values = {name: getattr(args, name, None) for name in OPTION_NAMES}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def run_generate(client: Client, args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    started = time.perf_counter()
+    with client.generate(prompt, **generation_options(args)) as stream:
+        completion, first_token_s = _stream_to_stdout(stream)
+    _finish_answer(completion, args, started, first_token_s)
+    return 0
+
+
+def run_chat(client: Client, args: argparse.Namespace) -> int:
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(opening)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        import readline  # noqa: F401  (line editing and history for input())
+    failed = False
+    for line in _user_lines(interactive):
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            history = list(opening)
+            print("pagoda: conversation reset", file=sys.stderr)
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        started = time.perf_counter()
+        try:
+            with client.chat(history, **generation_options(args)) as stream:
+                completion, first_token_s = _stream_to_stdout(stream)
+        except PagodaError as exc:
+            history.pop()
+            print_error(exc)
+            failed = True
+            continue
+        history.append({"role": "assistant", "content": completion.text})
+        _finish_answer(completion, args, started, first_token_s)
+    return EXIT_ERROR if failed else 0
+
+
+def _user_lines(interactive: bool) -> Iterator[str]:
+    """The user's turns, stripped; ends at end of input."""
+    if not interactive:
+        for line in sys.stdin:
+            yield line.strip()
+        return
+    print("pagoda chat: one line per turn; /reset starts over, /exit leaves.", file=sys.stderr)
+    while True:
+        try:
+            yield input("> ").strip()
+        except EOFError:
+            print(file=sys.stderr)
+            return
+
+
+def _stream_to_stdout(stream: ChunkStream) -> tuple[Completion, float | None]:
+    """Write each chunk's text as it arrives; the joined completion and first-token time."""
+    chunks = []
+    first_token_s = None
+    wrote_text = False
+    try:
+        for chunk in stream:
+            if first_token_s is None and chunk.token_ids:
+                first_token_s = time.perf_counter()
+            if chunk.text:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                wrote_text = True
+            chunks.append(chunk)
+    except PagodaError:
+        if wrote_text:
+            # End the partial answer's line before the error line goes to stderr.
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
+    return join_chunks(chunks), first_token_s
+
+
+def _finish_answer(
+    completion: Completion, args: argparse.Namespace, started: float, first_token_s: float | None
+) -> None:
+    if not completion.text.endswith("\n"):
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    if completion.logprobs:
+        _print_logprobs(completion)
+    if args.show_usage:
+        _print_usage(completion, started, first_token_s)
+
+
+def _print_usage(completion: Completion, started: float, first_token_s: float | None) -> None:
+    elapsed_s = time.perf_counter() - started
+    parts = [f"finish: {completion.finish_reason or 'none'}"]
+    usage = completion.usage
+    if usage is not None:
+        parts.append(
+            f"tokens: prompt {usage.prompt_tokens} ({usage.cached_prompt_tokens} cached), "
+            f"completion {usage.completion_tokens}"
+        )
+    timings = completion.timings
+    if timings is not None:
+        parts.append(
+            f"server: queued {timings.queued_ms:.1f} ms, first token {timings.first_token_ms:.1f} ms, "
+            f"total {timings.total_ms:.1f} ms"
+        )
+    client_part = f"client: total {elapsed_s * 1000:.1f} ms"
+    if first_token_s is not None:
+        client_part += f", first token {(first_token_s - started) * 1000:.1f} ms"
+    num_tokens = len(completion.token_ids)
+    if first_token_s is not None and num_tokens > 1 and elapsed_s > first_token_s - started:
+        rate = (num_tokens - 1) / (elapsed_s - (first_token_s - started))
+        client_part += f", {rate:.1f} tokens/s after the first"
+    parts.append(client_part)
+    print("\n".join(parts), file=sys.stderr)
+
+
+def _print_logprobs(completion: Completion) -> None:
+    print("token_id  logprob  top alternatives (id:logprob)", file=sys.stderr)
+    for entry in completion.logprobs or []:
+        alternatives = " ".join(
+            f"{token_id}:{logprob:.3f}"
+            for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs, strict=False)
+        )
+        print(f"{entry.token_id:>8}  {entry.logprob:>7.3f}  {alternatives}", file=sys.stderr)
+
+
+def run_info(client: Client, args: argparse.Namespace) -> int:
+    _print_record(client.model_info(), args.json)
+    return 0
+
+
+def run_stats(client: Client, args: argparse.Namespace) -> int:
+    _print_record(client.server_stats(), args.json)
+    return 0
+
+
+def _print_record(record: Any, as_json: bool) -> None:
+    values = dataclasses.asdict(record)
+    if as_json:
+        print(json.dumps(values, indent=2))
+        return
+    width = max(len(name) for name in values)
+    for name, value in values.items():
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        elif isinstance(value, list):
+            value = ", ".join(str(item) for item in value) or "-"
+        print(f"{name.ljust(width)}  {value}")
+
+
+def print_error(exc: PagodaError) -> None:
+    sentence = " ".join(exc.details.split())
+    print(f"pagoda: {exc.code.name}: {sentence}", file=sys.stderr)
+
+
+COMMANDS = {
+    "generate": run_generate,
+    "chat": run_chat,
+    "info": run_info,
+    "stats": run_stats,
+}

@@ -1,0 +1,242 @@
+"""The one converter between Python values and pagoda.v1 protobuf messages.
+
+Requests are built from keyword arguments (`GenerationOptions`); responses become the frozen
+dataclasses of `client.results`. Both clients use only these functions, so a field is
+spelled, defaulted and checked in exactly one place. A keyword left out (or None) leaves the
+proto field unset, which means the server's default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypedDict, Unpack
+
+import grpc
+
+from client.errors import InvalidArgumentError
+from client.results import (
+    Chunk,
+    Completion,
+    ModelInfo,
+    ServerStats,
+    Timings,
+    TokenLogprob,
+    Usage,
+    join_chunks,
+)
+from protos import generation_pb2 as pb
+
+__all__ = [
+    "Chunk",
+    "Completion",
+    "GenerationOptions",
+    "ModelInfo",
+    "ServerStats",
+    "Timings",
+    "TokenLogprob",
+    "Usage",
+    "chat_request",
+    "chunk_from_response",
+    "generate_request",
+    "join_chunks",
+    "model_info_from_proto",
+    "server_stats_from_proto",
+    "token_ids_from_response",
+    "tokenize_request",
+]
+
+
+class GenerationOptions(TypedDict, total=False):
+    """Keyword arguments shared by generate(), chat() and complete() of both clients."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int | None
+    max_new_tokens: int
+    min_new_tokens: int
+    stop: Sequence[str] | str
+    stop_token_ids: Sequence[int]
+    ignore_eos: bool
+    priority: int
+    logprobs: int
+    request_id: str
+
+
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
+_STOPPING_SCALAR_FIELDS = ("max_new_tokens", "min_new_tokens", "ignore_eos")
+_TOP_LEVEL_FIELDS = ("priority", "logprobs", "request_id")
+_OPTION_NAMES = frozenset(GenerationOptions.__annotations__)
+
+_FINISH_REASON_NAMES = {
+    pb.LENGTH: "length",
+    pb.STOP: "stop",
+    pb.CANCELLED: "cancelled",
+    pb.ERROR: "error",
+}
+
+
+def generate_request(
+    prompt: str | Sequence[int], **options: Unpack[GenerationOptions]
+) -> pb.GenerateRequest:
+    """A GenerateRequest for a text prompt or a list of prompt token ids."""
+    request = pb.GenerateRequest()
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif isinstance(prompt, Sequence):
+        _extend(request.prompt_token_ids.ids, "prompt", prompt)
+    else:
+        raise _invalid(
+            f"prompt must be a string or a list of token ids, not {type(prompt).__name__}"
+        )
+    _apply_options(request, options)
+    return request
+
+
+def chat_request(
+    messages: Iterable[Mapping[str, str] | Sequence[str]], **options: Unpack[GenerationOptions]
+) -> pb.ChatRequest:
+    """A ChatRequest from {"role", "content"} dicts or (role, content) pairs, in order."""
+    request = pb.ChatRequest()
+    for index, message in enumerate(messages):
+        role, content = _role_and_content(index, message)
+        request.messages.add(role=role, content=content)
+    _apply_options(request, options)
+    return request
+
+
+def tokenize_request(text: str, *, add_special_tokens: bool = False) -> pb.TokenizeRequest:
+    if not isinstance(text, str):
+        raise _invalid(f"text must be a string, not {type(text).__name__}")
+    return pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+
+
+def token_ids_from_response(response: pb.TokenizeResponse) -> list[int]:
+    return list(response.token_ids)
+
+
+def chunk_from_response(response: pb.GenerateResponse) -> Chunk:
+    logprobs = None
+    if len(response.logprobs):
+        logprobs = [
+            TokenLogprob(
+                token_id=entry.token_id,
+                logprob=entry.logprob,
+                top_token_ids=list(entry.top_token_ids),
+                top_logprobs=list(entry.top_logprobs),
+            )
+            for entry in response.logprobs
+        ]
+    usage = timings = None
+    if response.HasField("usage"):
+        usage = Usage(
+            prompt_tokens=response.usage.prompt_tokens,
+            completion_tokens=response.usage.completion_tokens,
+            cached_prompt_tokens=response.usage.cached_prompt_tokens,
+        )
+    if response.HasField("timings"):
+        timings = Timings(
+            queued_ms=response.timings.queued_ms,
+            first_token_ms=response.timings.first_token_ms,
+            total_ms=response.timings.total_ms,
+        )
+    return Chunk(
+        request_id=response.request_id,
+        text=response.text,
+        token_ids=list(response.token_ids),
+        logprobs=logprobs,
+        finish_reason=_finish_reason_name(response.finish_reason),
+        usage=usage,
+        timings=timings,
+    )
+
+
+def model_info_from_proto(message: pb.ModelInfo) -> ModelInfo:
+    return _dataclass_from_message(ModelInfo, message)
+
+
+def server_stats_from_proto(message: pb.ServerStats) -> ServerStats:
+    return _dataclass_from_message(ServerStats, message)
+
+
+def _apply_options(request: pb.GenerateRequest | pb.ChatRequest, options: dict[str, Any]) -> None:
+    unknown = sorted(set(options) - _OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"unexpected generation option(s): {', '.join(unknown)}")
+    for name in _SAMPLING_FIELDS:
+        _set_scalar(request.sampling, name, options.get(name))
+    for name in _STOPPING_SCALAR_FIELDS:
+        _set_scalar(request.stopping, name, options.get(name))
+    stop = options.get("stop")
+    if stop is not None:
+        _extend(request.stopping.stop, "stop", [stop] if isinstance(stop, str) else stop)
+    stop_token_ids = options.get("stop_token_ids")
+    if stop_token_ids is not None:
+        _extend(request.stopping.stop_token_ids, "stop_token_ids", stop_token_ids)
+    for name in _TOP_LEVEL_FIELDS:
+        _set_scalar(request, name, options.get(name))
+
+
+def _set_scalar(message: Any, name: str, value: Any) -> None:
+    if value is None:
+        return
+    try:
+        setattr(message, name, value)
+    except (TypeError, ValueError) as exc:
+        raise _invalid(f"{name}={value!r} is not a valid value ({exc})") from None
+
+
+def _extend(container: Any, name: str, values: Iterable[Any]) -> None:
+    try:
+        container.extend(values)
+    except (TypeError, ValueError) as exc:
+        raise _invalid(f"{name} holds an invalid value ({exc})") from None
+
+
+def _role_and_content(index: int, message: Mapping[str, str] | Sequence[str]) -> tuple[str, str]:
+    if isinstance(message, Mapping):
+        role, content = message.get("role"), message.get("content")
+    elif isinstance(message, Sequence) and not isinstance(message, str) and len(message) == 2:
+        role, content = message
+    else:
+        role = content = None
+    if not isinstance(role, str) or not isinstance(content, str):
+        raise _invalid(
+            f"messages[{index}] must be a {{'role': str, 'content': str}} dict "
+            "or a (role, content) pair of strings"
+        )
+    return role, content
+
+
+def _finish_reason_name(value: int) -> str | None:
+    if value == pb.FINISH_REASON_UNSPECIFIED:
+        return None
+    return _FINISH_REASON_NAMES.get(value, f"unknown_{value}")
+
+
+def _dataclass_from_message(cls: type, message: Any) -> Any:
+    values = {}
+    for field in dataclasses.fields(cls):
+        value = getattr(message, field.name)
+        # Repeated fields come back as protobuf containers; hand out plain lists.
+        values[field.name] = value if isinstance(value, str | bytes | int | float) else list(value)
+    return cls(**values)
+
+
+def _invalid(sentence: str) -> InvalidArgumentError:
+    """A request rejected before it is sent, reported like the server's own rejection."""
+    return InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, sentence)

@@ -1,0 +1,150 @@
+"""What the client returns: plain frozen dataclasses, free of protobuf types.
+
+`client.convert` builds them from the wire messages; nothing else here knows about gRPC.
+Field names mirror the public proto so the two read the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The natural-log probability of one generated token and its best alternatives."""
+
+    token_id: int
+    logprob: float
+    # Most likely first; as many as the request's `logprobs`.
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one finished request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    # Prompt tokens served from the server's prefix cache instead of being computed.
+    cached_prompt_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Server-side milliseconds since the request arrived."""
+
+    queued_ms: float
+    first_token_ms: float
+    total_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One streamed message: the new text and tokens since the previous one.
+
+    `finish_reason` ("length", "stop", "cancelled", "error"), `usage` and `timings` are set on
+    the last chunk only; `logprobs` is None unless the request asked for them.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    usage: Usage | None
+    timings: Timings | None
+
+    @property
+    def is_last(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A whole generation: every chunk of one stream joined."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    # None only when the stream ended without a last message.
+    finish_reason: str | None
+    usage: Usage | None
+    timings: Timings | None
+    num_chunks: int
+
+
+def join_chunks(chunks: Iterable[Chunk]) -> Completion:
+    """Concatenate a stream's chunks in order; the last chunk's metadata wins."""
+    request_id = ""
+    texts: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    num_chunks = 0
+    for chunk in chunks:
+        num_chunks += 1
+        request_id = chunk.request_id or request_id
+        texts.append(chunk.text)
+        token_ids.extend(chunk.token_ids)
+        if chunk.logprobs is not None:
+            logprobs = (logprobs or []) + chunk.logprobs
+        finish_reason = chunk.finish_reason or finish_reason
+        usage = chunk.usage or usage
+        timings = chunk.timings or timings
+    return Completion(
+        request_id=request_id,
+        text="".join(texts),
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=finish_reason,
+        usage=usage,
+        timings=timings,
+        num_chunks=num_chunks,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The served model and its KV capacity (GetModelInfo)."""
+
+    model_id: str
+    max_context_tokens: int
+    vocab_size: int
+    # Tokens per KV block.
+    block_size: int
+    num_kv_blocks: int
+    num_kv_tokens: int
+    eos_token_ids: list[int]
+    device: str
+    dtype: str
+    worker_connected: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    """A snapshot of the scheduler's counters (GetServerStats); counters are since start."""
+
+    num_waiting: int
+    num_running: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    # Cached prompt tokens / prompt tokens looked up; in [0, 1].
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_steps: int
+    worker_connected: bool
+    # Blocks with no owner kept for prefix reuse (counted in neither used nor free).
+    num_kv_blocks_cached: int
+    num_requests_finished: int
+    num_generated_tokens: int
+    worker_incarnation_id: str
+    draining: bool

@@ -1,0 +1,321 @@
+"""A deterministic, in-process pagoda.v1.Generation server for client tests.
+
+It speaks the real protocol on a real gRPC server (127.0.0.1, an ephemeral port), with the
+standard health service, but generates canned text:
+
+- any prompt: `max_new_tokens` tokens (DEFAULT_NEW_TOKENS when unset), one per message, token i
+  is id 1000 + i and text " t<i>", `token_delay_s` apart; finish LENGTH with usage and timings.
+  A prompt seen before reports all but one of its tokens as cached.
+- Chat: the answer is "(<n> messages) you said: <last content>", one word per message.
+- magic prompts (for Chat, the last message's content):
+  - "echo": one message whose text is the request in protobuf text format; finish STOP.
+  - "error:<CODE>": fails at once with that grpc.StatusCode name (e.g. "error:UNAVAILABLE").
+  - "error-after:<CODE>": one message, then the failure.
+  - "hang": one message, then waits until the client cancels (at most HANG_LIMIT_S).
+
+Every request is recorded (`servicer.requests`); cancellations are observable with
+`servicer.wait_cancelled(request_id, timeout_s)`. Run it alone with
+`python -m tests.client.fake_server --port 50051`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf import text_format
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from protos import generation_pb2 as pb
+from protos import generation_pb2_grpc
+
+DEFAULT_NEW_TOKENS = 4
+MAX_NEW_TOKENS = 1000
+HANG_LIMIT_S = 30.0
+FIRST_TOKEN_ID = 1000
+
+MODEL_INFO = pb.ModelInfo(
+    model_id="fake-model",
+    max_context_tokens=2048,
+    vocab_size=4096,
+    block_size=16,
+    num_kv_blocks=128,
+    num_kv_tokens=2048,
+    eos_token_ids=[2],
+    device="cpu",
+    dtype="float32",
+    worker_connected=True,
+)
+
+
+@dataclass(slots=True)
+class RecordedCall:
+    method: str
+    request: object
+    metadata: dict[str, str]
+
+
+@dataclass(slots=True)
+class FakeCounters:
+    num_running: int = 0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_requests_finished: int = 0
+    num_generated_tokens: int = 0
+    seen_prompts: set[str] = field(default_factory=set)
+
+
+class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
+    """Canned Generation behaviour; thread-safe (the gRPC server runs handlers in a pool)."""
+
+    def __init__(
+        self,
+        *,
+        token_delay_s: float = 0.0,
+        api_key: str | None = None,
+        preemptions_per_request: int = 0,
+    ) -> None:
+        self.token_delay_s = token_delay_s
+        self.api_key = api_key
+        self.preemptions_per_request = preemptions_per_request
+        self.requests: list[RecordedCall] = []
+        self.cancelled_ids: set[str] = set()
+        self.counters = FakeCounters()
+        self._lock = threading.Condition()
+        self._ids = itertools.count()
+
+    def wait_cancelled(self, request_id: str, timeout_s: float) -> bool:
+        """True once the server has seen the client cancel `request_id`."""
+        with self._lock:
+            return self._lock.wait_for(lambda: request_id in self.cancelled_ids, timeout_s)
+
+    def last_request(self, method: str) -> object:
+        with self._lock:
+            return [call.request for call in self.requests if call.method == method][-1]
+
+    # -- RPCs -----------------------------------------------------------------------------
+
+    def Generate(self, request, context):
+        self._admit("Generate", request, context)
+        kind = request.WhichOneof("input")
+        if kind == "prompt":
+            prompt, num_prompt_tokens = request.prompt, len(request.prompt.split())
+        elif kind == "prompt_token_ids":
+            prompt, num_prompt_tokens = "", len(request.prompt_token_ids.ids)
+        else:
+            prompt, num_prompt_tokens = "", 0
+        if num_prompt_tokens == 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "The prompt must not be empty.")
+        pieces = [f" t{i}" for i in range(self._num_new_tokens(request, context))]
+        yield from self._stream(request, context, prompt, num_prompt_tokens, pieces)
+
+    def Chat(self, request, context):
+        self._admit("Chat", request, context)
+        if not request.messages:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "At least one message is needed.")
+        last = request.messages[-1].content
+        rendered = "\n".join(f"{m.role}: {m.content}" for m in request.messages)
+        words = f"({len(request.messages)} messages) you said: {last}".split(" ")
+        pieces = [words[0]] + [f" {word}" for word in words[1:]]
+        pieces = pieces[: self._num_new_tokens(request, context, default=len(pieces))]
+        yield from self._stream(request, context, last, len(rendered.split()), pieces)
+
+    def Tokenize(self, request, context):
+        self._admit("Tokenize", request, context)
+        token_ids = [1] if request.add_special_tokens else []
+        token_ids += list(request.text.encode())
+        tokens = (["<s>"] if request.add_special_tokens else []) + list(request.text)
+        return pb.TokenizeResponse(token_ids=token_ids, tokens=tokens)
+
+    def GetModelInfo(self, request, context):
+        self._admit("GetModelInfo", request, context)
+        return MODEL_INFO
+
+    def GetServerStats(self, request, context):
+        self._admit("GetServerStats", request, context)
+        with self._lock:
+            c = self.counters
+            return pb.ServerStats(
+                num_waiting=0,
+                num_running=c.num_running,
+                num_kv_blocks_used=c.num_running,
+                num_kv_blocks_total=MODEL_INFO.num_kv_blocks,
+                prefix_cache_hit_rate=0.25,
+                num_preemptions=c.num_preemptions,
+                num_steps=c.num_steps,
+                worker_connected=True,
+                num_kv_blocks_cached=3,
+                num_requests_finished=c.num_requests_finished,
+                num_generated_tokens=c.num_generated_tokens,
+                worker_incarnation_id="fake-incarnation",
+                draining=False,
+            )
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _admit(self, method: str, request, context) -> None:
+        metadata = {key: value for key, value in context.invocation_metadata()}
+        with self._lock:
+            self.requests.append(RecordedCall(method, request, metadata))
+        if self.api_key is not None and metadata.get("authorization") != f"Bearer {self.api_key}":
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "The API key is missing or wrong.")
+
+    def _num_new_tokens(self, request, context, default: int = DEFAULT_NEW_TOKENS) -> int:
+        wanted = request.stopping.max_new_tokens
+        if wanted > MAX_NEW_TOKENS:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"max_new_tokens {wanted} is over the fake model's limit of {MAX_NEW_TOKENS}.",
+            )
+        return wanted or default
+
+    def _stream(self, request, context, prompt: str, num_prompt_tokens: int, pieces: list[str]):
+        request_id = request.request_id or f"fake-{next(self._ids)}"
+        # The handler's own endings set `handled`; any other end of the RPC is the client's
+        # cancellation (or deadline). Registered before anything is sent, since a callback
+        # added after the RPC ended never runs.
+        handled, ended = threading.Event(), threading.Event()
+
+        def on_rpc_end() -> None:
+            ended.set()
+            if not handled.is_set():
+                self._record_cancelled(request_id)
+
+        if not context.add_callback(on_rpc_end):
+            on_rpc_end()
+        try:
+            yield from self._respond(
+                request, request_id, context, prompt, num_prompt_tokens, pieces, ended
+            )
+        finally:
+            handled.set()
+
+    def _respond(self, request, request_id, context, prompt, num_prompt_tokens, pieces, ended):
+        arrival = time.perf_counter()
+        if prompt.startswith("error:"):
+            self._abort_with(context, prompt.removeprefix("error:"))
+        if prompt == "echo":
+            pieces = [text_format.MessageToString(request, as_one_line=True)]
+        elif prompt.startswith("error-after:") or prompt == "hang":
+            pieces = pieces[:1]
+        with self._lock:
+            cached = num_prompt_tokens - 1 if prompt and prompt in self.counters.seen_prompts else 0
+            self.counters.seen_prompts.add(prompt)
+            self.counters.num_running += 1
+            self.counters.num_preemptions += self.preemptions_per_request
+        first_token_ms = 0.0
+        try:
+            for index, piece in enumerate(pieces):
+                if index and self.token_delay_s:
+                    time.sleep(self.token_delay_s)
+                if not context.is_active():
+                    return
+                with self._lock:
+                    self.counters.num_steps += 1
+                    self.counters.num_generated_tokens += 1
+                if index == 0:
+                    first_token_ms = (time.perf_counter() - arrival) * 1000
+                yield self._token_message(request, request_id, index, piece)
+            if prompt.startswith("error-after:"):
+                self._abort_with(context, prompt.removeprefix("error-after:"))
+            if prompt == "hang":
+                # The handler has not returned, so only the client can end the RPC now.
+                ended.wait(HANG_LIMIT_S)
+                return
+            yield pb.GenerateResponse(
+                request_id=request_id,
+                finish_reason=pb.STOP if prompt == "echo" else pb.LENGTH,
+                usage=pb.Usage(
+                    prompt_tokens=num_prompt_tokens,
+                    completion_tokens=len(pieces),
+                    cached_prompt_tokens=cached,
+                ),
+                timings=pb.Timings(
+                    queued_ms=0.5,
+                    first_token_ms=first_token_ms,
+                    total_ms=(time.perf_counter() - arrival) * 1000,
+                ),
+            )
+        finally:
+            with self._lock:
+                self.counters.num_running -= 1
+                self.counters.num_requests_finished += 1
+
+    def _token_message(self, request, request_id: str, index: int, piece: str):
+        token_id = FIRST_TOKEN_ID + index
+        message = pb.GenerateResponse(request_id=request_id, text=piece, token_ids=[token_id])
+        if request.logprobs:
+            message.logprobs.add(
+                token_id=token_id,
+                logprob=-0.25,
+                top_token_ids=[token_id + k for k in range(request.logprobs)],
+                top_logprobs=[-0.25 - k for k in range(request.logprobs)],
+            )
+        return message
+
+    def _record_cancelled(self, request_id: str) -> None:
+        with self._lock:
+            self.cancelled_ids.add(request_id)
+            self._lock.notify_all()
+
+    @staticmethod
+    def _abort_with(context, code_name: str) -> None:
+        code = getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN)
+        context.abort(code, f"The fake server was asked to fail with {code_name}.")
+
+
+class FakeServer:
+    """A started gRPC server around a FakeGenerationServicer; `target` is "127.0.0.1:<port>"."""
+
+    def __init__(self, servicer: FakeGenerationServicer | None = None, port: int = 0) -> None:
+        self.servicer = servicer or FakeGenerationServicer()
+        self.health = health.HealthServicer()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+        generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
+        self.target = f"127.0.0.1:{self.port}"
+        self.set_serving(True)
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING
+        if not serving:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", "pagoda.v1.Generation"):
+            self.health.set(service, status)
+
+    def start(self) -> FakeServer:
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.stop(grace=None).wait()
+
+    def __enter__(self) -> FakeServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Serve the fake pagoda.v1.Generation.")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--token-delay-ms", type=float, default=5.0)
+    args = parser.parse_args()
+    servicer = FakeGenerationServicer(token_delay_s=args.token_delay_ms / 1000)
+    with FakeServer(servicer, port=args.port) as server:
+        print(f"fake pagoda server on {server.target}", flush=True)
+        try:
+            server._server.wait_for_termination()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()
