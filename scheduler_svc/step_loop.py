@@ -166,7 +166,7 @@ class StepLoop:
         self.worker = info
         self._ever_attached = True
         self._worker_lost_at_s = None
-        self.scheduler.attach_worker(step_codec.geometry_from_hello(info.hello))
+        self._publish(self.scheduler.attach_worker(step_codec.geometry_from_hello(info.hello)))
         self._on_worker_change(True)
 
     def _detach(self, reason: str, now: float) -> None:

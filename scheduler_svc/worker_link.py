@@ -147,11 +147,8 @@ class WorkerLink:
                 log.warning("ignored a result for step %d that is not in flight", message.step_id)
 
     async def _on_hello(self, identity: bytes, hello: step_pb2.Hello) -> None:
-        if hello.protocol_version != wire.PROTOCOL_VERSION:
-            reason = (
-                f"protocol version {hello.protocol_version} is not supported; this scheduler "
-                f"speaks version {wire.PROTOCOL_VERSION}"
-            )
+        reason = hello_problem(hello)
+        if reason is not None:
             log.error("refused worker %s: %s", hello.incarnation_id or identity.hex(), reason)
             await self._send(identity, step_pb2.HelloAck(accepted=False, reason=reason))
             return
@@ -195,3 +192,20 @@ class WorkerLink:
         if self._pending is not None and not self._pending[1].done():
             self._pending[1].set_exception(WorkerLost(reason))
         self._on_detach(reason)
+
+
+def hello_problem(hello: step_pb2.Hello) -> str | None:
+    """Why a hello cannot be accepted (a sentence for both logs), or None."""
+    if hello.protocol_version != wire.PROTOCOL_VERSION:
+        return (
+            f"protocol version {hello.protocol_version} is not supported; this scheduler "
+            f"speaks version {wire.PROTOCOL_VERSION}"
+        )
+    if not hello.incarnation_id:
+        return "the hello carries no incarnation id"
+    for name in ("vocab_size", "max_context_tokens", "block_size", "num_kv_blocks"):
+        if getattr(hello, name) == 0:
+            return f"the hello's {name} is 0"
+    if any(token_id >= hello.vocab_size for token_id in hello.eos_token_ids):
+        return "the hello's eos_token_ids fall outside its vocabulary"
+    return None

@@ -1,0 +1,236 @@
+"""What `make bench` measures: scheduler-knob scenarios and the workloads shared with the peers.
+
+A scenario is one question about a scheduler knob, answered by running the same workload
+against schedulers started with different flags (its variants); the first variant is the
+baseline every other one is compared with. A peer workload is a burst that Pagoda and the
+in-process `transformers` peers all serve, so their numbers sit in one table.
+
+Sizes are chosen so the whole suite, peers included, takes about 15 minutes on 2 CPU cores
+(`--quick`: about 2 minutes); every workload ignores EOS so variants generate the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from client.bench_config import BenchConfig
+from client.bench_workload import filler_text
+
+# A hard cap on any one run, so a stuck server cannot hold the suite forever.
+RUN_DURATION_CAP_S = 240.0
+
+# The scenarios `--quick` keeps (smaller).
+QUICK_SCENARIOS = ("prefill-budget", "prefix-caching")
+
+# Left-padded batch size of the static-batch peer: its fastest on this machine (32 beat 16).
+STATIC_BATCH_SIZE = 32
+
+# Peer names, in the order they run and are printed.
+PEER_GENERATE = "hf generate()"
+PEER_STATIC = f"hf static b{STATIC_BATCH_SIZE}"
+PEER_CONTINUOUS = "hf generate_batch"
+PEERS = (PEER_GENERATE, PEER_STATIC, PEER_CONTINUOUS)
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One column of a scenario: scheduler flags and the workload run against them."""
+
+    label: str
+    scheduler_args: tuple[str, ...]
+    workload: BenchConfig
+    # The label of the variant this one is compared with (None: the scenario's first); a
+    # variant naming itself is a baseline of its own.
+    compare_to: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    title: str
+    # What the comparison is meant to show, and the team's earlier result to reproduce.
+    question: str
+    seed_result: str
+    variants: tuple[Variant, ...]
+
+    @property
+    def baselines(self) -> dict[str, str]:
+        """Each variant's label -> the label of the variant it is compared with."""
+        first = self.variants[0].label
+        return {v.label: v.compare_to or first for v in self.variants}
+
+
+@dataclass(frozen=True, slots=True)
+class PeerWorkload:
+    """A burst served by Pagoda (default knobs) and by each peer in `peer_max_requests`."""
+
+    name: str
+    title: str
+    workload: BenchConfig
+    # Requests each peer is given (the first n of the workload); fewer than the workload's
+    # num_requests only where a peer would take minutes, and the table says so.
+    peer_max_requests: dict[str, int]
+
+
+def _workload(**fields) -> BenchConfig:
+    fields.setdefault("ignore_eos", True)
+    fields.setdefault("duration_s", RUN_DURATION_CAP_S)
+    return BenchConfig(**fields)
+
+
+def _scaled(count: int, quick: bool, quick_count: int) -> int:
+    return quick_count if quick else count
+
+
+def build_scenarios(*, quick: bool = False, salt: str = "bench") -> list[Scenario]:
+    """Every scenario; `quick` keeps a smaller version of the ones marked for `--quick`.
+
+    `salt` makes shared system prompts unique to one suite run, so a long-lived server
+    (BENCH_TARGET) cannot answer them from an earlier run's prefix cache.
+    """
+    scenarios = [
+        _prefill_budget(quick),
+        _chunked_prefill(quick),
+        _admission_pack(quick),
+        _active_cap(quick),
+        _prefix_caching(quick, salt),
+    ]
+    if quick:
+        return [s for s in scenarios if s.name in QUICK_SCENARIOS]
+    return scenarios
+
+
+def _prefill_budget(quick: bool) -> Scenario:
+    trickle = _workload(
+        num_requests=_scaled(16, quick, 8),
+        arrival="interval",
+        interval_ms=250,
+        prompt_repeats=(512, 16, 16, 16),
+        max_new_tokens=32,
+    )
+    return Scenario(
+        name="prefill-budget",
+        title="prefill token budget vs none, trickle of 3 short + 1 long prompts",
+        question="Does capping prompt tokens per step keep decode steps short while a 512-token "
+        "prompt is admitted (lower ITL p99 for the running requests)?",
+        seed_result="ITL p99 438 -> 340 ms",
+        variants=(
+            Variant("no budget", (), trickle),
+            Variant("prefill 128", ("--prefill-max-tokens", "128"), trickle),
+        ),
+    )
+
+
+def _chunked_prefill(quick: bool) -> Scenario:
+    trickle = _workload(
+        num_requests=_scaled(16, quick, 8),
+        arrival="interval",
+        interval_ms=250,
+        prompt_repeats=(512, 16, 16, 16),
+        max_new_tokens=32,
+    )
+    budget = ("--max-num-batched-tokens", "256")
+    return Scenario(
+        name="chunked-prefill",
+        title="chunked prefill on vs off (256-token step budget), same trickle",
+        question="Does splitting a 512-token prompt over steps lower TTFT p99 and ITL p99 "
+        "together, or trade one for the other?",
+        seed_result="(new comparison)",
+        variants=(
+            Variant("unchunked", (*budget, "--no-chunked-prefill"), trickle),
+            Variant("chunked", (*budget, "--chunked-prefill"), trickle),
+        ),
+    )
+
+
+def _admission_pack(quick: bool) -> Scenario:
+    burst = _workload(
+        num_requests=_scaled(24, quick, 16),
+        prompt_repeats=(512, 16, 16, 16, 16, 16, 16, 16),
+        max_new_tokens=16,
+    )
+    knobs = ("--prefill-max-tokens", "256", "--no-chunked-prefill")
+    return Scenario(
+        name="admission-pack",
+        title="pack vs fifo admission on a head-of-line burst (prefill budget 256, unchunked)",
+        question="Do short prompts stuck behind 512-token ones get their first token sooner "
+        "when `pack` admits the cheapest first?",
+        seed_result="TTFT p99 -39.7% with pack",
+        variants=(
+            Variant("fifo", (*knobs, "--admission-policy", "fifo"), burst),
+            Variant("pack", (*knobs, "--admission-policy", "pack"), burst),
+        ),
+    )
+
+
+def _active_cap(quick: bool) -> Scenario:
+    burst = _workload(
+        num_requests=_scaled(48, quick, 24),
+        prompt_repeats=(128, 32, 32, 32),
+        max_new_tokens=32,
+    )
+    pack = ("--admission-policy", "pack")
+    return Scenario(
+        name="active-cap",
+        title="max_active_requests cap under pack, burst of 128- and 32-token prompts",
+        question="Does capping running requests trade a longer TTFT for smoother decoding "
+        "(lower ITL and TPOT p99)?",
+        seed_result="ITL p99 -40.5%, TPOT p99 -35%, TTFT up",
+        variants=(
+            Variant("pack, no cap", pack, burst),
+            Variant("pack, cap 16", (*pack, "--max-active-requests", "16"), burst),
+        ),
+    )
+
+
+def _prefix_caching(quick: bool, salt: str) -> Scenario:
+    count = _scaled(16, quick, 8)
+    same = _workload(num_requests=count, same_prompt=True, prompt_repeats=(256,), max_new_tokens=16)
+    # About 256 tokens of system prompt before each unique question.
+    system = f"[system {salt}] You are a helpful assistant.{filler_text(248)}"
+    shared = _workload(
+        num_requests=count, shared_prefix=system, prompt_repeats=(16,), max_new_tokens=16
+    )
+    on, off = ("--prefix-caching",), ("--no-prefix-caching",)
+    return Scenario(
+        name="prefix-caching",
+        title="prefix caching on vs off: a same-prompt burst and a shared system prompt",
+        question="Are identical prompts in one burst (batched misses) computed once, and is a "
+        "shared system prompt reused, and what does it do to TTFT and throughput?",
+        seed_result="TTFT p50 2.9x lower, throughput 1.5x with caching",
+        variants=(
+            Variant("same, off", off, same),
+            Variant("same, on", on, same, compare_to="same, off"),
+            Variant("shared, off", off, shared, compare_to="shared, off"),
+            Variant("shared, on", on, shared, compare_to="shared, off"),
+        ),
+    )
+
+
+def build_peer_workloads(*, quick: bool = False) -> list[PeerWorkload]:
+    """The bursts served by Pagoda and the peers (all requests arrive at t=0)."""
+    count = _scaled(64, quick, 16)
+    short = PeerWorkload(
+        name="burst-short",
+        title=f"{count}-request burst, short prompts, 64 new tokens each",
+        workload=_workload(num_requests=count, prompt_repeats=(32,), max_new_tokens=64),
+        peer_max_requests={
+            PEER_GENERATE: 4 if quick else 16,
+            PEER_STATIC: count,
+            PEER_CONTINUOUS: count,
+        },
+    )
+    if quick:
+        return [short]
+    mixed = PeerWorkload(
+        name="burst-mixed",
+        title="32-request burst, prompts of 256 and 32 tokens, 32 new tokens each",
+        workload=_workload(num_requests=32, prompt_repeats=(256, 32, 32, 32), max_new_tokens=32),
+        peer_max_requests={PEER_GENERATE: 8, PEER_STATIC: 32, PEER_CONTINUOUS: 32},
+    )
+    return [short, mixed]
+
+
+def with_target(workload: BenchConfig, target: str) -> BenchConfig:
+    return dataclasses.replace(workload, target=target)

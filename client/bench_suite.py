@@ -1,0 +1,316 @@
+"""`make bench`: Pagoda's scheduler knobs compared on fixed workloads, then Pagoda vs peers.
+
+    .venv/bin/python -m client.bench_suite            # everything, about 15 minutes on 2 cores
+    .venv/bin/python -m client.bench_suite --quick    # a 2-minute subset
+    .venv/bin/python -m client.bench_suite --list     # scenario and peer-workload names
+    .venv/bin/python -m client.bench_suite --only prefix-caching --no-peers --json out.json
+    BENCH_TARGET=host:port .venv/bin/python -m client.bench_suite   # an already running server
+
+Without BENCH_TARGET the suite starts a worker and, per knob setting, a scheduler (see
+client.bench_suite_service), runs the load generator for every variant of every scenario and
+the peer workloads, stops the service, then runs the `transformers` peers in this process on
+the same prompts (see client.bench_peers), so the two never compete for the cores. With
+BENCH_TARGET it cannot change the server's knobs: each distinct workload runs once against
+the server as it is configured, and the tables say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from client.bench import run_bench
+from client.bench_config import BenchConfig
+from client.bench_report import BenchReport, format_report_table
+from client.bench_scenarios import (
+    PEERS,
+    PeerWorkload,
+    Scenario,
+    build_peer_workloads,
+    build_scenarios,
+    with_target,
+)
+from client.bench_suite_report import compare_variants, peer_verdict, plot_cdfs
+from client.bench_suite_service import LocalService, resolve_model_dir
+
+PAGODA = "pagoda"
+TARGET_NOTE = "server's own knobs"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m client.bench_suite",
+        description="Pagoda's benchmark suite (make bench): scheduler knobs on fixed workloads, "
+        "then Pagoda vs transformers peers. BENCH_TARGET=host:port benchmarks a running "
+        "server instead of starting one (its knobs then stay as they are).",
+    )
+    parser.add_argument("--quick", action="store_true", help="a ~2-minute subset")
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="NAME",
+        help="run only this scenario or peer workload (repeatable; see --list)",
+    )
+    parser.add_argument("--list", action="store_true", help="list the names and exit")
+    parser.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
+    parser.add_argument(
+        "--device", default="auto", help="worker and peer device: auto, cpu, cuda, cuda:N"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write every result as JSON")
+    parser.add_argument("--plot", metavar="PNG", help="write latency CDFs of one workload")
+    # A smoke-test hook: `--worker-model dummy` runs the scenarios without weights.
+    parser.add_argument("--worker-model", default="default", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+@dataclass(slots=True)
+class SuiteResults:
+    """Everything measured in one suite run, keyed by scenario / workload, then column."""
+
+    scenarios: dict[str, dict[str, BenchReport]] = field(default_factory=dict)
+    scheduler_args: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    peer_workloads: dict[str, dict[str, BenchReport]] = field(default_factory=dict)
+    peer_notes: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        def reports(runs: dict[str, BenchReport]) -> dict[str, Any]:
+            return {label: report.to_dict() for label, report in runs.items()}
+
+        return {
+            "scenarios": {
+                name: {"scheduler_args": self.scheduler_args.get(name, {}), "runs": reports(runs)}
+                for name, runs in self.scenarios.items()
+            },
+            "peer_workloads": {
+                name: {"notes": self.peer_notes.get(name, {}), "runs": reports(runs)}
+                for name, runs in self.peer_workloads.items()
+            },
+        }
+
+
+def select(
+    scenarios: list[Scenario], workloads: list[PeerWorkload], only: list[str] | None
+) -> tuple[list[Scenario], list[PeerWorkload]]:
+    """Keep the named ones (all when `only` is empty); ValueError names an unknown name."""
+    if not only:
+        return scenarios, workloads
+    known = [s.name for s in scenarios] + [w.name for w in workloads]
+    unknown = [name for name in only if name not in known]
+    if unknown:
+        raise ValueError(f"unknown name(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    return [s for s in scenarios if s.name in only], [w for w in workloads if w.name in only]
+
+
+def target_columns(scenario: Scenario) -> list[tuple[str, BenchConfig]]:
+    """Under BENCH_TARGET: one column per distinct workload, named after its variants."""
+    columns: dict[BenchConfig, list[str]] = {}
+    for variant in scenario.variants:
+        columns.setdefault(variant.workload, []).append(variant.label)
+    return [(f"{' / '.join(labels)} ({TARGET_NOTE})", w) for w, labels in columns.items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    salt = secrets.token_hex(3)
+    try:
+        scenarios, workloads = select(
+            build_scenarios(quick=args.quick, salt=salt),
+            build_peer_workloads(quick=args.quick),
+            args.only,
+        )
+    except ValueError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    if args.list:
+        for item in [*scenarios, *workloads]:
+            print(f"{item.name:18} {item.title}")
+        return 0
+
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    target = os.environ.get("BENCH_TARGET")
+    results = SuiteResults()
+    started_s = time.perf_counter()
+    load_before = os.getloadavg()
+    try:
+        run_peers = bool(workloads) and not args.no_peers and args.worker_model != "dummy"
+        model_dir = resolve_model_dir(args.worker_model) if run_peers or not target else ""
+        if target:
+            print(f"BENCH_TARGET={target}: the server's knobs cannot be changed; each distinct "
+                  "workload runs once against it as configured.")  # fmt: skip
+            _run_against_target(target, scenarios, workloads, results)
+        else:
+            _run_local_service(args, model_dir, scenarios, workloads, results)
+        if run_peers:
+            _run_peers(model_dir, args.device, workloads, results)
+    except KeyboardInterrupt:
+        print("\nbench: interrupted; every process it started has been stopped", file=sys.stderr)
+        return 130
+    wall_s = time.perf_counter() - started_s
+    print(f"\nsuite wall time: {wall_s:.0f} s (load average before: {load_before[0]:.2f})")
+    if args.json:
+        document = {
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "target": target,
+            "quick": args.quick,
+            "device": args.device,
+            "cpu_count": os.cpu_count(),
+            "load_average_before": load_before,
+            "wall_s": wall_s,
+            **results.to_dict(),
+        }
+        with open(args.json, "w") as out:
+            json.dump(document, out, indent=2)
+        print(f"wrote {args.json}")
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
+
+
+def _run_local_service(
+    args: argparse.Namespace,
+    model_dir: str,
+    scenarios: list[Scenario],
+    workloads: list[PeerWorkload],
+    results: SuiteResults,
+) -> None:
+    service = LocalService(worker_model=args.worker_model, device=args.device, model_dir=model_dir)
+    try:
+        service.start_worker()
+        for scenario in scenarios:
+            _print_scenario_header(scenario)
+            runs: dict[str, BenchReport] = {}
+            results.scheduler_args[scenario.name] = {}
+            for variant in scenario.variants:
+                _use_scheduler(service, variant.scheduler_args)
+                runs[variant.label] = _bench(with_target(variant.workload, service.address))
+                results.scheduler_args[scenario.name][variant.label] = list(variant.scheduler_args)
+            results.scenarios[scenario.name] = runs
+            _print_comparison(runs, scenario.baselines)
+        for workload in workloads:
+            _use_scheduler(service, ())
+            report = _bench(with_target(workload.workload, service.address))
+            results.peer_workloads[workload.name] = {PAGODA: report}
+    finally:
+        service.stop()
+        service.cleanup()
+
+
+def _use_scheduler(service: LocalService, scheduler_args: tuple[str, ...]) -> None:
+    ready_s = service.use_scheduler(scheduler_args)
+    if ready_s is not None:
+        flags = " ".join(scheduler_args) or "(defaults)"
+        print(f"  scheduler {flags}: serving after {ready_s:.1f} s", file=sys.stderr)
+        # The first requests after a restart pay one-time costs; keep them out of the runs.
+        run_bench(
+            BenchConfig(
+                target=service.address,
+                num_requests=2,
+                prompt_repeats=(8,),
+                max_new_tokens=4,
+                ignore_eos=True,
+            )  # fmt: skip
+        )
+
+
+def _run_against_target(
+    target: str,
+    scenarios: list[Scenario],
+    workloads: list[PeerWorkload],
+    results: SuiteResults,
+) -> None:
+    for scenario in scenarios:
+        _print_scenario_header(scenario)
+        runs = {label: _bench(with_target(w, target)) for label, w in target_columns(scenario)}
+        results.scenarios[scenario.name] = runs
+        # Every column ran on the same server settings: there is no knob to compare.
+        print(format_report_table(runs), flush=True)
+    for workload in workloads:
+        results.peer_workloads[workload.name] = {
+            f"{PAGODA} ({TARGET_NOTE})": _bench(with_target(workload.workload, target))
+        }
+
+
+def _run_peers(
+    model_dir: str, device: str, workloads: list[PeerWorkload], results: SuiteResults
+) -> None:
+    import logging
+
+    from client.bench_peers import Peers
+
+    # generate_batch warns on every call that EOS is disabled, which is what ignore_eos asks.
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    print("\nloading the peers' model in this process ...", file=sys.stderr)
+    peers = Peers(model_dir, _peer_device(device))
+    for workload in workloads:
+        runs = results.peer_workloads.setdefault(workload.name, {})
+        notes = results.peer_notes.setdefault(workload.name, {})
+        for peer in PEERS:
+            print(f"  {workload.name}: {peer} ...", file=sys.stderr)
+            limit = workload.peer_max_requests[peer]
+            run = peers.run(peer, workload.workload, secrets.token_hex(3), limit)
+            label = peer if run.note is None else f"{peer} [{run.report.num_requests_sent} req]"
+            runs[label] = run.report
+            if run.note is not None:
+                notes[label] = run.note
+        print(f"\n== peers: {workload.name}: {workload.title}")
+        print(format_report_table(runs))
+        for label, note in notes.items():
+            print(f"note: {label}: {note} (its TTFT/E2E would be longer with the whole burst)")
+        pagoda = [label for label in runs if label.startswith(PAGODA)]
+        if pagoda:
+            peer_runs = {label: r for label, r in runs.items() if label not in pagoda}
+            for line in peer_verdict(runs[pagoda[0]], peer_runs):
+                print(line)
+
+
+def _peer_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _bench(config: BenchConfig) -> BenchReport:
+    return run_bench(config, progress=sys.stderr if sys.stderr.isatty() else None)
+
+
+def _print_scenario_header(scenario: Scenario) -> None:
+    print(f"\n== {scenario.name}: {scenario.title}")
+    print(f"question: {scenario.question}")
+    print(f"earlier result: {scenario.seed_result}", flush=True)
+
+
+def _print_comparison(runs: dict[str, BenchReport], baselines: dict[str, str]) -> None:
+    print(format_report_table(runs))
+    for line in compare_variants(runs, baselines):
+        print(line)
+    sys.stdout.flush()
+
+
+def _plot(results: SuiteResults, path: str) -> None:
+    """The peers' burst if it ran (Pagoda and every peer), else the first scenario."""
+    if results.peer_workloads:
+        name, runs = next(iter(results.peer_workloads.items()))
+    elif results.scenarios:
+        name, runs = next(iter(results.scenarios.items()))
+    else:
+        return
+    plot_cdfs(runs, path, title=f"{name}: latency CDFs")
+    print(f"wrote {path}")
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

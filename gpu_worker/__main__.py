@@ -1,0 +1,44 @@
+"""`python -m gpu_worker` / `pagoda-worker`: parse flags, build the engine, serve."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from gpu_worker.config import WorkerConfig, configure_logging, parse_config
+from gpu_worker.model_loader import ModelNotFoundError
+from gpu_worker.server import EXIT_REFUSED, WorkerServer
+from gpu_worker.step_engine import StepEngine
+
+log = logging.getLogger("pagoda.worker")
+
+
+def build_engine(config: WorkerConfig) -> StepEngine:
+    if config.is_dummy:
+        from gpu_worker.dummy_engine import DummyEngine
+
+        return DummyEngine(
+            block_size=config.block_size,
+            num_kv_blocks=config.num_kv_blocks,
+            max_context_tokens=config.max_context_tokens,
+            fail_on_token_id=config.fail_on_token_id,
+        )
+    from gpu_worker.engine import load_engine  # torch is imported only here
+
+    return load_engine(config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(argv)
+    configure_logging(config.log_level)
+    try:
+        engine = build_engine(config)
+    except ModelNotFoundError as exc:
+        log.error("cannot load the model: %s", exc)
+        return EXIT_REFUSED
+    return WorkerServer(engine, config.zmq_endpoint).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

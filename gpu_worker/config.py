@@ -1,0 +1,181 @@
+"""The worker's configuration: flags > PAGODA_WORKER_* environment variables > defaults.
+
+Built once in `__main__` into a frozen `WorkerConfig`, validated, then passed down.
+This is the only worker module that reads the environment (besides the model cache
+location in model_loader). Imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+ENV_PREFIX = "PAGODA_WORKER_"
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    zmq_endpoint: str
+    model: str = "default"
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_gib: float = 1.0  # pool budget on CPU
+    gpu_memory_utilization: float = 0.85  # fraction of free CUDA memory after loading
+    num_kv_blocks: int | None = None  # overrides both budgets
+    max_context_tokens: int | None = None  # None: the model config's position limit
+    log_level: str = "INFO"
+    fail_on_token_id: int | None = None  # fault-injection hook for tests
+
+    def __post_init__(self) -> None:
+        problems = []
+        if "://" not in self.zmq_endpoint:
+            problems.append(
+                f"--zmq-endpoint {self.zmq_endpoint!r} needs a scheme (ipc:// or tcp://)"
+            )
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            problems.append(f"--device must be one of {', '.join(DEVICES)} or cuda:N")
+        if self.dtype not in DTYPES:
+            problems.append(f"--dtype must be one of {', '.join(DTYPES)}")
+        if not 1 <= self.block_size <= 1024:
+            problems.append("--block-size must be between 1 and 1024 tokens")
+        if self.kv_cache_gib <= 0:
+            problems.append("--kv-cache-gib must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            problems.append("--gpu-memory-utilization must be in (0, 1]")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            problems.append("--num-kv-blocks must be at least 1")
+        if self.max_context_tokens is not None and self.max_context_tokens < 1:
+            problems.append("--max-context-tokens must be at least 1")
+        if self.log_level not in LOG_LEVELS:
+            problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def is_dummy(self) -> bool:
+        return self.model == "dummy"
+
+
+def default_zmq_endpoint(environ: Mapping[str, str]) -> str:
+    """A private ipc path: under $XDG_RUNTIME_DIR when set, else /tmp/pagoda-$UID."""
+    runtime_dir = environ.get("XDG_RUNTIME_DIR")
+    if runtime_dir:
+        return f"ipc://{runtime_dir}/pagoda/worker.sock"
+    return f"ipc:///tmp/pagoda-{os.getuid()}/worker.sock"
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.lower() in ("", "none") else int(text)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None (whose meaning each help text spells out)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gpu_worker",
+        description=(
+            "Pagoda worker: loads a causal LM, owns the paged KV pool and executes the "
+            "scheduler's step plans over ZeroMQ. Every flag may also be set through the "
+            f"environment as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}BLOCK_SIZE=32); flags win."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    add = parser.add_argument
+    add(
+        "--zmq-endpoint",
+        default=default_zmq_endpoint(environ),
+        help="scheduler endpoint to connect to (ipc://PATH or tcp://HOST:PORT); "
+        "the scheduler binds it, the worker connects; an ipc parent directory is created 0700",
+    )
+    add(
+        "--model",
+        default="default",
+        help="'default' (embedded SmolLM2-135M-Instruct), 'dummy' (no weights, deterministic "
+        "tokens), a model directory, a .gguf file or a hub id",
+    )
+    add("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:N")
+    add(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="weights and KV dtype; auto is bfloat16 on CUDA, float32 on CPU",
+    )
+    add("--block-size", type=int, default=16, help="tokens per KV block")
+    add("--kv-cache-gib", type=float, default=1.0, help="KV pool size on CPU, GiB")
+    add(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.85,
+        help="on CUDA, fraction of the memory free after loading the weights given to the KV pool",
+    )
+    add(
+        "--num-kv-blocks",
+        type=_optional_int,
+        default=None,
+        help="exact number of KV blocks (overrides both budgets; default 4096 for --model dummy)",
+    )
+    add(
+        "--max-context-tokens",
+        type=_optional_int,
+        default=None,
+        help="longest sequence announced to the scheduler (default: the model config's "
+        "max_position_embeddings / n_positions; 8192 for dummy)",
+    )
+    add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
+    add(
+        "--fail-on-token-id",
+        type=_optional_int,
+        default=None,
+        help="fault-injection hook for tests: any step that feeds this token id fails in the "
+        "forward (the worker answers with step_error and keeps serving)",
+    )
+    # Environment values become the defaults, so explicit flags still win.
+    env_defaults = {}
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = environ.get(ENV_PREFIX + action.dest.upper())
+        if value is None:
+            continue
+        try:
+            env_defaults[action.dest] = action.type(value) if action.type else value
+        except ValueError:
+            parser.error(f"{ENV_PREFIX}{action.dest.upper()}={value!r} is not a valid value")
+    parser.set_defaults(**env_defaults)
+    return parser
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> WorkerConfig:
+    """Flags > environment > defaults; argparse exits 2 with a message on a bad value."""
+    environ = os.environ if environ is None else environ
+    parser = build_parser(environ)
+    args = parser.parse_args(argv)
+    values = {f.name: getattr(args, f.name) for f in fields(WorkerConfig)}
+    try:
+        return WorkerConfig(**values)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )

@@ -1,0 +1,84 @@
+"""`--model dummy`: a weightless engine that answers every plan at once.
+
+The sampled token is `protos.wire.dummy_next_token(last fed token, its position,
+vocab)`, the same pure function the scheduler's in-process fake uses, so a
+recomputed sequence reproduces its output. Plans are validated by the same
+SequenceTable as the paged engine's. Imports no torch: the harness for scheduler
+load tests starts in a blink.
+"""
+
+from __future__ import annotations
+
+import time
+
+from gpu_worker.sequence_table import ScheduledChunk, SequenceTable
+from gpu_worker.step_engine import (
+    MAX_LOGPROBS,
+    EngineFacts,
+    SampledTokens,
+    check_injected_fault,
+    execute_plan,
+)
+from protos import step_pb2
+from protos.wire import dummy_next_token
+
+DUMMY_VOCAB_SIZE = 49152
+DUMMY_EOS_TOKEN_IDS = (2,)
+DUMMY_MAX_CONTEXT_TOKENS = 8192
+DUMMY_NUM_KV_BLOCKS = 4096
+
+
+class DummyEngine:
+    def __init__(
+        self,
+        *,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_context_tokens: int | None = None,
+        fail_on_token_id: int | None = None,
+    ) -> None:
+        self.fail_on_token_id = fail_on_token_id
+        self.facts = EngineFacts(
+            model_id="dummy",
+            vocab_size=DUMMY_VOCAB_SIZE,
+            eos_token_ids=DUMMY_EOS_TOKEN_IDS,
+            max_context_tokens=max_context_tokens or DUMMY_MAX_CONTEXT_TOKENS,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks or DUMMY_NUM_KV_BLOCKS,
+            device="none",
+            dtype="none",
+        )
+        self.table = SequenceTable(
+            num_kv_blocks=self.facts.num_kv_blocks,
+            block_size=block_size,
+            vocab_size=DUMMY_VOCAB_SIZE,
+            max_context_tokens=self.facts.max_context_tokens,
+            max_logprobs=MAX_LOGPROBS,
+        )
+
+    def step(self, plan: step_pb2.StepPlan) -> step_pb2.StepResult:
+        return execute_plan(self.table, plan, self._compute)
+
+    def reset(self) -> None:
+        self.table.clear()
+
+    def _compute(self, chunks: list[ScheduledChunk]) -> SampledTokens:
+        started_s = time.perf_counter()
+        check_injected_fault(chunks, self.fail_on_token_id)
+        sampled = SampledTokens([])
+        wants_logprobs = any(c.sample and c.seq.sampling.num_logprobs for c in chunks)
+        for chunk in chunks:
+            if not chunk.sample:
+                continue
+            token_id = dummy_next_token(
+                chunk.token_ids[-1], chunk.end_position - 1, DUMMY_VOCAB_SIZE
+            )
+            sampled.token_ids.append(token_id)
+            if wants_logprobs:
+                # Placeholders: the dummy is certain of its token; alternatives rank below.
+                n = chunk.seq.sampling.num_logprobs
+                sampled.logprobs.append(0.0)
+                sampled.top_token_ids.append([(token_id + k) % DUMMY_VOCAB_SIZE for k in range(n)])
+                sampled.top_logprobs.append([-float(k) for k in range(n)])
+        sampled.forward_ms = (time.perf_counter() - started_s) * 1e3
+        return sampled

@@ -1,0 +1,167 @@
+"""Batched sampling on the device: penalties, temperature, top-k/top-p/min-p, seeded draws.
+
+Order (Hugging Face's): repetition penalty, presence/frequency penalties, then
+greedy argmax or temperature -> top-k -> top-p -> min-p -> draw. Logprobs are the
+log-softmax after temperature (1 for greedy rows), before any filtering.
+
+A seeded draw is a function of (seed, position of the sampled token) only: one
+uniform u = splitmix64(seed, position) picks the token by inverse CDF over the
+filtered distribution. The same seed therefore gives the same tokens alone, in any
+batch, after a recompute and on any device, and costs one number per row instead
+of one per vocabulary entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.sequence_table import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(value: int) -> int:
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) that depends on (seed, position) only; 24 bits (float32-exact)."""
+    mixed = splitmix64(splitmix64(seed & _MASK64) ^ (position & _MASK64))
+    return (mixed >> 40) / float(1 << 24)
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRow:
+    """What sampling one sequence needs: its knobs, token history and sampled position."""
+
+    params: SamplingParams
+    token_ids: list[int]  # every token at positions [0, position): prompt + generated
+    num_prompt_tokens: int
+    position: int  # position the sampled token will occupy
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # empty unless some row asked for logprobs
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Repetition (HF: over prompt + generated) then presence/frequency (generated only)."""
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    repetition = [r.params.repetition_penalty for r in rows]
+    if any(p != 1.0 for p in repetition):
+        row_index = [i for i, r in enumerate(rows) for _ in r.token_ids]
+        tokens = [t for r in rows for t in r.token_ids]
+        seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
+        seen[torch.tensor(row_index, device=device), torch.tensor(tokens, device=device)] = True
+        penalty = torch.tensor(repetition, dtype=logits.dtype, device=device)[:, None]
+        penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+        logits = torch.where(seen, penalized, logits)
+    presence = [r.params.presence_penalty for r in rows]
+    frequency = [r.params.frequency_penalty for r in rows]
+    if any(presence) or any(frequency):
+        generated = [r.token_ids[r.num_prompt_tokens :] for r in rows]
+        row_index = [i for i, g in enumerate(generated) for _ in g]
+        tokens = [t for g in generated for t in g]
+        counts = torch.zeros(num_rows, vocab_size, dtype=logits.dtype, device=device)
+        counts.index_put_(
+            (torch.tensor(row_index, device=device, dtype=torch.long),
+             torch.tensor(tokens, device=device, dtype=torch.long)),
+            torch.ones(len(tokens), dtype=logits.dtype, device=device),
+            accumulate=True,
+        )  # fmt: skip
+        frequency_t = torch.tensor(frequency, dtype=logits.dtype, device=device)[:, None]
+        presence_t = torch.tensor(presence, dtype=logits.dtype, device=device)[:, None]
+        logits = logits - frequency_t * counts - presence_t * (counts > 0)
+    return logits
+
+
+def _filtered_candidates(
+    scaled: torch.Tensor, params: list[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(probs [R, K], token ids [R, K] or None meaning K == vocab in vocab order)."""
+    vocab_size = scaled.shape[-1]
+    device = scaled.device
+    top_ks = [min(p.top_k, vocab_size) for p in params]
+    top_ps = [p.top_p for p in params]
+    min_ps = [p.min_p for p in params]
+    candidate_ids = None
+    if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
+        # Sorting the whole vocabulary is the costly part; when every row has a top-k,
+        # the largest k candidates suffice.
+        if all(k > 0 for k in top_ks):
+            scaled, candidate_ids = scaled.topk(max(top_ks), dim=-1)
+        else:
+            scaled, candidate_ids = scaled.sort(dim=-1, descending=True)
+        ranks = torch.arange(scaled.shape[-1], device=device)[None, :]
+        limits = torch.tensor([k if k > 0 else vocab_size for k in top_ks], device=device)
+        scaled = scaled.masked_fill(ranks >= limits[:, None], float("-inf"))
+        if any(p < 1.0 for p in top_ps):
+            probs = torch.softmax(scaled, dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+            top_p = torch.tensor(top_ps, dtype=probs.dtype, device=device)[:, None]
+            # The best token always stays (mass_before is 0 there).
+            scaled = scaled.masked_fill(mass_before >= top_p, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if any(p > 0.0 for p in min_ps):
+        min_p = torch.tensor(min_ps, dtype=probs.dtype, device=device)[:, None]
+        keep = probs >= min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs * keep
+    return probs, candidate_ids
+
+
+def _draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """Inverse CDF: index i with cdf[i - 1] <= u * total < cdf[i]; never a zero-probability entry."""
+    cdf = probs.cumsum(dim=-1)
+    u = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device)[:, None]
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+    # Rounding can push u * total onto the last plateau; fall back to the last live entry.
+    last_live = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
+    return torch.minimum(picked, last_live)
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
+    """logits [S, vocab] (one row per sampling sequence, same order as `rows`)."""
+    logits = apply_penalties(logits.float(), rows)
+    params = [r.params for r in rows]
+    device = logits.device
+    token_ids = logits.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    num_logprobs = [p.num_logprobs for p in params]
+    if not sampled_rows and not any(num_logprobs):
+        return SampleOutput(token_ids.tolist(), [], [], [])  # all greedy: argmax is all
+
+    temperatures = torch.tensor(
+        [1.0 if p.is_greedy else p.temperature for p in params], device=device
+    )[:, None]
+    scaled = logits / temperatures
+    if sampled_rows:
+        index = torch.tensor(sampled_rows, device=device)
+        probs, candidate_ids = _filtered_candidates(
+            scaled[index], [params[i] for i in sampled_rows]
+        )
+        uniforms = [seeded_uniform(rows[i].params.seed, rows[i].position) for i in sampled_rows]
+        picked = _draw(probs, uniforms)
+        if candidate_ids is not None:
+            picked = candidate_ids.gather(1, picked[:, None])[:, 0]
+        token_ids[index] = picked
+
+    output = SampleOutput(token_ids.tolist(), [], [], [])
+    if any(num_logprobs):
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
+        top_values, top_ids = logprobs.topk(max(num_logprobs), dim=-1)
+        output.logprobs = chosen.tolist()
+        top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
+        output.top_token_ids = [ids[:n] for ids, n in zip(top_ids_list, num_logprobs, strict=True)]
+        output.top_logprobs = [v[:n] for v, n in zip(top_values_list, num_logprobs, strict=True)]
+    return output

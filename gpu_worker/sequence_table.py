@@ -1,0 +1,272 @@
+"""The worker's view of live sequences, and turning a StepPlan into validated chunks.
+
+The scheduler owns the truth; the worker keeps, per live sequence, only what a step
+needs: the block table (append-only, grown from plan deltas), the sampling
+parameters, and the token at every position fed so far (for penalties). Imports no
+torch, so the weightless dummy engine validates plans with the very same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protos import step_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Validated per-sequence sampling knobs; 1.0 top_p / repetition_penalty mean off."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0
+    num_logprobs: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @classmethod
+    def from_proto(cls, message: step_pb2.SamplingParams, max_logprobs: int) -> SamplingParams:
+        # proto3 cannot tell "unset" from 0; 0 would be meaningless for these two.
+        top_p = message.top_p if 0.0 < message.top_p < 1.0 else 1.0
+        repetition_penalty = message.repetition_penalty if message.repetition_penalty > 0 else 1.0
+        return cls(
+            temperature=max(0.0, message.temperature),
+            top_p=top_p,
+            top_k=max(0, message.top_k),
+            min_p=min(max(0.0, message.min_p), 1.0),
+            repetition_penalty=repetition_penalty,
+            presence_penalty=message.presence_penalty,
+            frequency_penalty=message.frequency_penalty,
+            seed=message.seed,
+            num_logprobs=min(message.num_logprobs, max_logprobs),
+        )
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: int
+    sampling: SamplingParams
+    num_prompt_tokens: int  # tokens at positions >= this were generated
+    block_ids: list[int] = field(default_factory=list)  # append-only
+    token_ids: list[int] = field(default_factory=list)  # token_ids[p] is the token at position p
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Tokens one sequence feeds in one step, at positions [start_position, end_position)."""
+
+    seq: Sequence
+    start_position: int
+    token_ids: list[int]
+    sample: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_position(self) -> int:
+        """Position of the token sampled after this chunk (if it samples)."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceRefusal:
+    seq_id: int
+    message: str
+
+
+@dataclass(slots=True)
+class AdmittedPlan:
+    step_id: int
+    chunks: list[ScheduledChunk]  # the valid entries, in plan order
+    refusals: list[SequenceRefusal]
+    forget_seq_ids: list[int]  # dropped after the forward
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+
+class PlanError(ValueError):
+    """The plan's columns do not line up; no entry of it can be trusted."""
+
+
+def _check_offsets(name: str, offsets: list[int], num_entries: int, num_values: int) -> None:
+    if num_entries == 0 and not offsets:
+        return
+    if len(offsets) != num_entries + 1:
+        raise PlanError(f"{name} has {len(offsets)} entries for {num_entries} sequences")
+    if offsets[0] != 0 or offsets[-1] != num_values:
+        raise PlanError(f"{name} must run from 0 to {num_values}")
+    if any(b < a for a, b in zip(offsets, offsets[1:], strict=False)):
+        raise PlanError(f"{name} must not decrease")
+
+
+def named_seq_ids(plan: step_pb2.StepPlan) -> set[int]:
+    """Every sequence id a plan mentions, readable even when its columns are malformed."""
+    ids = set(plan.seq_ids) | set(plan.forget_seq_ids)
+    ids.update(new.seq_id for new in plan.new_sequences)
+    return ids
+
+
+class SequenceTable:
+    """Live sequences by id. Called only from the worker's step loop."""
+
+    def __init__(
+        self,
+        *,
+        num_kv_blocks: int,
+        block_size: int,
+        vocab_size: int,
+        max_context_tokens: int,
+        max_logprobs: int,
+    ) -> None:
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.max_context_tokens = max_context_tokens
+        self.max_logprobs = max_logprobs
+        self._sequences: dict[int, Sequence] = {}
+
+    def __len__(self) -> int:
+        return len(self._sequences)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._sequences
+
+    def get(self, seq_id: int) -> Sequence | None:
+        return self._sequences.get(seq_id)
+
+    def forget(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            self._sequences.pop(seq_id, None)
+
+    def clear(self) -> None:
+        self._sequences.clear()
+
+    def admit(self, plan: step_pb2.StepPlan) -> AdmittedPlan:
+        """Register new sequences, apply block deltas and fed tokens; refuse bad entries.
+
+        A refused entry samples nothing and its sequence is forgotten (its block table
+        would no longer match the scheduler's); every other entry runs. Raises
+        PlanError when the columns themselves are inconsistent.
+        """
+        seq_ids = list(plan.seq_ids)
+        num_entries = len(seq_ids)
+        start_positions = list(plan.start_positions)
+        samples = list(plan.sample)
+        token_offsets = list(plan.token_offsets)
+        token_ids = list(plan.token_ids)
+        block_offsets = list(plan.block_offsets)
+        block_ids = list(plan.block_ids)
+        if len(start_positions) != num_entries or len(samples) != num_entries:
+            raise PlanError(
+                f"start_positions ({len(start_positions)}) and sample ({len(samples)}) "
+                f"must have one entry per sequence ({num_entries})"
+            )
+        _check_offsets("token_offsets", token_offsets, num_entries, len(token_ids))
+        _check_offsets("block_offsets", block_offsets, num_entries, len(block_ids))
+
+        refusals: list[SequenceRefusal] = []
+        refused: set[int] = set()
+
+        def refuse(seq_id: int, message: str) -> None:
+            refusals.append(SequenceRefusal(seq_id, message))
+            refused.add(seq_id)
+            self._sequences.pop(seq_id, None)
+
+        for new in plan.new_sequences:
+            problem = self._check_tokens(new.cached_token_ids)
+            if problem:
+                refuse(new.seq_id, f"cached_token_ids: {problem}")
+                continue
+            # A new sequence with a live id replaces it (the scheduler reused the id).
+            self._sequences[new.seq_id] = Sequence(
+                seq_id=new.seq_id,
+                sampling=SamplingParams.from_proto(new.sampling, self.max_logprobs),
+                num_prompt_tokens=new.num_prompt_tokens,
+                token_ids=list(new.cached_token_ids),
+            )
+
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[int] = set()
+        for i, seq_id in enumerate(seq_ids):
+            if seq_id in refused:
+                continue  # already reported once
+            if seq_id in scheduled:
+                refuse(seq_id, f"sequence {seq_id} appears twice in the plan")
+                chunks = [chunk for chunk in chunks if chunk.seq.seq_id != seq_id]
+                continue
+            scheduled.add(seq_id)
+            fed = token_ids[token_offsets[i] : token_offsets[i + 1]]
+            new_blocks = block_ids[block_offsets[i] : block_offsets[i + 1]]
+            seq = self._sequences.get(seq_id)
+            problem = self._check_entry(seq, seq_id, start_positions[i], fed, new_blocks)
+            if problem:
+                refuse(seq_id, problem)
+                continue
+            assert seq is not None
+            seq.block_ids.extend(new_blocks)
+            # Truncate then extend: a rewound start position (recompute) overwrites history.
+            del seq.token_ids[start_positions[i] :]
+            seq.token_ids.extend(fed)
+            chunks.append(ScheduledChunk(seq, start_positions[i], fed, samples[i]))
+
+        return AdmittedPlan(
+            step_id=plan.step_id,
+            chunks=chunks,
+            refusals=refusals,
+            forget_seq_ids=list(plan.forget_seq_ids),
+        )
+
+    def _check_tokens(self, token_ids) -> str | None:
+        bad = [t for t in token_ids if t >= self.vocab_size]
+        if bad:
+            return f"token id {bad[0]} out of range (vocabulary has {self.vocab_size} tokens)"
+        if len(token_ids) > self.max_context_tokens:
+            return f"{len(token_ids)} tokens exceed the context of {self.max_context_tokens}"
+        return None
+
+    def _check_entry(
+        self,
+        seq: Sequence | None,
+        seq_id: int,
+        start_position: int,
+        fed: list[int],
+        new_blocks: list[int],
+    ) -> str | None:
+        if seq is None:
+            return f"unknown sequence {seq_id}: neither live nor new in this plan"
+        bad_blocks = [b for b in new_blocks if b >= self.num_kv_blocks]
+        if bad_blocks:
+            return (
+                f"block id {bad_blocks[0]} out of range (the pool has {self.num_kv_blocks} blocks)"
+            )
+        if not fed:
+            return f"sequence {seq_id} feeds no tokens"
+        problem = self._check_tokens(fed)
+        if problem:
+            return problem
+        if start_position > len(seq.token_ids):
+            return (
+                f"sequence {seq_id} starts at position {start_position} "
+                f"but only {len(seq.token_ids)} earlier tokens are known"
+            )
+        end_position = start_position + len(fed)
+        if end_position > self.max_context_tokens:
+            return f"positions up to {end_position} exceed the context of {self.max_context_tokens}"
+        num_covered = (len(seq.block_ids) + len(new_blocks)) * self.block_size
+        if end_position > num_covered:
+            return (
+                f"positions up to {end_position} are not covered by the block table "
+                f"({num_covered} slots)"
+            )
+        return None

@@ -1,0 +1,184 @@
+"""The worker's ZeroMQ loop: a DEALER connected to the scheduler's ROUTER.
+
+Conversation (protos/step.proto): HELLO every second until a HELLO_ACK; a refusal
+exits with code 2; an ack from a scheduler incarnation we have not served before
+resets the engine. Then each PLAN gets exactly one RESULT; HEARTBEAT every second
+of silence; REHELLO sends HELLO again. Malformed frames are logged and skipped.
+SIGTERM/SIGINT close the socket and exit 0. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import zmq
+
+from gpu_worker.sequence_table import named_seq_ids
+from gpu_worker.step_engine import StepEngine, one_line
+from protos import step_pb2, wire
+
+log = logging.getLogger("pagoda.worker.server")
+
+EXIT_OK = 0
+EXIT_REFUSED = 2
+HELLO_INTERVAL_S = 1.0
+HEARTBEAT_INTERVAL_S = 1.0
+# Longest wait in poll, so a stop signal is noticed promptly.
+POLL_SLICE_MS = 100
+
+
+def prepare_endpoint(endpoint: str) -> None:
+    """An ipc socket's directory must exist; create it private (0700) when missing."""
+    if endpoint.startswith("ipc://"):
+        Path(endpoint.removeprefix("ipc://")).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+class WorkerServer:
+    def __init__(self, engine: StepEngine, endpoint: str) -> None:
+        self.engine = engine
+        self.endpoint = endpoint
+        self.incarnation_id = uuid.uuid4().hex
+        self._scheduler_incarnation_id: str | None = None
+        self._acknowledged = False
+        self._last_hello_s = float("-inf")
+        self._last_sent_s = float("-inf")
+        self._stop_requested = False
+        self._context = zmq.Context.instance()
+        self._socket: zmq.Socket | None = None
+
+    def hello(self) -> step_pb2.Hello:
+        facts = self.engine.facts
+        return step_pb2.Hello(
+            protocol_version=wire.PROTOCOL_VERSION,
+            incarnation_id=self.incarnation_id,
+            model_id=facts.model_id,
+            vocab_size=facts.vocab_size,
+            eos_token_ids=list(facts.eos_token_ids),
+            max_context_tokens=facts.max_context_tokens,
+            block_size=facts.block_size,
+            num_kv_blocks=facts.num_kv_blocks,
+            device=facts.device,
+            dtype=facts.dtype,
+            max_logprobs=facts.max_logprobs,
+        )
+
+    def request_stop(self, signum: int = 0, frame=None) -> None:
+        self._stop_requested = True
+
+    def run(self) -> int:
+        """Serve until a stop signal (exit 0) or a refused hello (exit 2)."""
+        prepare_endpoint(self.endpoint)
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        # Queue nothing for a scheduler that is not there: a restarted one must not
+        # receive a burst of stale hellos and heartbeats.
+        socket.setsockopt(zmq.IMMEDIATE, 1)
+        socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 1024)
+        socket.connect(self.endpoint)
+        self._socket = socket
+        previous = {
+            sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+        log.info(
+            "worker %s connecting to %s (%s, %d KV blocks of %d tokens)",
+            self.incarnation_id[:8],
+            self.endpoint,
+            self.engine.facts.model_id,
+            self.engine.facts.num_kv_blocks,
+            self.engine.facts.block_size,
+        )
+        try:
+            return self._serve()
+        finally:
+            socket.close(linger=0)
+            self._socket = None
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _serve(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop_requested:
+            self._send_timers()
+            if not poller.poll(POLL_SLICE_MS):
+                continue
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            exit_code = self._handle(frames)
+            if exit_code is not None:
+                return exit_code
+        log.info("stop requested; closing")
+        return EXIT_OK
+
+    def _send_timers(self) -> None:
+        now_s = time.monotonic()
+        if not self._acknowledged:
+            # A hello that could not be sent (not connected yet) is retried next slice.
+            if now_s - self._last_hello_s >= HELLO_INTERVAL_S and self._send(self.hello()):
+                self._last_hello_s = now_s
+        elif now_s - self._last_sent_s >= HEARTBEAT_INTERVAL_S:
+            self._send(step_pb2.Heartbeat(incarnation_id=self.incarnation_id))
+
+    def _send(self, message) -> bool:
+        try:
+            self._socket.send_multipart(wire.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            return False  # no scheduler connected; the timers try again
+        self._last_sent_s = time.monotonic()
+        return True
+
+    def _handle(self, frames: list[bytes]) -> int | None:
+        try:
+            message = wire.decode(frames)
+        except wire.FrameError as exc:
+            log.warning("ignored a malformed message: %s", exc)
+            return None
+        if isinstance(message, step_pb2.StepPlan):
+            try:
+                result = self.engine.step(message)
+            except Exception as exc:  # the engine reports its own failures; this is a backstop
+                log.error("step %d: engine crashed: %s", message.step_id, one_line(exc))
+                self.engine.table.forget(named_seq_ids(message))
+                result = step_pb2.StepResult(step_id=message.step_id, step_error=one_line(exc))
+            log.debug(
+                "step %d: %d tokens, %d sampled, %.1f ms",
+                result.step_id,
+                result.num_tokens,
+                len(result.token_ids),
+                result.total_ms,
+            )
+            if not self._send(result):
+                log.warning("step %d: result dropped, no scheduler connected", message.step_id)
+        elif isinstance(message, step_pb2.HelloAck):
+            return self._on_ack(message)
+        elif isinstance(message, step_pb2.Rehello):
+            log.info("scheduler asked for a new hello (%s)", message.reason or "no reason given")
+            self._acknowledged = False
+            self._last_hello_s = float("-inf")
+        else:
+            log.warning("ignored an unexpected %s from the scheduler", type(message).__name__)
+        return None
+
+    def _on_ack(self, ack: step_pb2.HelloAck) -> int | None:
+        if not ack.accepted:
+            log.error(
+                "the scheduler refused this worker: %s (our protocol version %d, theirs %d)",
+                ack.reason or "no reason given",
+                wire.PROTOCOL_VERSION,
+                ack.protocol_version,
+            )
+            return EXIT_REFUSED
+        if ack.scheduler_incarnation_id != self._scheduler_incarnation_id:
+            if len(self.engine.table):
+                log.info("new scheduler: forgetting %d sequences", len(self.engine.table))
+            self.engine.reset()
+            self._scheduler_incarnation_id = ack.scheduler_incarnation_id
+            log.info("attached to scheduler %s", ack.scheduler_incarnation_id[:8])
+        self._acknowledged = True
+        return None

@@ -1,0 +1,181 @@
+"""Admission policies: which waiting requests start this step, and with how many tokens.
+
+Pure functions over explicit inputs: no scheduler, no clock. `costs` lists the waiting
+requests in queue order (any Sequence; the scheduler passes a lazy view so FIFO
+prices only the requests it looks at); an `Admission` names one by its index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingCost:
+    """One waiting request as admission sees it."""
+
+    # Tokens to compute before its first sample; cached prefix tokens are free.
+    num_tokens: int
+    # Evictable cached blocks its prefix hit takes out of the pool when admitted.
+    num_reclaimed_blocks: int = 0
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionBudget:
+    """What is left of this step for new requests."""
+
+    num_tokens: int  # prefill tokens left
+    # Prefill budget of a step with nothing else in it: a request above it never fits
+    # whole, so without chunked prefill it is admitted alone rather than stall the queue.
+    num_step_tokens: int
+    num_requests: int  # admissions left (batch-size cap and active cap)
+    num_blocks: int  # KV blocks left (free plus evictable)
+    block_size: int
+    chunked_prefill: bool
+    # Nothing admitted yet this step: an oversize head may go alone, pack may fall back.
+    first_round: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    index: int  # into the costs the policy was given
+    num_tokens: int  # tokens computed this step; fewer than the cost for a first chunk
+
+
+def prefill_cost(num_tokens: int, num_cached_tokens: int, max_context_tokens: int) -> int:
+    """Tokens a request still has to compute, clamped to the model's context."""
+    return min(num_tokens - num_cached_tokens, max_context_tokens)
+
+
+def is_fifo_round(round_number: int, force_fifo_every: int | None) -> bool:
+    """Whether admission round `round_number` (counted from 1) is forced FIFO."""
+    return bool(force_fifo_every) and round_number % force_fifo_every == 0
+
+
+def admit_fifo(costs: Sequence[WaitingCost], budget: AdmissionBudget) -> list[Admission]:
+    """Arrival order while each fits; stop at the first that does not.
+
+    With chunked prefill the first that does not fit gets a chunk of what is left. A
+    head larger than any step is admitted alone (whole, or its first chunk).
+    """
+    return _admit_in_order(costs, range(len(costs)), budget)
+
+
+def admit_priority(costs: Sequence[WaitingCost], budget: AdmissionBudget) -> list[Admission]:
+    """FIFO over (priority, queue position): lower values first, ties keep arrival order."""
+    order = sorted(range(len(costs)), key=lambda index: costs[index].priority)
+    return _admit_in_order(costs, order, budget)
+
+
+def admit_pack(
+    costs: Sequence[WaitingCost], budget: AdmissionBudget, lookahead: int
+) -> list[Admission]:
+    """Fill the budget from the cheapest of the first `lookahead` requests.
+
+    Admitted requests keep their arrival order; skipped ones keep their places. When
+    nothing fits, the head is admitted (its first chunk, or whole if no step could ever
+    hold it) so the queue always moves.
+    """
+    window = min(len(costs), lookahead)
+    order = sorted(range(window), key=lambda index: costs[index].num_tokens)
+    tokens_left, blocks_left = budget.num_tokens, budget.num_blocks
+    admissions: list[Admission] = []
+    for index in order:
+        if len(admissions) >= budget.num_requests:
+            break
+        cost = costs[index]
+        num_blocks = _num_blocks(cost, cost.num_tokens, budget.block_size)
+        if cost.num_tokens <= tokens_left and num_blocks <= blocks_left:
+            admissions.append(Admission(index, cost.num_tokens))
+            tokens_left -= cost.num_tokens
+            blocks_left -= num_blocks
+    if admissions:
+        admissions.sort(key=lambda admission: admission.index)
+        return admissions
+    if window == 0 or budget.num_requests < 1 or not budget.first_round:
+        return []
+    head = _fit(costs[0], 0, tokens_left, blocks_left, budget, may_go_alone=True)
+    return [head] if head is not None else []
+
+
+def _admit_in_order(
+    costs: Sequence[WaitingCost], order: Sequence[int] | range, budget: AdmissionBudget
+) -> list[Admission]:
+    tokens_left, blocks_left = budget.num_tokens, budget.num_blocks
+    admissions: list[Admission] = []
+    for index in order:
+        if len(admissions) >= budget.num_requests:
+            break
+        cost = costs[index]
+        may_go_alone = budget.first_round and not admissions
+        admission = _fit(cost, index, tokens_left, blocks_left, budget, may_go_alone)
+        if admission is None:
+            break
+        admissions.append(admission)
+        if admission.num_tokens < cost.num_tokens or admission.num_tokens > tokens_left:
+            break  # a chunk took what was left, or an oversize head goes alone
+        tokens_left -= admission.num_tokens
+        blocks_left -= _num_blocks(cost, admission.num_tokens, budget.block_size)
+    return admissions
+
+
+def _fit(
+    cost: WaitingCost,
+    index: int,
+    tokens_left: int,
+    blocks_left: int,
+    budget: AdmissionBudget,
+    may_go_alone: bool,
+) -> Admission | None:
+    """Admit `cost` whole if it fits, else its first chunk, else (alone) an oversize whole."""
+    block_size = budget.block_size
+    num_blocks = _num_blocks(cost, cost.num_tokens, block_size)
+    if cost.num_tokens <= tokens_left and num_blocks <= blocks_left:
+        return Admission(index, cost.num_tokens)
+    if budget.chunked_prefill:
+        num_tokens = min(tokens_left, (blocks_left - cost.num_reclaimed_blocks) * block_size)
+        return Admission(index, num_tokens) if num_tokens >= 1 else None
+    if may_go_alone and cost.num_tokens > budget.num_step_tokens and num_blocks <= blocks_left:
+        return Admission(index, cost.num_tokens)
+    return None
+
+
+def _num_blocks(cost: WaitingCost, num_tokens: int, block_size: int) -> int:
+    """Blocks admitting `num_tokens` of `cost` takes from the pool (its prefix is block-aligned)."""
+    return -(-num_tokens // block_size) + cost.num_reclaimed_blocks
+
+
+def run_policy(
+    policy: str, costs: Sequence[WaitingCost], budget: AdmissionBudget, lookahead: int
+) -> list[Admission]:
+    """The admissions of the named policy ("fifo", "pack" or "priority")."""
+    if policy == "pack":
+        return admit_pack(costs, budget, lookahead)
+    if policy == "priority":
+        return admit_priority(costs, budget)
+    return admit_fifo(costs, budget)
+
+
+class LazyCosts(Sequence[WaitingCost], Generic[T]):
+    """Waiting requests priced on first look, so FIFO prices only those it reads."""
+
+    __slots__ = ("_items", "_price", "_costs")
+
+    def __init__(self, items: list[T], price: Callable[[T], WaitingCost]) -> None:
+        self._items = items
+        self._price = price
+        self._costs: list[WaitingCost | None] = [None] * len(items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index):  # type: ignore[override]  # ints only
+        cost = self._costs[index]
+        if cost is None:
+            cost = self._costs[index] = self._price(self._items[index])
+        return cost

@@ -1,0 +1,72 @@
+"""The scheduling knobs of DESIGN §3: one frozen value, validated once at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ADMISSION_POLICIES = ("fifo", "pack", "priority")
+
+
+class ConfigError(ValueError):
+    """A knob out of range; the message is one sentence naming the knob and its value."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """How each step's token budget and the KV pool are shared out.
+
+    Every default is safe for any worker; `validate()` checks the ranges.
+    """
+
+    # Tokens (prefill + decode) in one step.
+    max_num_batched_tokens: int = 2048
+    # Cap on prompt tokens computed per step (new admissions and continued chunks); None: none.
+    prefill_max_tokens: int | None = None
+    # Cap on requests admitted per step; None: none.
+    prefill_max_batch_size: int | None = None
+    # Cap on running (admitted, unfinished) requests; when full, a step only decodes.
+    max_active_requests: int = 256
+    # Decode at most this many sequences per step, round-robin over the running set; None: all.
+    max_decode_batch_size: int | None = None
+    # "fifo", "pack" (cheapest first within the lookahead) or "priority" (lower value first).
+    admission_policy: str = "fifo"
+    # How many waiting requests `pack` considers.
+    admission_lookahead: int = 16
+    # Every N-th admission round is FIFO so long prompts are never starved; None or 0: never.
+    force_fifo_every: int | None = None
+    # Split a prompt across steps instead of admitting it whole.
+    chunked_prefill: bool = True
+    # When prefill and decode cannot share a step, decode wins.
+    decode_first: bool = True
+    # Reuse the KV blocks of identical prompt prefixes.
+    prefix_caching: bool = True
+    # Bound of the waiting queue; add() beyond it raises QueueFullError.
+    max_waiting_requests: int = 1024
+
+    def validate(self) -> None:
+        """Raise ConfigError for the first knob out of range."""
+        _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _at_least("max_active_requests", self.max_active_requests, 1)
+        _at_least("admission_lookahead", self.admission_lookahead, 1)
+        _at_least("max_waiting_requests", self.max_waiting_requests, 1)
+        for name in ("prefill_max_tokens", "prefill_max_batch_size", "max_decode_batch_size"):
+            value = getattr(self, name)
+            if value is not None:
+                _at_least(name, value, 1, suffix=" (or unset for no cap)")
+        if self.force_fifo_every is not None:
+            _at_least("force_fifo_every", self.force_fifo_every, 0, suffix=" (0 or unset: never)")
+        if self.admission_policy not in ADMISSION_POLICIES:
+            choices = ", ".join(ADMISSION_POLICIES)
+            raise ConfigError(
+                f"admission_policy must be one of {choices}, got {self.admission_policy!r}"
+            )
+        for name in ("chunked_prefill", "decode_first", "prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+def _at_least(name: str, value: object, minimum: int, suffix: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}{suffix}, got {value}")

@@ -1,0 +1,211 @@
+"""An in-process worker with `--model dummy` semantics, for tests and benchmarks.
+
+Each sampling sequence gets `dummy_next_token(last fed token, its position, vocab)`,
+exactly what the real dummy worker answers, so a preempted request recomputes to the
+same output. With `check=True` it also verifies what a real worker relies on and raises
+PlanError on the first violation, so scheduler bugs surface where they happen:
+  - columns are well formed; sequences are new exactly once and unknown ones are errors;
+  - block ids are in range and a sequence's table covers every position it feeds;
+  - positions are fed contiguously, within the context;
+  - every K/V slot a sequence reads holds that sequence's own prefix: a slot is modelled
+    as a hash of all tokens up to it, so sharing a block with different content, or
+    overwriting a slot another live sequence still reads, is caught.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protos.wire import dummy_next_token
+from scheduler_svc.step_decision import StepDecision, StepOutcome, WorkerGeometry
+
+
+class PlanError(AssertionError):
+    """The scheduler sent a plan a real worker could not run correctly."""
+
+
+@dataclass(slots=True)
+class _Sequence:
+    num_logprobs: int
+    block_ids: list[int] = field(default_factory=list)
+    block_index: dict[int, int] = field(default_factory=dict)  # block id -> index in table
+    num_positions: int = 0  # positions whose K/V this sequence has (fed or cached)
+    prefix_hash: int = 0  # content hash of its K/V up to num_positions
+
+
+class FakeWorker:
+    def __init__(self, geometry: WorkerGeometry, *, check: bool = True) -> None:
+        self.geometry = geometry
+        self.check = check
+        self._sequences: dict[int, _Sequence] = {}
+        self._ever_seen: set[int] = set()
+        # (block id, offset) -> content hash of the K/V written there (check mode only).
+        self._slots: dict[tuple[int, int], int] = {}
+        self._holders: dict[int, set[int]] = {}  # block id -> live seq ids holding it
+        self.num_unknown_forgets = 0
+        self.num_steps = 0
+
+    @property
+    def live_seq_ids(self) -> set[int]:
+        return set(self._sequences)
+
+    def step(self, decision: StepDecision) -> StepOutcome:
+        """Run one plan: append blocks, "write" K/V, sample, then forget."""
+        self.num_steps += 1
+        check = self.check
+        if check:
+            self._check_columns(decision)
+        for new in decision.new_sequences:
+            if new.seq_id in self._ever_seen:
+                raise PlanError(f"seq {new.seq_id} announced as new twice")
+            self._ever_seen.add(new.seq_id)
+            sequence = _Sequence(num_logprobs=new.sampling.num_logprobs)
+            sequence.num_positions = len(new.cached_token_ids)
+            self._sequences[new.seq_id] = sequence
+        cached_of = {new.seq_id: new.cached_token_ids for new in decision.new_sequences}
+
+        vocab_size = self.geometry.vocab_size
+        # Forgets happen after the forward, so their blocks may be reused in this plan.
+        forgetting = set(decision.forget_seq_ids)
+        outcome = StepOutcome(step_id=decision.step_id, seq_ids=[], token_ids=[])
+        token_ids, offsets = decision.token_ids, decision.token_offsets
+        want_logprobs = False
+        sampled: list[_Sequence] = []
+        for index, seq_id in enumerate(decision.seq_ids):
+            sequence = self._sequences.get(seq_id)
+            if sequence is None:
+                raise PlanError(f"step {decision.step_id} feeds unknown seq {seq_id}")
+            new_block_ids = decision.block_ids[
+                decision.block_offsets[index] : decision.block_offsets[index + 1]
+            ]
+            self._append_blocks(seq_id, sequence, new_block_ids)
+            if check and seq_id in cached_of:
+                self._check_cached(seq_id, sequence, cached_of[seq_id])
+            start = decision.start_positions[index]
+            fed = token_ids[offsets[index] : offsets[index + 1]]
+            if check:
+                self._check_feed(decision.step_id, seq_id, sequence, start, len(fed))
+                self._write(seq_id, sequence, start, fed, forgetting)
+            sequence.num_positions = start + len(fed)
+            if decision.sample[index]:
+                last_position = start + len(fed) - 1
+                outcome.seq_ids.append(seq_id)
+                outcome.token_ids.append(dummy_next_token(fed[-1], last_position, vocab_size))
+                sampled.append(sequence)
+                want_logprobs = want_logprobs or sequence.num_logprobs > 0
+        if want_logprobs:
+            self._fill_logprobs(outcome, sampled)
+        for seq_id in decision.forget_seq_ids:
+            sequence = self._sequences.pop(seq_id, None)
+            if sequence is None:
+                self.num_unknown_forgets += 1
+                continue
+            for block_id in sequence.block_ids:
+                self._holders[block_id].discard(seq_id)
+        return outcome
+
+    def fail(self, decision: StepDecision, message: str = "injected failure") -> StepOutcome:
+        """A failed step as the real worker reports it: it forgets every sequence named."""
+        for seq_id in [*decision.seq_ids, *decision.forget_seq_ids]:
+            sequence = self._sequences.pop(seq_id, None)
+            if sequence is not None:
+                for block_id in sequence.block_ids:
+                    self._holders[block_id].discard(seq_id)
+        self._ever_seen.update(new.seq_id for new in decision.new_sequences)
+        return StepOutcome(step_id=decision.step_id, seq_ids=[], token_ids=[], step_error=message)
+
+    def block_ids_of(self, seq_id: int) -> list[int]:
+        return list(self._sequences[seq_id].block_ids)
+
+    # -- checks ----------------------------------------------------------------------------
+
+    def _check_columns(self, decision: StepDecision) -> None:
+        num_seqs = len(decision.seq_ids)
+        for name in ("start_positions", "sample"):
+            if len(getattr(decision, name)) != num_seqs:
+                raise PlanError(
+                    f"{name} has {len(getattr(decision, name))} entries for {num_seqs} seqs"
+                )
+        for name, values in (("token", decision.token_ids), ("block", decision.block_ids)):
+            offsets = getattr(decision, f"{name}_offsets")
+            if len(offsets) != num_seqs + 1 or offsets[0] != 0 or offsets[-1] != len(values):
+                raise PlanError(f"{name}_offsets {offsets} do not frame {len(values)} ids")
+            if any(b < a for a, b in zip(offsets, offsets[1:], strict=False)):
+                raise PlanError(f"{name}_offsets decrease: {offsets}")
+        if len(set(decision.seq_ids)) != num_seqs:
+            raise PlanError(f"a seq is fed twice in step {decision.step_id}")
+        for index in range(num_seqs):
+            if decision.token_offsets[index] == decision.token_offsets[index + 1]:
+                raise PlanError(f"seq {decision.seq_ids[index]} is scheduled with no tokens")
+        for block_id in decision.block_ids:
+            if not 0 <= block_id < self.geometry.num_kv_blocks:
+                raise PlanError(f"block {block_id} is outside the pool")
+
+    def _append_blocks(self, seq_id: int, sequence: _Sequence, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            if self.check and block_id in sequence.block_index:
+                raise PlanError(f"seq {seq_id} holds block {block_id} twice")
+            sequence.block_index[block_id] = len(sequence.block_ids)
+            sequence.block_ids.append(block_id)
+            self._holders.setdefault(block_id, set()).add(seq_id)
+
+    def _check_feed(
+        self, step_id: int, seq_id: int, sequence: _Sequence, start: int, num: int
+    ) -> None:
+        if start != sequence.num_positions:
+            raise PlanError(
+                f"step {step_id}: seq {seq_id} feeds from position {start} but has K/V "
+                f"up to {sequence.num_positions}"
+            )
+        end = start + num
+        if end > self.geometry.max_context_tokens:
+            raise PlanError(f"seq {seq_id} feeds up to position {end - 1}, beyond the context")
+        if end > len(sequence.block_ids) * self.geometry.block_size:
+            raise PlanError(
+                f"step {step_id}: seq {seq_id}'s {len(sequence.block_ids)} blocks do not "
+                f"cover position {end - 1}"
+            )
+
+    def _check_cached(self, seq_id: int, sequence: _Sequence, cached_token_ids: list[int]) -> None:
+        """The prefix blocks a new sequence points at hold exactly its cached tokens' K/V."""
+        block_size = self.geometry.block_size
+        prefix_hash = 0
+        for position, token_id in enumerate(cached_token_ids):
+            prefix_hash = hash((prefix_hash, token_id))
+            slot = (sequence.block_ids[position // block_size], position % block_size)
+            if self._slots.get(slot) != prefix_hash:
+                raise PlanError(f"seq {seq_id}'s cached position {position} holds other K/V")
+        sequence.prefix_hash = prefix_hash
+
+    def _write(
+        self, seq_id: int, sequence: _Sequence, start: int, fed: list[int], forgetting: set[int]
+    ) -> None:
+        block_size = self.geometry.block_size
+        prefix_hash = sequence.prefix_hash
+        for offset, token_id in enumerate(fed):
+            position = start + offset
+            prefix_hash = hash((prefix_hash, token_id))
+            block_id = sequence.block_ids[position // block_size]
+            slot = (block_id, position % block_size)
+            old = self._slots.get(slot)
+            if old is not None and old != prefix_hash:
+                for other_id in self._holders[block_id] - forgetting:
+                    other = self._sequences[other_id]
+                    other_position = other.block_index[block_id] * block_size + slot[1]
+                    if other_id != seq_id and other_position < other.num_positions:
+                        raise PlanError(
+                            f"seq {seq_id} overwrites block {block_id} slot {slot[1]} that "
+                            f"seq {other_id} still reads"
+                        )
+            self._slots[slot] = prefix_hash
+        sequence.prefix_hash = prefix_hash
+
+    @staticmethod
+    def _fill_logprobs(outcome: StepOutcome, sampled: list[_Sequence]) -> None:
+        outcome.top_offsets.append(0)
+        for token_id, sequence in zip(outcome.token_ids, sampled, strict=True):
+            outcome.logprobs.append(-0.5)
+            top = [token_id, *range(sequence.num_logprobs - 1)][: sequence.num_logprobs]
+            outcome.top_token_ids.extend(top)
+            outcome.top_logprobs.extend(-0.5 - rank for rank in range(len(top)))
+            outcome.top_offsets.append(len(outcome.top_token_ids))

@@ -1,0 +1,143 @@
+"""Prefix caching over the block pool: full blocks keyed by their tokens and their past.
+
+A full block's key is hash((parent block's key, its tokens)), so two sequences share a
+key only if they share every token up to the end of that block. A block's key is
+registered once its tokens are all computed or fed by the step being planned (the
+worker writes a step's K/V before any attention reads it). Blocks nobody owns keep
+their key while they wait on an LRU list; they are evicted only when the free list
+alone cannot serve an allocation. Keys are Python's 64-bit tuple hashes: a false hit
+needs a collision among the cached blocks, about 2^-64 per pair, accepted as vLLM does.
+
+The composite is the one door to the pool for the scheduler: allocate, acquire
+hits, release, register, and counts.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from scheduler_svc.block_allocator import BlockAllocator
+
+ROOT_HASH = 0x5061676F6461  # parent of a sequence's first block
+
+
+def extend_block_hashes(
+    token_ids: list[int], block_hashes: list[int], num_blocks: int, block_size: int
+) -> None:
+    """Append to `block_hashes` the chained keys of `token_ids`' full blocks up to `num_blocks`."""
+    parent = block_hashes[-1] if block_hashes else ROOT_HASH
+    for index in range(len(block_hashes), num_blocks):
+        start = index * block_size
+        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        block_hashes.append(parent)
+
+
+class PrefixCache:
+    __slots__ = (
+        "allocator",
+        "block_size",
+        "enabled",
+        "_block_of_hash",
+        "_hash_of_block",
+        "_evictable",
+    )
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, *, enabled: bool = True) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.enabled = enabled
+        self._block_of_hash: dict[int, int] = {}
+        self._hash_of_block: dict[int, int] = {}
+        # Retained (ownerless, keyed) blocks, least recently released first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+
+    # -- counts ------------------------------------------------------------------------
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation can get now: free ones plus evictable cached ones."""
+        return self.allocator.num_free_blocks + len(self._evictable)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self._evictable)
+
+    def block_hash(self, block_id: int) -> int | None:
+        return self._hash_of_block.get(block_id)
+
+    # -- lookups -----------------------------------------------------------------------
+
+    def match(self, block_hashes: list[int], max_blocks: int) -> list[int]:
+        """Blocks of the longest cached prefix of the chain `block_hashes[:max_blocks]`."""
+        if not self.enabled:
+            return []
+        block_of_hash = self._block_of_hash
+        hit_block_ids: list[int] = []
+        for block_hash in block_hashes[:max_blocks]:
+            block_id = block_of_hash.get(block_hash)
+            if block_id is None:
+                break
+            hit_block_ids.append(block_id)
+        return hit_block_ids
+
+    def num_evictable(self, block_ids: list[int]) -> int:
+        """How many of `block_ids` acquiring would take off the evictable list."""
+        evictable = self._evictable
+        return sum(1 for block_id in block_ids if block_id in evictable)
+
+    # -- ownership ---------------------------------------------------------------------
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        """`num_blocks` fresh blocks, evicting least recently used cached ones if the free
+        list is short; None (and nothing evicted) when even that is not enough."""
+        allocator = self.allocator
+        shortfall = num_blocks - allocator.num_free_blocks
+        if shortfall > 0:
+            if shortfall > len(self._evictable):
+                return None
+            for _ in range(shortfall):
+                block_id, _ = self._evictable.popitem(last=False)
+                del self._block_of_hash[self._hash_of_block.pop(block_id)]
+                allocator.reclaim(block_id)
+        return allocator.allocate(num_blocks)
+
+    def acquire(self, block_ids: list[int]) -> None:
+        """Take one more reference on each cache-hit block (reviving evictable ones)."""
+        evictable = self._evictable
+        for block_id in block_ids:
+            evictable.pop(block_id, None)
+            self.allocator.acquire(block_id)
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference on each block of a sequence's table.
+
+        Released tail first, so among blocks of one sequence the tail is evicted first
+        and the shared head of a prompt stays longest.
+        """
+        allocator, hash_of_block, evictable = self.allocator, self._hash_of_block, self._evictable
+        for block_id in reversed(block_ids):
+            keyed = block_id in hash_of_block
+            allocator.release(block_id, retain=keyed)
+            if keyed and allocator.ref_count(block_id) == 0:
+                evictable[block_id] = None
+
+    def register(self, block_id: int, block_hash: int) -> bool:
+        """Key a full, computed (or being computed) block. False when the key already
+        names another block (this one then stays unkeyed and is freed when released)."""
+        if not self.enabled or block_id in self._hash_of_block:
+            return False
+        if block_hash in self._block_of_hash:
+            return False
+        self._block_of_hash[block_hash] = block_id
+        self._hash_of_block[block_id] = block_hash
+        return True
+
+    def unregister(self, block_id: int) -> None:
+        """Forget a block's key (its K/V was never written); an ownerless one is freed."""
+        block_hash = self._hash_of_block.pop(block_id, None)
+        if block_hash is None:
+            return
+        del self._block_of_hash[block_hash]
+        if block_id in self._evictable:
+            del self._evictable[block_id]
+            self.allocator.reclaim(block_id)

@@ -1,0 +1,233 @@
+"""Factories for the scheduler-core tests: requests, schedulers, a scripted detokenizer,
+and a driver that runs a scheduler against the in-process fake worker."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from protos.wire import dummy_next_token
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.fake_worker import FakeWorker
+from scheduler_svc.request import (
+    FinishReason,
+    RequestOutput,
+    RequestState,
+    ValidRequest,
+    ValidSampling,
+    ValidStopping,
+)
+from scheduler_svc.scheduler import Scheduler, StepDecision, WorkerGeometry
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def make_sampling(num_logprobs: int = 0, seed: int = 0) -> ValidSampling:
+    return ValidSampling(
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        seed=seed,
+        num_logprobs=num_logprobs,
+    )
+
+
+def make_request(
+    request_id: str = "r0",
+    prompt: Iterable[int] | int = 8,
+    *,
+    max_new_tokens: int = 4,
+    min_new_tokens: int = 0,
+    stop_strings: tuple[str, ...] = (),
+    stop_token_ids: Iterable[int] = (),
+    ignore_eos: bool = False,
+    priority: int = 0,
+    num_logprobs: int = 0,
+) -> ValidRequest:
+    """A request; an int prompt means that many tokens (distinct per request id)."""
+    if isinstance(prompt, int):
+        base = sum(map(ord, request_id)) * 7
+        prompt = [(base + index) % 97 + 3 for index in range(prompt)]
+    return ValidRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(prompt),
+        sampling=make_sampling(num_logprobs),
+        stopping=ValidStopping(
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            stop_strings=stop_strings,
+            stop_token_ids=frozenset(stop_token_ids),
+            ignore_eos=ignore_eos,
+        ),
+        priority=priority,
+    )
+
+
+def make_geometry(
+    num_kv_blocks: int = 64,
+    block_size: int = 4,
+    max_context_tokens: int = 512,
+    eos_token_ids: Iterable[int] = (),
+    vocab_size: int = 1000,
+) -> WorkerGeometry:
+    return WorkerGeometry(
+        num_kv_blocks=num_kv_blocks,
+        block_size=block_size,
+        max_context_tokens=max_context_tokens,
+        eos_token_ids=frozenset(eos_token_ids),
+        vocab_size=vocab_size,
+    )
+
+
+class LetterDetokenizer:
+    """Token id -> one letter; stands in for a real detokenizer in scheduler tests."""
+
+    def push(self, token_id: int) -> str:
+        return LETTERS[token_id % 26]
+
+    def flush(self) -> str:
+        return ""
+
+
+def make_scheduler(
+    geometry: WorkerGeometry | None = None,
+    detokenizer_factory: Callable[[], object] = LetterDetokenizer,
+    **knobs,
+) -> Scheduler:
+    """A Scheduler with a worker of `geometry` (make_geometry() by default) attached."""
+    scheduler = Scheduler(SchedulerConfig(**knobs), detokenizer_factory)  # type: ignore[arg-type]
+    scheduler.attach_worker(geometry or make_geometry())
+    return scheduler
+
+
+def expected_generation(
+    request: ValidRequest, geometry: WorkerGeometry
+) -> tuple[list[int], FinishReason, str]:
+    """What the dummy model streams for `request` alone (token ids, finish reason, text with
+    LetterDetokenizer): the reference any schedule must reproduce."""
+    tokens = list(request.prompt_token_ids)
+    stopping = request.stopping
+    generated: list[int] = []
+    text = ""
+    active_from: int | None = None  # where stop strings start counting
+    while True:
+        token_id = dummy_next_token(tokens[-1], len(tokens) - 1, geometry.vocab_size)
+        tokens.append(token_id)
+        generated.append(token_id)
+        allowed = len(generated) > stopping.min_new_tokens
+        if allowed and (
+            token_id in stopping.stop_token_ids
+            or (token_id in geometry.eos_token_ids and not stopping.ignore_eos)
+        ):
+            return generated, FinishReason.STOP, text
+        if allowed and active_from is None:
+            active_from = len(text)
+        text += LETTERS[token_id % 26]
+        if active_from is not None:
+            starts = [text.find(stop, active_from) for stop in stopping.stop_strings]
+            starts = [start for start in starts if start >= 0]
+            if starts:
+                return generated, FinishReason.STOP, text[: min(starts)]
+        if len(generated) >= stopping.max_new_tokens or len(tokens) >= geometry.max_context_tokens:
+            return generated, FinishReason.LENGTH, text
+
+
+@dataclass
+class Stream:
+    """Everything one request streamed."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    num_events_after_finish: int = 0
+    usage: object = None
+
+    def take(self, output: RequestOutput) -> None:
+        if self.finish_reason is not None:
+            self.num_events_after_finish += 1
+        self.token_ids.extend(output.token_ids)
+        self.text += output.text
+        if output.finish_reason is not None:
+            self.finish_reason = output.finish_reason
+            self.usage = output.usage
+
+
+def check_invariants(scheduler: Scheduler) -> None:
+    """Block ownership and request states agree with the allocator, exactly."""
+    state = scheduler._state
+    blocks = state.blocks
+    if blocks is None:
+        assert not state.running
+        return
+    allocator = blocks.allocator
+    assert (
+        allocator.num_used_blocks + allocator.num_free_blocks + allocator.num_retained_blocks
+        == allocator.num_total_blocks
+    )
+    assert blocks.num_cached_free_blocks == allocator.num_retained_blocks
+    owners: dict[int, int] = defaultdict(int)
+    for seq_id, request in state.running.items():
+        assert request.state is RequestState.RUNNING and request.seq_id == seq_id
+        assert len(set(request.block_ids)) == len(request.block_ids), "a block owned twice"
+        assert request.num_computed_tokens <= len(request.block_ids) * blocks.block_size
+        for block_id in request.block_ids:
+            owners[block_id] += 1
+    for block_id in range(allocator.num_total_blocks):
+        assert allocator.ref_count(block_id) == owners.get(block_id, 0), block_id
+        if allocator.is_free(block_id):
+            assert blocks.block_hash(block_id) is None
+    assert sum(1 for _ in owners) == allocator.num_used_blocks
+    for request in state.waiting:
+        assert request.state is RequestState.WAITING and not request.block_ids
+    assert set(state.prefilling) <= set(state.running)
+    assert len(state.running) + len(state.waiting) == len(state.requests)
+
+
+def decision_within_budget(decision: StepDecision, config: SchedulerConfig) -> bool:
+    """The step's tokens fit max_num_batched_tokens, except an oversize prompt admitted
+    whole without chunked prefill (it goes alone among the admissions)."""
+    if decision.num_tokens <= config.max_num_batched_tokens:
+        return True
+    if config.chunked_prefill:
+        return False
+    step_prefill = min(config.max_num_batched_tokens, config.prefill_max_tokens or 10**9)
+    new_ids = {new.seq_id for new in decision.new_sequences}
+    sizes = [
+        decision.token_offsets[i + 1] - decision.token_offsets[i]
+        for i, seq_id in enumerate(decision.seq_ids)
+        if seq_id in new_ids
+    ]
+    return len(sizes) == 1 and sizes[0] > step_prefill
+
+
+def drive(
+    scheduler: Scheduler,
+    worker: FakeWorker,
+    streams: dict[str, Stream] | None = None,
+    *,
+    max_steps: int = 10_000,
+    stop_early: bool = False,
+    on_step: Callable[[int, StepDecision], None] | None = None,
+) -> dict[str, Stream]:
+    """Run steps until the scheduler has no work (or `max_steps` with `stop_early`);
+    returns each request's stream."""
+    streams = streams if streams is not None else defaultdict(Stream)
+    for step in range(max_steps):
+        decision = scheduler.schedule(now=float(step))
+        if decision is None:
+            assert not scheduler.has_work(), "work left but nothing scheduled"
+            return streams
+        assert decision_within_budget(decision, scheduler.config)
+        if on_step is not None:
+            on_step(step, decision)
+        for output in scheduler.apply(worker.step(decision), now=float(step) + 0.5):
+            streams[output.request_id].take(output)
+        check_invariants(scheduler)
+    if stop_early:
+        return streams
+    raise AssertionError(f"not done after {max_steps} steps")

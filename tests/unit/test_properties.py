@@ -1,0 +1,219 @@
+"""Property-based: random workloads under random knobs, run against the checking fake
+worker. Whatever the schedule, every request streams exactly what the dummy model
+generates for it alone, and block ownership stays exact."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from scheduler_svc.fake_worker import FakeWorker
+from scheduler_svc.request import FinishReason, ValidRequest
+from scheduler_svc.scheduler import Scheduler, WorkerGeometry
+from tests.unit.conftest import (
+    Stream,
+    check_invariants,
+    decision_within_budget,
+    expected_generation,
+    make_geometry,
+    make_request,
+    make_scheduler,
+)
+
+MAX_STEPS = 3000
+
+
+@dataclass
+class Workload:
+    arrivals: list[tuple[int, ValidRequest]]  # (step, request), by step
+    knobs: dict
+    geometry: WorkerGeometry
+    cancels: dict[int, list[str]] = field(default_factory=dict)  # step -> request ids
+    # step -> "lost" (fail_step), "error" (the worker's step_error) or "restart" (new worker)
+    failures: dict[int, str] = field(default_factory=dict)
+
+
+@st.composite
+def workloads(draw, with_cancels: bool = False, with_failures: bool = False) -> Workload:
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    vocab_size = draw(st.integers(20, 60))
+    token = st.integers(0, vocab_size - 1)
+    eos_token_ids = draw(st.sets(token, max_size=2))
+    shared_prefixes = draw(st.lists(st.lists(token, max_size=14), min_size=1, max_size=3))
+    arrivals = []
+    for index in range(draw(st.integers(1, 10))):
+        prompt = draw(st.sampled_from(shared_prefixes)) + draw(st.lists(token, max_size=10))
+        max_new_tokens = draw(st.integers(1, 12))
+        request = make_request(
+            f"r{index}",
+            prompt or [1],
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=draw(st.integers(0, max_new_tokens)),
+            stop_token_ids=draw(st.sets(token, max_size=2)),
+            stop_strings=tuple(draw(st.lists(st.text("abc", min_size=1, max_size=3), max_size=2))),
+            ignore_eos=draw(st.booleans()),
+            priority=draw(st.integers(0, 3)),
+            num_logprobs=draw(st.sampled_from([0, 0, 2])),
+        )
+        arrivals.append((draw(st.integers(0, 15)), request))
+    arrivals.sort(key=lambda arrival: arrival[0])
+    cap = st.none() | st.integers(1, 48)
+    knobs = dict(
+        max_num_batched_tokens=draw(st.integers(1, 48)),
+        prefill_max_tokens=draw(cap),
+        prefill_max_batch_size=draw(st.none() | st.integers(1, 4)),
+        max_active_requests=draw(st.integers(1, 8)),
+        max_decode_batch_size=draw(st.none() | st.integers(1, 6)),
+        admission_policy=draw(st.sampled_from(["fifo", "pack", "priority"])),
+        admission_lookahead=draw(st.integers(1, 6)),
+        force_fifo_every=draw(st.none() | st.integers(0, 3)),
+        chunked_prefill=draw(st.booleans()),
+        decode_first=draw(st.booleans()),
+        prefix_caching=draw(st.booleans()),
+    )
+    longest = max(len(r.prompt_token_ids) + r.stopping.max_new_tokens for _, r in arrivals)
+    min_blocks = -(-(longest - 1) // block_size)
+    geometry = make_geometry(
+        num_kv_blocks=draw(st.integers(min_blocks, 2 * min_blocks + 2)),
+        block_size=block_size,
+        max_context_tokens=longest + draw(st.integers(0, 8)),
+        eos_token_ids=eos_token_ids,
+        vocab_size=vocab_size,
+    )
+    workload = Workload(arrivals, knobs, geometry)
+    if with_cancels:
+        for _, request in arrivals:
+            if draw(st.booleans()):
+                workload.cancels.setdefault(draw(st.integers(0, 40)), []).append(request.request_id)
+    if with_failures:
+        for step in draw(st.sets(st.integers(0, 40), max_size=3)):
+            workload.failures[step] = draw(st.sampled_from(["lost", "error", "restart"]))
+    return workload
+
+
+def run(
+    workload: Workload, geometry: WorkerGeometry | None = None
+) -> tuple[dict[str, Stream], Scheduler]:
+    """Drive the workload to the end, checking invariants after every call."""
+    geometry = geometry or workload.geometry
+    scheduler = make_scheduler(geometry, **workload.knobs)
+    worker = FakeWorker(geometry)
+    streams: dict[str, Stream] = defaultdict(Stream)
+    arrivals = list(workload.arrivals)
+    state = scheduler._state
+    for step in range(MAX_STEPS):
+        now = float(step)
+        while arrivals and arrivals[0][0] <= step:
+            scheduler.add(arrivals.pop(0)[1], now)
+        for request_id in workload.cancels.get(step, []):
+            request = state.requests.get(request_id)
+            seq_id = request.seq_id if request is not None else None
+            output = scheduler.cancel(request_id, now)
+            if output is not None:
+                streams[request_id].take(output)
+            check_invariants(scheduler)  # its blocks are free already
+            assert request_id not in state.requests
+            if seq_id is not None:
+                assert seq_id in state.forget_seq_ids  # the next plan forgets it
+        decision = scheduler.schedule(now)
+        if decision is None:
+            assert not scheduler.has_work()
+            if not arrivals:
+                return streams, scheduler
+            continue
+        assert decision_within_budget(decision, scheduler.config)
+        failure = workload.failures.get(step)
+        if failure == "lost" or failure == "restart":
+            assert scheduler.fail_step(decision, "worker lost", now) == []
+            if failure == "restart":
+                scheduler.detach_worker()
+                assert scheduler.attach_worker(geometry) == []
+                worker = FakeWorker(geometry)
+        else:
+            outcome = worker.fail(decision) if failure == "error" else worker.step(decision)
+            for output in scheduler.apply(outcome, now + 0.5):
+                streams[output.request_id].take(output)
+        check_invariants(scheduler)
+        # No sequence leaks on the worker: it holds the running ones and those to forget.
+        assert (
+            set(state.running)
+            <= worker.live_seq_ids
+            <= set(state.running) | set(state.forget_seq_ids)
+        )
+    raise AssertionError(f"not finished after {MAX_STEPS} steps")
+
+
+def check_streams(workload: Workload, streams: dict[str, Stream]) -> None:
+    cancelled = {rid for ids in workload.cancels.values() for rid in ids}
+    for _, request in workload.arrivals:
+        stream = streams[request.request_id]
+        assert stream.finish_reason is not None, f"{request.request_id} never finished"
+        assert stream.num_events_after_finish == 0
+        token_ids, reason, text = expected_generation(request, workload.geometry)
+        if stream.finish_reason is FinishReason.CANCELLED:
+            assert request.request_id in cancelled
+            assert stream.token_ids == token_ids[: len(stream.token_ids)]
+            assert text.startswith(stream.text)
+        else:
+            assert (stream.token_ids, stream.finish_reason, stream.text) == (
+                token_ids,
+                reason,
+                text,
+            )
+        assert stream.usage.completion_tokens == len(stream.token_ids)
+
+
+# A few seconds per property here; PAGODA_HYPOTHESIS_EXAMPLES=5000 for a deep search.
+MAX_EXAMPLES = int(os.environ.get("PAGODA_HYPOTHESIS_EXAMPLES", "200"))
+COMMON = settings(
+    max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+@COMMON
+@given(workloads())
+def test_every_request_streams_its_reference_output_exactly_once(workload):
+    streams, scheduler = run(workload)
+    check_streams(workload, streams)
+    stats = scheduler.stats
+    assert stats.num_running == stats.num_waiting == stats.num_kv_blocks_used == 0
+
+
+@COMMON
+@given(workloads())
+def test_preempted_requests_resume_with_the_output_of_an_unpressured_run(workload):
+    block_size = workload.geometry.block_size
+    # Room for every request at its longest at once: nothing is ever preempted.
+    everything = sum(
+        -(-(len(r.prompt_token_ids) + r.stopping.max_new_tokens) // block_size)
+        for _, r in workload.arrivals
+    )
+    roomy = make_geometry(
+        num_kv_blocks=everything,
+        block_size=workload.geometry.block_size,
+        max_context_tokens=workload.geometry.max_context_tokens,
+        eos_token_ids=workload.geometry.eos_token_ids,
+        vocab_size=workload.geometry.vocab_size,
+    )
+    streams, scheduler = run(workload)
+    roomy_streams, roomy_scheduler = run(workload, roomy)
+    assert roomy_scheduler.stats.num_preemptions == 0
+    event(f"preempted: {scheduler.stats.num_preemptions > 0}")
+    for request_id, stream in streams.items():
+        roomy_stream = roomy_streams[request_id]
+        assert (stream.token_ids, stream.text, stream.finish_reason) == (
+            roomy_stream.token_ids,
+            roomy_stream.text,
+            roomy_stream.finish_reason,
+        )
+
+
+@COMMON
+@given(workloads(with_cancels=True, with_failures=True))
+def test_cancels_and_worker_failures_lose_and_repeat_nothing(workload):
+    streams, _ = run(workload)
+    check_streams(workload, streams)

@@ -1,0 +1,71 @@
+"""Flags > PAGODA_WORKER_* environment > defaults, validated once."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu_worker.config import WorkerConfig, default_zmq_endpoint, parse_config
+
+
+def test_defaults():
+    config = parse_config([], environ={"XDG_RUNTIME_DIR": "/run/user/7"})
+    assert config == WorkerConfig(zmq_endpoint="ipc:///run/user/7/pagoda/worker.sock")
+    assert config.block_size == 16 and config.num_kv_blocks is None
+    assert config.model == "default" and config.device == "auto" and config.log_level == "INFO"
+
+
+def test_default_endpoint_without_a_runtime_dir_is_per_user():
+    assert default_zmq_endpoint({}).startswith("ipc:///tmp/pagoda-")
+
+
+def test_environment_fills_in_and_flags_win():
+    environ = {
+        "PAGODA_WORKER_BLOCK_SIZE": "32",
+        "PAGODA_WORKER_MODEL": "dummy",
+        "PAGODA_WORKER_NUM_KV_BLOCKS": "100",
+        "PAGODA_WORKER_LOG_LEVEL": "debug",
+    }
+    config = parse_config(["--block-size", "8", "--zmq-endpoint", "tcp://127.0.0.1:5555"], environ)
+    assert config.block_size == 8
+    assert config.model == "dummy" and config.is_dummy
+    assert config.num_kv_blocks == 100
+    assert config.log_level == "DEBUG"
+    assert config.zmq_endpoint == "tcp://127.0.0.1:5555"
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ"),
+    [
+        (["--block-size", "0"], {}),
+        (["--gpu-memory-utilization", "1.5"], {}),
+        (["--zmq-endpoint", "no-scheme"], {}),
+        ([], {"PAGODA_WORKER_BLOCK_SIZE": "sixteen"}),
+        ([], {"PAGODA_WORKER_DEVICE": "tpu"}),
+    ],
+)
+def test_bad_values_exit_with_a_message(argv, environ, capsys):
+    with pytest.raises(SystemExit) as exited:
+        parse_config(argv, environ)
+    assert exited.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["--help"], {})
+    text = capsys.readouterr().out
+    for flag in [
+        "--zmq-endpoint",
+        "--model",
+        "--device",
+        "--dtype",
+        "--block-size",
+        "--kv-cache-gib",
+        "--gpu-memory-utilization",
+        "--num-kv-blocks",
+        "--max-context-tokens",
+        "--log-level",
+        "--fail-on-token-id",
+    ]:
+        assert flag in text
+    assert "fault-injection" in text

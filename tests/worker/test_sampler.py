@@ -1,0 +1,154 @@
+"""The batched sampler against its definitions (and transformers' own logits processors)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from transformers import (
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from gpu_worker.sampler import SampleRow, apply_penalties, sample, seeded_uniform
+from gpu_worker.sequence_table import SamplingParams
+
+VOCAB = 64
+
+
+def row(history=(1, 2, 3), num_prompt_tokens=None, position=None, **params) -> SampleRow:
+    history = list(history)
+    return SampleRow(
+        SamplingParams(**params),
+        history,
+        len(history) if num_prompt_tokens is None else num_prompt_tokens,
+        len(history) if position is None else position,
+    )
+
+
+def random_logits(num_rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    logits = random_logits(5)
+    out = sample(logits, [row() for _ in range(5)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs == []
+
+
+def test_top_k_one_is_greedy_whatever_the_seed():
+    logits = random_logits(4, seed=1)
+    rows = [row(temperature=1.3, top_k=1, seed=s) for s in range(4)]
+    assert sample(logits, rows).token_ids == logits.argmax(-1).tolist()
+
+
+def test_repetition_penalty_matches_transformers():
+    logits = random_logits(2, seed=2)
+    history = [[3, 5, 5, 9, 20], [1, 4, 63]]
+    rows = [row(h, repetition_penalty=1.7) for h in history]
+    ours = apply_penalties(logits.clone(), rows)
+    for i, h in enumerate(history):
+        theirs = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([h]), logits[i : i + 1].clone())
+        torch.testing.assert_close(ours[i : i + 1], theirs)
+    # Positive logits shrink, negative ones grow more negative, unseen tokens stay.
+    seen = set(history[0])
+    for token in range(VOCAB):
+        before, after = logits[0, token].item(), ours[0, token].item()
+        if token not in seen:
+            assert after == before
+        elif before > 0:
+            assert after == pytest.approx(before / 1.7)
+        else:
+            assert after == pytest.approx(before * 1.7)
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    logits = torch.zeros(1, VOCAB)
+    # Prompt [7, 7, 8]; generated [8, 9, 9, 9].
+    rows = [
+        row(
+            [7, 7, 8, 8, 9, 9, 9], num_prompt_tokens=3, presence_penalty=0.5, frequency_penalty=0.25
+        )
+    ]
+    out = apply_penalties(logits, rows)[0]
+    assert out[7].item() == 0.0  # prompt only
+    assert out[8].item() == pytest.approx(-(0.5 + 0.25 * 1))
+    assert out[9].item() == pytest.approx(-(0.5 + 0.25 * 3))
+    assert out[10].item() == 0.0
+
+
+def test_rows_without_penalties_are_untouched_in_a_penalized_batch():
+    logits = random_logits(2, seed=3)
+    rows = [row([1, 2], repetition_penalty=2.0, presence_penalty=1.0), row([1, 2])]
+    out = apply_penalties(logits.clone(), rows)
+    torch.testing.assert_close(out[1], logits[1])
+    assert not torch.equal(out[0], logits[0])
+
+
+def test_logprobs_are_a_distribution_after_temperature():
+    logits = random_logits(3, seed=4)
+    rows = [
+        row(temperature=0.0, num_logprobs=VOCAB),
+        row(temperature=0.7, seed=1, num_logprobs=VOCAB),
+        row(temperature=1.5, seed=2, top_k=3, num_logprobs=5),
+    ]
+    out = sample(logits, rows)
+    assert [len(ids) for ids in out.top_token_ids] == [VOCAB, VOCAB, 5]
+    for i in range(2):
+        assert math.fsum(math.exp(lp) for lp in out.top_logprobs[i]) == pytest.approx(1.0)
+    for i, temperature in enumerate([1.0, 0.7, 1.5]):
+        expected = torch.log_softmax(logits[i] / temperature, -1)
+        assert out.logprobs[i] == pytest.approx(expected[out.token_ids[i]].item(), abs=1e-5)
+        assert out.top_logprobs[i] == sorted(out.top_logprobs[i], reverse=True)
+        assert out.top_token_ids[i][0] == logits[i].argmax().item()
+
+
+def _support(logits_row: torch.Tensor, params: dict, num_draws: int = 300) -> set[int]:
+    rows = [row(seed=s, temperature=1.0, **params) for s in range(num_draws)]
+    return set(sample(logits_row.expand(num_draws, -1).clone(), rows).token_ids)
+
+
+def test_top_k_and_top_p_draw_only_inside_transformers_support():
+    logits = random_logits(1, seed=5)
+    scores = logits.clone()
+    top_k_allowed = set(
+        torch.nonzero(TopKLogitsWarper(5)(None, scores.clone())[0] > -math.inf)[:, 0].tolist()
+    )
+    top_p_allowed = set(
+        torch.nonzero(TopPLogitsWarper(0.6)(None, scores.clone())[0] > -math.inf)[:, 0].tolist()
+    )
+    assert _support(logits, {"top_k": 5}) <= top_k_allowed
+    assert _support(logits, {"top_p": 0.6}) <= top_p_allowed
+    assert len(_support(logits, {"top_k": 5})) > 1
+
+
+def test_min_p_removes_unlikely_tokens():
+    logits = torch.full((1, VOCAB), -10.0)
+    logits[0, :3] = torch.tensor([2.0, 1.5, -1.0])  # probs ~0.6, 0.37, 0.03
+    drawn = _support(logits, {"min_p": 0.1})
+    assert drawn == {0, 1}
+
+
+def test_draw_depends_only_on_seed_and_position():
+    logits = random_logits(1, seed=6)
+    alone = sample(logits.clone(), [row(temperature=1.0, seed=42, position=17)]).token_ids[0]
+    batch = random_logits(8, seed=7)
+    batch[5] = logits[0]
+    rows = [row(temperature=1.0, seed=s, position=3) for s in range(8)]
+    rows[5] = row(temperature=1.0, seed=42, position=17)
+    assert sample(batch, rows).token_ids[5] == alone
+    assert seeded_uniform(42, 17) != seeded_uniform(42, 18) != seeded_uniform(43, 17)
+
+
+def test_seeded_draws_follow_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    logits = probs.log()[None, :]
+    num_draws = 3000
+    rows = [row(temperature=1.0, seed=s) for s in range(num_draws)]
+    counts = Counter(sample(logits.expand(num_draws, -1).clone(), rows).token_ids)
+    for token, p in enumerate(probs.tolist()):
+        assert counts[token] / num_draws == pytest.approx(p, abs=0.04)
