@@ -101,14 +101,19 @@ def build_scenarios(*, quick: bool = False, salt: str = "bench") -> list[Scenari
     return scenarios
 
 
-def _prefill_budget(quick: bool) -> Scenario:
-    trickle = _workload(
-        num_requests=_scaled(16, quick, 8),
+def _trickle(quick: bool) -> BenchConfig:
+    """One 512-token prompt in every four, a request a second: about 8 decoding at a time."""
+    return _workload(
+        num_requests=_scaled(12, quick, 8),
         arrival="interval",
-        interval_ms=250,
+        interval_ms=1000,
         prompt_repeats=(512, 16, 16, 16),
         max_new_tokens=32,
     )
+
+
+def _prefill_budget(quick: bool) -> Scenario:
+    trickle = _trickle(quick)
     return Scenario(
         name="prefill-budget",
         title="prefill token budget vs none, trickle of 3 short + 1 long prompts",
@@ -123,17 +128,11 @@ def _prefill_budget(quick: bool) -> Scenario:
 
 
 def _chunked_prefill(quick: bool) -> Scenario:
-    trickle = _workload(
-        num_requests=_scaled(16, quick, 8),
-        arrival="interval",
-        interval_ms=250,
-        prompt_repeats=(512, 16, 16, 16),
-        max_new_tokens=32,
-    )
+    trickle = _trickle(quick)
     budget = ("--max-num-batched-tokens", "256")
     return Scenario(
         name="chunked-prefill",
-        title="chunked prefill on vs off (256-token step budget), same trickle",
+        title="chunked prefill on vs off (256-token step budget), trickle of 3 short + 1 long",
         question="Does splitting a 512-token prompt over steps lower TTFT p99 and ITL p99 "
         "together, or trade one for the other?",
         seed_result="(new comparison)",
@@ -146,7 +145,7 @@ def _chunked_prefill(quick: bool) -> Scenario:
 
 def _admission_pack(quick: bool) -> Scenario:
     burst = _workload(
-        num_requests=_scaled(24, quick, 16),
+        num_requests=_scaled(32, quick, 16),
         prompt_repeats=(512, 16, 16, 16, 16, 16, 16, 16),
         max_new_tokens=16,
     )
@@ -185,7 +184,7 @@ def _active_cap(quick: bool) -> Scenario:
 
 
 def _prefix_caching(quick: bool, salt: str) -> Scenario:
-    count = _scaled(16, quick, 8)
+    count = _scaled(24, quick, 8)
     same = _workload(num_requests=count, same_prompt=True, prompt_repeats=(256,), max_new_tokens=16)
     # About 256 tokens of system prompt before each unique question.
     system = f"[system {salt}] You are a helpful assistant.{filler_text(248)}"

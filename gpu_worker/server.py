@@ -156,6 +156,11 @@ class WorkerServer:
             if not self._send(result):
                 log.warning("step %d: result dropped, no scheduler connected", message.step_id)
         elif isinstance(message, step_pb2.HelloAck):
+            if self._acknowledged:
+                # Only an answer to our own hello counts: a stray or forged ack must not
+                # reset the sequences of the scheduler we serve, nor stop this worker.
+                log.warning("ignored a hello ack that answers no hello")
+                return None
             return self._on_ack(message)
         elif isinstance(message, step_pb2.Rehello):
             log.info("scheduler asked for a new hello (%s)", message.reason or "no reason given")
@@ -174,6 +179,9 @@ class WorkerServer:
                 ack.protocol_version,
             )
             return EXIT_REFUSED
+        if not ack.scheduler_incarnation_id:
+            log.warning("ignored a hello ack without a scheduler incarnation id")
+            return None
         if ack.scheduler_incarnation_id != self._scheduler_incarnation_id:
             if len(self.engine.table):
                 log.info("new scheduler: forgetting %d sequences", len(self.engine.table))

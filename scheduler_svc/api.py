@@ -10,6 +10,7 @@ import hmac
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -64,6 +65,55 @@ def to_response(output: RequestOutput) -> generation_pb2.GenerateResponse:
             )
         )
     return response
+
+
+class Undecodable:
+    """Stands in for a request whose bytes are not a valid message of its type."""
+
+    def __init__(self, type_name: str) -> None:
+        self.sentence = f"the request is not a valid {type_name} message"
+
+
+def _tolerant_parser(message_class):
+    """A deserializer that never raises: grpc.aio would answer UNKNOWN and log a traceback."""
+
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError:
+            return Undecodable(message_class.DESCRIPTOR.full_name)
+
+    return parse
+
+
+def _generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
+    """The Generation service, registered with parsers that turn bad bytes into INVALID_ARGUMENT."""
+    pb = generation_pb2
+    streams = {"Generate": pb.GenerateRequest, "Chat": pb.ChatRequest}
+    unaries = {
+        "Tokenize": pb.TokenizeRequest,
+        "GetModelInfo": pb.ModelInfoRequest,
+        "GetServerStats": pb.ServerStatsRequest,
+    }
+    handlers = {
+        name: grpc.unary_stream_rpc_method_handler(
+            getattr(servicer, name),
+            request_deserializer=_tolerant_parser(request_class),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        )
+        for name, request_class in streams.items()
+    }
+    handlers.update(
+        {
+            name: grpc.unary_unary_rpc_method_handler(
+                getattr(servicer, name),
+                request_deserializer=_tolerant_parser(request_class),
+                response_serializer=lambda message: message.SerializeToString(),
+            )
+            for name, request_class in unaries.items()
+        }
+    )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -123,6 +173,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 self._loop.cancel(valid.request_id)
 
     async def _admit(self, validate, request, context) -> ValidRequest:
+        await self._reject_undecodable(request, context)
         if self.draining:
             await self._abort(context, grpc.StatusCode.UNAVAILABLE, "the server is draining for shutdown")
         limits = self._limits()
@@ -143,11 +194,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except (RequestTooLargeError, ValueError) as exc:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
+    async def _reject_undecodable(self, request, context) -> None:
+        if isinstance(request, Undecodable):
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.sentence)
+
     async def _abort(self, context, code: grpc.StatusCode, sentence: str):
         self._loop.metrics.observe_error(code.name)
         await context.abort(code, sentence)
 
     async def Tokenize(self, request, context):
+        await self._reject_undecodable(request, context)
         if len(request.text) > self._config.max_grpc_message_bytes:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "text is too long")
         ids = self._tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
@@ -156,6 +212,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
     async def GetModelInfo(self, request, context):
+        await self._reject_undecodable(request, context)
         self._limits()
         hello = self._last_hello
         info = generation_pb2.ModelInfo(
@@ -178,6 +235,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return info
 
     async def GetServerStats(self, request, context):
+        await self._reject_undecodable(request, context)
         stats = self._loop.scheduler.stats
         worker = self._loop.worker
         return generation_pb2.ServerStats(
@@ -238,7 +296,7 @@ def build_server(config: ServiceConfig, servicer: GenerationServicer) -> tuple[g
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((_generation_handler(servicer),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -1,4 +1,6 @@
-"""When a request stops, and which of its text a client may see yet. Pure.
+"""When a request stops, and which of its text a client may see yet.
+
+Pure functions, plus StopStringMatcher whose only state is the text it holds back.
 
 - EOS (unless ignore_eos) and stop_token_ids end it with STOP; the token id is returned
   but its text is not streamed.
@@ -15,6 +17,11 @@ from __future__ import annotations
 from scheduler_svc.request import FinishReason, ValidStopping
 
 
+def stops_allowed(num_generated_tokens: int, stopping: ValidStopping) -> bool:
+    """Whether the `num_generated_tokens`-th generated token may end the request with STOP."""
+    return num_generated_tokens > stopping.min_new_tokens
+
+
 def token_verdict(
     token_id: int,
     num_generated_tokens: int,
@@ -26,7 +33,7 @@ def token_verdict(
     """How the `num_generated_tokens`-th generated token ends its request, by its id and
     the lengths alone (stop strings are the matcher's): STOP for a stop token id or EOS
     once stops are allowed, LENGTH at max_new_tokens or a full context, else None."""
-    if num_generated_tokens > stopping.min_new_tokens and (
+    if num_generated_tokens > stopping.min_new_tokens and (  # stops_allowed, inlined
         token_id in stopping.stop_token_ids
         or (token_id in eos_token_ids and not stopping.ignore_eos)
     ):

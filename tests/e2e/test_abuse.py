@@ -200,7 +200,7 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(tmp_path):
                 for first, call in zip(firsts, calls, strict=True):
                     tokens = list(first.token_ids)
                     finish = first.finish_reason
-                    async for response in call:
+                    while (response := await call.read()) is not grpc.aio.EOF:
                         tokens.extend(response.token_ids)
                         finish = response.finish_reason
                     results.append((tokens, finish))

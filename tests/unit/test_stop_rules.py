@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from scheduler_svc.generation import accept_token, final_text
 from scheduler_svc.request import FinishReason, Request
-from scheduler_svc.stop_rules import StopStringMatcher, find_stop_string, held_back_length
+from scheduler_svc.stop_rules import (
+    StopStringMatcher,
+    find_stop_string,
+    held_back_length,
+    token_verdict,
+)
 from tests.unit.conftest import make_request
 
 EOS = 2
@@ -45,6 +50,17 @@ def feed(
     request: Request, token_ids: list[int], max_context_tokens: int = 100
 ) -> list[tuple[str, FinishReason | None]]:
     return [accept_token(request, t, frozenset({EOS}), max_context_tokens) for t in token_ids]
+
+
+def test_token_verdict():
+    stopping = make_request(max_new_tokens=5, min_new_tokens=1, stop_token_ids=[9]).stopping
+    eos = frozenset({EOS})
+    assert token_verdict(EOS, 1, 10, stopping, eos, 100) is None  # before min_new_tokens
+    assert token_verdict(EOS, 2, 10, stopping, eos, 100) is FinishReason.STOP
+    assert token_verdict(9, 2, 10, stopping, eos, 100) is FinishReason.STOP
+    assert token_verdict(7, 5, 10, stopping, eos, 100) is FinishReason.LENGTH
+    assert token_verdict(7, 2, 100, stopping, eos, 100) is FinishReason.LENGTH
+    assert token_verdict(EOS, 5, 10, stopping, eos, 100) is FinishReason.STOP  # STOP wins
 
 
 def test_find_stop_string_returns_the_earliest():

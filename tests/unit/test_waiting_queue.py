@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from scheduler_svc.waiting_queue import WaitingQueue
+
+
+def named(name: str, priority: int = 0):
+    return SimpleNamespace(request_id=name, priority=priority)
+
+
+def names(queue: WaitingQueue) -> list[str]:
+    return [request.request_id for request in queue]
+
+
+def test_arrival_order_with_preempted_requests_at_the_head():
+    queue = WaitingQueue()
+    for name in "abc":
+        queue.push_back(named(name))
+    # Victims are preempted newest first, so the oldest, pushed last, ends at the head.
+    queue.push_front(named("newer"))
+    queue.push_front(named("older"))
+    assert names(queue) == ["older", "newer", "a", "b", "c"]
+
+
+def test_priority_order_keeps_arrival_order_among_equals():
+    queue = WaitingQueue(by_priority=True)
+    for name, priority in [("a", 5), ("b", 1), ("c", 5), ("d", 1)]:
+        queue.push_back(named(name, priority))
+    queue.push_front(named("p", 5))
+    assert names(queue) == ["b", "d", "p", "a", "c"]
+
+
+def test_removal_by_identity_and_by_head_position():
+    queue = WaitingQueue()
+    requests = [named(name) for name in "abcd"]
+    for request in requests:
+        queue.push_back(request)
+    queue.remove(requests[1])
+    queue.remove_head_indices([0, 2])
+    assert names(queue) == ["c"]
+    with pytest.raises(KeyError):
+        queue.remove(requests[0])
