@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.generation import accept_token, final_text, token_logprob
+from scheduler_svc.isolation import Isolation
 from scheduler_svc.request import (
     FinishReason,
     Request,
@@ -63,6 +64,7 @@ class Scheduler:
         self._new_detokenizer = detokenizer_factory
         self._state = SequenceState(config)
         self._planner = StepPlanner(self._state)
+        self._isolation = Isolation(self._state, self._planner)
         self._in_flight: StepDecision | None = None
         self._step_ids = itertools.count(1)
         self._last_now = 0.0  # for events of calls that carry no clock (attach_worker)
@@ -85,6 +87,7 @@ class Scheduler:
         state = self._state
         if self.worker_attached:
             self.detach_worker()
+        self._isolation.reset()
         state.attach_pool(geometry)
         outputs = []
         for request in list(state.waiting):
@@ -174,7 +177,13 @@ class Scheduler:
                 f"schedule() while step {self._in_flight.step_id} is in flight; "
                 "apply() or fail_step() it first"
             )
-        decision = self._planner.plan(next(self._step_ids), now)
+        step_id = next(self._step_ids)
+        decision = self._isolation.plan(step_id, now) if self._isolation.active else None
+        if decision is not None and not decision.seq_ids:
+            self._isolation.stand_down()
+            decision = None
+        if decision is None:
+            decision = self._planner.plan(step_id, now)
         if not decision.seq_ids:
             return None  # nothing could run (pending forgets wait for the next plan)
         decision.forget_seq_ids = state.forget_seq_ids
@@ -194,10 +203,7 @@ class Scheduler:
         self._in_flight = None
         keyed = state.take_keyed_in_flight()
         if outcome.step_error:
-            # The worker forgot every sequence the plan named: recompute them all.
-            state.unkey(keyed)
-            state.requeue(decision.seq_ids, worker_knows=False)
-            return []
+            return self._step_failed(decision, keyed, outcome.step_error, now)
         outputs: list[RequestOutput] = []
         errors = outcome.errors
         if errors:
@@ -215,7 +221,29 @@ class Scheduler:
         self._num_generated_tokens += len(outcome.seq_ids)
         if len(outcome.seq_ids) + len(errors) != decision.num_sampling:
             outputs.extend(self._finish_unsampled(decision, outcome, now))
+        if self._isolation.target is not None:
+            self._isolation.cleared()
         return outputs
+
+    def _step_failed(
+        self, decision: StepDecision, keyed: list[tuple[int, int]], error: str, now: float
+    ) -> list[RequestOutput]:
+        """The worker forgot every sequence the plan named: all are recomputed, the requests
+        of a failed group each first alone (isolation.py); one that keeps failing alone is
+        the culprit and ends with ERROR, so a poison request harms no other."""
+        state = self._state
+        state.unkey(keyed)
+        request_ids = [state.running[s].request_id for s in decision.seq_ids if s in state.running]
+        state.requeue(decision.seq_ids, worker_knows=False)
+        if len(request_ids) != 1:
+            self._isolation.suspect(request_ids)
+            return []
+        if not self._isolation.failed_alone(request_ids[0]):
+            return []
+        culprit = state.requests[request_ids[0]]
+        if culprit.state is _WAITING:
+            state.waiting.remove(culprit)
+        return [self._finish_with_error(culprit, f"the worker failed on this request: {error}", now)]
 
     def _take_tokens(self, outcome: StepOutcome, now: float, outputs: list[RequestOutput]) -> None:
         """The hot loop of apply(): one sampled token per running request, no logprobs."""

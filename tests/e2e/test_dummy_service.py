@@ -150,3 +150,25 @@ async def _drain_code(call) -> grpc.StatusCode:
     except grpc.RpcError as exc:
         return exc.code()
     return grpc.StatusCode.OK
+
+
+def test_a_poison_request_fails_alone_and_the_others_finish(tmp_path):
+    poison_token = 4999  # the dummy worker's forward raises on any step that feeds it
+    with running_service(tmp_path, model="dummy", worker_args=["--fail-on-token-id", str(poison_token)]) as service:
+        batch = prompts(6)
+        poisoned = [5, 6, poison_token, 7]
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(service.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                good = [asyncio.create_task(stream_tokens(stub, p, 24)) for p in batch]
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await stream_tokens(stub, poisoned, 24)
+                return caught.value, await asyncio.gather(*good)
+
+        error, results = asyncio.run(scenario())
+        assert error.code() == grpc.StatusCode.INTERNAL
+        assert "the worker failed on this request" in error.details()
+        for prompt_ids, (tokens, finish) in zip(batch, results, strict=True):
+            assert finish == generation_pb2.LENGTH
+            assert tokens == dummy_continuation(prompt_ids, 24)

@@ -5,7 +5,7 @@ generates for it alone, and block ownership stays exact."""
 from __future__ import annotations
 
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, event, given, settings
@@ -35,6 +35,8 @@ class Workload:
     cancels: dict[int, list[str]] = field(default_factory=dict)  # step -> request ids
     # step -> "lost" (fail_step), "error" (the worker's step_error) or "restart" (new worker)
     failures: dict[int, str] = field(default_factory=dict)
+    # Filled by run(): request id -> "error" steps it was alone in.
+    failed_alone: Counter = field(default_factory=Counter)
 
 
 @st.composite
@@ -103,6 +105,8 @@ def run(
     scheduler = make_scheduler(geometry, **workload.knobs)
     worker = FakeWorker(geometry)
     streams: dict[str, Stream] = defaultdict(Stream)
+    failed_alone = workload.failed_alone
+    failed_alone.clear()
     arrivals = list(workload.arrivals)
     state = scheduler._state
     for step in range(MAX_STEPS):
@@ -134,6 +138,10 @@ def run(
                 assert scheduler.attach_worker(geometry) == []
                 worker = FakeWorker(geometry)
         else:
+            if failure == "error":
+                ids = {state.running[s].request_id for s in decision.seq_ids if s in state.running}
+                if len(ids) == 1:
+                    failed_alone[ids.pop()] += 1
             outcome = worker.fail(decision) if failure == "error" else worker.step(decision)
             for output in scheduler.apply(outcome, now + 0.5):
                 streams[output.request_id].take(output)
@@ -154,7 +162,11 @@ def check_streams(workload: Workload, streams: dict[str, Stream]) -> None:
         assert stream.finish_reason is not None, f"{request.request_id} never finished"
         assert stream.num_events_after_finish == 0
         token_ids, reason, text = expected_generation(request, workload.geometry)
-        if stream.finish_reason is FinishReason.CANCELLED:
+        if stream.finish_reason is FinishReason.ERROR:
+            # Only a request that failed twice alone is taken for a poison request.
+            assert workload.failed_alone[request.request_id] >= 2
+            assert stream.token_ids == token_ids[: len(stream.token_ids)]
+        elif stream.finish_reason is FinishReason.CANCELLED:
             assert request.request_id in cancelled
             assert stream.token_ids == token_ids[: len(stream.token_ids)]
             assert text.startswith(stream.text)

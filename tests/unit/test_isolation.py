@@ -1,0 +1,74 @@
+"""A request that makes the worker's whole step fail is found and ends alone with ERROR."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from scheduler_svc.fake_worker import FakeWorker
+from scheduler_svc.request import FinishReason
+from tests.unit.conftest import Stream, check_invariants, expected_generation, make_geometry, make_request, make_scheduler
+
+POISON = 5000  # beyond the vocabulary, so the dummy model never samples it
+
+
+def run_with_poison(scheduler, worker, max_steps: int = 2000):
+    streams: dict[str, Stream] = defaultdict(Stream)
+    num_failed_steps = 0
+    for step in range(max_steps):
+        decision = scheduler.schedule(now=float(step))
+        if decision is None:
+            assert not scheduler.has_work()
+            return streams, num_failed_steps
+        if POISON in decision.token_ids:
+            outcome = worker.fail(decision, "RuntimeError: poisoned")
+            num_failed_steps += 1
+        else:
+            outcome = worker.step(decision)
+        for output in scheduler.apply(outcome, now=step + 0.5):
+            streams[output.request_id].take(output)
+        check_invariants(scheduler)
+    raise AssertionError("the scheduler never finished: a poison request livelocks it")
+
+
+def test_the_poison_request_alone_fails_and_the_others_finish_exactly():
+    geometry = make_geometry(num_kv_blocks=64, block_size=4, vocab_size=1000)
+    scheduler = make_scheduler(geometry, max_num_batched_tokens=64)
+    worker = FakeWorker(geometry)
+    good = [make_request(f"good{i}", 6 + i, max_new_tokens=8, ignore_eos=True) for i in range(5)]
+    poison = make_request("poison", [5, 6, POISON, 7], max_new_tokens=8, ignore_eos=True)
+    for request in [good[0], good[1], poison, *good[2:]]:
+        scheduler.add(request, now=0.0)
+
+    streams, num_failed_steps = run_with_poison(scheduler, worker)
+
+    assert streams["poison"].finish_reason is FinishReason.ERROR
+    assert streams["poison"].token_ids == []
+    for request in good:
+        tokens, reason, _ = expected_generation(request, geometry)
+        assert streams[request.request_id].token_ids == tokens
+        assert streams[request.request_id].finish_reason is reason
+    # One failure of the mixed step, then two of the poison request run alone.
+    assert num_failed_steps == 3
+    assert scheduler.stats.num_kv_blocks_used == 0
+
+
+def test_a_request_failing_alone_gets_one_more_try():
+    geometry = make_geometry()
+    scheduler = make_scheduler(geometry)
+    worker = FakeWorker(geometry)
+    scheduler.add(make_request("poison", [POISON, 4, 5], max_new_tokens=3), now=0.0)
+    streams, num_failed_steps = run_with_poison(scheduler, worker)
+    assert streams["poison"].finish_reason is FinishReason.ERROR
+    assert num_failed_steps == 2
+
+
+def test_a_passing_fault_costs_nothing():
+    geometry = make_geometry()
+    scheduler = make_scheduler(geometry)
+    worker = FakeWorker(geometry)
+    request = make_request("once", 6, max_new_tokens=5, ignore_eos=True)
+    scheduler.add(request, now=0.0)
+    scheduler.apply(worker.fail(scheduler.schedule(now=0.0)), now=0.5)  # fails once, alone
+    streams, _ = run_with_poison(scheduler, worker)
+    tokens, reason, _ = expected_generation(request, geometry)
+    assert streams["once"].token_ids == tokens and streams["once"].finish_reason is reason
