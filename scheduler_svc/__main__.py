@@ -89,7 +89,9 @@ async def serve(config: ServiceConfig, tokenizer: TextTokenizer, model_id: str) 
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     watchdog = asyncio.create_task(_watchdog(loop_task))
-    done, _ = await asyncio.wait({asyncio.create_task(stop.wait()), loop_task}, return_when=asyncio.FIRST_COMPLETED)
+    done, _ = await asyncio.wait(
+        {asyncio.create_task(stop.wait()), loop_task}, return_when=asyncio.FIRST_COMPLETED
+    )
     if loop_task in done and loop_task.exception() is not None:
         log.error("the step loop failed", exc_info=loop_task.exception())
         await server.stop(grace=None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from pathlib import Path
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -117,7 +118,9 @@ def _generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, loop: StepLoop, tokenizer: TextTokenizer, config: ServiceConfig, model_id: str) -> None:
+    def __init__(
+        self, loop: StepLoop, tokenizer: TextTokenizer, config: ServiceConfig, model_id: str
+    ) -> None:
         self._loop = loop
         self._tokenizer = tokenizer
         self._config = config
@@ -138,7 +141,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             default_max_new_tokens=self._config.default_max_new_tokens,
             max_stop_strings=self._config.max_stop_strings,
             max_stop_string_bytes=self._config.max_stop_string_bytes,
-            max_logprobs=min(self._config.max_logprobs, hello.max_logprobs or self._config.max_logprobs),
+            max_logprobs=min(
+                self._config.max_logprobs, hello.max_logprobs or self._config.max_logprobs
+            ),
         )
 
     async def Generate(self, request, context):
@@ -175,7 +180,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _admit(self, validate, request, context) -> ValidRequest:
         await self._reject_undecodable(request, context)
         if self.draining:
-            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "the server is draining for shutdown")
+            await self._abort(
+                context, grpc.StatusCode.UNAVAILABLE, "the server is draining for shutdown"
+            )
         limits = self._limits()
         if limits is None:
             await self._abort(context, grpc.StatusCode.UNAVAILABLE, "no worker is connected yet")
@@ -278,12 +285,14 @@ class BearerAuth(grpc.aio.ServerInterceptor):
         return self._stream_refusal if streaming else self._refusal
 
 
-def build_server(config: ServiceConfig, servicer: GenerationServicer) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+def build_server(
+    config: ServiceConfig, servicer: GenerationServicer
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """The grpc.aio server with Generation, health (NOT_SERVING until a worker) and reflection."""
     interceptors = []
     if config.api_key_file:
         try:
-            api_key = open(config.api_key_file).read().strip()
+            api_key = Path(config.api_key_file).read_text().strip()
         except OSError as exc:
             raise ConfigError(f"cannot read api_key_file: {exc}") from None
         if not api_key:
@@ -300,13 +309,17 @@ def build_server(config: ServiceConfig, servicer: GenerationServicer) -> tuple[g
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
         server,
     )
     if config.tls_cert:
         try:
             credentials = grpc.ssl_server_credentials(
-                [(open(config.tls_key, "rb").read(), open(config.tls_cert, "rb").read())]
+                [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
             )
         except OSError as exc:
             raise ConfigError(f"cannot read the TLS files: {exc}") from None

@@ -102,7 +102,9 @@ class Isolation:
         state = self._state
         blocks = state.blocks
         assert blocks is not None
-        needed = math.ceil((len(request.token_ids) + 1) / blocks.block_size) - len(request.block_ids)
+        needed = math.ceil((len(request.token_ids) + 1) / blocks.block_size) - len(
+            request.block_ids
+        )
         others = [r for r in state.running.values() if r is not request]
         while blocks.num_available_blocks < needed and others:
             state.preempt(others.pop())

@@ -16,12 +16,29 @@ from scheduler_svc.request import RequestOutput
 from scheduler_svc.scheduler import SchedulerStats
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-STEP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+STEP_BUCKETS_S = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    5,
+)
 TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class _LiveStats(Collector):
-    def __init__(self, stats: Callable[[], SchedulerStats], worker_connected: Callable[[], bool]) -> None:
+    def __init__(
+        self, stats: Callable[[], SchedulerStats], worker_connected: Callable[[], bool]
+    ) -> None:
         self._stats = stats
         self._worker_connected = worker_connected
 
@@ -32,11 +49,26 @@ class _LiveStats(Collector):
             "pagoda_requests_waiting": ("Requests in the waiting queue", stats.num_waiting),
             "pagoda_kv_blocks_used": ("KV blocks owned by requests", stats.num_kv_blocks_used),
             "pagoda_kv_blocks_total": ("KV blocks in the worker's pool", stats.num_kv_blocks_total),
-            "pagoda_kv_blocks_cached": ("Ownerless KV blocks kept for prefix reuse", stats.num_kv_blocks_cached),
-            "pagoda_prefix_cache_query_tokens": ("Prompt tokens looked up in the prefix cache", stats.num_prefix_queries_tokens),
-            "pagoda_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache", stats.num_prefix_hit_tokens),
-            "pagoda_preemptions": ("Requests preempted for recompute since start", stats.num_preemptions),
-            "pagoda_worker_connected": ("1 when a worker is attached", int(self._worker_connected())),
+            "pagoda_kv_blocks_cached": (
+                "Ownerless KV blocks kept for prefix reuse",
+                stats.num_kv_blocks_cached,
+            ),
+            "pagoda_prefix_cache_query_tokens": (
+                "Prompt tokens looked up in the prefix cache",
+                stats.num_prefix_queries_tokens,
+            ),
+            "pagoda_prefix_cache_hit_tokens": (
+                "Prompt tokens served from the prefix cache",
+                stats.num_prefix_hit_tokens,
+            ),
+            "pagoda_preemptions": (
+                "Requests preempted for recompute since start",
+                stats.num_preemptions,
+            ),
+            "pagoda_worker_connected": (
+                "1 when a worker is attached",
+                int(self._worker_connected()),
+            ),
         }
         for name, (documentation, value) in values.items():
             yield GaugeMetricFamily(name, documentation, value=value)
@@ -46,25 +78,72 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft_s = Histogram("pagoda_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS_S, registry=r)
-        self.itl_s = Histogram("pagoda_inter_token_latency_seconds", "Mean time between generated tokens, per request", buckets=LATENCY_BUCKETS_S, registry=r)
-        self.e2e_s = Histogram("pagoda_request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS_S, registry=r)
-        self.queue_s = Histogram("pagoda_queue_time_seconds", "Arrival to first scheduled", buckets=LATENCY_BUCKETS_S, registry=r)
-        self.finished = Counter("pagoda_requests_finished", "Finished requests", ["finish_reason"], registry=r)
-        self.errors = Counter("pagoda_request_errors", "Requests refused or failed, by gRPC code", ["code"], registry=r)
-        self.step_s = Histogram("pagoda_step_seconds", "Step time by part", ["part"], buckets=STEP_BUCKETS_S, registry=r)
-        self.step_tokens = Histogram("pagoda_step_tokens", "Tokens computed per step", ["kind"], buckets=TOKENS_BUCKETS, registry=r)
+        self.ttft_s = Histogram(
+            "pagoda_time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.itl_s = Histogram(
+            "pagoda_inter_token_latency_seconds",
+            "Mean time between generated tokens, per request",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e_s = Histogram(
+            "pagoda_request_latency_seconds",
+            "Arrival to finish",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.queue_s = Histogram(
+            "pagoda_queue_time_seconds",
+            "Arrival to first scheduled",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.finished = Counter(
+            "pagoda_requests_finished", "Finished requests", ["finish_reason"], registry=r
+        )
+        self.errors = Counter(
+            "pagoda_request_errors",
+            "Requests refused or failed, by gRPC code",
+            ["code"],
+            registry=r,
+        )
+        self.step_s = Histogram(
+            "pagoda_step_seconds", "Step time by part", ["part"], buckets=STEP_BUCKETS_S, registry=r
+        )
+        self.step_tokens = Histogram(
+            "pagoda_step_tokens",
+            "Tokens computed per step",
+            ["kind"],
+            buckets=TOKENS_BUCKETS,
+            registry=r,
+        )
         self.generated_tokens = Counter("pagoda_generated_tokens", "Generated tokens", registry=r)
-        self.prompt_tokens = Counter("pagoda_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.prompt_tokens = Counter(
+            "pagoda_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
 
-    def watch(self, stats: Callable[[], SchedulerStats], worker_connected: Callable[[], bool]) -> None:
+    def watch(
+        self, stats: Callable[[], SchedulerStats], worker_connected: Callable[[], bool]
+    ) -> None:
         self.registry.register(_LiveStats(stats, worker_connected))
 
     def serve(self, address: str) -> None:
         host, _, port = address.rpartition(":")
         start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=self.registry)
 
-    def observe_step(self, *, schedule_s: float, transport_s: float, forward_s: float, num_prefill_tokens: int, num_decode_tokens: int) -> None:
+    def observe_step(
+        self,
+        *,
+        schedule_s: float,
+        transport_s: float,
+        forward_s: float,
+        num_prefill_tokens: int,
+        num_decode_tokens: int,
+    ) -> None:
         self.step_s.labels("schedule").observe(schedule_s)
         self.step_s.labels("transport").observe(transport_s)
         self.step_s.labels("forward").observe(forward_s)

@@ -243,7 +243,9 @@ class Scheduler:
         culprit = state.requests[request_ids[0]]
         if culprit.state is _WAITING:
             state.waiting.remove(culprit)
-        return [self._finish_with_error(culprit, f"the worker failed on this request: {error}", now)]
+        return [
+            self._finish_with_error(culprit, f"the worker failed on this request: {error}", now)
+        ]
 
     def _take_tokens(self, outcome: StepOutcome, now: float, outputs: list[RequestOutput]) -> None:
         """The hot loop of apply(): one sampled token per running request, no logprobs."""

@@ -72,11 +72,15 @@ class ServiceConfig:
         if not 0 <= self.max_logprobs <= 20:
             raise ConfigError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
         if not self.zmq_endpoint.startswith(("ipc://", "tcp://")):
-            raise ConfigError(f"zmq_endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.zmq_endpoint!r}")
+            raise ConfigError(
+                f"zmq_endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.zmq_endpoint!r}"
+            )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("tls_cert and tls_key must be given together")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ConfigError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+            raise ConfigError(
+                f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}"
+            )
 
 
 HELP: dict[str, str] = {
@@ -184,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the resolved settings and where each came from, then exit",
     )
     defaults = _defaults()
-    for name, (kind, optional) in _knob_types().items():
+    for name, (kind, _) in _knob_types().items():
         flag = "--" + name.replace("_", "-")
         help_text = f"{HELP.get(name, name)} (default: {defaults[name]})"
         if kind is bool:
@@ -201,7 +205,9 @@ def _defaults() -> dict[str, Any]:
     return values
 
 
-def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> tuple[Loaded, bool]:
+def load(
+    argv: list[str] | None = None, environ: dict[str, str] | None = None
+) -> tuple[Loaded, bool]:
     """Parse flags, environment and TOML into a validated config; also return --print-config."""
     environ = dict(os.environ) if environ is None else environ
     args = vars(build_parser().parse_args(argv))
@@ -230,7 +236,11 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
     print_config = bool(args.pop("print_config", False))
     for name, raw in args.items():
         kind, optional = knobs[name]
-        values[name] = raw if kind is bool else _parse_scalar("--" + name.replace("_", "-"), raw, kind, optional)
+        values[name] = (
+            raw
+            if kind is bool
+            else _parse_scalar("--" + name.replace("_", "-"), raw, kind, optional)
+        )
         sources[name] = "flag"
 
     scheduler_names = set(_field_types(SchedulerConfig))
@@ -246,7 +256,9 @@ def describe(loaded: Loaded) -> str:
     """One line per setting: name = value  # source, TOML-shaped so it can seed a file."""
     values = _defaults()
     for name in values:
-        holder = loaded.config.scheduler if hasattr(loaded.config.scheduler, name) else loaded.config
+        holder = (
+            loaded.config.scheduler if hasattr(loaded.config.scheduler, name) else loaded.config
+        )
         values[name] = getattr(holder, name)
     lines = []
     for name, value in values.items():

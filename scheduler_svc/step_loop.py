@@ -84,7 +84,12 @@ class StepLoop:
         self._wake.set()
         return slot
 
-    def cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED, message: str | None = None) -> None:
+    def cancel(
+        self,
+        request_id: str,
+        reason: FinishReason = FinishReason.CANCELLED,
+        message: str | None = None,
+    ) -> None:
         """Ask for a request to end; its blocks are freed before the next step is planned."""
         self._cancels.append(_Cancel(request_id, reason, message))
         self._wake.set()
@@ -124,7 +129,11 @@ class StepLoop:
         try:
             result = await self.link.run_step(plan, self._worker_timeout_s)
         except WorkerLost as exc:
-            log.warning("step %d lost with the worker (%s); its requests will be recomputed", decision.step_id, exc)
+            log.warning(
+                "step %d lost with the worker (%s); its requests will be recomputed",
+                decision.step_id,
+                exc,
+            )
             self._publish(self.scheduler.fail_step(decision, str(exc), self._clock()))
             return
         received_s = self._clock()
@@ -176,7 +185,11 @@ class StepLoop:
         self._worker_lost_at_s = now
         self.scheduler.detach_worker()
         self._on_worker_change(False)
-        log.warning("worker detached (%s); requests wait up to %g s for a new one", reason, self._worker_grace_s)
+        log.warning(
+            "worker detached (%s); requests wait up to %g s for a new one",
+            reason,
+            self._worker_grace_s,
+        )
 
     def _check_available(self) -> None:
         if self._stopped:
@@ -196,7 +209,10 @@ class StepLoop:
             return
         for request_id in list(self.streams.request_ids()):
             output = self.scheduler.cancel(
-                request_id, now, FinishReason.ERROR, f"no worker came back within {self._worker_grace_s:g} s"
+                request_id,
+                now,
+                FinishReason.ERROR,
+                f"no worker came back within {self._worker_grace_s:g} s",
             )
             if output is not None:
                 self.streams.set_error_code(request_id, "UNAVAILABLE")

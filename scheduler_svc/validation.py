@@ -67,7 +67,9 @@ def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidReq
     try:
         rendered = tokenizer.render_chat(conversation)
     except Exception as exc:  # the template's own raise_exception() and jinja errors
-        raise ValidationError(f"the model's chat template refused the conversation: {exc}") from None
+        raise ValidationError(
+            f"the model's chat template refused the conversation: {exc}"
+        ) from None
     _check_prompt_text(rendered, limits)
     # The template already wrote the special tokens (BOS, turn markers).
     prompt_token_ids = tokenizer.encode(rendered, add_special_tokens=False)
@@ -97,7 +99,9 @@ def _finish(request, prompt_token_ids: tuple[int, ...], limits: Limits) -> Valid
     if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
         raise ValidationError(f"request_id must be at most {MAX_REQUEST_ID_BYTES} bytes")
     if request.logprobs > limits.max_logprobs:
-        raise ValidationError(f"logprobs must be at most {limits.max_logprobs}, got {request.logprobs}")
+        raise ValidationError(
+            f"logprobs must be at most {limits.max_logprobs}, got {request.logprobs}"
+        )
     return ValidRequest(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt_token_ids,
@@ -116,7 +120,9 @@ def _finite(name: str, value: float) -> float:
 def _sampling(sampling, num_logprobs: int) -> ValidSampling:
     temperature = _finite("sampling.temperature", sampling.temperature)
     if not 0.0 <= temperature <= MAX_TEMPERATURE:
-        raise ValidationError(f"sampling.temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature:g}")
+        raise ValidationError(
+            f"sampling.temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature:g}"
+        )
     top_p = _finite("sampling.top_p", sampling.top_p) if sampling.HasField("top_p") else 1.0
     if not 0.0 < top_p <= 1.0:
         raise ValidationError(f"sampling.top_p must be in (0, 1], got {top_p:g}")
@@ -155,7 +161,9 @@ def _stopping(stopping, num_prompt_tokens: int, limits: Limits) -> ValidStopping
     if stopping.HasField("max_new_tokens"):
         max_new_tokens = stopping.max_new_tokens
         if max_new_tokens == 0:
-            raise ValidationError("stopping.max_new_tokens must be >= 1 (leave it unset for the default)")
+            raise ValidationError(
+                "stopping.max_new_tokens must be >= 1 (leave it unset for the default)"
+            )
         if max_new_tokens > room:
             raise ValidationError(
                 f"prompt ({num_prompt_tokens} tokens) plus stopping.max_new_tokens ({max_new_tokens}) "
@@ -168,7 +176,9 @@ def _stopping(stopping, num_prompt_tokens: int, limits: Limits) -> ValidStopping
             f"stopping.min_new_tokens ({stopping.min_new_tokens}) must not exceed max_new_tokens ({max_new_tokens})"
         )
     if len(stopping.stop) > limits.max_stop_strings:
-        raise ValidationError(f"stopping.stop holds {len(stopping.stop)} strings; at most {limits.max_stop_strings}")
+        raise ValidationError(
+            f"stopping.stop holds {len(stopping.stop)} strings; at most {limits.max_stop_strings}"
+        )
     for index, stop in enumerate(stopping.stop):
         if not stop:
             raise ValidationError(f"stopping.stop[{index}] must not be empty")

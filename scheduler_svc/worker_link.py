@@ -100,9 +100,11 @@ class WorkerLink:
             await self._send(worker.identity, plan)
             return await asyncio.wait_for(future, timeout_s)
         except (TimeoutError, zmq.ZMQError) as exc:
-            reason = f"no result for step {plan.step_id} within {timeout_s:g} s" if isinstance(
-                exc, TimeoutError
-            ) else f"cannot reach the worker ({exc})"
+            reason = (
+                f"no result for step {plan.step_id} within {timeout_s:g} s"
+                if isinstance(exc, TimeoutError)
+                else f"cannot reach the worker ({exc})"
+            )
             self._drop_worker(reason)
             raise WorkerLost(reason) from None
         finally:
@@ -156,7 +158,9 @@ class WorkerLink:
         same = current is not None and current.identity == identity
         if not (same and current.hello.incarnation_id == hello.incarnation_id):
             if current is not None:
-                self._drop_worker(f"worker {hello.incarnation_id} replaced {current.hello.incarnation_id}")
+                self._drop_worker(
+                    f"worker {hello.incarnation_id} replaced {current.hello.incarnation_id}"
+                )
             self._worker = WorkerInfo(identity=identity, hello=hello)
             log.info(
                 "worker %s attached: model %s on %s, %d KV blocks of %d tokens",
@@ -181,7 +185,11 @@ class WorkerLink:
         while True:
             await asyncio.sleep(HEARTBEAT_TIMEOUT_S / 5)
             silent_s = time.monotonic() - self._last_seen_s
-            if self._worker is not None and self._pending is None and silent_s > HEARTBEAT_TIMEOUT_S:
+            if (
+                self._worker is not None
+                and self._pending is None
+                and silent_s > HEARTBEAT_TIMEOUT_S
+            ):
                 self._drop_worker(f"no heartbeat for {silent_s:.1f} s")
 
     def _drop_worker(self, reason: str) -> None:

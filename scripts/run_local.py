@@ -54,7 +54,11 @@ def _interrupt(signum, frame) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="default", help="worker model spec (default, dummy, a directory, a .gguf)")
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="worker model spec (default, dummy, a directory, a .gguf)",
+    )
     parser.add_argument("--grpc-address", default="127.0.0.1:50051")
     parser.add_argument("--device", default="auto", help="worker device: auto, cpu or cuda")
     args, scheduler_flags = parser.parse_known_args()
@@ -68,7 +72,17 @@ def main() -> int:
     if resolve.returncode != 0:
         return resolve.returncode
     worker = subprocess.Popen(
-        [sys.executable, "-m", "gpu_worker", "--zmq-endpoint", endpoint, "--model", args.model, "--device", args.device]
+        [
+            sys.executable,
+            "-m",
+            "gpu_worker",
+            "--zmq-endpoint",
+            endpoint,
+            "--model",
+            args.model,
+            "--device",
+            args.device,
+        ]
     )
     scheduler = subprocess.Popen(
         [

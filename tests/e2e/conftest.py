@@ -46,23 +46,34 @@ class Service:
 
     def stats(self) -> generation_pb2.ServerStats:
         with self.channel() as channel:
-            return self.stub(channel).GetServerStats(generation_pb2.ServerStatsRequest(), timeout=10)
+            return self.stub(channel).GetServerStats(
+                generation_pb2.ServerStatsRequest(), timeout=10
+            )
 
     def start_worker(self) -> subprocess.Popen:
         self.worker = _spawn(
-            [sys.executable, "-m", "gpu_worker", "--zmq-endpoint", self.endpoint, *self.worker_args],
+            [
+                sys.executable,
+                "-m",
+                "gpu_worker",
+                "--zmq-endpoint",
+                self.endpoint,
+                *self.worker_args,
+            ],
             self.log_dir / f"worker-{time.monotonic_ns()}.log",
         )
         return self.worker
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.log_dir.glob("*.log")))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.log_dir.glob("*.log"))
+        )
 
 
 def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    log = open(log_path, "w")
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
@@ -76,7 +87,9 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.05)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
-def wait_serving(address: str, processes: list[subprocess.Popen], timeout_s: float = READY_TIMEOUT_S) -> None:
+def wait_serving(
+    address: str, processes: list[subprocess.Popen], timeout_s: float = READY_TIMEOUT_S
+) -> None:
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
 
@@ -110,7 +123,10 @@ def running_service(
     tmp_path: Path, *, model: str, worker_args: list[str] = (), scheduler_args: list[str] = ()
 ) -> Iterator[Service]:
     """Start worker + scheduler for `model`; yields once health says SERVING; stops both."""
-    run_dir = Path(os.environ.get("PAGODA_TEST_RUN_DIR", "/tmp")) / f"pagoda-e2e-{os.getpid()}-{time.monotonic_ns()}"
+    run_dir = (
+        Path(os.environ.get("PAGODA_TEST_RUN_DIR", "/tmp"))
+        / f"pagoda-e2e-{os.getpid()}-{time.monotonic_ns()}"
+    )
     run_dir.mkdir(mode=0o700, parents=True)
     endpoint = f"ipc://{run_dir}/worker.sock"
     address = f"127.0.0.1:{free_port()}"
@@ -121,11 +137,17 @@ def running_service(
         worker=None,
         scheduler=_spawn(
             [
-                sys.executable, "-m", "scheduler_svc",
-                "--grpc-address", address,
-                "--zmq-endpoint", endpoint,
-                "--model", tokenizer,
-                "--status-interval-s", "3600",
+                sys.executable,
+                "-m",
+                "scheduler_svc",
+                "--grpc-address",
+                address,
+                "--zmq-endpoint",
+                endpoint,
+                "--model",
+                tokenizer,
+                "--status-interval-s",
+                "3600",
                 *scheduler_args,
             ],
             tmp_path / "scheduler.log",

@@ -38,7 +38,9 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
 def hostile_step_frames(rng: random.Random) -> list[bytes]:
     """A random frame, a mutated real message, or a well-formed message with wild values."""
     seeds = [
-        step_pb2.Hello(protocol_version=wire.PROTOCOL_VERSION + 1, incarnation_id="x", vocab_size=5),
+        step_pb2.Hello(
+            protocol_version=wire.PROTOCOL_VERSION + 1, incarnation_id="x", vocab_size=5
+        ),
         step_pb2.StepResult(step_id=rng.randrange(1 << 40), seq_ids=[1, 2], token_ids=[7, 99999]),
         step_pb2.Heartbeat(incarnation_id="stranger"),
         step_pb2.StepPlan(step_id=1, seq_ids=[1], token_offsets=[0, 5], token_ids=[1]),
@@ -87,7 +89,9 @@ def test_random_frames_at_the_scheduler_endpoint(dummy_service):
     # A mutated hello may have passed for a worker for a moment; the real worker's
     # heartbeats earn it a REHELLO and it attaches again.
     wait_until(
-        lambda: (s := dummy_service.stats()).worker_connected and s.worker_incarnation_id == incarnation,
+        lambda: (
+            (s := dummy_service.stats()).worker_connected and s.worker_incarnation_id == incarnation
+        ),
         60,
         "the real worker to be attached again",
     )
@@ -131,10 +135,20 @@ def test_mutated_generate_requests_at_the_grpc_port(dummy_service):
 
     codes = asyncio.run(fuzz())
     assert sum(codes.values()) == NUM_GRPC_REQUESTS
-    assert set(codes) <= {"OK", "INVALID_ARGUMENT", "INTERNAL", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}, codes
+    assert set(codes) <= {
+        "OK",
+        "INVALID_ARGUMENT",
+        "INTERNAL",
+        "DEADLINE_EXCEEDED",
+        "RESOURCE_EXHAUSTED",
+    }, codes
     assert dummy_service.scheduler.poll() is None
     wait_until(
-        lambda: (s := dummy_service.stats()).num_running == 0 and s.num_waiting == 0 and s.num_kv_blocks_used == 0,
+        lambda: (
+            (s := dummy_service.stats()).num_running == 0
+            and s.num_waiting == 0
+            and s.num_kv_blocks_used == 0
+        ),
         60,
         "every fuzzed request to be gone",
     )
@@ -151,19 +165,32 @@ def test_random_frames_at_a_worker(tmp_path):
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind(endpoint)
-    worker = subprocess.Popen([sys.executable, "-m", "gpu_worker", "--model", "dummy", "--zmq-endpoint", endpoint])
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "gpu_worker", "--model", "dummy", "--zmq-endpoint", endpoint]
+    )
     try:
         assert router.poll(60_000), "no hello from the worker"
         identity, *frames = router.recv_multipart()
         assert isinstance(wire.decode(frames), step_pb2.Hello)
-        router.send_multipart([identity, *wire.encode(step_pb2.HelloAck(accepted=True, protocol_version=1, scheduler_incarnation_id="s"))])
+        router.send_multipart(
+            [
+                identity,
+                *wire.encode(
+                    step_pb2.HelloAck(
+                        accepted=True, protocol_version=1, scheduler_incarnation_id="s"
+                    )
+                ),
+            ]
+        )
         rng = random.Random(3)
         for _ in range(NUM_ZMQ_FRAMES):
             frames = hostile_step_frames(rng)
             router.send_multipart([identity, *frames])
         plan = step_pb2.StepPlan(step_id=987654321, seq_ids=[1], start_positions=[0], sample=[True],
                                  token_offsets=[0, 3], token_ids=[5, 6, 7], block_offsets=[0, 1], block_ids=[0])  # fmt: skip
-        plan.new_sequences.add(seq_id=1, sampling=step_pb2.SamplingParams(seed=1), num_prompt_tokens=3)
+        plan.new_sequences.add(
+            seq_id=1, sampling=step_pb2.SamplingParams(seed=1), num_prompt_tokens=3
+        )
         router.send_multipart([identity, *wire.encode(plan)])
 
         def our_result():
@@ -186,7 +213,9 @@ def test_random_frames_at_a_worker(tmp_path):
 
 
 def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(tmp_path):
-    with running_service(tmp_path, model="dummy", scheduler_args=["--drain-timeout-s", "30"]) as service:
+    with running_service(
+        tmp_path, model="dummy", scheduler_args=["--drain-timeout-s", "30"]
+    ) as service:
         batch = prompts(6)
 
         async def scenario():
@@ -195,7 +224,12 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(tmp_path):
                 calls = [stub.Generate(request(p, 400), timeout=120) for p in batch]
                 firsts = [await call.read() for call in calls]  # every stream has begun
                 service.scheduler.send_signal(signal.SIGTERM)
-                await asyncio.to_thread(wait_until, lambda: service.scheduler.poll() is not None or _refuses(service), 30, "refusal")
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: service.scheduler.poll() is not None or _refuses(service),
+                    30,
+                    "refusal",
+                )
                 results = []
                 for first, call in zip(firsts, calls, strict=True):
                     tokens = list(first.token_ids)

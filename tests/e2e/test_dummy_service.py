@@ -74,7 +74,10 @@ def test_fifty_concurrent_streams_all_complete_with_exact_tokens(dummy_service):
 def test_kv_pressure_preempts_without_losing_or_repeating_tokens(tmp_path):
     # 24 requests of ~100 tokens each need far more than 40 blocks of 16 tokens at once.
     with running_service(
-        tmp_path, model="dummy", worker_args=["--num-kv-blocks", "40"], scheduler_args=["--no-prefix-caching"]
+        tmp_path,
+        model="dummy",
+        worker_args=["--num-kv-blocks", "40"],
+        scheduler_args=["--no-prefix-caching"],
     ) as service:
         batch = prompts(24, length=60)
         results = asyncio.run(many_streams(service.address, batch, 48))
@@ -85,7 +88,9 @@ def test_kv_pressure_preempts_without_losing_or_repeating_tokens(tmp_path):
 
 
 def test_worker_killed_mid_stream_resumes_on_a_new_worker(tmp_path):
-    with running_service(tmp_path, model="dummy", scheduler_args=["--max-num-batched-tokens", "64"]) as service:
+    with running_service(
+        tmp_path, model="dummy", scheduler_args=["--max-num-batched-tokens", "64"]
+    ) as service:
         batch = prompts(4, length=30)
 
         async def scenario():
@@ -93,7 +98,10 @@ def test_worker_killed_mid_stream_resumes_on_a_new_worker(tmp_path):
                 stub = generation_pb2_grpc.GenerationStub(channel)
                 tasks = [asyncio.create_task(stream_tokens(stub, p, 3000)) for p in batch]
                 await asyncio.to_thread(
-                    wait_until, lambda: service.stats().num_generated_tokens > 200, 60, "tokens to flow"
+                    wait_until,
+                    lambda: service.stats().num_generated_tokens > 200,
+                    60,
+                    "tokens to flow",
                 )
                 old = service.stats().worker_incarnation_id
                 service.worker.send_signal(signal.SIGKILL)
@@ -101,7 +109,9 @@ def test_worker_killed_mid_stream_resumes_on_a_new_worker(tmp_path):
                 service.start_worker()
                 await asyncio.to_thread(
                     wait_until,
-                    lambda: (s := service.stats()).worker_connected and s.worker_incarnation_id != old,
+                    lambda: (
+                        (s := service.stats()).worker_connected and s.worker_incarnation_id != old
+                    ),
                     60,
                     "a new worker incarnation",
                 )
@@ -114,7 +124,9 @@ def test_worker_killed_mid_stream_resumes_on_a_new_worker(tmp_path):
 
 
 def test_no_worker_gives_unavailable_and_health_follows(tmp_path):
-    with running_service(tmp_path, model="dummy", scheduler_args=["--worker-grace-s", "0.5"]) as service:
+    with running_service(
+        tmp_path, model="dummy", scheduler_args=["--worker-grace-s", "0.5"]
+    ) as service:
         stop_process(service.worker)
         wait_until(lambda: not service.stats().worker_connected, 30, "the worker to be seen gone")
         with service.channel() as channel, pytest.raises(grpc.RpcError) as caught:
@@ -154,7 +166,9 @@ async def _drain_code(call) -> grpc.StatusCode:
 
 def test_a_poison_request_fails_alone_and_the_others_finish(tmp_path):
     poison_token = 4999  # the dummy worker's forward raises on any step that feeds it
-    with running_service(tmp_path, model="dummy", worker_args=["--fail-on-token-id", str(poison_token)]) as service:
+    with running_service(
+        tmp_path, model="dummy", worker_args=["--fail-on-token-id", str(poison_token)]
+    ) as service:
         batch = prompts(6)
         poisoned = [5, 6, poison_token, 7]
 

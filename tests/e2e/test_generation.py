@@ -51,7 +51,17 @@ def concurrent_greedy(service, prompts_ids: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     "scheduler_args",
-    [[], ["--admission-policy", "pack", "--max-num-batched-tokens", "64", "--max-active-requests", "3"]],
+    [
+        [],
+        [
+            "--admission-policy",
+            "pack",
+            "--max-num-batched-tokens",
+            "64",
+            "--max-active-requests",
+            "3",
+        ],
+    ],
     ids=["default-knobs", "pack-64-tokens-3-active"],
 )
 def test_greedy_output_equals_transformers_generate(tmp_path, default_reference, scheduler_args):
@@ -83,7 +93,9 @@ def text_of(responses) -> str:
 
 def test_chat_knows_the_capital_of_france(stub):
     request = generation_pb2.ChatRequest(
-        messages=[generation_pb2.ChatMessage(role="user", content="What is the capital of France?")],
+        messages=[
+            generation_pb2.ChatMessage(role="user", content="What is the capital of France?")
+        ],
         stopping=generation_pb2.StoppingCriteria(max_new_tokens=24),
     )
     responses = list(stub.Chat(request, timeout=120))
@@ -109,7 +121,10 @@ def test_stop_string_cuts_the_text_and_is_not_returned(stub):
 
 
 def greedy_request_text(prompt: str, max_new_tokens: int) -> dict:
-    return dict(prompt=prompt, stopping=generation_pb2.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True))
+    return dict(
+        prompt=prompt,
+        stopping=generation_pb2.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True),
+    )
 
 
 def test_the_same_seed_gives_the_same_sampled_text(stub):
@@ -120,12 +135,18 @@ def test_the_same_seed_gives_the_same_sampled_text(stub):
     )
     first, second = text_of(generate(stub, **request)), text_of(generate(stub, **request))
     assert first == second
-    other = dict(request, sampling=generation_pb2.SamplingParams(temperature=1.0, top_p=0.95, seed=99))
+    other = dict(
+        request, sampling=generation_pb2.SamplingParams(temperature=1.0, top_p=0.95, seed=99)
+    )
     assert text_of(generate(stub, **other)) != first
 
 
 def test_streamed_text_equals_the_full_decode_for_emoji_and_cjk(stub, default_reference):
-    for prompt in ["Translate to Japanese: good morning ->", "Reply with emoji only: 🌊🐟", "中文：你好，"]:
+    for prompt in [
+        "Translate to Japanese: good morning ->",
+        "Reply with emoji only: 🌊🐟",
+        "中文：你好，",
+    ]:
         responses = generate(stub, **greedy_request_text(prompt, 32))
         token_ids = [t for r in responses for t in r.token_ids]
         full = default_reference.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -155,7 +176,10 @@ def test_tokenize_and_model_info(stub):
 
 BAD_REQUESTS = {
     "empty prompt": (dict(prompt=""), "prompt must not be empty"),
-    "max_new_tokens 0": (dict(prompt="hi", stopping=generation_pb2.StoppingCriteria(max_new_tokens=0)), "max_new_tokens"),
+    "max_new_tokens 0": (
+        dict(prompt="hi", stopping=generation_pb2.StoppingCriteria(max_new_tokens=0)),
+        "max_new_tokens",
+    ),
     "max_new_tokens beyond context": (
         dict(prompt="hi", stopping=generation_pb2.StoppingCriteria(max_new_tokens=9000)),
         "exceeds the context",
@@ -164,22 +188,43 @@ BAD_REQUESTS = {
         dict(prompt="hi " * 8000, stopping=generation_pb2.StoppingCriteria(max_new_tokens=500)),
         "exceeds the context",
     ),
-    "negative temperature": (dict(prompt="hi", sampling=generation_pb2.SamplingParams(temperature=-1)), "temperature"),
+    "negative temperature": (
+        dict(prompt="hi", sampling=generation_pb2.SamplingParams(temperature=-1)),
+        "temperature",
+    ),
     "top_p 0": (dict(prompt="hi", sampling=generation_pb2.SamplingParams(top_p=0)), "top_p"),
-    "top_p above 1": (dict(prompt="hi", sampling=generation_pb2.SamplingParams(top_p=1.5)), "top_p"),
-    "negative top_k": (dict(prompt="hi", sampling=generation_pb2.SamplingParams(top_k=-2)), "top_k"),
-    "min_p above 1": (dict(prompt="hi", sampling=generation_pb2.SamplingParams(min_p=1.5)), "min_p"),
+    "top_p above 1": (
+        dict(prompt="hi", sampling=generation_pb2.SamplingParams(top_p=1.5)),
+        "top_p",
+    ),
+    "negative top_k": (
+        dict(prompt="hi", sampling=generation_pb2.SamplingParams(top_k=-2)),
+        "top_k",
+    ),
+    "min_p above 1": (
+        dict(prompt="hi", sampling=generation_pb2.SamplingParams(min_p=1.5)),
+        "min_p",
+    ),
     "repetition penalty 0": (
         dict(prompt="hi", sampling=generation_pb2.SamplingParams(repetition_penalty=0)),
         "repetition_penalty",
     ),
-    "presence penalty": (dict(prompt="hi", sampling=generation_pb2.SamplingParams(presence_penalty=3)), "presence_penalty"),
+    "presence penalty": (
+        dict(prompt="hi", sampling=generation_pb2.SamplingParams(presence_penalty=3)),
+        "presence_penalty",
+    ),
     "frequency penalty": (
         dict(prompt="hi", sampling=generation_pb2.SamplingParams(frequency_penalty=-2.5)),
         "frequency_penalty",
     ),
-    "too many stop strings": (dict(prompt="hi", stopping=generation_pb2.StoppingCriteria(stop=["x"] * 17)), "at most 16"),
-    "too long stop string": (dict(prompt="hi", stopping=generation_pb2.StoppingCriteria(stop=["x" * 300])), "at most 256"),
+    "too many stop strings": (
+        dict(prompt="hi", stopping=generation_pb2.StoppingCriteria(stop=["x"] * 17)),
+        "at most 16",
+    ),
+    "too long stop string": (
+        dict(prompt="hi", stopping=generation_pb2.StoppingCriteria(stop=["x" * 300])),
+        "at most 256",
+    ),
     "too many logprobs": (dict(prompt="hi", logprobs=21), "logprobs must be at most 20"),
     "token id beyond the vocabulary": (
         dict(prompt_token_ids=generation_pb2.TokenIds(ids=[1, 60000])),
@@ -198,7 +243,9 @@ def test_bad_input_gets_invalid_argument_with_a_sentence(stub, name):
 
 
 def test_unknown_chat_role_is_invalid(stub):
-    request = generation_pb2.ChatRequest(messages=[generation_pb2.ChatMessage(role="wizard", content="hi")])
+    request = generation_pb2.ChatRequest(
+        messages=[generation_pb2.ChatMessage(role="wizard", content="hi")]
+    )
     with pytest.raises(grpc.RpcError) as caught:
         list(stub.Chat(request, timeout=30))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -216,14 +263,19 @@ def test_a_good_request_after_bad_ones_is_still_correct(stub, default_reference)
 
 def test_cancel_mid_stream_frees_the_request_and_its_blocks(stub, service):
     call = stub.Generate(
-        generation_pb2.GenerateRequest(**greedy_request_text("Tell me a long story.", 2000)), timeout=120
+        generation_pb2.GenerateRequest(**greedy_request_text("Tell me a long story.", 2000)),
+        timeout=120,
     )
     first = next(call)
     assert first.token_ids
     assert service.stats().num_running == 1
     call.cancel()
     wait_until(
-        lambda: (s := service.stats()).num_running == 0 and s.num_waiting == 0 and s.num_kv_blocks_used == 0,
+        lambda: (
+            (s := service.stats()).num_running == 0
+            and s.num_waiting == 0
+            and s.num_kv_blocks_used == 0
+        ),
         30,
         "the cancelled request to leave and free its blocks",
     )
@@ -233,4 +285,6 @@ def test_deadline_is_honoured_and_frees_blocks(stub, service):
     with pytest.raises(grpc.RpcError) as caught:
         generate(stub, timeout_s=1.0, **greedy_request_text("Tell me a very long story.", 4000))
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until(lambda: service.stats().num_kv_blocks_used == 0, 30, "blocks freed after the deadline")
+    wait_until(
+        lambda: service.stats().num_kv_blocks_used == 0, 30, "blocks freed after the deadline"
+    )

@@ -6,7 +6,14 @@ from collections import defaultdict
 
 from scheduler_svc.fake_worker import FakeWorker
 from scheduler_svc.request import FinishReason
-from tests.unit.conftest import Stream, check_invariants, expected_generation, make_geometry, make_request, make_scheduler
+from tests.unit.conftest import (
+    Stream,
+    check_invariants,
+    expected_generation,
+    make_geometry,
+    make_request,
+    make_scheduler,
+)
 
 POISON = 5000  # beyond the vocabulary, so the dummy model never samples it
 

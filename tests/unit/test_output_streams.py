@@ -18,9 +18,15 @@ def test_unread_outputs_merge_into_one_in_order():
         slot = streams.open("r1")
         streams.publish([out("Hel", [1], logprobs=[TokenLogprob(1, -0.1, [], [])])])
         streams.publish([out("lo", [2], logprobs=[TokenLogprob(2, -0.2, [], [])])])
-        streams.publish([out("!", [3], FinishReason.STOP, logprobs=[TokenLogprob(3, -0.3, [], [])])])
+        streams.publish(
+            [out("!", [3], FinishReason.STOP, logprobs=[TokenLogprob(3, -0.3, [], [])])]
+        )
         merged = await slot.next()
-        assert (merged.text, merged.token_ids, merged.finish_reason) == ("Hello!", [1, 2, 3], FinishReason.STOP)
+        assert (merged.text, merged.token_ids, merged.finish_reason) == (
+            "Hello!",
+            [1, 2, 3],
+            FinishReason.STOP,
+        )
         assert [lp.token_id for lp in merged.logprobs] == [1, 2, 3]
         # Nothing after the finish is accepted.
         slot.publish(out("late", [9]))

@@ -32,7 +32,9 @@ def test_flags_beat_environment_beat_toml(tmp_path):
     assert scheduler.admission_policy == "pack" and loaded.sources["admission_policy"] == "flag"
     assert scheduler.max_active_requests == 9
     assert loaded.sources["max_active_requests"] == "env PAGODA_MAX_ACTIVE_REQUESTS"
-    assert loaded.config.worker_grace_s == 3.0 and loaded.sources["worker_grace_s"].startswith("toml")
+    assert loaded.config.worker_grace_s == 3.0 and loaded.sources["worker_grace_s"].startswith(
+        "toml"
+    )
     assert scheduler.chunked_prefill is False and scheduler.prefix_caching is False
 
 
