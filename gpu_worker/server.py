@@ -20,6 +20,7 @@ import zmq
 from gpu_worker.sequence_table import named_seq_ids
 from gpu_worker.step_engine import StepEngine, one_line
 from protos import step_pb2, wire
+from scheduler_svc.systemd import notify, watchdog_interval_s
 
 log = logging.getLogger("pagoda.worker.server")
 
@@ -47,6 +48,9 @@ class WorkerServer:
         self._last_hello_s = float("-inf")
         self._last_sent_s = float("-inf")
         self._stop_requested = False
+        self._ready_notified = False
+        self._watchdog_interval_s = watchdog_interval_s()
+        self._last_watchdog_s = float("-inf")
         self._context = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
 
@@ -114,10 +118,14 @@ class WorkerServer:
             if exit_code is not None:
                 return exit_code
         log.info("stop requested; closing")
+        notify("STOPPING=1")
         return EXIT_OK
 
     def _send_timers(self) -> None:
         now_s = time.monotonic()
+        if now_s - self._last_watchdog_s >= self._watchdog_interval_s:
+            notify("WATCHDOG=1")  # systemd's keep-alive: this loop is turning
+            self._last_watchdog_s = now_s
         if not self._acknowledged:
             # A hello that could not be sent (not connected yet) is retried next slice.
             if now_s - self._last_hello_s >= HELLO_INTERVAL_S and self._send(self.hello()):
@@ -188,5 +196,10 @@ class WorkerServer:
             self.engine.reset()
             self._scheduler_incarnation_id = ack.scheduler_incarnation_id
             log.info("attached to scheduler %s", ack.scheduler_incarnation_id[:8])
+        if not self._ready_notified:
+            # Ready for systemd: the model is loaded and a scheduler accepted the hello.
+            self._ready_notified = notify(
+                "READY=1", f"STATUS=serving {ack.scheduler_incarnation_id[:8]}"
+            )
         self._acknowledged = True
         return None

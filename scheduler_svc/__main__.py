@@ -18,7 +18,7 @@ from scheduler_svc.output_streams import OutputStreams
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.settings import ServiceConfig
 from scheduler_svc.step_loop import StepLoop
-from scheduler_svc.systemd import notify
+from scheduler_svc.systemd import notify, watchdog_interval_s
 from scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
 from scheduler_svc.worker_link import WorkerLink
 
@@ -129,9 +129,10 @@ async def _drain(config, servicer, health_servicer, loop: StepLoop, streams: Out
 
 async def _watchdog(loop_task: asyncio.Task) -> None:
     """systemd WatchdogSec keep-alives while the step loop is alive."""
+    interval_s = watchdog_interval_s()
     while not loop_task.done():
         notify("WATCHDOG=1")
-        await asyncio.sleep(5)
+        await asyncio.sleep(interval_s)
 
 
 def _health_status(name: str):

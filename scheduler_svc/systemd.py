@@ -1,12 +1,16 @@
 """sd_notify(3) over $NOTIFY_SOCKET: readiness, status, watchdog keep-alives, stopping.
 
-A no-op when the process does not run under systemd (no NOTIFY_SOCKET).
+Shared by both processes (the worker imports it too; it needs nothing but the standard
+library). A no-op when the process does not run under systemd. Like the configuration
+modules, it reads the environment: these variables are systemd's protocol, not settings.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+
+DEFAULT_WATCHDOG_INTERVAL_S = 5.0
 
 
 def notify(*assignments: str) -> bool:
@@ -23,3 +27,11 @@ def notify(*assignments: str) -> bool:
         except OSError:
             return False
     return True
+
+
+def watchdog_interval_s() -> float:
+    """How often to send WATCHDOG=1: half of WatchdogSec ($WATCHDOG_USEC) when set."""
+    try:
+        return int(os.environ["WATCHDOG_USEC"]) / 2e6
+    except (KeyError, ValueError):
+        return DEFAULT_WATCHDOG_INTERVAL_S

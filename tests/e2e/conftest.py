@@ -120,9 +120,15 @@ def stop_process(process: subprocess.Popen | None, timeout_s: float = 30) -> int
 
 @contextmanager
 def running_service(
-    tmp_path: Path, *, model: str, worker_args: list[str] = (), scheduler_args: list[str] = ()
+    tmp_path: Path,
+    *,
+    model: str,
+    worker_args: list[str] = (),
+    scheduler_args: list[str] = (),
+    plaintext_health: bool = True,
 ) -> Iterator[Service]:
-    """Start worker + scheduler for `model`; yields once health says SERVING; stops both."""
+    """Start worker + scheduler for `model`; yields once health says SERVING (polled over
+    plaintext; a TLS test passes plaintext_health=False and polls itself); stops both."""
     run_dir = (
         Path(os.environ.get("PAGODA_TEST_RUN_DIR", "/tmp"))
         / f"pagoda-e2e-{os.getpid()}-{time.monotonic_ns()}"
@@ -157,7 +163,8 @@ def running_service(
     )
     service.start_worker()
     try:
-        wait_serving(address, [service.scheduler, service.worker])
+        if plaintext_health:
+            wait_serving(address, [service.scheduler, service.worker])
         yield service
     except BaseException:
         print(service.logs())
