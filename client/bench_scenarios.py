@@ -104,7 +104,7 @@ def build_scenarios(*, quick: bool = False, salt: str = "bench") -> list[Scenari
 def _trickle(quick: bool) -> BenchConfig:
     """One 512-token prompt in every four, a request a second: about 8 decoding at a time."""
     return _workload(
-        num_requests=_scaled(12, quick, 8),
+        num_requests=_scaled(20, quick, 8),
         arrival="interval",
         interval_ms=1000,
         prompt_repeats=(512, 16, 16, 16),

@@ -24,8 +24,6 @@ import secrets
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 from client.bench import run_bench
 from client.bench_config import BenchConfig
@@ -38,7 +36,7 @@ from client.bench_scenarios import (
     build_scenarios,
     with_target,
 )
-from client.bench_suite_report import compare_variants, peer_verdict, plot_cdfs
+from client.bench_suite_report import SuiteResults, compare_variants, peer_verdict, plot_cdfs
 from client.bench_suite_service import LocalService, resolve_model_dir
 
 PAGODA = "pagoda"
@@ -69,31 +67,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # A smoke-test hook: `--worker-model dummy` runs the scenarios without weights.
     parser.add_argument("--worker-model", default="default", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
-
-
-@dataclass(slots=True)
-class SuiteResults:
-    """Everything measured in one suite run, keyed by scenario / workload, then column."""
-
-    scenarios: dict[str, dict[str, BenchReport]] = field(default_factory=dict)
-    scheduler_args: dict[str, dict[str, list[str]]] = field(default_factory=dict)
-    peer_workloads: dict[str, dict[str, BenchReport]] = field(default_factory=dict)
-    peer_notes: dict[str, dict[str, str]] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        def reports(runs: dict[str, BenchReport]) -> dict[str, Any]:
-            return {label: report.to_dict() for label, report in runs.items()}
-
-        return {
-            "scenarios": {
-                name: {"scheduler_args": self.scheduler_args.get(name, {}), "runs": reports(runs)}
-                for name, runs in self.scenarios.items()
-            },
-            "peer_workloads": {
-                name: {"notes": self.peer_notes.get(name, {}), "runs": reports(runs)}
-                for name, runs in self.peer_workloads.items()
-            },
-        }
 
 
 def select(

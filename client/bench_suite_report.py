@@ -1,11 +1,13 @@
-"""Reading `make bench` results: comparisons against a baseline, the peer verdict, one plot.
+"""`make bench` results: what one suite run measured, comparisons, the peer verdict, one plot.
 
 Tables come from `format_report_table`; this module adds the sentences under them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from client.bench_report import BenchReport, LatencySummary
 
@@ -23,9 +25,34 @@ COMPARED_LATENCIES = (
 )
 
 
-def latency_ms(report: BenchReport, name: str, field: str) -> float | None:
+@dataclass(slots=True)
+class SuiteResults:
+    """Everything measured in one suite run, keyed by scenario / workload, then column."""
+
+    scenarios: dict[str, dict[str, BenchReport]] = field(default_factory=dict)
+    scheduler_args: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    peer_workloads: dict[str, dict[str, BenchReport]] = field(default_factory=dict)
+    peer_notes: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        def reports(runs: dict[str, BenchReport]) -> dict[str, Any]:
+            return {label: report.to_dict() for label, report in runs.items()}
+
+        return {
+            "scenarios": {
+                name: {"scheduler_args": self.scheduler_args.get(name, {}), "runs": reports(runs)}
+                for name, runs in self.scenarios.items()
+            },
+            "peer_workloads": {
+                name: {"notes": self.peer_notes.get(name, {}), "runs": reports(runs)}
+                for name, runs in self.peer_workloads.items()
+            },
+        }
+
+
+def latency_ms(report: BenchReport, name: str, statistic: str) -> float | None:
     summary: LatencySummary | None = getattr(report, name)
-    return None if summary is None else getattr(summary, field)
+    return None if summary is None else getattr(summary, statistic)
 
 
 def relative_change(before: float | None, after: float | None) -> float | None:
@@ -38,9 +65,9 @@ def relative_change(before: float | None, after: float | None) -> float | None:
 def compare_line(label: str, baseline_label: str, baseline: BenchReport, other: BenchReport) -> str:
     """One sentence: how `other` moved each compared metric relative to `baseline`."""
     parts = []
-    for metric, name, field in COMPARED_LATENCIES:
-        before = latency_ms(baseline, name, field)
-        after = latency_ms(other, name, field)
+    for metric, name, statistic in COMPARED_LATENCIES:
+        before = latency_ms(baseline, name, statistic)
+        after = latency_ms(other, name, statistic)
         change = relative_change(before, after)
         if change is not None:
             parts.append(f"{metric} {change:+.1%} ({_ms(before)} -> {_ms(after)} ms)")

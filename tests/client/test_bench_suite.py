@@ -18,8 +18,8 @@ from client.bench_peers import (
 )
 from client.bench_report import format_report_table, summarize
 from client.bench_scenarios import PEERS, build_peer_workloads, build_scenarios
-from client.bench_suite import SuiteResults, main, parse_args, select, target_columns
-from client.bench_suite_report import compare_variants, peer_verdict, relative_change
+from client.bench_suite import main, parse_args, select, target_columns
+from client.bench_suite_report import SuiteResults, compare_variants, peer_verdict, relative_change
 
 # -- scenarios ------------------------------------------------------------------------------
 

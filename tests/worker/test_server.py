@@ -146,6 +146,12 @@ def accept(scheduler: FakeScheduler, incarnation: str = "scheduler-1") -> None:
     )
 
 
+def rehello(scheduler: FakeScheduler) -> None:
+    """What a scheduler that does not know the worker answers: say hello again."""
+    scheduler.send(step_pb2.Rehello(reason="unknown worker"))
+    scheduler.receive(step_pb2.Hello)
+
+
 @pytest.fixture(scope="module")
 def diversified_llama_dir(llama_models, tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("llama-diversified")
@@ -240,10 +246,14 @@ def test_dummy_worker_over_zeromq(scheduler, start_worker, endpoint):
     result = scheduler.step(plan_of(4, [(2, 0, [1, 2], [0])], new=[(2, 2)]))
     assert not result.step_error and len(result.token_ids) == 1
 
+    rehello(scheduler)
     accept(scheduler, "scheduler-1")  # the same scheduler again: nothing forgotten
     assert not scheduler.step(plan_of(5, [(2, 2, [3], [])])).errors
+    accept(scheduler, "scheduler-2")  # an ack that answers no hello is ignored
+    assert not scheduler.step(plan_of(6, [(2, 3, [3], [])])).errors
+    rehello(scheduler)
     accept(scheduler, "scheduler-2")  # a restarted scheduler: every sequence forgotten
-    result = scheduler.step(plan_of(6, [(2, 3, [3], [])]))
+    result = scheduler.step(plan_of(7, [(2, 4, [3], [])]))
     assert "unknown sequence 2" in result.errors[0].message
 
     worker.process.send_signal(signal.SIGINT)
