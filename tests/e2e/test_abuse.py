@@ -164,6 +164,10 @@ def test_random_frames_at_a_worker(tmp_path):
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
+    # A ROUTER silently drops what exceeds its high-water mark; unbounded queues make
+    # sure every fuzz frame and then the real plan reach the worker on a slow machine.
+    router.setsockopt(zmq.SNDHWM, 0)
+    router.setsockopt(zmq.RCVHWM, 0)
     router.bind(endpoint)
     worker = subprocess.Popen(
         [sys.executable, "-m", "gpu_worker", "--model", "dummy", "--zmq-endpoint", endpoint]
