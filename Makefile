@@ -8,10 +8,10 @@ MODEL ?= default
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install protos check-protos lint test test-fast run bench bench-quick clean
+.PHONY: help install protos check-protos lint test test-fast run bench bench-quick bench-worker bench-scheduler clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -44,11 +44,17 @@ test-fast: $(STAMP) ## unit tests only (seconds)
 run: $(STAMP) ## provision the default model, start worker + scheduler on 127.0.0.1:50051
 	$(PY) scripts/run_local.py --model $(MODEL) --grpc-address $(GRPC_ADDRESS) $(ARGS)
 
-bench: $(STAMP) ## the benchmark suite on the default model (about 15 minutes)
+bench: $(STAMP) ## the benchmark suite on the default model (about 8 minutes on 2 cores)
 	$(PY) -m client.bench_suite $(ARGS)
 
 bench-quick: $(STAMP) ## a two-minute subset of make bench
 	$(PY) -m client.bench_suite --quick $(ARGS)
+
+bench-worker: $(STAMP) ## the paged worker vs transformers' own forward, per step shape
+	$(PY) -m gpu_worker.bench $(ARGS)
+
+bench-scheduler: $(STAMP) ## schedule() + apply() per step at 16..1024 running sequences
+	$(PY) -m scheduler_svc.bench_core $(ARGS)
 
 clean: ## remove .venv and caches (the model cache in ~/.cache/pagoda stays)
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info

@@ -1,6 +1,6 @@
 """`make bench`: Pagoda's scheduler knobs compared on fixed workloads, then Pagoda vs peers.
 
-    .venv/bin/python -m client.bench_suite            # everything, about 15 minutes on 2 cores
+    .venv/bin/python -m client.bench_suite            # everything, about 8 minutes on 2 cores
     .venv/bin/python -m client.bench_suite --quick    # a 2-minute subset
     .venv/bin/python -m client.bench_suite --list     # scenario and peer-workload names
     .venv/bin/python -m client.bench_suite --only prefix-caching --no-peers --json out.json

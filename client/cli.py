@@ -66,9 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection_arguments(common, defaults=False)
 
     generate = commands.add_parser(
-        "generate", parents=[common], help="stream the continuation of a prompt to stdout"
+        "generate",
+        parents=[common],
+        help="stream the answer to one prompt to stdout",
+        description="Stream the answer to one prompt. When the model has a chat template the "
+        "prompt is sent as one user turn (Chat), as an instruction-tuned model expects; "
+        "--raw sends it as it is (Generate) for a plain continuation.",
     )
     generate.add_argument("prompt", help='the prompt text ("-" reads it from stdin)')
+    generate.add_argument(
+        "--raw",
+        action="store_true",
+        help="continue the prompt text as it is, without the model's chat template",
+    )
     _add_generation_arguments(generate)
     generate.add_argument("--request-id", help="an id echoed by the server and in its logs")
 

@@ -34,7 +34,13 @@ def generation_options(args: argparse.Namespace) -> dict[str, Any]:
 def run_generate(client: Client, args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     started = time.perf_counter()
-    with client.generate(prompt, **generation_options(args)) as stream:
+    # An instruction-tuned model answers a turn of its own chat format, and merely continues
+    # raw text (ollama's generate makes the same choice; --raw is its escape hatch too).
+    if args.raw or not client.model_info().has_chat_template:
+        stream = client.generate(prompt, **generation_options(args))
+    else:
+        stream = client.chat([{"role": "user", "content": prompt}], **generation_options(args))
+    with stream:
         completion, first_token_s = _stream_to_stdout(stream)
     _finish_answer(completion, args, started, first_token_s)
     return 0

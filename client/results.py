@@ -127,6 +127,8 @@ class ModelInfo:
     device: str
     dtype: str
     worker_connected: bool
+    # Chat works only with a template; the CLI's `generate` uses it when there is one.
+    has_chat_template: bool
 
 
 @dataclass(frozen=True, slots=True)

@@ -227,6 +227,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             vocab_size=self._tokenizer.vocab_size,
             eos_token_ids=sorted(self._tokenizer.eos_token_ids),
             worker_connected=self._loop.worker is not None,
+            has_chat_template=self._tokenizer.chat_template is not None,
         )
         if hello is not None:
             info.model_id = hello.model_id

@@ -94,7 +94,9 @@ def main() -> int:
         ]
     )  # fmt: skip
     processes = [worker, scheduler]
-    signal.signal(signal.SIGTERM, _interrupt)
+    # Installed explicitly: a shell that starts us in the background ignores SIGINT.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
     try:
         if not wait_serving(args.grpc_address, processes, READY_TIMEOUT_S):
             print("pagoda: the service did not become ready; see the logs above", file=sys.stderr)

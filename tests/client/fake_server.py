@@ -79,8 +79,10 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
         token_delay_s: float = 0.0,
         api_key: str | None = None,
         preemptions_per_request: int = 0,
+        has_chat_template: bool = False,
     ) -> None:
         self.token_delay_s = token_delay_s
+        self.has_chat_template = has_chat_template
         self.api_key = api_key
         self.preemptions_per_request = preemptions_per_request
         self.requests: list[RecordedCall] = []
@@ -134,7 +136,10 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def GetModelInfo(self, request, context):
         self._admit("GetModelInfo", request, context)
-        return MODEL_INFO
+        info = pb.ModelInfo()
+        info.CopyFrom(MODEL_INFO)
+        info.has_chat_template = self.has_chat_template
+        return info
 
     def GetServerStats(self, request, context):
         self._admit("GetServerStats", request, context)

@@ -45,6 +45,26 @@ def test_generate_streams_text_and_reports_usage(fake_server):
     assert "1000:-0.250 1001:-1.250" in result.stderr
 
 
+def test_generate_sends_one_user_turn_when_the_model_has_a_chat_template(make_server):
+    server = make_server(has_chat_template=True)
+    result = run_cli("generate", "hello there", "--max-new-tokens", "4", target=server.target)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "(1 messages) you said:\n"
+    request = server.servicer.last_request("Chat")
+    assert [(m.role, m.content) for m in request.messages] == [("user", "hello there")]
+    assert request.stopping.max_new_tokens == 4
+    assert not [call for call in server.servicer.requests if call.method == "Generate"]
+
+
+def test_generate_raw_continues_the_prompt_even_with_a_chat_template(make_server):
+    server = make_server(has_chat_template=True)
+    result = run_cli("generate", "one two", "--raw", "--max-new-tokens", "2", target=server.target)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == " t0 t1\n"
+    assert server.servicer.last_request("Generate").prompt == "one two"
+    assert not [call for call in server.servicer.requests if call.method == "Chat"]
+
+
 def test_generate_options_reach_the_server(fake_server):
     result = run_cli(
         "--target", fake_server.target, "generate", "echo",

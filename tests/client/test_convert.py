@@ -168,6 +168,7 @@ def test_model_info_covers_every_proto_field():
         device="cuda",
         dtype="bfloat16",
         worker_connected=True,
+        has_chat_template=True,
     )
     info = model_info_from_proto(message)
     assert {f.name for f in dataclasses.fields(info)} == set(pb.ModelInfo.DESCRIPTOR.fields_by_name)

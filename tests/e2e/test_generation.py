@@ -40,7 +40,9 @@ def concurrent_greedy(service, prompts_ids: list[list[int]]) -> list[list[int]]:
     with service.channel() as channel:
         stub = service.stub(channel)
         with concurrent.futures.ThreadPoolExecutor(len(prompts_ids)) as pool:
-            futures = [pool.submit(generate, stub, 600, **greedy_request(ids)) for ids in prompts_ids]
+            futures = [
+                pool.submit(generate, stub, 600, **greedy_request(ids)) for ids in prompts_ids
+            ]
             results = [f.result() for f in futures]
     tokens = []
     for responses in results:
