@@ -10,6 +10,7 @@ from gpu_worker.config import WorkerConfig, configure_logging, parse_config
 from gpu_worker.model_loader import ModelNotFoundError
 from gpu_worker.server import EXIT_REFUSED, WorkerServer
 from gpu_worker.step_engine import StepEngine
+from protos import curve
 
 log = logging.getLogger("pagoda.worker")
 
@@ -29,15 +30,30 @@ def build_engine(config: WorkerConfig) -> StepEngine:
     return load_engine(config)
 
 
+def load_curve(config: WorkerConfig) -> tuple[curve.KeyPair, bytes] | None:
+    """This worker's CurveZMQ keys and the scheduler's public key, when configured."""
+    if config.zmq_curve_secret_key is None:
+        return None
+    return (
+        curve.load_key_pair(config.zmq_curve_secret_key),
+        curve.load_public_key(config.zmq_curve_server_key),
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     configure_logging(config.log_level)
+    try:
+        curve_client = load_curve(config)
+    except curve.CurveKeyError as exc:
+        log.error("%s", exc)
+        return EXIT_REFUSED
     try:
         engine = build_engine(config)
     except ModelNotFoundError as exc:
         log.error("cannot load the model: %s", exc)
         return EXIT_REFUSED
-    return WorkerServer(engine, config.zmq_endpoint).run()
+    return WorkerServer(engine, config.zmq_endpoint, curve_client).run()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.85  # fraction of free CUDA memory after loading
     num_kv_blocks: int | None = None  # overrides both budgets
     max_context_tokens: int | None = None  # None: the model config's position limit
+    zmq_curve_secret_key: str | None = None  # this worker's CurveZMQ .key_secret file
+    zmq_curve_server_key: str | None = None  # the scheduler's public .key file
     log_level: str = "INFO"
     fail_on_token_id: int | None = None  # fault-injection hook for tests
 
@@ -53,6 +55,8 @@ class WorkerConfig:
             problems.append("--num-kv-blocks must be at least 1")
         if self.max_context_tokens is not None and self.max_context_tokens < 1:
             problems.append("--max-context-tokens must be at least 1")
+        if (self.zmq_curve_secret_key is None) != (self.zmq_curve_server_key is None):
+            problems.append("--zmq-curve-secret-key and --zmq-curve-server-key go together")
         if self.log_level not in LOG_LEVELS:
             problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
         if problems:
@@ -134,6 +138,17 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=None,
         help="longest sequence announced to the scheduler (default: the model config's "
         "max_position_embeddings / n_positions; 8192 for dummy)",
+    )
+    add(
+        "--zmq-curve-secret-key",
+        default=None,
+        help="this worker's CurveZMQ .key_secret file: encrypts the link to the scheduler, "
+        "which must list its public .key (see python -m protos.curve)",
+    )
+    add(
+        "--zmq-curve-server-key",
+        default=None,
+        help="the scheduler's CurveZMQ public .key file (with --zmq-curve-secret-key)",
     )
     add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
     add(

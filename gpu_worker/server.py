@@ -19,7 +19,7 @@ import zmq
 
 from gpu_worker.sequence_table import named_seq_ids
 from gpu_worker.step_engine import StepEngine, one_line
-from protos import step_pb2, wire
+from protos import curve, step_pb2, wire
 from scheduler_svc.systemd import notify, watchdog_interval_s
 
 log = logging.getLogger("pagoda.worker.server")
@@ -39,9 +39,16 @@ def prepare_endpoint(endpoint: str) -> None:
 
 
 class WorkerServer:
-    def __init__(self, engine: StepEngine, endpoint: str) -> None:
+    def __init__(
+        self,
+        engine: StepEngine,
+        endpoint: str,
+        curve_client: tuple[curve.KeyPair, bytes] | None = None,
+    ) -> None:
+        """`curve_client`: this worker's CurveZMQ keys and the scheduler's public key."""
         self.engine = engine
         self.endpoint = endpoint
+        self._curve_client = curve_client
         self.incarnation_id = uuid.uuid4().hex
         self._scheduler_incarnation_id: str | None = None
         self._acknowledged = False
@@ -82,15 +89,18 @@ class WorkerServer:
         # receive a burst of stale hellos and heartbeats.
         socket.setsockopt(zmq.IMMEDIATE, 1)
         socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 1024)
+        if self._curve_client is not None:
+            curve.make_client(socket, *self._curve_client)
         socket.connect(self.endpoint)
         self._socket = socket
         previous = {
             sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGTERM, signal.SIGINT)
         }
         log.info(
-            "worker %s connecting to %s (%s, %d KV blocks of %d tokens)",
+            "worker %s connecting to %s%s (%s, %d KV blocks of %d tokens)",
             self.incarnation_id[:8],
             self.endpoint,
+            " over CurveZMQ" if self._curve_client else "",
             self.engine.facts.model_id,
             self.engine.facts.num_kv_blocks,
             self.engine.facts.block_size,

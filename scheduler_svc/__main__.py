@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from protos import curve
 from scheduler_svc import settings
 from scheduler_svc.api import SERVICE_NAME, GenerationServicer, build_server
 from scheduler_svc.config import ConfigError
@@ -45,7 +46,28 @@ def resolve_tokenizer_dir(model: str) -> Path:
     return Path(result.stdout.strip().splitlines()[-1])
 
 
-async def serve(config: ServiceConfig, tokenizer: TextTokenizer, model_id: str) -> int:
+CurveSettings = tuple[curve.KeyPair | None, frozenset[bytes]]
+
+
+def load_curve(config: ServiceConfig) -> CurveSettings:
+    """This scheduler's CurveZMQ keys and the workers' public keys, when configured."""
+    if config.zmq_curve_secret_key is None:
+        return None, frozenset()
+    try:
+        return (
+            curve.load_key_pair(config.zmq_curve_secret_key),
+            curve.load_authorized_keys(config.zmq_curve_authorized_keys),
+        )
+    except curve.CurveKeyError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+async def serve(
+    config: ServiceConfig,
+    tokenizer: TextTokenizer,
+    model_id: str,
+    curve_settings: CurveSettings,
+) -> int:
     metrics = Metrics()
     streams = OutputStreams()
     scheduler = Scheduler(config.scheduler, lambda: IncrementalDetokenizer(tokenizer))
@@ -68,7 +90,9 @@ async def serve(config: ServiceConfig, tokenizer: TextTokenizer, model_id: str) 
         status_interval_s=config.status_interval_s,
         on_worker_change=on_worker_change,
     )
-    link = WorkerLink(config.zmq_endpoint, loop.worker_attached, loop.worker_detached)
+    link = WorkerLink(
+        config.zmq_endpoint, loop.worker_attached, loop.worker_detached, *curve_settings
+    )
     loop.link = link
     servicer = GenerationServicer(loop, tokenizer, config, model_id)
     server, health_servicer = build_server(config, servicer)
@@ -156,9 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        curve_settings = load_curve(config)
         tokenizer_dir = resolve_tokenizer_dir(config.model)
         tokenizer = load_tokenizer(tokenizer_dir)
-        return asyncio.run(serve(config, tokenizer, config.model))
+        return asyncio.run(serve(config, tokenizer, config.model, curve_settings))
     except ConfigError as exc:
         print(f"pagoda-scheduler: {exc}", file=sys.stderr)
         return 2

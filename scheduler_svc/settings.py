@@ -50,6 +50,8 @@ class ServiceConfig:
     api_key_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    zmq_curve_secret_key: str | None = None
+    zmq_curve_authorized_keys: str | None = None
     log_level: str = "INFO"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -77,6 +79,10 @@ class ServiceConfig:
             )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("tls_cert and tls_key must be given together")
+        if (self.zmq_curve_secret_key is None) != (self.zmq_curve_authorized_keys is None):
+            raise ConfigError(
+                "zmq_curve_secret_key and zmq_curve_authorized_keys must be given together"
+            )
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(
                 f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}"
@@ -101,6 +107,9 @@ HELP: dict[str, str] = {
     "api_key_file": "file holding a bearer token; when set, every RPC must present it",
     "tls_cert": "PEM certificate chain for gRPC TLS (with --tls-key)",
     "tls_key": "PEM private key for gRPC TLS (with --tls-cert)",
+    "zmq_curve_secret_key": "this scheduler's CurveZMQ .key_secret file: encrypts the "
+    "worker link and admits only authorized workers (see python -m protos.curve)",
+    "zmq_curve_authorized_keys": "directory of the workers' CurveZMQ public .key files",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "max_num_batched_tokens": "tokens (prefill + decode) in one step",
     "prefill_max_tokens": "cap on prompt tokens admitted per step (unset: no extra cap)",

@@ -19,13 +19,15 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from protos import step_pb2, wire
+from protos import curve, step_pb2, wire
 
 log = logging.getLogger("pagoda.worker_link")
 
 # A worker sends a heartbeat every second while idle; this much silence between
 # steps means it is gone.
 HEARTBEAT_TIMEOUT_S = 5.0
+# Where libzmq asks who may connect (ZAP, ZeroMQ RFC 27), within this process's context.
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,13 +46,20 @@ class WorkerLink:
         endpoint: str,
         on_attach: Callable[[WorkerInfo], None],
         on_detach: Callable[[str], None],
+        curve_keys: curve.KeyPair | None = None,
+        authorized_worker_keys: frozenset[bytes] = frozenset(),
     ) -> None:
+        """With `curve_keys`, only CurveZMQ workers whose public key (Z85) is in
+        `authorized_worker_keys` can connect; traffic is encrypted."""
         self.endpoint = endpoint
+        self._curve_keys = curve_keys
+        self._authorized_worker_keys = authorized_worker_keys
         self.scheduler_incarnation_id = uuid.uuid4().hex
         self._on_attach = on_attach
         self._on_detach = on_detach
         self._context = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket | None = None
+        self._zap: zmq.asyncio.Socket | None = None
         self._worker: WorkerInfo | None = None
         self._last_seen_s = 0.0
         self._pending: tuple[int, asyncio.Future[step_pb2.StepResult]] | None = None
@@ -71,22 +80,36 @@ class WorkerLink:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 1024)
+        if self._curve_keys is not None:
+            # The ZAP handler must be bound before the first peer's handshake.
+            self._zap = self._context.socket(zmq.REP)
+            self._zap.setsockopt(zmq.LINGER, 0)
+            self._zap.bind(ZAP_ENDPOINT)
+            self._tasks.append(asyncio.create_task(self._answer_zap(), name="worker-link-zap"))
+            curve.make_server(socket, self._curve_keys)
         socket.bind(self.endpoint)
         if self.endpoint.startswith("ipc://"):
             os.chmod(self.endpoint.removeprefix("ipc://"), 0o600)
         self._socket = socket
-        self._tasks = [
+        self._tasks += [
             asyncio.create_task(self._receive_forever(), name="worker-link-receive"),
             asyncio.create_task(self._watch_heartbeats(), name="worker-link-watchdog"),
         ]
-        log.info("waiting for a worker on %s", self.endpoint)
+        log.info(
+            "waiting for a worker on %s%s",
+            self.endpoint,
+            f" (CurveZMQ, {len(self._authorized_worker_keys)} authorized worker keys)"
+            if self._curve_keys
+            else "",
+        )
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._socket is not None:
-            self._socket.close(linger=0)
+        for socket in (self._socket, self._zap):
+            if socket is not None:
+                socket.close(linger=0)
         self._context.term()
 
     async def run_step(self, plan: step_pb2.StepPlan, timeout_s: float) -> step_pb2.StepResult:
@@ -109,6 +132,27 @@ class WorkerLink:
             raise WorkerLost(reason) from None
         finally:
             self._pending = None
+
+    async def _answer_zap(self) -> None:
+        """Admit a CURVE peer only by an authorized public key; log every refusal."""
+        assert self._zap is not None
+        while True:
+            request = await self._zap.recv_multipart()
+            version, request_id = request[:2] if len(request) >= 2 else (b"1.0", b"")
+            mechanism, credentials = request[5:6], request[6:7]
+            key = curve.z85_of(credentials[0]) if mechanism == [b"CURVE"] and credentials else None
+            if key is not None and key in self._authorized_worker_keys:
+                status, text = b"200", b"OK"
+            else:
+                status, text = b"400", b"this key is not authorized"
+                address = request[3].decode(errors="replace") if len(request) > 3 else "?"
+                log.warning(
+                    "refused a ZeroMQ peer from %s: its CURVE public key %s is not in the "
+                    "authorized worker keys",
+                    address or "?",
+                    key.decode() if key else "(none)",
+                )
+            await self._zap.send_multipart([version, request_id, status, text, b"", b""])
 
     async def _send(self, identity: bytes, message) -> None:
         assert self._socket is not None
