@@ -6,7 +6,7 @@ log-softmax after temperature (1 for greedy rows), before any filtering.
 
 A seeded draw is a function of (seed, position of the sampled token) only: one
 uniform u = splitmix64(seed, position) picks the token by inverse CDF over the
-filtered distribution. The same seed therefore gives the same tokens alone, in any
+filtered distribution, always laid out in vocabulary order. The same seed therefore gives the same tokens alone, in any
 batch, after a recompute and on any device, and costs one number per row instead
 of one per vocabulary entry.
 """
@@ -88,7 +88,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
 def _filtered_candidates(
     scaled: torch.Tensor, params: list[SamplingParams]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(probs [R, K], token ids [R, K] or None meaning K == vocab in vocab order)."""
+    """(probs [R, K], their token ids [R, K]) in rank order, or (probs [R, vocab], None)
+    in vocabulary order when no row needs ranking."""
     vocab_size = scaled.shape[-1]
     device = scaled.device
     top_ks = [min(p.top_k, vocab_size) for p in params]
@@ -149,11 +150,12 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
         probs, candidate_ids = _filtered_candidates(
             scaled[index], [params[i] for i in sampled_rows]
         )
-        uniforms = [seeded_uniform(rows[i].params.seed, rows[i].position) for i in sampled_rows]
-        picked = _draw(probs, uniforms)
         if candidate_ids is not None:
-            picked = candidate_ids.gather(1, picked[:, None])[:, 0]
-        token_ids[index] = picked
+            # Draw in vocabulary order, whatever sorting a neighbour's top-k/top-p forced on
+            # this row, so that a seeded row's token never depends on the rest of the batch.
+            probs = torch.zeros_like(scaled[index]).scatter_(1, candidate_ids, probs)
+        uniforms = [seeded_uniform(rows[i].params.seed, rows[i].position) for i in sampled_rows]
+        token_ids[index] = _draw(probs, uniforms)
 
     output = SampleOutput(token_ids.tolist(), [], [], [])
     if any(num_logprobs):

@@ -144,6 +144,19 @@ def test_draw_depends_only_on_seed_and_position():
     assert seeded_uniform(42, 17) != seeded_uniform(42, 18) != seeded_uniform(43, 17)
 
 
+def test_seeded_draw_ignores_the_filters_of_its_neighbours():
+    """A temperature-only row draws the same token alone and beside rows whose top-k or
+    top-p make the batch rank its candidates."""
+    logits = random_logits(1, seed=8)
+    for seed in range(40):
+        plain = row(temperature=0.8, seed=seed, position=5)
+        alone = sample(logits.clone(), [plain]).token_ids[0]
+        for neighbour in ({"top_k": 3}, {"top_p": 0.5}, {"top_k": 10, "top_p": 0.9}):
+            batch = torch.cat([random_logits(1, seed=9), logits])
+            rows = [row(temperature=1.0, seed=7, **neighbour), plain]
+            assert sample(batch, rows).token_ids[1] == alone, (seed, neighbour)
+
+
 def test_seeded_draws_follow_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.2])
     logits = probs.log()[None, :]
