@@ -7,6 +7,7 @@ import logging
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from protos import curve
@@ -112,7 +113,7 @@ async def serve(
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    watchdog = asyncio.create_task(_watchdog(loop_task))
+    watchdog = asyncio.create_task(_watchdog(loop_task, loop.is_turning))
     done, _ = await asyncio.wait(
         {asyncio.create_task(stop.wait()), loop_task}, return_when=asyncio.FIRST_COMPLETED
     )
@@ -151,11 +152,18 @@ async def _drain(config, servicer, health_servicer, loop: StepLoop, streams: Out
             await asyncio.sleep(0.05)
 
 
-async def _watchdog(loop_task: asyncio.Task) -> None:
-    """systemd WatchdogSec keep-alives while the step loop is alive."""
+async def _watchdog(loop_task: asyncio.Task, is_turning: Callable[[], bool]) -> None:
+    """systemd WatchdogSec keep-alives while the step loop turns: a loop stuck in an await
+    gets none, so systemd restarts the service (Restart=on-failure)."""
     interval_s = watchdog_interval_s()
+    withheld = False
     while not loop_task.done():
-        notify("WATCHDOG=1")
+        if is_turning():
+            notify("WATCHDOG=1")
+            withheld = False
+        elif not withheld:
+            log.error("the step loop is stuck; withholding systemd watchdog keep-alives")
+            withheld = True
         await asyncio.sleep(interval_s)
 
 

@@ -67,6 +67,7 @@ class StepLoop:
         self._stopped = False
         self._last_status_s = clock()
         self._tokens_since_status = 0
+        self._last_turn_s = clock()
 
     # -- called by the servicer and the worker link (same event loop) --------------
 
@@ -108,9 +109,16 @@ class StepLoop:
 
     # -- the loop --------------------------------------------------------------------
 
+    def is_turning(self) -> bool:
+        """Whether the loop began a turn recently enough: an idle turn takes IDLE_TICK_S and
+        a step at most the worker timeout, so a longer silence means the loop is stuck."""
+        limit_s = self._worker_timeout_s + 2 * IDLE_TICK_S + 1.0
+        return self._clock() - self._last_turn_s <= limit_s
+
     async def run(self) -> None:
         while not self._stopped:
             now = self._clock()
+            self._last_turn_s = now
             self._drain_inbox(now)
             decision = self.scheduler.schedule(now) if self.worker is not None else None
             if decision is None:
