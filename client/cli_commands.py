@@ -135,6 +135,7 @@ def _print_usage(completion: Completion, started: float, first_token_s: float | 
         parts.append(
             f"tokens: prompt {usage.prompt_tokens} ({usage.cached_prompt_tokens} cached), "
             f"completion {usage.completion_tokens}"
+            + (f", preempted {usage.num_preemptions}x" if usage.num_preemptions else "")
         )
     timings = completion.timings
     if timings is not None:

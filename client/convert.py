@@ -147,6 +147,7 @@ def chunk_from_response(response: pb.GenerateResponse) -> Chunk:
             prompt_tokens=response.usage.prompt_tokens,
             completion_tokens=response.usage.completion_tokens,
             cached_prompt_tokens=response.usage.cached_prompt_tokens,
+            num_preemptions=response.usage.num_preemptions,
         )
     if response.HasField("timings"):
         timings = Timings(

@@ -29,6 +29,8 @@ class Usage:
     completion_tokens: int
     # Prompt tokens served from the server's prefix cache instead of being computed.
     cached_prompt_tokens: int
+    # Times the server preempted the request under KV pressure and recomputed it.
+    num_preemptions: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -55,6 +55,7 @@ def to_response(output: RequestOutput) -> generation_pb2.GenerateResponse:
                 prompt_tokens=output.usage.prompt_tokens,
                 completion_tokens=output.usage.completion_tokens,
                 cached_prompt_tokens=output.usage.cached_prompt_tokens,
+                num_preemptions=output.usage.num_preemptions,
             )
         )
     if output.timings is not None:

@@ -68,6 +68,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int  # times preempted and recomputed
 
 
 @dataclass(slots=True)
@@ -150,6 +151,7 @@ class Request:
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=self.num_generated_tokens,
             cached_prompt_tokens=self.num_cached_prompt_tokens or 0,
+            num_preemptions=self.num_preemptions,
         )
 
     def timings(self) -> Timings:

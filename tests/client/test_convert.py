@@ -145,12 +145,14 @@ def test_last_response_carries_finish_usage_and_timings(reason, name):
     response = pb.GenerateResponse(
         request_id="r",
         finish_reason=reason,
-        usage=pb.Usage(prompt_tokens=10, completion_tokens=3, cached_prompt_tokens=8),
+        usage=pb.Usage(
+            prompt_tokens=10, completion_tokens=3, cached_prompt_tokens=8, num_preemptions=2
+        ),
         timings=pb.Timings(queued_ms=1.5, first_token_ms=20.25, total_ms=80.5),
     )
     chunk = chunk_from_response(response)
     assert chunk.finish_reason == name and chunk.is_last
-    assert chunk.usage == Usage(10, 3, 8) and chunk.usage.total_tokens == 13
+    assert chunk.usage == Usage(10, 3, 8, 2) and chunk.usage.total_tokens == 13
     assert (chunk.timings.queued_ms, chunk.timings.first_token_ms) == (1.5, 20.25)
     assert chunk.timings.total_ms == 80.5
     assert chunk.logprobs is None

@@ -80,11 +80,26 @@ def test_kv_pressure_preempts_without_losing_or_repeating_tokens(tmp_path):
         scheduler_args=["--no-prefix-caching"],
     ) as service:
         batch = prompts(24, length=60)
-        results = asyncio.run(many_streams(service.address, batch, 48))
-        for prompt_ids, (tokens, finish) in zip(batch, results, strict=True):
+
+        async def streams_with_usage():
+            async with grpc.aio.insecure_channel(service.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+
+                async def one(prompt_ids):
+                    responses = [r async for r in stub.Generate(request(prompt_ids, 48))]
+                    tokens = [t for r in responses for t in r.token_ids]
+                    return tokens, responses[-1].finish_reason, responses[-1].usage
+
+                return await asyncio.gather(*(one(p) for p in batch))
+
+        results = asyncio.run(streams_with_usage())
+        for prompt_ids, (tokens, finish, _) in zip(batch, results, strict=True):
             assert finish == generation_pb2.LENGTH
             assert tokens == dummy_continuation(prompt_ids, 48)
-        assert service.stats().num_preemptions > 0
+        num_preemptions = service.stats().num_preemptions
+        assert num_preemptions > 0
+        # Each request's final usage says how often it was preempted.
+        assert sum(usage.num_preemptions for _, _, usage in results) == num_preemptions
 
 
 def test_worker_killed_mid_stream_resumes_on_a_new_worker(tmp_path):
