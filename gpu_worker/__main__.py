@@ -6,7 +6,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from gpu_worker.config import WorkerConfig, configure_logging, parse_config
+from gpu_worker.config import WorkerConfig, configure_logging, describe, load_config
 from gpu_worker.model_loader import ModelNotFoundError
 from gpu_worker.server import EXIT_REFUSED, WorkerServer
 from gpu_worker.step_engine import StepEngine
@@ -41,7 +41,11 @@ def load_curve(config: WorkerConfig) -> tuple[curve.KeyPair, bytes] | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_config(argv)
+    loaded = load_config(argv)
+    if loaded.print_config:
+        print(describe(loaded))
+        return 0
+    config = loaded.config
     configure_logging(config.log_level)
     try:
         curve_client = load_curve(config)

@@ -1,4 +1,4 @@
-"""The worker's configuration: flags > PAGODA_WORKER_* environment variables > defaults.
+"""The worker's configuration: flags > PAGODA_WORKER_* environment > TOML file > defaults.
 
 Built once in `__main__` into a frozen `WorkerConfig`, validated, then passed down.
 This is the only worker module that reads the environment (besides the model cache
@@ -8,10 +8,13 @@ location in model_loader). Imports no torch.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 ENV_PREFIX = "PAGODA_WORKER_"
 DEVICES = ("auto", "cpu", "cuda")
@@ -158,35 +161,102 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="fault-injection hook for tests: any step that feeds this token id fails in the "
         "forward (the worker answers with step_error and keeps serving)",
     )
-    # Environment values become the defaults, so explicit flags still win.
-    env_defaults = {}
-    for action in parser._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
-        value = environ.get(ENV_PREFIX + action.dest.upper())
-        if value is None:
-            continue
-        try:
-            env_defaults[action.dest] = action.type(value) if action.type else value
-        except ValueError:
-            parser.error(f"{ENV_PREFIX}{action.dest.upper()}={value!r} is not a valid value")
-    parser.set_defaults(**env_defaults)
+    add(
+        "--config",
+        default=environ.get(ENV_PREFIX + "CONFIG"),
+        help="TOML file of settings, keys as the flags with underscores (block_size = 32); "
+        f"also {ENV_PREFIX}CONFIG",
+    )
+    add(
+        "--print-config",
+        action="store_true",
+        help="print the resolved settings and where each came from, then exit",
+    )
     return parser
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedConfig:
+    config: WorkerConfig
+    sources: dict[str, str]  # setting -> "flag", "env PAGODA_WORKER_X", "toml FILE", "default"
+    print_config: bool
+
+
+def _settings(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    names = {f.name for f in fields(WorkerConfig)}
+    return {a.dest: a for a in parser._actions if a.dest in names}
+
+
+def load_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> LoadedConfig:
+    """Flags > environment > TOML file > defaults, validated; a bad value or an unknown
+    TOML key exits 2 with a sentence (argparse's usage error)."""
+    environ = os.environ if environ is None else environ
+    parser = build_parser(environ)
+    settings = _settings(parser)
+    sources = dict.fromkeys(settings, "default")
+    layered: dict[str, object] = {}
+
+    def convert(action: argparse.Action, value: object, origin: str) -> object:
+        try:
+            return action.type(str(value)) if action.type else str(value)
+        except ValueError:
+            parser.error(f"{origin}: {value!r} is not a valid value for {action.dest}")
+
+    config_path = parser.parse_known_args(argv)[0].config
+    if config_path:
+        try:
+            table = tomllib.loads(Path(config_path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            parser.error(f"cannot read the config file {config_path}: {exc}")
+        for key, value in table.items():
+            if key not in settings:
+                parser.error(f"unknown key {key!r} in {config_path}")
+            layered[key] = convert(settings[key], value, f"{key} in {config_path}")
+            sources[key] = f"toml {config_path}"
+    for name, action in settings.items():
+        env_name = ENV_PREFIX + name.upper()
+        if env_name in environ:
+            layered[name] = convert(action, environ[env_name], env_name)
+            sources[name] = f"env {env_name}"
+    # The layers become argparse's defaults, so explicit flags still win.
+    parser.set_defaults(**layered)
+    args = parser.parse_args(argv)
+    # Which settings the command line itself gave: a parser whose defaults are all absent.
+    explicit = build_parser(environ)
+    for action in _settings(explicit).values():
+        action.default = argparse.SUPPRESS
+    given = vars(explicit.parse_args(argv)).keys() & settings.keys()
+    sources.update(dict.fromkeys(given, "flag"))
+    values = {name: getattr(args, name) for name in settings}
+    try:
+        config = WorkerConfig(**values)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return LoadedConfig(config, {n: sources[n] for n in settings}, args.print_config)
 
 
 def parse_config(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> WorkerConfig:
-    """Flags > environment > defaults; argparse exits 2 with a message on a bad value."""
-    environ = os.environ if environ is None else environ
-    parser = build_parser(environ)
-    args = parser.parse_args(argv)
-    values = {f.name: getattr(args, f.name) for f in fields(WorkerConfig)}
-    try:
-        return WorkerConfig(**values)
-    except ValueError as exc:
-        parser.error(str(exc))
-        raise  # unreachable: parser.error exits
+    """The validated config alone (see load_config)."""
+    return load_config(argv, environ).config
+
+
+def describe(loaded: LoadedConfig) -> str:
+    """One line per setting, `name = value  # source`, TOML-shaped so it can seed a file."""
+    lines = []
+    for f in fields(WorkerConfig):
+        value = getattr(loaded.config, f.name)
+        if value is None:
+            line = f"# {f.name} (unset)"
+        elif isinstance(value, str):
+            line = f"{f.name} = {json.dumps(value)}"
+        else:
+            line = f"{f.name} = {value}"
+        lines.append(line.ljust(48) + f"  # {loaded.sources[f.name]}")
+    return "\n".join(lines)
 
 
 def configure_logging(level: str) -> None:

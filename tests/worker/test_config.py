@@ -1,10 +1,16 @@
-"""Flags > PAGODA_WORKER_* environment > defaults, validated once."""
+"""Flags > PAGODA_WORKER_* environment > TOML file > defaults, validated once."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpu_worker.config import WorkerConfig, default_zmq_endpoint, parse_config
+from gpu_worker.config import (
+    WorkerConfig,
+    default_zmq_endpoint,
+    describe,
+    load_config,
+    parse_config,
+)
 
 
 def test_defaults():
@@ -69,3 +75,37 @@ def test_help_documents_every_flag(capsys):
     ]:
         assert flag in text
     assert "fault-injection" in text
+
+
+def test_toml_file_is_below_environment_and_flags(tmp_path):
+    toml = tmp_path / "worker.toml"
+    toml.write_text('block_size = 8\nmodel = "dummy"\nkv_cache_gib = 2\ndevice = "cpu"\n')
+    environ = {"PAGODA_WORKER_CONFIG": str(toml), "PAGODA_WORKER_DEVICE": "cuda"}
+    loaded = load_config(["--block-size", "4", "--zmq-endpoint", "tcp://127.0.0.1:5555"], environ)
+    config = loaded.config
+    assert (config.block_size, config.model, config.kv_cache_gib) == (4, "dummy", 2.0)
+    assert config.device == "cuda"
+    assert loaded.sources["block_size"] == "flag"
+    assert loaded.sources["model"] == f"toml {toml}"
+    assert loaded.sources["device"] == "env PAGODA_WORKER_DEVICE"
+    assert loaded.sources["log_level"] == "default"
+    printed = describe(loaded)
+    assert 'model = "dummy"'.ljust(48) + f"  # toml {toml}" in printed.splitlines()
+    assert "# num_kv_blocks (unset)" in printed
+
+
+@pytest.mark.parametrize(
+    ("text", "sentence"),
+    [
+        ("bogus = 1\n", "unknown key 'bogus'"),
+        ('block_size = "big"\n', "'big' is not a valid value for block_size"),
+        ("block_size = \n", "cannot read the config file"),
+    ],
+)
+def test_bad_toml_stops_with_a_sentence(tmp_path, capsys, text, sentence):
+    toml = tmp_path / "worker.toml"
+    toml.write_text(text)
+    with pytest.raises(SystemExit) as exited:
+        load_config(["--config", str(toml)], {})
+    assert exited.value.code == 2
+    assert sentence in capsys.readouterr().err
