@@ -205,6 +205,23 @@ def decision_within_budget(decision: StepDecision, config: SchedulerConfig) -> b
     return len(sizes) == 1 and sizes[0] > step_prefill
 
 
+def caps_violated(decision: StepDecision, scheduler: Scheduler) -> str | None:
+    """Which per-step cap of DESIGN §3 this decision breaks, if any (None: all kept)."""
+    config = scheduler.config
+    if config.max_decode_batch_size and decision.num_decode_tokens > config.max_decode_batch_size:
+        return f"{decision.num_decode_tokens} decodes > max_decode_batch_size"
+    num_admitted = len(decision.new_sequences)
+    if config.prefill_max_batch_size and num_admitted > config.prefill_max_batch_size:
+        return f"{num_admitted} admissions > prefill_max_batch_size"
+    if len(scheduler._state.running) > config.max_active_requests:
+        return f"{len(scheduler._state.running)} running > max_active_requests"
+    step_prefill = min(config.max_num_batched_tokens, config.prefill_max_tokens or 10**9)
+    if decision.num_prefill_tokens > step_prefill and (config.chunked_prefill or num_admitted > 1):
+        # Only an oversize prompt admitted whole and alone (no chunking) may exceed it.
+        return f"{decision.num_prefill_tokens} prefill tokens > {step_prefill}"
+    return None
+
+
 def drive(
     scheduler: Scheduler,
     worker: FakeWorker,
@@ -223,6 +240,7 @@ def drive(
             assert not scheduler.has_work(), "work left but nothing scheduled"
             return streams
         assert decision_within_budget(decision, scheduler.config)
+        assert caps_violated(decision, scheduler) is None, caps_violated(decision, scheduler)
         if on_step is not None:
             on_step(step, decision)
         for output in scheduler.apply(worker.step(decision), now=float(step) + 0.5):

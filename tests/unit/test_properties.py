@@ -16,6 +16,7 @@ from scheduler_svc.request import FinishReason, ValidRequest
 from scheduler_svc.scheduler import Scheduler, WorkerGeometry
 from tests.unit.conftest import (
     Stream,
+    caps_violated,
     check_invariants,
     decision_within_budget,
     expected_generation,
@@ -130,6 +131,8 @@ def run(
                 return streams, scheduler
             continue
         assert decision_within_budget(decision, scheduler.config)
+        if not scheduler._isolation.active:  # isolation replans one suspect at a time
+            assert caps_violated(decision, scheduler) is None, caps_violated(decision, scheduler)
         failure = workload.failures.get(step)
         if failure == "lost" or failure == "restart":
             assert scheduler.fail_step(decision, "worker lost", now) == []

@@ -155,6 +155,27 @@ def test_chunked_prefill_continues_a_prompt_before_new_admissions():
     assert fed(third)[first.seq_ids[0]] == 8 and len(third.new_sequences) == 1
 
 
+def test_no_decode_waits_while_a_long_prompt_is_chunked_in():
+    geometry = make_geometry(num_kv_blocks=128)
+    scheduler, worker = make_scheduler(geometry, max_num_batched_tokens=16), FakeWorker(geometry)
+    for index in range(5):
+        scheduler.add(make_request(f"d{index}", 3, max_new_tokens=40, ignore_eos=True), 0.0)
+    first, _ = step(scheduler, worker)  # the five are admitted and start decoding
+    decoders = set(first.seq_ids)
+    scheduler.add(make_request("long", 100, max_new_tokens=2), 0.0)
+    num_chunks = 0
+    while True:
+        decision, _ = step(scheduler, worker)
+        counts = fed(decision)
+        assert all(counts[seq_id] == 1 for seq_id in decoders)  # every decoder, every step
+        assert decision.num_tokens <= 16
+        long_ids = set(counts) - decoders
+        if not long_ids or decision.sample[decision.seq_ids.index(long_ids.pop())]:
+            break
+        num_chunks += 1
+    assert num_chunks >= 9  # 100 prompt tokens through the 11 left after 5 decodes
+
+
 def test_without_chunked_prefill_a_prompt_is_whole_or_waits():
     scheduler, worker = (
         make_scheduler(max_num_batched_tokens=16, chunked_prefill=False),
