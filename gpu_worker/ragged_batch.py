@@ -42,12 +42,14 @@ class RaggedBatch:
     position_ids: torch.Tensor  # [1, T]
     slot_mapping: torch.Tensor  # [T]: pool slot each fed token's K/V is written to
     num_decode_tokens: int  # B: rows [0, B) are single-token chunks, one per sequence
-    # [B * L]: slot of key j of decode row b at b * L + j, L the longest decode context
-    # (shorter rows padded with slot 0, masked); flat for one index_select per layer.
-    decode_key_slots: torch.Tensor | None
+    # [B * N]: the first N blocks of each decode row's table, N = ceil(L / block_size) for
+    # L the longest decode context (shorter tables padded with block 0, masked); flat for
+    # one index_select of whole blocks per layer.
+    decode_block_ids: torch.Tensor | None
     decode_context_lens: torch.Tensor | None  # [B]: keys each decode row attends to
     decode_num_keys: int  # L
     decode_needs_padding_mask: bool  # False: every decode row sees all L keys
+    block_size: int
     prefill_spans: list[PrefillSpan]
     sample_token_indices: torch.Tensor  # [S]: packed row of each sampling chunk, plan order
     sample_chunks: list[ScheduledChunk]  # the S sampling chunks, plan order
@@ -129,7 +131,7 @@ def build_ragged_batch(
     def as_tensor(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
-    decode_key_slots = decode_context_lens = None
+    decode_block_ids = decode_context_lens = None
     decode_num_keys = 0
     decode_needs_padding_mask = False
     if decode:
@@ -140,7 +142,7 @@ def build_ragged_batch(
             c.seq.block_ids[:num_table_blocks] + [0] * (num_table_blocks - len(c.seq.block_ids))
             for c in decode
         ]
-        decode_key_slots = _key_slots(as_tensor(table), decode_num_keys, block_size).flatten()
+        decode_block_ids = as_tensor([block_id for row in table for block_id in row])
         decode_context_lens = as_tensor(context_lens)
         decode_needs_padding_mask = min(context_lens) != decode_num_keys
 
@@ -162,10 +164,11 @@ def build_ragged_batch(
         position_ids=as_tensor(positions)[None, :],
         slot_mapping=as_tensor(slots),
         num_decode_tokens=len(decode),
-        decode_key_slots=decode_key_slots,
+        decode_block_ids=decode_block_ids,
         decode_context_lens=decode_context_lens,
         decode_num_keys=decode_num_keys,
         decode_needs_padding_mask=decode_needs_padding_mask,
+        block_size=block_size,
         prefill_spans=spans,
         sample_token_indices=as_tensor([packed_end[id(c)] for c in sample_chunks]),
         sample_chunks=sample_chunks,
