@@ -27,6 +27,11 @@ def test_prometheus_metrics_are_scraped(tmp_path):
             stub = service.stub(channel)
             for _ in range(3):
                 list(stub.Generate(request([5, 6, 7, 8], 8), timeout=30))
+            refused = generation_pb2.GenerateRequest(
+                prompt="hi", sampling=generation_pb2.SamplingParams(top_p=2.0)
+            )
+            with pytest.raises(grpc.RpcError):
+                list(stub.Generate(refused, timeout=30))
         body = (
             urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
         )
@@ -49,6 +54,8 @@ def test_prometheus_metrics_are_scraped(tmp_path):
     ):
         assert name in body, name
     assert 'pagoda_requests_finished_total{finish_reason="length"} 3.0' in body
+    assert 'pagoda_request_errors_total{code="INVALID_ARGUMENT"} 1.0' in body
+    assert 'pagoda_step_tokens_count{kind="prefill"}' in body
     assert "pagoda_worker_connected 1.0" in body
 
 
