@@ -18,6 +18,7 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from protos import curve, step_pb2, wire
 
@@ -34,6 +35,7 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 class WorkerInfo:
     identity: bytes  # the worker's ZeroMQ routing id
     hello: step_pb2.Hello
+    fd: int | None = None  # our end of its connection, to recognise its disconnect
 
 
 class WorkerLost(Exception):
@@ -60,6 +62,7 @@ class WorkerLink:
         self._context = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket | None = None
         self._zap: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self._worker: WorkerInfo | None = None
         self._last_seen_s = 0.0
         self._pending: tuple[int, asyncio.Future[step_pb2.StepResult]] | None = None
@@ -91,7 +94,11 @@ class WorkerLink:
         if self.endpoint.startswith("ipc://"):
             os.chmod(self.endpoint.removeprefix("ipc://"), 0o600)
         self._socket = socket
+        # A worker process that dies closes its connection: noticed at once, not only when
+        # a step's result times out (a host that vanishes still needs the timeout).
+        self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._tasks += [
+            asyncio.create_task(self._watch_disconnects(), name="worker-link-disconnects"),
             asyncio.create_task(self._receive_forever(), name="worker-link-receive"),
             asyncio.create_task(self._watch_heartbeats(), name="worker-link-watchdog"),
         ]
@@ -107,7 +114,9 @@ class WorkerLink:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for socket in (self._socket, self._zap):
+        if self._socket is not None and self._monitor is not None:
+            self._socket.disable_monitor()
+        for socket in (self._monitor, self._socket, self._zap):
             if socket is not None:
                 socket.close(linger=0)
         self._context.term()
@@ -161,21 +170,29 @@ class WorkerLink:
     async def _receive_forever(self) -> None:
         assert self._socket is not None
         while True:
-            frames = await self._socket.recv_multipart()
-            identity, body = frames[0], frames[1:]
+            frames = await self._socket.recv_multipart(copy=False)
+            identity, body = frames[0].bytes, [frame.bytes for frame in frames[1:]]
             try:
                 message = wire.decode(body)
             except wire.FrameError as exc:
                 log.warning("ignored a malformed frame from %s: %s", identity.hex(), exc)
                 continue
             try:
-                await self._dispatch(identity, message)
+                await self._dispatch(identity, message, _source_fd(frames[-1]))
             except zmq.ZMQError as exc:
                 log.warning("could not answer the worker %s: %s", identity.hex(), exc)
 
-    async def _dispatch(self, identity: bytes, message) -> None:
+    async def _watch_disconnects(self) -> None:
+        assert self._monitor is not None
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            worker = self._worker
+            if worker is not None and worker.fd is not None and event["value"] == worker.fd:
+                self._drop_worker("its connection closed")
+
+    async def _dispatch(self, identity: bytes, message, fd: int | None) -> None:
         if isinstance(message, step_pb2.Hello):
-            await self._on_hello(identity, message)
+            await self._on_hello(identity, message, fd)
             return
         current = self._worker
         if current is None or current.identity != identity:
@@ -192,7 +209,7 @@ class WorkerLink:
             else:
                 log.warning("ignored a result for step %d that is not in flight", message.step_id)
 
-    async def _on_hello(self, identity: bytes, hello: step_pb2.Hello) -> None:
+    async def _on_hello(self, identity: bytes, hello: step_pb2.Hello, fd: int | None) -> None:
         reason = hello_problem(hello)
         if reason is not None:
             log.error("refused worker %s: %s", hello.incarnation_id or identity.hex(), reason)
@@ -205,7 +222,7 @@ class WorkerLink:
                 self._drop_worker(
                     f"worker {hello.incarnation_id} replaced {current.hello.incarnation_id}"
                 )
-            self._worker = WorkerInfo(identity=identity, hello=hello)
+            self._worker = WorkerInfo(identity=identity, hello=hello, fd=fd)
             log.info(
                 "worker %s attached: model %s on %s, %d KV blocks of %d tokens",
                 hello.incarnation_id,
@@ -244,6 +261,14 @@ class WorkerLink:
         if self._pending is not None and not self._pending[1].done():
             self._pending[1].set_exception(WorkerLost(reason))
         self._on_detach(reason)
+
+
+def _source_fd(frame: zmq.Frame) -> int | None:
+    """The file descriptor of the connection a message came in on (None if unknown)."""
+    try:
+        return frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return None
 
 
 def hello_problem(hello: step_pb2.Hello) -> str | None:

@@ -201,3 +201,38 @@ def test_one_log_line_per_request_and_a_periodic_status(tmp_path):
                    30, "the request's log line")  # fmt: skip
         assert "TTFT" in log_text()
         wait_until(lambda: "status: " in log_text(), 30, "a status line")
+
+
+def test_a_killed_worker_is_noticed_when_its_connection_closes(tmp_path):
+    """Not at the result timeout (10 minutes here): the streams pause, then finish exactly
+    on the next worker."""
+    with running_service(
+        tmp_path,
+        model="dummy",
+        scheduler_args=["--worker-timeout-s", "600", "--max-active-requests", "2"],
+    ) as service:
+        batch = prompts(4)
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(service.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                calls = [stub.Generate(request(p, 8000), timeout=300) for p in batch]
+                first = await calls[0].read()
+                service.worker.send_signal(signal.SIGKILL)
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: not service.stats().worker_connected,
+                    60,
+                    "the scheduler to notice the closed connection",
+                )
+                service.start_worker()
+                return await asyncio.gather(
+                    *(read_until_end(c, list(first.token_ids) if i == 0 else [])
+                      for i, c in enumerate(calls))
+                )  # fmt: skip
+
+        results = asyncio.run(scenario())
+        for prompt_ids, (tokens, finish, code) in zip(batch, results, strict=True):
+            assert code == grpc.StatusCode.OK and finish == generation_pb2.LENGTH
+            assert tokens == dummy_continuation(prompt_ids, 8000)
+        assert "its connection closed" in (tmp_path / "scheduler.log").read_text()
