@@ -20,6 +20,9 @@ from client.errors import PagodaError
 from client.sync_client import Client
 
 EXIT_USAGE = 2  # argparse's own status for usage errors
+# A terminal user reads the text: a mild penalty stops greedy decoding of a small model from
+# repeating one line until max_new_tokens (the API itself stays at 1.0, off).
+CLI_REPETITION_PENALTY = 1.1
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141
 
@@ -129,7 +132,13 @@ def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     add("--top-p", type=float)
     add("--top-k", type=int)
     add("--min-p", type=float)
-    add("--repetition-penalty", type=float)
+    add(
+        "--repetition-penalty",
+        type=float,
+        default=CLI_REPETITION_PENALTY,
+        help=f"penalize tokens already in the text (default here {CLI_REPETITION_PENALTY}, "
+        "which keeps small models from looping; 1.0 is off, the API's own default)",
+    )
     add("--presence-penalty", type=float)
     add("--frequency-penalty", type=float)
     add("--seed", type=int)

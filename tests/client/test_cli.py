@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.client.conftest import TEST_API_KEY
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -63,6 +65,19 @@ def test_generate_raw_continues_the_prompt_even_with_a_chat_template(make_server
     assert result.stdout == " t0 t1\n"
     assert server.servicer.last_request("Generate").prompt == "one two"
     assert not [call for call in server.servicer.requests if call.method == "Chat"]
+
+
+def test_the_cli_asks_for_a_mild_repetition_penalty_unless_told_otherwise(make_server):
+    server = make_server()
+    assert run_cli("generate", "a b", target=server.target).returncode == 0
+    assert server.servicer.last_request("Generate").sampling.repetition_penalty == (
+        pytest.approx(1.1)
+    )
+    assert (
+        run_cli("generate", "a b", "--repetition-penalty", "1", target=server.target).returncode
+        == 0
+    )
+    assert server.servicer.last_request("Generate").sampling.repetition_penalty == 1.0
 
 
 def test_generate_options_reach_the_server(fake_server):
