@@ -46,6 +46,20 @@ async def read_until_end(call, tokens: list[int]) -> tuple[list[int], int, grpc.
     return tokens, finish, grpc.StatusCode.OK
 
 
+async def streams_around(address: str, batch: list[list[int]], intervene, timeout_s: float = 120):
+    """Open one 8,000-token stream per prompt, wait for the first one's first message, run
+    `intervene()` (blocking, in a thread), then read every stream to its end."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        calls = [stub.Generate(request(p, 8000), timeout=timeout_s) for p in batch]
+        first = await calls[0].read()  # streams are flowing
+        await asyncio.to_thread(intervene)
+        return await asyncio.gather(
+            *(read_until_end(c, list(first.token_ids) if i == 0 else [])
+              for i, c in enumerate(calls))
+        )  # fmt: skip
+
+
 def test_health_follows_the_worker(tmp_path):
     endpoint = f"ipc://{tmp_path}/w.sock"
     address = f"127.0.0.1:{free_port()}"
@@ -86,19 +100,7 @@ def test_streams_in_flight_end_unavailable_when_no_worker_returns(tmp_path):
         ],
     ) as service:
         batch = prompts(6)
-
-        async def scenario():
-            async with grpc.aio.insecure_channel(service.address) as channel:
-                stub = generation_pb2_grpc.GenerationStub(channel)
-                calls = [stub.Generate(request(p, 8000), timeout=120) for p in batch]
-                first = await calls[0].read()  # streams are flowing
-                service.worker.send_signal(signal.SIGKILL)
-                return await asyncio.gather(
-                    *(read_until_end(c, list(first.token_ids) if i == 0 else [])
-                      for i, c in enumerate(calls))
-                )  # fmt: skip
-
-        results = asyncio.run(scenario())
+        results = asyncio.run(streams_around(service.address, batch, lambda: service.worker.kill()))
         codes = [code for _, _, code in results]
         assert grpc.StatusCode.UNAVAILABLE in codes  # 6 x 8,000 tokens outlast the kill
         for prompt_ids, (tokens, finish, code) in zip(batch, results, strict=True):
@@ -119,24 +121,15 @@ def test_drain_turns_health_off_and_cancels_what_outlives_the_timeout(tmp_path):
     ) as service:
         batch = prompts(12)
 
-        async def scenario():
-            async with grpc.aio.insecure_channel(service.address) as channel:
-                stub = generation_pb2_grpc.GenerationStub(channel)
-                calls = [stub.Generate(request(p, 8000), timeout=120) for p in batch]
-                first = await calls[0].read()
-                service.scheduler.send_signal(signal.SIGTERM)
-                await asyncio.to_thread(
-                    wait_until,
-                    lambda: health(service.address) in (NOT_SERVING, None),
-                    30,
-                    "NOT_SERVING while draining",
-                )
-                return await asyncio.gather(
-                    *(read_until_end(c, list(first.token_ids) if i == 0 else [])
-                      for i, c in enumerate(calls))
-                )  # fmt: skip
+        def drain() -> None:
+            service.scheduler.send_signal(signal.SIGTERM)
+            wait_until(
+                lambda: health(service.address) in (NOT_SERVING, None),
+                30,
+                "NOT_SERVING while draining",
+            )
 
-        results = asyncio.run(scenario())
+        results = asyncio.run(streams_around(service.address, batch, drain))
         finishes = [finish for _, finish, _ in results]
         # One request runs at a time and each needs 8,000 tokens: most outlive the drain.
         assert generation_pb2.CANCELLED in finishes
@@ -213,25 +206,16 @@ def test_a_killed_worker_is_noticed_when_its_connection_closes(tmp_path):
     ) as service:
         batch = prompts(4)
 
-        async def scenario():
-            async with grpc.aio.insecure_channel(service.address) as channel:
-                stub = generation_pb2_grpc.GenerationStub(channel)
-                calls = [stub.Generate(request(p, 8000), timeout=300) for p in batch]
-                first = await calls[0].read()
-                service.worker.send_signal(signal.SIGKILL)
-                await asyncio.to_thread(
-                    wait_until,
-                    lambda: not service.stats().worker_connected,
-                    60,
-                    "the scheduler to notice the closed connection",
-                )
-                service.start_worker()
-                return await asyncio.gather(
-                    *(read_until_end(c, list(first.token_ids) if i == 0 else [])
-                      for i, c in enumerate(calls))
-                )  # fmt: skip
+        def kill_and_replace() -> None:
+            service.worker.kill()
+            wait_until(
+                lambda: not service.stats().worker_connected,
+                60,
+                "the scheduler to notice the closed connection",
+            )
+            service.start_worker()
 
-        results = asyncio.run(scenario())
+        results = asyncio.run(streams_around(service.address, batch, kill_and_replace, 300))
         for prompt_ids, (tokens, finish, code) in zip(batch, results, strict=True):
             assert code == grpc.StatusCode.OK and finish == generation_pb2.LENGTH
             assert tokens == dummy_continuation(prompt_ids, 8000)
