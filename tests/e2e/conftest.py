@@ -64,6 +64,19 @@ class Service:
         )
         return self.worker
 
+    def replace_worker(self, timeout_s: float = 120) -> None:
+        """SIGKILL the worker, start a new one, return once the scheduler has attached it
+        (a new incarnation). Blocking: async tests call it through asyncio.to_thread."""
+        old = self.stats().worker_incarnation_id
+        self.worker.send_signal(signal.SIGKILL)
+        self.worker.wait()
+        self.start_worker()
+        wait_until(
+            lambda: (s := self.stats()).worker_connected and s.worker_incarnation_id != old,
+            timeout_s,
+            "a new worker incarnation",
+        )
+
     def logs(self) -> str:
         return "\n".join(
             f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.log_dir.glob("*.log"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 
 import grpc
 import pytest
@@ -118,18 +117,7 @@ def test_worker_killed_mid_stream_resumes_on_a_new_worker(tmp_path):
                     60,
                     "tokens to flow",
                 )
-                old = service.stats().worker_incarnation_id
-                service.worker.send_signal(signal.SIGKILL)
-                service.worker.wait()
-                service.start_worker()
-                await asyncio.to_thread(
-                    wait_until,
-                    lambda: (
-                        (s := service.stats()).worker_connected and s.worker_incarnation_id != old
-                    ),
-                    60,
-                    "a new worker incarnation",
-                )
+                await asyncio.to_thread(service.replace_worker, 60)
                 return await asyncio.gather(*tasks)
 
         results = asyncio.run(scenario())

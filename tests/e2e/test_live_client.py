@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import subprocess
 import sys
 
@@ -108,18 +107,7 @@ def test_worker_sigkilled_under_greedy_streams_resumes_with_the_reference_tokens
                     120,
                     "tokens to flow",
                 )
-                service.worker.send_signal(signal.SIGKILL)
-                service.worker.wait()
-                service.start_worker()
-                await asyncio.to_thread(
-                    wait_until,
-                    lambda: (
-                        (s := service.stats()).worker_connected
-                        and s.worker_incarnation_id != before.worker_incarnation_id
-                    ),
-                    120,
-                    "a new worker incarnation",
-                )
+                await asyncio.to_thread(service.replace_worker)
                 return before, await asyncio.gather(*tasks)
 
         before, completions = asyncio.run(scenario())
