@@ -8,13 +8,14 @@ location in model_loader). Imports no torch.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+
+from scheduler_svc.settings import settings_lines
 
 ENV_PREFIX = "PAGODA_WORKER_"
 DEVICES = ("auto", "cpu", "cuda")
@@ -245,18 +246,9 @@ def parse_config(
 
 
 def describe(loaded: LoadedConfig) -> str:
-    """One line per setting, `name = value  # source`, TOML-shaped so it can seed a file."""
-    lines = []
-    for f in fields(WorkerConfig):
-        value = getattr(loaded.config, f.name)
-        if value is None:
-            line = f"# {f.name} (unset)"
-        elif isinstance(value, str):
-            line = f"{f.name} = {json.dumps(value)}"
-        else:
-            line = f"{f.name} = {value}"
-        lines.append(line.ljust(48) + f"  # {loaded.sources[f.name]}")
-    return "\n".join(lines)
+    """One line per setting, `name = value  # source`, as the scheduler prints them."""
+    values = {f.name: getattr(loaded.config, f.name) for f in fields(WorkerConfig)}
+    return settings_lines(values, loaded.sources)
 
 
 def configure_logging(level: str) -> None:

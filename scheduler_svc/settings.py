@@ -269,10 +269,16 @@ def describe(loaded: Loaded) -> str:
             loaded.config.scheduler if hasattr(loaded.config.scheduler, name) else loaded.config
         )
         values[name] = getattr(holder, name)
+    return settings_lines(values, loaded.sources)
+
+
+def settings_lines(values: dict[str, Any], sources: dict[str, str]) -> str:
+    """`name = value  # source`, one line per setting, TOML-shaped so it can seed a file
+    (an unset one is a comment). Both processes' --print-config use it."""
     lines = []
     for name, value in values.items():
         line = f"# {name} (unset)" if value is None else f"{name} = {_toml_literal(value)}"
-        lines.append(line.ljust(48) + f"  # {loaded.sources[name]}")
+        lines.append(line.ljust(48) + f"  # {sources[name]}")
     return "\n".join(lines)
 
 
