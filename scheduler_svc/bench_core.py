@@ -154,9 +154,9 @@ def run(
         assert decision is not None
         outcome = worker.step(decision)
         answered = time.perf_counter_ns()
-        outputs = scheduler.apply(outcome, now)
+        events = scheduler.apply(outcome, now)
         applied = time.perf_counter_ns()
-        for output in outputs:
+        for output in events.outputs:
             if output.finish_reason is not None:
                 scheduler.add(workload.next_request(), now)
         if step >= num_warmup_steps:

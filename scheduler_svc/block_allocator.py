@@ -77,20 +77,22 @@ class BlockAllocator:
             self._num_retained -= 1
         self._ref_counts[block_id] += 1
 
-    def release(self, block_id: int, *, retain: bool) -> None:
-        """Drop one owner; the last one frees the block, or retains it when `retain`."""
+    def release(self, block_id: int, *, retain: bool) -> int:
+        """Drop one owner; the last one frees the block, or retains it when `retain`.
+        Returns the owners left."""
         if self._states[block_id] != _USED:
             raise DoubleFreeError(f"block {block_id} released but it has no owner")
         remaining = self._ref_counts[block_id] - 1
         self._ref_counts[block_id] = remaining
         if remaining:
-            return
+            return remaining
         if retain:
             self._states[block_id] = _RETAINED
             self._num_retained += 1
         else:
             self._states[block_id] = _FREE
             self._free_block_ids.append(block_id)
+        return 0
 
     def reclaim(self, block_id: int) -> None:
         """A retained block goes back to the free list (its cached content is dropped)."""

@@ -28,8 +28,8 @@ class IncrementalDetokenizer:
         "_skip_special_tokens",
         "_table",
         "_texts",
+        "whole_texts",
         "_utf8",
-        "_partial",
         "_window_ids",
         "_read_offset",
     )
@@ -45,8 +45,10 @@ class IncrementalDetokenizer:
         self._table = tokenizer.token_bytes(skip_special_tokens) if use_byte_table else None
         # Byte-table strategy: each token's text when its bytes are whole characters.
         self._texts = tokenizer.token_texts(skip_special_tokens) if self._table else None
+        # The byte strategy's table while no character is partial, so a caller may look a
+        # token's text up without a call (None entry: push it); None otherwise.
+        self.whole_texts = self._texts
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self._partial = False  # the UTF-8 decoder holds the first bytes of a character
         # Window strategy: ids from the last emitted boundary's predecessor on; the first
         # `_read_offset` of them are already emitted and give the decoder its context.
         self._window_ids: list[int] = []
@@ -54,19 +56,19 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """The text completed by this token ("" while a character is still partial)."""
-        texts = self._texts
-        if texts is None:
-            return self._push_window(token_id)
-        if not self._partial and token_id < len(texts):
+        texts = self.whole_texts
+        if texts is not None and token_id < len(texts):
             text = texts[token_id]
             if text is not None:
                 return text  # the common case: whole characters, nothing pending
+        if self._texts is None:
+            return self._push_window(token_id)
         return self._push_bytes(token_id)
 
     def flush(self) -> str:
         """The end of the text: a character left incomplete becomes U+FFFD, as decode() does."""
         if self._texts is not None:
-            self._partial = False
+            self.whole_texts = self._texts
             return self._utf8.decode(b"", final=True)
         ids, read_offset = self._window_ids, self._read_offset
         if len(ids) == read_offset:
@@ -82,7 +84,7 @@ class IncrementalDetokenizer:
         table = self._table
         token_bytes = table[token_id] if token_id < len(table) else b""
         text = self._utf8.decode(token_bytes)
-        self._partial = bool(self._utf8.getstate()[0])
+        self.whole_texts = None if self._utf8.getstate()[0] else self._texts
         return text
 
     def _push_window(self, token_id: int) -> str:

@@ -1,7 +1,7 @@
 """Per-request output slots between the step loop and the gRPC streams.
 
-The step loop publishes without ever awaiting: a slot merges every delta that its
-reader has not taken yet into one pending output, so a slow client costs memory
+The step loop publishes without ever awaiting: a slot appends every delta that its
+reader has not taken yet to one pending output's pieces, so a slow client costs memory
 proportional to its own unread tokens and never slows the loop.
 """
 
@@ -10,53 +10,70 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from scheduler_svc.request import RequestOutput
-
-
-def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
-    """One output equivalent to streaming `older` then `newer`."""
-    logprobs = None
-    if older.logprobs is not None or newer.logprobs is not None:
-        logprobs = (older.logprobs or []) + (newer.logprobs or [])
-    return RequestOutput(
-        request_id=newer.request_id,
-        text=older.text + newer.text,
-        token_ids=older.token_ids + newer.token_ids,
-        logprobs=logprobs,
-        finish_reason=newer.finish_reason,
-        error_message=newer.error_message,
-        usage=newer.usage,
-        timings=newer.timings,
-    )
+from scheduler_svc.request import RequestOutput, TokenLogprob
+from scheduler_svc.step_events import StepEvents
 
 
 @dataclass(slots=True)
 class OutputSlot:
-    """The unread output of one request: at most one pending (coalesced) output."""
+    """The unread output of one request, kept as the pieces of one coalesced output."""
 
     request_id: str
-    _pending: RequestOutput | None = None
+    _texts: list[str] = field(default_factory=list)
+    _token_ids: list[int] = field(default_factory=list)
+    _logprobs: list[TokenLogprob] | None = None
+    _final: RequestOutput | None = None  # the finishing output, once published
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     finished: bool = False
     # The gRPC code to end with when the final output carries an error
     # (None: INTERNAL, a failure of this request alone).
     error_code: str | None = None
 
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._token_ids) or bool(self._texts) or self._final is not None
+
+    def publish_token(self, text: str, token_id: int) -> None:
+        """One token and its text; called by the step loop, never blocks."""
+        if self.finished:
+            return
+        self._texts.append(text)
+        self._token_ids.append(token_id)
+        self._ready.set()
+
     def publish(self, output: RequestOutput) -> None:
         """Called by the step loop; never blocks."""
         if self.finished:
             return
-        self._pending = output if self._pending is None else merge_outputs(self._pending, output)
+        self._texts.append(output.text)
+        self._token_ids.extend(output.token_ids)
+        if output.logprobs is not None:
+            if self._logprobs is None:
+                self._logprobs = []
+            self._logprobs.extend(output.logprobs)
         if output.finish_reason is not None:
+            self._final = output
             self.finished = True
         self._ready.set()
 
     async def next(self) -> RequestOutput:
-        """Wait for, and take, everything published since the last call."""
+        """Wait for, and take, everything published since the last call, as one output."""
         await self._ready.wait()
         self._ready.clear()
-        output, self._pending = self._pending, None
-        assert output is not None
+        assert self.has_pending
+        final = self._final
+        output = RequestOutput(
+            request_id=self.request_id,
+            text="".join(self._texts),
+            token_ids=self._token_ids,
+            logprobs=self._logprobs,
+        )
+        if final is not None:
+            output.finish_reason = final.finish_reason
+            output.error_message = final.error_message
+            output.usage = final.usage
+            output.timings = final.timings
+        self._texts, self._token_ids, self._logprobs, self._final = [], [], None, None
         return output
 
 
@@ -93,3 +110,14 @@ class OutputStreams:
             slot = self._slots.get(output.request_id)
             if slot is not None:
                 slot.publish(output)
+
+    def publish_step(self, events: StepEvents) -> None:
+        """A step's events: the token columns, then the whole outputs."""
+        slot_of = self._slots.get
+        for request_id, text, token_id in zip(
+            events.request_ids, events.texts, events.token_ids, strict=True
+        ):
+            slot = slot_of(request_id)
+            if slot is not None:
+                slot.publish_token(text, token_id)
+        self.publish(events.outputs)

@@ -47,7 +47,8 @@ class PrefixCache:
         self.block_size = block_size
         self.enabled = enabled
         self._block_of_hash: dict[int, int] = {}
-        self._hash_of_block: dict[int, int] = {}
+        # Indexed by block id (None: unkeyed); a list, as every block has a slot.
+        self._hash_of_block: list[int | None] = [None] * allocator.num_total_blocks
         # Retained (ownerless, keyed) blocks, least recently released first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
 
@@ -63,7 +64,7 @@ class PrefixCache:
         return len(self._evictable)
 
     def block_hash(self, block_id: int) -> int | None:
-        return self._hash_of_block.get(block_id)
+        return self._hash_of_block[block_id]
 
     # -- lookups -----------------------------------------------------------------------
 
@@ -95,9 +96,11 @@ class PrefixCache:
         if shortfall > 0:
             if shortfall > len(self._evictable):
                 return None
+            hash_of_block = self._hash_of_block
             for _ in range(shortfall):
                 block_id, _ = self._evictable.popitem(last=False)
-                del self._block_of_hash[self._hash_of_block.pop(block_id)]
+                del self._block_of_hash[hash_of_block[block_id]]
+                hash_of_block[block_id] = None
                 allocator.reclaim(block_id)
         return allocator.allocate(num_blocks)
 
@@ -115,28 +118,30 @@ class PrefixCache:
         and the shared head of a prompt stays longest.
         """
         allocator, hash_of_block, evictable = self.allocator, self._hash_of_block, self._evictable
+        release = allocator.release
         for block_id in reversed(block_ids):
-            keyed = block_id in hash_of_block
-            allocator.release(block_id, retain=keyed)
-            if keyed and allocator.ref_count(block_id) == 0:
+            keyed = hash_of_block[block_id] is not None
+            if release(block_id, retain=keyed) == 0 and keyed:
                 evictable[block_id] = None
 
     def register(self, block_id: int, block_hash: int) -> bool:
         """Key a full, computed (or being computed) block. False when the key already
         names another block (this one then stays unkeyed and is freed when released)."""
-        if not self.enabled or block_id in self._hash_of_block:
+        if not self.enabled or self._hash_of_block[block_id] is not None:
             return False
-        if block_hash in self._block_of_hash:
+        block_of_hash = self._block_of_hash
+        if block_hash in block_of_hash:
             return False
-        self._block_of_hash[block_hash] = block_id
+        block_of_hash[block_hash] = block_id
         self._hash_of_block[block_id] = block_hash
         return True
 
     def unregister(self, block_id: int) -> None:
         """Forget a block's key (its K/V was never written); an ownerless one is freed."""
-        block_hash = self._hash_of_block.pop(block_id, None)
+        block_hash = self._hash_of_block[block_id]
         if block_hash is None:
             return
+        self._hash_of_block[block_id] = None
         del self._block_of_hash[block_hash]
         if block_id in self._evictable:
             del self._evictable[block_id]

@@ -136,6 +136,26 @@ class Request:
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
     finish_s: float | None = None
+    # apply()'s short path, fixed at each admission as it depends on the worker: while
+    # steady_from <= len(token_ids) < steady_until (counting the new token), a token is
+    # not the first generated one, stops are allowed, and neither max_new_tokens nor the
+    # context is reached, so only a token id in ending_token_ids or a stop string can
+    # end the request.
+    steady_from: int = 0
+    steady_until: int = 0
+    ending_token_ids: frozenset[int] = frozenset()
+
+    def set_steady_window(self, eos_token_ids: frozenset[int], max_context_tokens: int) -> None:
+        stopping = self.stopping
+        self.steady_from = self.num_prompt_tokens + 1 + max(stopping.min_new_tokens, 1)
+        self.steady_until = min(
+            self.num_prompt_tokens + stopping.max_new_tokens, max_context_tokens
+        )
+        self.ending_token_ids = (
+            stopping.stop_token_ids
+            if stopping.ignore_eos
+            else stopping.stop_token_ids | eos_token_ids
+        )
 
     @property
     def num_generated_tokens(self) -> int:

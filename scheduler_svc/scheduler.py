@@ -31,6 +31,7 @@ from scheduler_svc.request_limits import (
 from scheduler_svc.sequence_state import SequenceState
 from scheduler_svc.stats import SchedulerStats
 from scheduler_svc.step_decision import NewSequenceSpec, StepDecision, StepOutcome, WorkerGeometry
+from scheduler_svc.step_events import StepEvents
 from scheduler_svc.step_planner import StepPlanner
 from scheduler_svc.stop_rules import StopStringMatcher
 
@@ -45,12 +46,14 @@ __all__ = [
     "Scheduler",
     "SchedulerStats",
     "StepDecision",
+    "StepEvents",
     "StepOutcome",
     "WorkerGeometry",
 ]
 
 _RUNNING = RequestState.RUNNING
 _WAITING = RequestState.WAITING
+_STOP = FinishReason.STOP
 
 
 class Scheduler:
@@ -192,19 +195,21 @@ class Scheduler:
         self._num_steps += 1
         return decision
 
-    def apply(self, outcome: StepOutcome, now: float) -> list[RequestOutput]:
+    def apply(self, outcome: StepOutcome, now: float) -> StepEvents:
         """Take the worker's sampled tokens: stop rules, text, events. Finished requests free
         their blocks now and are forgotten by the next decision."""
         self._last_now = now
         state = self._state
         decision = self._in_flight
+        events = StepEvents()
         if decision is None or outcome.step_id != decision.step_id:
-            return []  # a late result of a step already failed or reset
+            return events  # a late result of a step already failed or reset
         self._in_flight = None
         keyed = state.take_keyed_in_flight()
+        outputs = events.outputs
         if outcome.step_error:
-            return self._step_failed(decision, keyed, outcome.step_error, now)
-        outputs: list[RequestOutput] = []
+            outputs.extend(self._step_failed(decision, keyed, outcome.step_error, now))
+            return events
         errors = outcome.errors
         if errors:
             state.unkey([(seq_id, block_id) for seq_id, block_id in keyed if seq_id in errors])
@@ -217,13 +222,13 @@ class Scheduler:
         if outcome.logprobs:
             self._take_tokens_with_logprobs(outcome, now, outputs)
         else:
-            self._take_tokens(outcome, now, outputs)
+            self._take_tokens(outcome, now, events)
         self._num_generated_tokens += len(outcome.seq_ids)
         if len(outcome.seq_ids) + len(errors) != decision.num_sampling:
             outputs.extend(self._finish_unsampled(decision, outcome, now))
         if self._isolation.target is not None:
             self._isolation.cleared()
-        return outputs
+        return events
 
     def _step_failed(
         self, decision: StepDecision, keyed: list[tuple[int, int]], error: str, now: float
@@ -247,23 +252,46 @@ class Scheduler:
             self._finish_with_error(culprit, f"the worker failed on this request: {error}", now)
         ]
 
-    def _take_tokens(self, outcome: StepOutcome, now: float, outputs: list[RequestOutput]) -> None:
-        """The hot loop of apply(): one sampled token per running request, no logprobs."""
+    def _take_tokens(self, outcome: StepOutcome, now: float, events: StepEvents) -> None:
+        """The hot loop of apply(): one sampled token per running request, no logprobs.
+
+        A token inside its request's steady window (Request.steady_from) that is not one
+        of its ending token ids can only end the request by a stop string: it takes the
+        short way. Any other token goes through accept_token's whole set of rules.
+        """
         geometry = self._state.geometry
         eos_token_ids, max_context_tokens = geometry.eos_token_ids, geometry.max_context_tokens
         running_get = self._state.running.get
-        append = outputs.append
+        request_ids, texts, token_ids = events.request_ids, events.texts, events.token_ids
+        outputs = events.outputs
         for seq_id, token_id in zip(outcome.seq_ids, outcome.token_ids, strict=True):
             request = running_get(seq_id)
             if request is None:
                 continue  # cancelled while the step ran
-            text, finish_reason = accept_token(request, token_id, eos_token_ids, max_context_tokens)
-            if request.first_token_s is None:
-                request.first_token_s = now
-            if finish_reason is None:
-                append(RequestOutput(request.request_id, text, [token_id], None))
+            num_tokens = len(request.token_ids) + 1  # with this one
+            if (
+                request.steady_from <= num_tokens < request.steady_until
+                and token_id not in request.ending_token_ids
+            ):
+                request.token_ids.append(token_id)
+                text = request.detokenizer.push(token_id)
+                matcher = request.stop_matcher
+                finish_reason = None
+                if matcher is not None:
+                    text, stopped = matcher.push(text, True)
+                    finish_reason = _STOP if stopped else None
             else:
-                append(self._finish(request, finish_reason, now, text, [token_id]))
+                text, finish_reason = accept_token(
+                    request, token_id, eos_token_ids, max_context_tokens
+                )
+                if request.first_token_s is None:
+                    request.first_token_s = now
+            if finish_reason is None:
+                request_ids.append(request.request_id)
+                texts.append(text)
+                token_ids.append(token_id)
+            else:
+                outputs.append(self._finish(request, finish_reason, now, text, [token_id]))
 
     def _take_tokens_with_logprobs(
         self, outcome: StepOutcome, now: float, outputs: list[RequestOutput]

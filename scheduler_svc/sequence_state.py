@@ -76,6 +76,7 @@ class SequenceState:
         request.num_blocks_sent = 0
         request.num_computed_tokens = num_cached_tokens
         request.admit_order = next(self._admit_orders)
+        request.set_steady_window(self.geometry.eos_token_ids, self.geometry.max_context_tokens)
         if request.num_cached_prompt_tokens is None:
             request.num_cached_prompt_tokens = min(num_cached_tokens, request.num_prompt_tokens)
             if self.config.prefix_caching:

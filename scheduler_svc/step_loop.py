@@ -148,8 +148,10 @@ class StepLoop:
         outcome = step_codec.decode_result(result)
         if outcome.step_error:
             log.error("worker failed step %d: %s", decision.step_id, outcome.step_error)
-        outputs = self.scheduler.apply(outcome, received_s)
-        self._publish(outputs)
+        events = self.scheduler.apply(outcome, received_s)
+        self.streams.publish_step(events)
+        self._tokens_since_status += len(events.token_ids)
+        self._observe(events.outputs)
         self.metrics.observe_step(
             schedule_s=encoded_s - started_s,
             transport_s=max(0.0, received_s - encoded_s - result.total_ms / 1000),
@@ -228,6 +230,10 @@ class StepLoop:
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         self.streams.publish(outputs)
+        self._observe(outputs)
+
+    def _observe(self, outputs: list[RequestOutput]) -> None:
+        """Count published outputs' tokens; record and log the finished ones."""
         for output in outputs:
             self._tokens_since_status += len(output.token_ids)
             if output.finish_reason is not None:

@@ -81,16 +81,23 @@ class StepPlanner:
         elif state.by_priority:
             decoders.sort(key=self._feed_order)
         step_id = decision.step_id
-        block_size = state.blocks.block_size
+        blocks = state.blocks
+        block_size = blocks.block_size
         # The hot loop: a few attribute reads per sequence; columns are built after it.
+        # A sequence that crosses into a new block is promised one of the `available`
+        # blocks and gets it in one allocation after the loop; only when none is left
+        # does one block at a time come from _grow, which may preempt.
         fed: list[Request] = []
         positions: list[int] = []
-        num_grown = 0
+        growing: list[Request] = []
+        grown_indices: list[int] = []  # in fed
+        available = blocks.num_available_blocks
+        capped = len(decoders) > cap
         # A decoder may have been preempted by an earlier one of this loop, or admitted
         # earlier in this step (decode_first off): only then is the check needed.
         careful = not self._config.decode_first
         for request in decoders:
-            if len(fed) == cap:
+            if capped and len(fed) == cap:
                 break
             if careful and (
                 request.state is not _RUNNING or request.last_scheduled_step == step_id
@@ -98,20 +105,36 @@ class StepPlanner:
                 continue
             position = request.num_computed_tokens
             if position == len(request.block_ids) * block_size:
-                num_preemptions = state.num_preemptions
-                grown = self._grow(request, step_id)
-                careful = careful or state.num_preemptions != num_preemptions
-                if not grown:
-                    continue  # it preempted itself
-                num_grown += 1
+                if available:
+                    available -= 1
+                    growing.append(request)
+                else:
+                    self._give_blocks(growing)  # promises first: _grow may preempt
+                    growing = []
+                    num_preemptions = state.num_preemptions
+                    grown = self._grow(request, step_id)
+                    careful = careful or state.num_preemptions != num_preemptions
+                    available = blocks.num_available_blocks
+                    if not grown:
+                        continue  # it preempted itself
+                grown_indices.append(len(fed))
             request.last_scheduled_step = step_id
             request.num_computed_tokens = position + 1
             fed.append(request)
             positions.append(position)
+        self._give_blocks(growing)
         if fed:
-            feed_decodes(state, decision, fed, positions, any_new_blocks=num_grown > 0)
+            feed_decodes(state, decision, fed, positions, grown_indices)
         decision.num_decode_tokens += len(fed)
         return len(fed)
+
+    def _give_blocks(self, requests: list[Request]) -> None:
+        """One new block for each of `requests`, in one allocation (they were counted)."""
+        if requests:
+            block_ids = self._state.blocks.allocate(len(requests))
+            assert block_ids is not None
+            for request, block_id in zip(requests, block_ids, strict=True):
+                request.block_ids.append(block_id)
 
     def _round_robin(self, decoders: list[Request], cap: int) -> list[Request]:
         """Decoders in the order to try under a cap: the `cap` after the last one served

@@ -6,6 +6,7 @@ import asyncio
 
 from scheduler_svc.output_streams import OutputStreams
 from scheduler_svc.request import FinishReason, RequestOutput, TokenLogprob
+from scheduler_svc.step_events import StepEvents
 
 
 def out(text, ids, finish=None, logprobs=None):
@@ -30,7 +31,7 @@ def test_unread_outputs_merge_into_one_in_order():
         assert [lp.token_id for lp in merged.logprobs] == [1, 2, 3]
         # Nothing after the finish is accepted.
         slot.publish(out("late", [9]))
-        assert slot._pending is None
+        assert not slot.has_pending
 
     asyncio.run(scenario())
 
@@ -65,3 +66,23 @@ def test_outputs_for_closed_requests_are_dropped():
     streams.close("r1")
     streams.publish([out("x", [1])])  # no error, nothing kept
     assert "r1" not in streams and len(streams) == 0
+
+
+def test_a_step_of_token_columns_and_a_finish_reaches_each_slot_in_order():
+    async def scenario():
+        streams = OutputStreams()
+        first, second = streams.open("r1"), streams.open("r2")
+        streams.publish_step(StepEvents(["r1", "r2", "gone"], ["He", "a", "x"], [1, 5, 9]))
+        streams.publish_step(StepEvents(["r2"], ["b"], [6], [out("llo", [2], FinishReason.LENGTH)]))
+        merged = await first.next()
+        assert (merged.text, merged.token_ids, merged.finish_reason) == (
+            "Hello",
+            [1, 2],
+            FinishReason.LENGTH,
+        )
+        assert merged.usage is None and merged.logprobs is None
+        pending = await second.next()
+        assert (pending.text, pending.token_ids, pending.finish_reason) == ("ab", [5, 6], None)
+        assert first.finished and not second.finished
+
+    asyncio.run(scenario())

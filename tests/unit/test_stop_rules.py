@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from scheduler_svc.generation import accept_token, final_text
 from scheduler_svc.request import FinishReason, Request
+from scheduler_svc.step_decision import StepOutcome
 from scheduler_svc.stop_rules import (
     StopStringMatcher,
     find_stop_string,
     held_back_length,
     token_verdict,
 )
-from tests.unit.conftest import make_request
+from tests.unit.conftest import make_geometry, make_request, make_scheduler
 
 EOS = 2
 
@@ -146,3 +150,57 @@ def test_the_matcher_releases_everything_while_inactive():
     matcher = StopStringMatcher(("END",))
     assert matcher.push("a EN", active=False) == ("a EN", False)
     assert matcher.push("D", active=True) == ("D", False)
+
+
+PIECES = {10: "ab", 11: "c", 12: "</", 13: "s>", 14: "x</s", 15: "", 16: ">y", EOS: "<e>"}
+
+
+@given(
+    tokens=st.lists(st.sampled_from(sorted(PIECES) + [9]), min_size=1, max_size=12),
+    min_new_tokens=st.integers(0, 4),
+    max_new_tokens=st.integers(1, 10),
+    spare_context_tokens=st.integers(0, 3),
+    stop_strings=st.sampled_from([(), ("</s>",), ("c<", "y")]),
+    stop_token_ids=st.sampled_from([(), (11,), (9, 16)]),
+    ignore_eos=st.booleans(),
+)
+@settings(max_examples=300, deadline=None)
+def test_apply_short_path_agrees_with_accept_token(
+    tokens,
+    min_new_tokens,
+    max_new_tokens,
+    spare_context_tokens,
+    stop_strings,
+    stop_token_ids,
+    ignore_eos,
+):
+    """Scheduler.apply takes a short path inside a request's steady window; fed the same
+    tokens one step at a time, it must stream exactly what accept_token's rules give."""
+    max_context_tokens = 3 + max_new_tokens + spare_context_tokens  # the prompt is 3
+    stopping = dict(
+        min_new_tokens=min_new_tokens,
+        max_new_tokens=max_new_tokens,
+        stop_strings=stop_strings,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=ignore_eos,
+    )
+    reference = make_state(PIECES, **stopping)
+    expected: list[tuple[int, str, FinishReason | None]] = []
+    for token_id in tokens:
+        text, reason = accept_token(reference, token_id, frozenset({EOS}), max_context_tokens)
+        expected.append((token_id, text, reason))
+        if reason is not None:
+            break
+
+    geometry = make_geometry(max_context_tokens=max_context_tokens, eos_token_ids=[EOS])
+    scheduler = make_scheduler(geometry, lambda: ScriptedDetokenizer(PIECES))
+    scheduler.add(make_request(prompt=[7, 7, 7], **stopping), 0.0)
+    streamed: list[tuple[int, str, FinishReason | None]] = []
+    for token_id in tokens:
+        decision = scheduler.schedule(0.0)
+        if decision is None:
+            break
+        outcome = StepOutcome(decision.step_id, list(decision.seq_ids), [token_id])
+        (output,) = scheduler.apply(outcome, 0.0)
+        streamed.append((output.token_ids[0], output.text, output.finish_reason))
+    assert streamed == expected
