@@ -15,6 +15,7 @@ from scheduler_svc import settings
 from scheduler_svc.api import SERVICE_NAME, GenerationServicer, build_server
 from scheduler_svc.config import ConfigError
 from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.gc_tuning import tune_gc
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.output_streams import OutputStreams
 from scheduler_svc.scheduler import Scheduler
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         curve_settings = load_curve(config)
         tokenizer_dir = resolve_tokenizer_dir(config.model)
         tokenizer = load_tokenizer(tokenizer_dir)
+        tune_gc()
         return asyncio.run(serve(config, tokenizer, config.model, curve_settings))
     except ConfigError as exc:
         print(f"pagoda-scheduler: {exc}", file=sys.stderr)

@@ -10,7 +10,7 @@ held-back text logic runs on every token). Text comes from the default model's r
 tokenizer through the incremental detokenizer. "pressure" sizes the KV pool at 12 blocks
 per sequence, about half of the worst case, so preemption by recompute happens
 throughout; "roomy" holds every sequence at its longest. Garbage collection is set up
-as a service process should set it up (tune_gc) unless --gc python.
+as the scheduler process sets it up (gc_tuning.tune_gc) unless --gc python.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.fake_worker import FakeWorker
+from scheduler_svc.gc_tuning import tune_gc
 from scheduler_svc.request import ValidRequest, ValidSampling, ValidStopping
 from scheduler_svc.scheduler import Scheduler, WorkerGeometry
 from scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
@@ -95,21 +96,6 @@ class Workload:
                 ignore_eos=True,
             ),
         )
-
-
-def tune_gc() -> None:
-    """What a long-running scheduler process should do once started (see docs/benchmarks.md).
-
-    freeze(): the objects alive now (tokenizers, jinja2, grpc modules) leave the
-    collector's view; with them every full collection cost ~25 ms here.
-    A gen-0 threshold of 100k: a step's outputs (two tracked objects per sequence, alive
-    until published) then never trigger a collection mid-step; with the default 700
-    they are promoted and trigger full collections every few steps at 1024 sequences.
-    Garbage cycles are rare here (refcounting frees almost everything), so collections
-    stay rare rather than off.
-    """
-    gc.freeze()
-    gc.set_threshold(100_000, 50, 100)
 
 
 def run(

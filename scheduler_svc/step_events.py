@@ -35,7 +35,3 @@ class StepEvents:
         ):
             yield RequestOutput(request_id, text, [token_id], None)
         yield from self.outputs
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids) + sum(len(output.token_ids) for output in self.outputs)
