@@ -1,9 +1,9 @@
 """The worker's ZeroMQ loop: a DEALER connected to the scheduler's ROUTER.
 
 Conversation (protos/step.proto): HELLO every second until a HELLO_ACK; a refusal
-exits with code 2; an ack from a scheduler incarnation we have not served before
-resets the engine. Then each PLAN gets exactly one RESULT; HEARTBEAT every second
-of silence; REHELLO sends HELLO again. Malformed frames are logged and skipped.
+exits with code 2; an ack from a scheduler incarnation we have not served before, or
+the ack that follows a REHELLO, resets the engine. Then each PLAN gets exactly one
+RESULT; HEARTBEAT every second of silence; REHELLO sends HELLO again. Malformed frames are logged and skipped.
 SIGTERM/SIGINT close the socket and exit 0. Imports no torch.
 """
 
@@ -19,7 +19,7 @@ import zmq
 
 from gpu_worker.sequence_table import named_seq_ids
 from gpu_worker.step_engine import StepEngine, one_line
-from protos import curve, step_pb2, wire
+from protos import curve, step_pb2, transport, wire
 from scheduler_svc.systemd import notify, watchdog_interval_s
 
 log = logging.getLogger("pagoda.worker.server")
@@ -52,6 +52,9 @@ class WorkerServer:
         self.incarnation_id = uuid.uuid4().hex
         self._scheduler_incarnation_id: str | None = None
         self._acknowledged = False
+        # A REHELLO means the scheduler holds nothing of ours (it dropped us or never knew
+        # this connection): the sequences we hold are garbage once it acks our hello.
+        self._forgotten = False
         self._last_hello_s = float("-inf")
         self._last_sent_s = float("-inf")
         self._stop_requested = False
@@ -84,11 +87,10 @@ class WorkerServer:
         """Serve until a stop signal (exit 0) or a refused hello (exit 2)."""
         prepare_endpoint(self.endpoint)
         socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
+        transport.configure(socket)
         # Queue nothing for a scheduler that is not there: a restarted one must not
         # receive a burst of stale hellos and heartbeats.
         socket.setsockopt(zmq.IMMEDIATE, 1)
-        socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 1024)
         if self._curve_client is not None:
             curve.make_client(socket, *self._curve_client)
         socket.connect(self.endpoint)
@@ -183,6 +185,7 @@ class WorkerServer:
         elif isinstance(message, step_pb2.Rehello):
             log.info("scheduler asked for a new hello (%s)", message.reason or "no reason given")
             self._acknowledged = False
+            self._forgotten = True
             self._last_hello_s = float("-inf")
         else:
             log.warning("ignored an unexpected %s from the scheduler", type(message).__name__)
@@ -200,11 +203,12 @@ class WorkerServer:
         if not ack.scheduler_incarnation_id:
             log.warning("ignored a hello ack without a scheduler incarnation id")
             return None
-        if ack.scheduler_incarnation_id != self._scheduler_incarnation_id:
+        if ack.scheduler_incarnation_id != self._scheduler_incarnation_id or self._forgotten:
             if len(self.engine.table):
-                log.info("new scheduler: forgetting %d sequences", len(self.engine.table))
+                log.info("forgetting %d sequences of a past attachment", len(self.engine.table))
             self.engine.reset()
             self._scheduler_incarnation_id = ack.scheduler_incarnation_id
+            self._forgotten = False
             log.info("attached to scheduler %s", ack.scheduler_incarnation_id[:8])
         if not self._ready_notified:
             # Ready for systemd: the model is loaded and a scheduler accepted the hello.

@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from protos import curve, step_pb2, wire
+from protos import curve, step_pb2, transport, wire
 
 log = logging.getLogger("pagoda.worker_link")
 
@@ -80,9 +80,8 @@ class WorkerLink:
             if socket_path.exists():
                 socket_path.unlink()
         socket = self._context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 0)
+        transport.configure(socket)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 1024)
         if self._curve_keys is not None:
             # The ZAP handler must be bound before the first peer's handshake.
             self._zap = self._context.socket(zmq.REP)
@@ -94,8 +93,9 @@ class WorkerLink:
         if self.endpoint.startswith("ipc://"):
             os.chmod(self.endpoint.removeprefix("ipc://"), 0o600)
         self._socket = socket
-        # A worker process that dies closes its connection: noticed at once, not only when
-        # a step's result times out (a host that vanishes still needs the timeout).
+        # A worker process that dies closes its connection, and one that hangs or whose
+        # host vanished has it closed by the transport heartbeats (protos/transport.py):
+        # noticed then, not only when a step's result times out.
         self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._tasks += [
             asyncio.create_task(self._watch_disconnects(), name="worker-link-disconnects"),

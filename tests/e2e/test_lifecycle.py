@@ -220,3 +220,36 @@ def test_a_killed_worker_is_noticed_when_its_connection_closes(tmp_path):
             assert code == grpc.StatusCode.OK and finish == generation_pb2.LENGTH
             assert tokens == dummy_continuation(prompt_ids, 8000)
         assert "its connection closed" in (tmp_path / "scheduler.log").read_text()
+
+
+def test_a_hung_worker_is_dropped_by_transport_heartbeats_and_comes_back(tmp_path):
+    """A worker that stops answering without closing its connection (SIGSTOP here; a host
+    that vanished looks the same) is dropped when ZeroMQ's heartbeats time out, not at the
+    result timeout (10 minutes here). Resumed, it re-introduces itself, starts clean, and
+    the streams finish exactly."""
+    with running_service(
+        tmp_path,
+        model="dummy",
+        scheduler_args=["--worker-timeout-s", "600", "--max-active-requests", "2"],
+    ) as service:
+        batch = prompts(4)
+        incarnation = service.stats().worker_incarnation_id
+
+        def hang_then_resume() -> None:
+            service.worker.send_signal(signal.SIGSTOP)
+            try:
+                wait_until(
+                    lambda: not service.stats().worker_connected,
+                    60,
+                    "the scheduler to drop the silent worker",
+                )
+            finally:
+                service.worker.send_signal(signal.SIGCONT)
+            wait_until(lambda: service.stats().worker_connected, 60, "the worker to attach again")
+
+        results = asyncio.run(streams_around(service.address, batch, hang_then_resume, 300))
+        for prompt_ids, (tokens, finish, code) in zip(batch, results, strict=True):
+            assert code == grpc.StatusCode.OK and finish == generation_pb2.LENGTH
+            assert tokens == dummy_continuation(prompt_ids, 8000)
+        assert service.stats().worker_incarnation_id == incarnation  # the same process
+        assert "its connection closed" in (tmp_path / "scheduler.log").read_text()

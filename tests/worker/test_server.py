@@ -246,15 +246,17 @@ def test_dummy_worker_over_zeromq(scheduler, start_worker, endpoint):
     result = scheduler.step(plan_of(4, [(2, 0, [1, 2], [0])], new=[(2, 2)]))
     assert not result.step_error and len(result.token_ids) == 1
 
-    rehello(scheduler)
-    accept(scheduler, "scheduler-1")  # the same scheduler again: nothing forgotten
-    assert not scheduler.step(plan_of(5, [(2, 2, [3], [])])).errors
     accept(scheduler, "scheduler-2")  # an ack that answers no hello is ignored
-    assert not scheduler.step(plan_of(6, [(2, 3, [3], [])])).errors
+    assert not scheduler.step(plan_of(5, [(2, 2, [3], [])])).errors
+    rehello(scheduler)
+    accept(scheduler, "scheduler-1")  # the same scheduler, which had dropped us
+    result = scheduler.step(plan_of(6, [(2, 3, [3], [])]))
+    assert "unknown sequence 2" in result.errors[0].message
+    assert not scheduler.step(plan_of(7, [(3, 0, [1, 2], [0])], new=[(3, 2)])).errors
     rehello(scheduler)
     accept(scheduler, "scheduler-2")  # a restarted scheduler: every sequence forgotten
-    result = scheduler.step(plan_of(7, [(2, 4, [3], [])]))
-    assert "unknown sequence 2" in result.errors[0].message
+    result = scheduler.step(plan_of(8, [(3, 2, [3], [])]))
+    assert "unknown sequence 3" in result.errors[0].message
 
     worker.process.send_signal(signal.SIGINT)
     assert worker.wait() == 0
