@@ -274,7 +274,11 @@ class Scheduler:
                 and token_id not in request.ending_token_ids
             ):
                 request.token_ids.append(token_id)
-                text = request.detokenizer.push(token_id)
+                # The detokenizer's common case without the call (~8% of a step here).
+                detokenizer = request.detokenizer
+                table = detokenizer.whole_texts
+                if table is None or token_id >= len(table) or (text := table[token_id]) is None:
+                    text = detokenizer.push(token_id)
                 matcher = request.stop_matcher
                 finish_reason = None
                 if matcher is not None:

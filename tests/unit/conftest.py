@@ -87,6 +87,8 @@ def make_geometry(
 class LetterDetokenizer:
     """Token id -> one letter; stands in for a real detokenizer in scheduler tests."""
 
+    whole_texts = None  # no table to look texts up in: the scheduler calls push()
+
     def push(self, token_id: int) -> str:
         return LETTERS[token_id % 26]
 

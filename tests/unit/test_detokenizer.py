@@ -110,3 +110,22 @@ def test_a_dangling_partial_character_becomes_a_replacement_at_the_end(default_t
         *pushed, flushed = stream(default_tokenizer, ids, use_byte_table)
         assert pushed == [""] and flushed.endswith("\ufffd")
         assert flushed == default_tokenizer.decode(ids)
+
+
+def test_looking_texts_up_in_whole_texts_is_the_same_as_pushing(default_tokenizer):
+    """The scheduler's hot loop reads whole_texts[token_id] itself and calls push() only
+    when that is None: the pieces must be the same, broken bytes included."""
+    rng = random.Random(11)
+    for _ in range(200):
+        ids = [rng.randrange(default_tokenizer.vocab_size) for _ in range(rng.randrange(1, 24))]
+        ids += default_tokenizer.encode("😀 日本")  # partial characters on the way
+        detokenizer = IncrementalDetokenizer(default_tokenizer)
+        pieces = []
+        for token_id in ids:
+            table = detokenizer.whole_texts
+            text = table[token_id] if table is not None and token_id < len(table) else None
+            pieces.append(text if text is not None else detokenizer.push(token_id))
+        pieces.append(detokenizer.flush())
+        assert "".join(pieces) == default_tokenizer.decode(ids)
+        assert pieces == stream(default_tokenizer, ids, use_byte_table=True)
+    assert IncrementalDetokenizer(default_tokenizer, use_byte_table=False).whole_texts is None

@@ -22,6 +22,8 @@ EOS = 2
 class ScriptedDetokenizer:
     """Token id -> the text given for it (a dict); '' for unknown ids."""
 
+    whole_texts = None  # no table to look texts up in: the scheduler calls push()
+
     def __init__(self, pieces: dict[int, str]) -> None:
         self.pieces = pieces
         self.pending = ""
