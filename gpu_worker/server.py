@@ -3,8 +3,8 @@
 Conversation (protos/step.proto): HELLO every second until a HELLO_ACK; a refusal
 exits with code 2; an ack from a scheduler incarnation we have not served before, or
 the ack that follows a REHELLO, resets the engine. Then each PLAN gets exactly one
-RESULT; HEARTBEAT every second of silence; REHELLO sends HELLO again. Malformed frames are logged and skipped.
-SIGTERM/SIGINT close the socket and exit 0. Imports no torch.
+RESULT; HEARTBEAT every second of silence; REHELLO sends HELLO again. Malformed frames
+are logged and skipped. SIGTERM/SIGINT close the socket and exit 0. Imports no torch.
 """
 
 from __future__ import annotations

@@ -127,9 +127,10 @@ def run(
     running: list[int] = []
     tokens: list[int] = []
     preemptions_before = 0
-    gc.collect()
     if tuned_gc:
-        tune_gc()
+        tune_gc()  # collects first
+    else:
+        gc.collect()
     for step in range(num_warmup_steps + num_steps):
         now = float(step)
         if step == num_warmup_steps:
