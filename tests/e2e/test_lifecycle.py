@@ -196,60 +196,54 @@ def test_one_log_line_per_request_and_a_periodic_status(tmp_path):
         wait_until(lambda: "status: " in log_text(), 30, "a status line")
 
 
-def test_a_killed_worker_is_noticed_when_its_connection_closes(tmp_path):
-    """Not at the result timeout (10 minutes here): the streams pause, then finish exactly
-    on the next worker."""
+def streams_finish_exactly_across(tmp_path, intervene) -> None:
+    """Four 8,000-token streams with a 10-minute result timeout; `intervene(service)` runs
+    once they flow, loses the worker and brings one back. The scheduler must have seen the
+    old connection close (not waited for the timeout), and every stream ends as if nothing
+    had happened."""
     with running_service(
         tmp_path,
         model="dummy",
         scheduler_args=["--worker-timeout-s", "600", "--max-active-requests", "2"],
     ) as service:
         batch = prompts(4)
-
-        def kill_and_replace() -> None:
-            service.worker.kill()
-            wait_until(
-                lambda: not service.stats().worker_connected,
-                60,
-                "the scheduler to notice the closed connection",
-            )
-            service.start_worker()
-
-        results = asyncio.run(streams_around(service.address, batch, kill_and_replace, 300))
+        results = asyncio.run(
+            streams_around(service.address, batch, lambda: intervene(service), 300)
+        )
         for prompt_ids, (tokens, finish, code) in zip(batch, results, strict=True):
             assert code == grpc.StatusCode.OK and finish == generation_pb2.LENGTH
             assert tokens == dummy_continuation(prompt_ids, 8000)
         assert "its connection closed" in (tmp_path / "scheduler.log").read_text()
+
+
+def wait_dropped(service, what: str) -> None:
+    wait_until(lambda: not service.stats().worker_connected, 60, what)
+
+
+def test_a_killed_worker_is_noticed_when_its_connection_closes(tmp_path):
+    """The streams pause, then finish exactly on the next worker."""
+
+    def kill_and_replace(service) -> None:
+        service.worker.kill()
+        wait_dropped(service, "the scheduler to notice the closed connection")
+        service.start_worker()
+
+    streams_finish_exactly_across(tmp_path, kill_and_replace)
 
 
 def test_a_hung_worker_is_dropped_by_transport_heartbeats_and_comes_back(tmp_path):
     """A worker that stops answering without closing its connection (SIGSTOP here; a host
-    that vanished looks the same) is dropped when ZeroMQ's heartbeats time out, not at the
-    result timeout (10 minutes here). Resumed, it re-introduces itself, starts clean, and
-    the streams finish exactly."""
-    with running_service(
-        tmp_path,
-        model="dummy",
-        scheduler_args=["--worker-timeout-s", "600", "--max-active-requests", "2"],
-    ) as service:
-        batch = prompts(4)
+    that vanished looks the same) is dropped when ZeroMQ's heartbeats time out. Resumed,
+    the same process re-introduces itself, starts clean, and the streams finish exactly."""
+
+    def hang_then_resume(service) -> None:
         incarnation = service.stats().worker_incarnation_id
-
-        def hang_then_resume() -> None:
-            service.worker.send_signal(signal.SIGSTOP)
-            try:
-                wait_until(
-                    lambda: not service.stats().worker_connected,
-                    60,
-                    "the scheduler to drop the silent worker",
-                )
-            finally:
-                service.worker.send_signal(signal.SIGCONT)
-            wait_until(lambda: service.stats().worker_connected, 60, "the worker to attach again")
-
-        results = asyncio.run(streams_around(service.address, batch, hang_then_resume, 300))
-        for prompt_ids, (tokens, finish, code) in zip(batch, results, strict=True):
-            assert code == grpc.StatusCode.OK and finish == generation_pb2.LENGTH
-            assert tokens == dummy_continuation(prompt_ids, 8000)
+        service.worker.send_signal(signal.SIGSTOP)
+        try:
+            wait_dropped(service, "the scheduler to drop the silent worker")
+        finally:
+            service.worker.send_signal(signal.SIGCONT)
+        wait_until(lambda: service.stats().worker_connected, 60, "the worker to attach again")
         assert service.stats().worker_incarnation_id == incarnation  # the same process
-        assert "its connection closed" in (tmp_path / "scheduler.log").read_text()
+
+    streams_finish_exactly_across(tmp_path, hang_then_resume)
