@@ -47,12 +47,22 @@ async def read_until_end(call, tokens: list[int]) -> tuple[list[int], int, grpc.
 
 
 async def streams_around(address: str, batch: list[list[int]], intervene, timeout_s: float = 120):
-    """Open one 8,000-token stream per prompt, wait for the first one's first message, run
-    `intervene()` (blocking, in a thread), then read every stream to its end."""
+    """Open one 8,000-token stream per prompt, wait for the first one's first message and
+    for the server to hold every request, run `intervene()` (blocking, in a thread), then
+    read every stream to its end."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         calls = [stub.Generate(request(p, 8000), timeout=timeout_s) for p in batch]
         first = await calls[0].read()  # streams are flowing
+        # Queued requests send nothing yet: only the server's counts say all have arrived
+        # (one still in flight when the intervention is a drain would be refused).
+        deadline = asyncio.get_running_loop().time() + 60
+        while True:
+            stats = await stub.GetServerStats(generation_pb2.ServerStatsRequest(), timeout=10)
+            if stats.num_waiting + stats.num_running + stats.num_requests_finished >= len(batch):
+                break
+            assert asyncio.get_running_loop().time() < deadline, "requests never all arrived"
+            await asyncio.sleep(0.05)
         await asyncio.to_thread(intervene)
         return await asyncio.gather(
             *(read_until_end(c, list(first.token_ids) if i == 0 else [])
