@@ -22,11 +22,13 @@ EOS = 2
 class ScriptedDetokenizer:
     """Token id -> the text given for it (a dict); '' for unknown ids."""
 
-    whole_texts = None  # no table to look texts up in: the scheduler calls push()
-
     def __init__(self, pieces: dict[int, str]) -> None:
         self.pieces = pieces
         self.pending = ""
+        # The scheduler looks texts up here and pushes the ids whose entry is None or
+        # beyond the end: the empty pieces stand in for partial characters, which a real
+        # detokenizer does not offer for lookup.
+        self.whole_texts = [pieces.get(token_id) or None for token_id in range(max(pieces))]
 
     def push(self, token_id: int) -> str:
         return self.pieces.get(token_id, "")
@@ -157,52 +159,61 @@ def test_the_matcher_releases_everything_while_inactive():
 PIECES = {10: "ab", 11: "c", 12: "</", 13: "s>", 14: "x</s", 15: "", 16: ">y", EOS: "<e>"}
 
 
+_stoppings = st.fixed_dictionaries(
+    dict(
+        min_new_tokens=st.integers(0, 4),
+        max_new_tokens=st.integers(1, 10),
+        stop_strings=st.sampled_from([(), ("</s>",), ("c<", "y")]),
+        stop_token_ids=st.sampled_from([(), (11,), (9, 16)]),
+        ignore_eos=st.booleans(),
+    )
+)
+# Ten tokens per request: max_new_tokens ends every request within them.
+_token_scripts = st.lists(st.sampled_from(sorted(PIECES) + [9]), min_size=10, max_size=10)
+
+
 @given(
-    tokens=st.lists(st.sampled_from(sorted(PIECES) + [9]), min_size=1, max_size=12),
-    min_new_tokens=st.integers(0, 4),
-    max_new_tokens=st.integers(1, 10),
+    scripts=st.lists(st.tuples(_stoppings, _token_scripts), min_size=1, max_size=5),
     spare_context_tokens=st.integers(0, 3),
-    stop_strings=st.sampled_from([(), ("</s>",), ("c<", "y")]),
-    stop_token_ids=st.sampled_from([(), (11,), (9, 16)]),
-    ignore_eos=st.booleans(),
 )
 @settings(max_examples=300, deadline=None)
-def test_apply_short_path_agrees_with_accept_token(
-    tokens,
-    min_new_tokens,
-    max_new_tokens,
-    spare_context_tokens,
-    stop_strings,
-    stop_token_ids,
-    ignore_eos,
+def test_apply_streams_what_accept_token_gives_every_request_of_a_step(
+    scripts, spare_context_tokens
 ):
-    """Scheduler.apply takes a short path inside a request's steady window; fed the same
-    tokens one step at a time, it must stream exactly what accept_token's rules give."""
-    max_context_tokens = 3 + max_new_tokens + spare_context_tokens  # the prompt is 3
-    stopping = dict(
-        min_new_tokens=min_new_tokens,
-        max_new_tokens=max_new_tokens,
-        stop_strings=stop_strings,
-        stop_token_ids=stop_token_ids,
-        ignore_eos=ignore_eos,
-    )
-    reference = make_state(PIECES, **stopping)
-    expected: list[tuple[int, str, FinishReason | None]] = []
-    for token_id in tokens:
-        text, reason = accept_token(reference, token_id, frozenset({EOS}), max_context_tokens)
-        expected.append((token_id, text, reason))
-        if reason is not None:
-            break
+    """Scheduler.apply takes most tokens of a step column-wise and only the others through
+    accept_token; fed the same tokens, each of several requests decoding together must
+    stream exactly what accept_token's rules give it alone."""
+    max_new = max(stopping["max_new_tokens"] for stopping, _ in scripts)
+    max_context_tokens = 3 + max_new + spare_context_tokens  # every prompt is 3
+    expected: dict[str, list[tuple[int, str, FinishReason | None]]] = {}
+    for index, (stopping, tokens) in enumerate(scripts):
+        reference = make_state(PIECES, **stopping)
+        stream = expected[f"r{index}"] = []
+        for token_id in tokens:
+            text, reason = accept_token(reference, token_id, frozenset({EOS}), max_context_tokens)
+            stream.append((token_id, text, reason))
+            if reason is not None:
+                break
 
     geometry = make_geometry(max_context_tokens=max_context_tokens, eos_token_ids=[EOS])
     scheduler = make_scheduler(geometry, lambda: ScriptedDetokenizer(PIECES))
-    scheduler.add(make_request(prompt=[7, 7, 7], **stopping), 0.0)
-    streamed: list[tuple[int, str, FinishReason | None]] = []
-    for token_id in tokens:
-        decision = scheduler.schedule(0.0)
-        if decision is None:
-            break
-        outcome = StepOutcome(decision.step_id, list(decision.seq_ids), [token_id])
-        (output,) = scheduler.apply(outcome, 0.0)
-        streamed.append((output.token_ids[0], output.text, output.finish_reason))
+    for index, (stopping, _) in enumerate(scripts):
+        # The first prompt token names the request in the plan.
+        scheduler.add(make_request(f"r{index}", prompt=[100 + index, 7, 7], **stopping), 0.0)
+    request_of_seq: dict[int, int] = {}
+    streamed: dict[str, list[tuple[int, str, FinishReason | None]]] = {r: [] for r in expected}
+    while (decision := scheduler.schedule(0.0)) is not None:
+        sampled_ids, sampled_tokens = [], []
+        for i, seq_id in enumerate(decision.seq_ids):
+            first_fed = decision.token_ids[decision.token_offsets[i]]
+            request_of_seq.setdefault(seq_id, first_fed - 100)
+            if decision.sample[i]:
+                index = request_of_seq[seq_id]
+                sampled_ids.append(seq_id)
+                sampled_tokens.append(scripts[index][1][len(streamed[f"r{index}"])])
+        for output in scheduler.apply(
+            StepOutcome(decision.step_id, sampled_ids, sampled_tokens), 0.0
+        ):
+            (token_id,) = output.token_ids
+            streamed[output.request_id].append((token_id, output.text, output.finish_reason))
     assert streamed == expected
