@@ -151,11 +151,12 @@ class Request:
         self.steady_until = min(
             self.num_prompt_tokens + stopping.max_new_tokens, max_context_tokens
         )
-        self.ending_token_ids = (
-            stopping.stop_token_ids
-            if stopping.ignore_eos
-            else stopping.stop_token_ids | eos_token_ids
-        )
+        if stopping.ignore_eos:
+            self.ending_token_ids = stopping.stop_token_ids
+        elif stopping.stop_token_ids:
+            self.ending_token_ids = stopping.stop_token_ids | eos_token_ids
+        else:
+            self.ending_token_ids = eos_token_ids  # one set for most requests: stays cached
 
     @property
     def num_generated_tokens(self) -> int:

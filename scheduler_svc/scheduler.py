@@ -281,7 +281,9 @@ class Scheduler:
                     text = detokenizer.push(token_id)
                 matcher = request.stop_matcher
                 finish_reason = None
-                if matcher is not None:
+                # The matcher's common case without the call: nothing held, and nothing
+                # in the text can start a stop string.
+                if matcher is not None and (matcher.held_text or matcher.trigger in text):
                     text, stopped = matcher.push(text, True)
                     finish_reason = _STOP if stopped else None
             else:

@@ -64,7 +64,14 @@ def held_back_length(text: str, stop_prefixes: frozenset[str], max_prefix_length
 class StopStringMatcher:
     """The stop-string state of one request: the text held back so far."""
 
-    __slots__ = ("stop_strings", "_prefixes", "_max_prefix_length", "_first_chars", "held_text")
+    __slots__ = (
+        "stop_strings",
+        "_prefixes",
+        "_max_prefix_length",
+        "_first_chars",
+        "trigger",
+        "held_text",
+    )
 
     def __init__(self, stop_strings: tuple[str, ...]) -> None:
         if not stop_strings or not all(stop_strings):
@@ -74,6 +81,10 @@ class StopStringMatcher:
         self._max_prefix_length = max(len(s) for s in stop_strings) - 1
         # A match or a held suffix starts with one of these: text without any is free.
         self._first_chars = tuple({s[0] for s in stop_strings})
+        # For callers that skip push() inline: while nothing is held, text that does not
+        # contain `trigger` passes unchanged. The stop strings' common first character;
+        # "" (in every text) when they start differently.
+        self.trigger = self._first_chars[0] if len(self._first_chars) == 1 else ""
         self.held_text = ""
 
     def push(self, text: str, active: bool) -> tuple[str, bool]:
