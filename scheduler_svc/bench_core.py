@@ -1,7 +1,7 @@
 """Benchmark of the scheduler core: schedule() + apply() per step, fake worker excluded.
 
     .venv/bin/python -m scheduler_svc.bench_core [--sizes 16,64,256,1024] [--steps 300]
-                                                [--gc service|python]
+                                                [--gc service|python] [--tokens uniform|zipf]
 
 Steady state at N running sequences: 128-token prompts, 64-256 generated tokens
 (ignore_eos, so lengths are fixed), block size 16, every finished request replaced at
@@ -11,6 +11,12 @@ tokenizer through the incremental detokenizer. "pressure" sizes the KV pool at 1
 per sequence, about half of the worst case, so preemption by recompute happens
 throughout; "roomy" holds every sequence at its longest. Garbage collection is set up
 as the scheduler process sets it up (gc_tuning.tune_gc) unless --gc python.
+
+The fake worker's sampled ids are uniform over the vocabulary, the worst case for the
+detokenizer's text table (every lookup a cache miss); real text keeps reusing a few
+thousand tokens. `--tokens zipf` maps each sampled id, outside the timed part, to a token
+drawn from a Zipf law (exponent 1) over the tokens that are whole characters, in id order
+(byte-level BPE numbers its merges about in order of frequency).
 """
 
 from __future__ import annotations
@@ -98,8 +104,22 @@ class Workload:
         )
 
 
+def zipf_token_map(tokenizer: TextTokenizer, seed: int = 0) -> list[int]:
+    """Sampled id -> a token of whole characters drawn by Zipf's law over their id order,
+    skipping the 256 single-byte tokens; one entry per id of the vocabulary."""
+    texts = tokenizer.token_texts() or []
+    ranked = [token_id for token_id, text in enumerate(texts) if text and token_id >= 256]
+    weights = [1.0 / rank for rank in range(1, len(ranked) + 1)]
+    return random.Random(seed).choices(ranked, weights, k=tokenizer.vocab_size)
+
+
 def run(
-    tokenizer: TextTokenizer, num_running: int, pressure: bool, num_steps: int, tuned_gc: bool
+    tokenizer: TextTokenizer,
+    num_running: int,
+    pressure: bool,
+    num_steps: int,
+    tuned_gc: bool,
+    token_map: list[int] | None = None,
 ) -> Result:
     worst_case_blocks = -(-(PROMPT_TOKENS + MAX_NEW_TOKENS) // BLOCK_SIZE)
     blocks_per_sequence = PRESSURE_BLOCKS_PER_SEQUENCE if pressure else worst_case_blocks
@@ -140,6 +160,8 @@ def run(
         planned = time.perf_counter_ns()
         assert decision is not None
         outcome = worker.step(decision)
+        if token_map is not None:
+            outcome.token_ids = [token_map[token_id] for token_id in outcome.token_ids]
         answered = time.perf_counter_ns()
         events = scheduler.apply(outcome, now)
         applied = time.perf_counter_ns()
@@ -193,14 +215,23 @@ def main(argv: list[str] | None = None) -> int:
         help="service: gc.freeze() and a gen-0 threshold of 100k (tune_gc); python: defaults",
     )
     parser.add_argument(
+        "--tokens",
+        choices=("uniform", "zipf"),
+        default="uniform",
+        help="sampled token ids: the fake worker's, uniform over the vocabulary; or mapped "
+        "to a Zipf law over whole-character tokens, closer to real text",
+    )
+    parser.add_argument(
         "--model-dir", type=Path, help="tokenizer directory (default: the default model's)"
     )
     args = parser.parse_args(argv)
     tokenizer = load_tokenizer(args.model_dir or default_model_dir())
+    token_map = zipf_token_map(tokenizer) if args.tokens == "zipf" else None
+    tuned_gc = args.gc == "service"
     results = []
     for num_running in (int(size) for size in args.sizes.split(",")):
         for pressure in (False, True):
-            results.append(run(tokenizer, num_running, pressure, args.steps, args.gc == "service"))
+            results.append(run(tokenizer, num_running, pressure, args.steps, tuned_gc, token_map))
             print(markdown(results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     print(markdown(results))
     return 0
