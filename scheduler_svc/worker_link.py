@@ -185,7 +185,23 @@ class WorkerLink:
     async def _watch_disconnects(self) -> None:
         assert self._monitor is not None
         while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
+            await self._monitor.poll()  # events are only taken by _take_disconnects
+            self._take_disconnects()
+
+    def _take_disconnects(self) -> None:
+        """Act on every disconnect event queued so far, oldest first.
+
+        Also called before a hello attaches a worker: a new connection may get the fd of
+        one that just closed, whose event is then already queued (libzmq emits it before
+        closing the fd), and that event must drop the old worker, not the new one.
+        """
+        assert self._monitor is not None
+        while True:
+            try:
+                frames = self._monitor.recv_multipart(zmq.NOBLOCK).result()
+            except zmq.Again:
+                return
+            event = parse_monitor_message(frames)
             worker = self._worker
             if worker is not None and worker.fd is not None and event["value"] == worker.fd:
                 self._drop_worker("its connection closed")
@@ -210,6 +226,7 @@ class WorkerLink:
                 log.warning("ignored a result for step %d that is not in flight", message.step_id)
 
     async def _on_hello(self, identity: bytes, hello: step_pb2.Hello, fd: int | None) -> None:
+        self._take_disconnects()
         reason = hello_problem(hello)
         if reason is not None:
             log.error("refused worker %s: %s", hello.incarnation_id or identity.hex(), reason)

@@ -1,0 +1,112 @@
+"""WorkerLink over a real ZeroMQ socket: a hello is attached only after every disconnect
+event queued before it has been acted on.
+
+A new connection may get the file descriptor of one that just closed, and disconnect
+events name connections by fd: an event left for later would drop the new worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import zmq
+
+from protos import step_pb2, wire
+from scheduler_svc.worker_link import WorkerLink
+
+DEADLINE_S = 10.0
+
+
+def say_hello(context: zmq.Context, endpoint: str, incarnation_id: str) -> zmq.Socket:
+    worker = context.socket(zmq.DEALER)
+    worker.setsockopt(zmq.LINGER, 0)
+    worker.connect(endpoint)
+    hello = step_pb2.Hello(
+        protocol_version=wire.PROTOCOL_VERSION,
+        incarnation_id=incarnation_id,
+        vocab_size=100,
+        eos_token_ids=[2],
+        max_context_tokens=512,
+        block_size=16,
+        num_kv_blocks=64,
+    )
+    worker.send_multipart(wire.encode(hello))
+    return worker
+
+
+async def until(condition, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_a_hello_is_attached_after_the_disconnects_queued_before_it(tmp_path):
+    events: list[str] = []
+
+    async def scenario() -> None:
+        endpoint = f"ipc://{tmp_path}/worker.sock"
+        link = WorkerLink(
+            endpoint,
+            on_attach=lambda worker: events.append(f"attach {worker.hello.incarnation_id}"),
+            on_detach=lambda reason: events.append(f"detach: {reason}"),
+        )
+        await link.start()
+        # The hello must win the race against the disconnect watcher: stop the watcher,
+        # so that the old connection's event is still queued when the new hello arrives.
+        (watcher,) = [task for task in link._tasks if task.get_name() == "worker-link-disconnects"]
+        watcher.cancel()
+        monitor = link._monitor
+        context = zmq.Context()
+        try:
+            first = say_hello(context, endpoint, "first")
+            await until(lambda: link.worker is not None, "the first worker is attached")
+            first.close()
+            await until(lambda: monitor.get(zmq.EVENTS) & zmq.POLLIN, "its disconnect is queued")
+            second = say_hello(context, endpoint, "second")  # kept: a dropped socket closes
+            await until(
+                lambda: link.worker is not None and link.worker.hello.incarnation_id == "second",
+                "the second worker is attached",
+            )
+            assert not monitor.get(zmq.EVENTS) & zmq.POLLIN  # no event left to misread
+            second.close()
+        finally:
+            await link.close()
+            context.destroy(linger=0)
+
+    asyncio.run(scenario())
+    assert events == ["attach first", "detach: its connection closed", "attach second"]
+
+
+def test_each_of_several_workers_on_one_fd_is_dropped_when_its_connection_closes(tmp_path):
+    """The watcher alone (no hello racing it) notices every close, fd reused or not."""
+    events: list[str] = []
+
+    async def scenario() -> None:
+        endpoint = f"ipc://{tmp_path}/worker.sock"
+        link = WorkerLink(
+            endpoint,
+            on_attach=lambda worker: events.append(f"attach {worker.hello.incarnation_id}"),
+            on_detach=lambda reason: events.append(f"detach: {reason}"),
+        )
+        await link.start()
+        context = zmq.Context()
+        try:
+            for name in ("a", "b", "c"):
+                worker = say_hello(context, endpoint, name)
+                await until(
+                    lambda name=name: (
+                        link.worker is not None and link.worker.hello.incarnation_id == name
+                    ),
+                    f"worker {name} is attached",
+                )
+                worker.close()
+                await until(lambda: link.worker is None, f"worker {name} is dropped")
+        finally:
+            await link.close()
+            context.destroy(linger=0)
+
+    asyncio.run(scenario())
+    closed = "detach: its connection closed"
+    assert events == ["attach a", closed, "attach b", closed, "attach c", closed]
