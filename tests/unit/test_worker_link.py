@@ -8,7 +8,9 @@ events name connections by fd: an event left for later would drop the new worker
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator, Callable
 
 import zmq
 
@@ -42,38 +44,46 @@ async def until(condition, what: str) -> None:
         await asyncio.sleep(0.01)
 
 
+@contextlib.asynccontextmanager
+async def linked(tmp_path, events: list[str]) -> AsyncIterator[tuple[WorkerLink, zmq.Context]]:
+    """A started WorkerLink that logs attaches and detaches into `events`, and a context
+    for the test's workers (their sockets die with it)."""
+    link = WorkerLink(
+        f"ipc://{tmp_path}/worker.sock",
+        on_attach=lambda worker: events.append(f"attach {worker.hello.incarnation_id}"),
+        on_detach=lambda reason: events.append(f"detach: {reason}"),
+    )
+    await link.start()
+    context = zmq.Context()
+    try:
+        yield link, context
+    finally:
+        await link.close()
+        context.destroy(linger=0)
+
+
+def attached(link: WorkerLink, incarnation_id: str) -> Callable[[], bool]:
+    return lambda: link.worker is not None and link.worker.hello.incarnation_id == incarnation_id
+
+
 def test_a_hello_is_attached_after_the_disconnects_queued_before_it(tmp_path):
     events: list[str] = []
 
     async def scenario() -> None:
-        endpoint = f"ipc://{tmp_path}/worker.sock"
-        link = WorkerLink(
-            endpoint,
-            on_attach=lambda worker: events.append(f"attach {worker.hello.incarnation_id}"),
-            on_detach=lambda reason: events.append(f"detach: {reason}"),
-        )
-        await link.start()
-        # The hello must win the race against the disconnect watcher: stop the watcher,
-        # so that the old connection's event is still queued when the new hello arrives.
-        (watcher,) = [task for task in link._tasks if task.get_name() == "worker-link-disconnects"]
-        watcher.cancel()
-        monitor = link._monitor
-        context = zmq.Context()
-        try:
-            first = say_hello(context, endpoint, "first")
-            await until(lambda: link.worker is not None, "the first worker is attached")
+        async with linked(tmp_path, events) as (link, context):
+            # The hello must win the race against the disconnect watcher: stop the
+            # watcher, so the old connection's event is still queued when the hello arrives.
+            (watcher,) = [t for t in link._tasks if t.get_name() == "worker-link-disconnects"]
+            watcher.cancel()
+            monitor = link._monitor
+            first = say_hello(context, link.endpoint, "first")
+            await until(attached(link, "first"), "the first worker is attached")
             first.close()
             await until(lambda: monitor.get(zmq.EVENTS) & zmq.POLLIN, "its disconnect is queued")
-            second = say_hello(context, endpoint, "second")  # kept: a dropped socket closes
-            await until(
-                lambda: link.worker is not None and link.worker.hello.incarnation_id == "second",
-                "the second worker is attached",
-            )
+            second = say_hello(context, link.endpoint, "second")  # kept: a dropped socket closes
+            await until(attached(link, "second"), "the second worker is attached")
             assert not monitor.get(zmq.EVENTS) & zmq.POLLIN  # no event left to misread
             second.close()
-        finally:
-            await link.close()
-            context.destroy(linger=0)
 
     asyncio.run(scenario())
     assert events == ["attach first", "detach: its connection closed", "attach second"]
@@ -84,28 +94,12 @@ def test_each_of_several_workers_on_one_fd_is_dropped_when_its_connection_closes
     events: list[str] = []
 
     async def scenario() -> None:
-        endpoint = f"ipc://{tmp_path}/worker.sock"
-        link = WorkerLink(
-            endpoint,
-            on_attach=lambda worker: events.append(f"attach {worker.hello.incarnation_id}"),
-            on_detach=lambda reason: events.append(f"detach: {reason}"),
-        )
-        await link.start()
-        context = zmq.Context()
-        try:
+        async with linked(tmp_path, events) as (link, context):
             for name in ("a", "b", "c"):
-                worker = say_hello(context, endpoint, name)
-                await until(
-                    lambda name=name: (
-                        link.worker is not None and link.worker.hello.incarnation_id == name
-                    ),
-                    f"worker {name} is attached",
-                )
+                worker = say_hello(context, link.endpoint, name)
+                await until(attached(link, name), f"worker {name} is attached")
                 worker.close()
                 await until(lambda: link.worker is None, f"worker {name} is dropped")
-        finally:
-            await link.close()
-            context.destroy(linger=0)
 
     asyncio.run(scenario())
     closed = "detach: its connection closed"
