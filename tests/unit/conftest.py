@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from protos import step_pb2, wire
 from protos.wire import dummy_next_token
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.fake_worker import FakeWorker
@@ -82,6 +83,21 @@ def make_geometry(
         eos_token_ids=frozenset(eos_token_ids),
         vocab_size=vocab_size,
     )
+
+
+def make_hello(**fields) -> step_pb2.Hello:
+    """A worker's hello the scheduler accepts; `fields` override its values."""
+    values = dict(
+        protocol_version=wire.PROTOCOL_VERSION,
+        incarnation_id="abc",
+        vocab_size=100,
+        eos_token_ids=[2],
+        max_context_tokens=512,
+        block_size=16,
+        num_kv_blocks=64,
+    )
+    values.update(fields)
+    return step_pb2.Hello(**values)
 
 
 class LetterDetokenizer:

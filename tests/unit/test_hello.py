@@ -4,26 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from protos import step_pb2, wire
+from protos import wire
 from scheduler_svc.worker_link import hello_problem
-
-
-def hello(**fields) -> step_pb2.Hello:
-    values = dict(
-        protocol_version=wire.PROTOCOL_VERSION,
-        incarnation_id="abc",
-        vocab_size=100,
-        eos_token_ids=[2],
-        max_context_tokens=512,
-        block_size=16,
-        num_kv_blocks=64,
-    )
-    values.update(fields)
-    return step_pb2.Hello(**values)
+from tests.unit.conftest import make_hello
 
 
 def test_a_complete_hello_is_accepted():
-    assert hello_problem(hello()) is None
+    assert hello_problem(make_hello()) is None
 
 
 @pytest.mark.parametrize(
@@ -40,4 +27,4 @@ def test_a_complete_hello_is_accepted():
     ],
 )
 def test_incomplete_or_foreign_hellos_are_refused(fields, phrase):
-    assert phrase in hello_problem(hello(**fields))
+    assert phrase in hello_problem(make_hello(**fields))

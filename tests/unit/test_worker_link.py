@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator, Callable
 
 import zmq
 
-from protos import step_pb2, wire
+from protos import wire
 from scheduler_svc.worker_link import WorkerLink
+from tests.unit.conftest import make_hello
 
 DEADLINE_S = 10.0
 
@@ -24,16 +25,7 @@ def say_hello(context: zmq.Context, endpoint: str, incarnation_id: str) -> zmq.S
     worker = context.socket(zmq.DEALER)
     worker.setsockopt(zmq.LINGER, 0)
     worker.connect(endpoint)
-    hello = step_pb2.Hello(
-        protocol_version=wire.PROTOCOL_VERSION,
-        incarnation_id=incarnation_id,
-        vocab_size=100,
-        eos_token_ids=[2],
-        max_context_tokens=512,
-        block_size=16,
-        num_kv_blocks=64,
-    )
-    worker.send_multipart(wire.encode(hello))
+    worker.send_multipart(wire.encode(make_hello(incarnation_id=incarnation_id)))
     return worker
 
 
