@@ -24,6 +24,7 @@ def accept_token(
     """
     token_ids = request.token_ids
     token_ids.append(token_id)
+    request.last_token_id = token_id
     num_generated = len(token_ids) - request.num_prompt_tokens
     stopping = request.stopping
     verdict = token_verdict(
@@ -31,7 +32,9 @@ def accept_token(
     )
     if verdict is _STOP:
         return final_text(request), _STOP  # a stop token's text is not streamed
-    text = request.detokenizer.push(token_id)
+    detokenizer = request.detokenizer
+    text = detokenizer.push(token_id)
+    request.whole_texts = detokenizer.whole_texts
     matcher = request.stop_matcher
     if matcher is not None:
         text, stopped = matcher.push(text, stops_allowed(num_generated, stopping))
@@ -48,7 +51,9 @@ def final_text(request: Request) -> str:
     A character left incomplete at the end becomes U+FFFD, as tokenizer.decode does.
     """
     held = request.stop_matcher.flush() if request.stop_matcher is not None else ""
-    return held + request.detokenizer.flush()
+    text = held + request.detokenizer.flush()
+    request.whole_texts = request.detokenizer.whole_texts
+    return text
 
 
 def token_logprob(outcome: StepOutcome, index: int) -> TokenLogprob:

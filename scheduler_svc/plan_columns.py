@@ -55,7 +55,7 @@ def feed_decodes(
     decision.sample.extend([True] * num_fed)
     token_ids = decision.token_ids
     base = len(token_ids)
-    token_ids.extend([request.token_ids[-1] for request in fed])
+    token_ids.extend([request.last_token_id for request in fed])
     decision.token_offsets.extend(counting_numbers(base + 1, base + num_fed + 1))
     block_ids, block_offsets = decision.block_ids, decision.block_offsets
     done = 0

@@ -133,6 +133,7 @@ class Scheduler:
             if reason is not None:
                 raise RequestTooLargeError(reason)
         stop_strings = request.stopping.stop_strings
+        detokenizer = self._new_detokenizer()
         queued = Request(
             request_id=request.request_id,
             sampling=request.sampling,
@@ -141,8 +142,10 @@ class Scheduler:
             num_prompt_tokens=len(request.prompt_token_ids),
             token_ids=list(request.prompt_token_ids),
             arrival_s=now,
-            detokenizer=self._new_detokenizer(),
+            detokenizer=detokenizer,
             stop_matcher=StopStringMatcher(stop_strings) if stop_strings else None,
+            last_token_id=request.prompt_token_ids[-1],
+            whole_texts=detokenizer.whole_texts,
         )
         state.requests[request.request_id] = queued
         state.waiting.push_back(queued)
@@ -274,11 +277,13 @@ class Scheduler:
                 and token_id not in request.ending_token_ids
             ):
                 request.token_ids.append(token_id)
+                request.last_token_id = token_id
                 # The detokenizer's common case without the call (~8% of a step here).
-                detokenizer = request.detokenizer
-                table = detokenizer.whole_texts
+                table = request.whole_texts
                 if table is None or token_id >= len(table) or (text := table[token_id]) is None:
+                    detokenizer = request.detokenizer
                     text = detokenizer.push(token_id)
+                    request.whole_texts = detokenizer.whole_texts
                 matcher = request.stop_matcher
                 finish_reason = None
                 # The matcher's common case without the call: nothing held, and nothing

@@ -104,7 +104,9 @@ class StepPlanner:
             ):
                 continue
             position = request.num_computed_tokens
-            if position == len(request.block_ids) * block_size:
+            # A table holds exactly the blocks its computed tokens fill, so a new one is
+            # needed at each block boundary (known without touching the table).
+            if not position % block_size:
                 if available:
                     available -= 1
                     growing.append(request)

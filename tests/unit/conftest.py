@@ -192,7 +192,11 @@ def check_invariants(scheduler: Scheduler) -> None:
     for seq_id, request in state.running.items():
         assert request.state is RequestState.RUNNING and request.seq_id == seq_id
         assert len(set(request.block_ids)) == len(request.block_ids), "a block owned twice"
-        assert request.num_computed_tokens <= len(request.block_ids) * blocks.block_size
+        # Exactly the blocks its computed tokens fill: the decode planner relies on it.
+        assert len(request.block_ids) == -(-request.num_computed_tokens // blocks.block_size)
+    for request in state.requests.values():
+        assert request.last_token_id == request.token_ids[-1]
+        assert request.whole_texts is request.detokenizer.whole_texts
         for block_id in request.block_ids:
             owners[block_id] += 1
     for block_id in range(allocator.num_total_blocks):

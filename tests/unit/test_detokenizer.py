@@ -8,7 +8,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.step_decision import StepOutcome
 from scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
+from tests.unit.conftest import check_invariants, make_geometry, make_request, make_scheduler
 
 TEXTS = [
     "Hello, world! Plain ASCII.",
@@ -129,3 +131,47 @@ def test_looking_texts_up_in_whole_texts_is_the_same_as_pushing(default_tokenize
         assert "".join(pieces) == default_tokenizer.decode(ids)
         assert pieces == stream(default_tokenizer, ids, use_byte_table=True)
     assert IncrementalDetokenizer(default_tokenizer, use_byte_table=False).whole_texts is None
+
+
+def test_the_scheduler_streams_what_decode_gives_with_partial_characters(default_tokenizer):
+    """Scheduler.apply looks most texts up itself and keeps each request's copy of its
+    detokenizer's table in step: several requests decoding together, each through broken
+    bytes, emoji and CJK split across tokens, must each stream decode() of its tokens."""
+    rng = random.Random(5)
+    scripts = []
+    for _ in range(4):
+        ids = default_tokenizer.encode("😀 ok 日本 ")
+        ids += [rng.randrange(default_tokenizer.vocab_size) for _ in range(40)]
+        ids += default_tokenizer.encode("👨‍👩‍👧 end") + ids[:1]
+        scripts.append(ids)
+    geometry = make_geometry(
+        num_kv_blocks=128,
+        eos_token_ids=default_tokenizer.eos_token_ids,
+        vocab_size=default_tokenizer.vocab_size,
+    )
+    scheduler = make_scheduler(geometry, lambda: IncrementalDetokenizer(default_tokenizer))
+    for index, ids in enumerate(scripts):
+        # The first prompt token names the request in the plan.
+        prompt = [100 + index, 7, 7]
+        scheduler.add(
+            make_request(f"r{index}", prompt, max_new_tokens=len(ids), ignore_eos=True), 0.0
+        )
+    script_of_seq: dict[int, list[int]] = {}
+    texts = {f"r{index}": "" for index in range(len(scripts))}
+    num_sampled = dict.fromkeys(texts, 0)
+    while (decision := scheduler.schedule(0.0)) is not None:
+        sampled_ids, sampled_tokens = [], []
+        for i, seq_id in enumerate(decision.seq_ids):
+            first_fed = decision.token_ids[decision.token_offsets[i]]
+            index = script_of_seq.setdefault(seq_id, first_fed - 100)
+            if decision.sample[i]:
+                sampled_ids.append(seq_id)
+                sampled_tokens.append(scripts[index][num_sampled[f"r{index}"]])
+                num_sampled[f"r{index}"] += 1
+        for output in scheduler.apply(
+            StepOutcome(decision.step_id, sampled_ids, sampled_tokens), 0.0
+        ):
+            texts[output.request_id] += output.text
+        check_invariants(scheduler)
+    for index, ids in enumerate(scripts):
+        assert texts[f"r{index}"] == default_tokenizer.decode(ids)
