@@ -1,12 +1,13 @@
 """Prefix caching over the block pool: full blocks keyed by their tokens and their past.
 
-A full block's key is hash((parent block's key, its tokens)), so two sequences share a
-key only if they share every token up to the end of that block. A block's key is
+A full block's key is hash((parent block's key, its tokens' bytes)), so two sequences
+share a key only if they share every token up to the end of that block. A block's key is
 registered once its tokens are all computed or fed by the step being planned (the
 worker writes a step's K/V before any attention reads it). Blocks nobody owns keep
 their key while they wait on an LRU list; they are evicted only when the free list
-alone cannot serve an allocation. Keys are Python's 64-bit tuple hashes: a false hit
-needs a collision among the cached blocks, about 2^-64 per pair, accepted as vLLM does.
+alone cannot serve an allocation. Keys are Python's 64-bit hashes (salted per process,
+and never leaving it): a false hit needs a collision among the cached blocks, about
+2^-64 per pair, accepted as vLLM does.
 
 The composite is the one door to the pool for the scheduler: allocate, acquire
 hits, release, register, and counts.
@@ -14,6 +15,7 @@ hits, release, register, and counts.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 
 from scheduler_svc.block_allocator import BlockAllocator
@@ -22,13 +24,13 @@ ROOT_HASH = 0x5061676F6461  # parent of a sequence's first block
 
 
 def extend_block_hashes(
-    token_ids: list[int], block_hashes: list[int], num_blocks: int, block_size: int
+    token_ids: array[int], block_hashes: list[int], num_blocks: int, block_size: int
 ) -> None:
     """Append to `block_hashes` the chained keys of `token_ids`' full blocks up to `num_blocks`."""
     parent = block_hashes[-1] if block_hashes else ROOT_HASH
     for index in range(len(block_hashes), num_blocks):
         start = index * block_size
-        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        parent = hash((parent, token_ids[start : start + block_size].tobytes()))
         block_hashes.append(parent)
 
 

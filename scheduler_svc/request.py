@@ -7,6 +7,8 @@ durations sent to clients are milliseconds (`*_ms`).
 from __future__ import annotations
 
 import enum
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -99,6 +101,13 @@ class RequestState(enum.Enum):
     FINISHED = "finished"
 
 
+def token_array(token_ids: Iterable[int] = ()) -> array[int]:
+    """A request's token ids as 64-bit C integers rather than a list of int objects, which
+    every collection would visit, block keying would read from all over memory and a
+    finish would free one by one (together ~8% of a step at 1,000 running requests)."""
+    return array("q", token_ids)
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """The scheduler's truth about one request; owned and mutated by the Scheduler only.
@@ -113,9 +122,9 @@ class Request:
     stopping: ValidStopping
     priority: int
     num_prompt_tokens: int
-    # Prompt then generated tokens. Generated tokens are streamed exactly once, when
-    # appended, so a recompute after preemption never repeats one.
-    token_ids: list[int]
+    # Prompt then generated tokens (token_array()). Generated tokens are streamed
+    # exactly once, when appended, so a recompute after preemption never repeats one.
+    token_ids: array[int]
     arrival_s: float
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher | None  # None when there are no stop strings

@@ -21,6 +21,7 @@ from scheduler_svc.request import (
     RequestState,
     TokenLogprob,
     ValidRequest,
+    token_array,
 )
 from scheduler_svc.request_limits import (
     DuplicateRequestError,
@@ -140,7 +141,7 @@ class Scheduler:
             stopping=request.stopping,
             priority=request.priority,
             num_prompt_tokens=len(request.prompt_token_ids),
-            token_ids=list(request.prompt_token_ids),
+            token_ids=token_array(request.prompt_token_ids),
             arrival_s=now,
             detokenizer=detokenizer,
             stop_matcher=StopStringMatcher(stop_strings) if stop_strings else None,

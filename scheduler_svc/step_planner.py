@@ -271,7 +271,7 @@ class StepPlanner:
             NewSequenceSpec(
                 seq_id=seq_id,
                 sampling=request.sampling,
-                cached_token_ids=request.token_ids[:num_cached_tokens],
+                cached_token_ids=request.token_ids[:num_cached_tokens].tolist(),
                 num_prompt_tokens=request.num_prompt_tokens,
             )
         )

@@ -2,11 +2,13 @@ from __future__ import annotations
 
 from scheduler_svc.block_allocator import BlockAllocator
 from scheduler_svc.prefix_cache import PrefixCache, extend_block_hashes
+from scheduler_svc.request import token_array
 
 
 def hashes(token_ids: list[int], block_size: int = 2) -> list[int]:
     block_hashes: list[int] = []
-    extend_block_hashes(token_ids, block_hashes, len(token_ids) // block_size, block_size)
+    tokens = token_array(token_ids)
+    extend_block_hashes(tokens, block_hashes, len(tokens) // block_size, block_size)
     return block_hashes
 
 
@@ -22,7 +24,7 @@ def test_a_block_key_chains_its_parent():
 
 
 def test_extending_hashes_is_incremental():
-    token_ids = [1, 2, 3, 4, 5, 6]
+    token_ids = token_array([1, 2, 3, 4, 5, 6])
     block_hashes: list[int] = []
     extend_block_hashes(token_ids, block_hashes, 1, 2)
     extend_block_hashes(token_ids, block_hashes, 3, 2)

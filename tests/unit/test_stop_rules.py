@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler_svc.generation import accept_token, final_text
-from scheduler_svc.request import FinishReason, Request
+from scheduler_svc.request import FinishReason, Request, token_array
 from scheduler_svc.step_decision import StepOutcome
 from scheduler_svc.stop_rules import (
     StopStringMatcher,
@@ -45,7 +45,7 @@ def make_state(pieces: dict[int, str], **stopping) -> Request:
         stopping=valid.stopping,
         priority=0,
         num_prompt_tokens=3,
-        token_ids=list(valid.prompt_token_ids),
+        token_ids=token_array(valid.prompt_token_ids),
         arrival_s=0.0,
         detokenizer=ScriptedDetokenizer(pieces),  # type: ignore[arg-type]
         stop_matcher=StopStringMatcher(valid.stopping.stop_strings)
