@@ -41,10 +41,12 @@ def feed_decodes(
     fed: list[Request],
     positions: list[int],
     grown_indices: list[int],
+    completing: list[int],
 ) -> None:
     """The columns of decoding sequences `fed`, each feeding its last token at
     `positions[i]`. The planner already advanced their counters and gave a new block to
-    those at `grown_indices` (ascending); the others have sent their whole table.
+    those at `grown_indices` (ascending); the others have sent their whole table. Those
+    at `completing` fill their last block: it is keyed for the prefix cache.
 
     The hot path: comprehensions rather than one append per column per sequence; only
     the 1/block_size that grew or complete a block are visited one by one.
@@ -68,14 +70,8 @@ def feed_decodes(
         block_offsets.append(len(block_ids))
         done = index + 1
     block_offsets.extend([len(block_ids)] * (num_fed - done))
-    if state.config.prefix_caching:
-        block_size = state.blocks.block_size
-        last_slot = block_size - 1
-        completing = [
-            i for i, position in enumerate(positions) if position % block_size == last_slot
-        ]
-        for index in completing:
-            key_blocks(state, fed[index], positions[index], positions[index] + 1)
+    for index in completing:
+        key_blocks(state, fed[index], positions[index], positions[index] + 1)
 
 
 _counting_numbers: list[int] = []

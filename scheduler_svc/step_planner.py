@@ -91,6 +91,9 @@ class StepPlanner:
         positions: list[int] = []
         growing: list[Request] = []
         grown_indices: list[int] = []  # in fed
+        completing: list[int] = []  # in fed: those whose token fills their last block
+        # The slot that completes a block, when completed blocks are keyed (-1: never).
+        last_slot = block_size - 1 if self._config.prefix_caching else -1
         available = blocks.num_available_blocks
         capped = len(decoders) > cap
         # A decoder may have been preempted by an earlier one of this loop, or admitted
@@ -104,9 +107,10 @@ class StepPlanner:
             ):
                 continue
             position = request.num_computed_tokens
+            slot = position % block_size
             # A table holds exactly the blocks its computed tokens fill, so a new one is
             # needed at each block boundary (known without touching the table).
-            if not position % block_size:
+            if not slot:
                 if available:
                     available -= 1
                     growing.append(request)
@@ -120,13 +124,15 @@ class StepPlanner:
                     if not grown:
                         continue  # it preempted itself
                 grown_indices.append(len(fed))
+            if slot == last_slot:
+                completing.append(len(fed))
             request.last_scheduled_step = step_id
             request.num_computed_tokens = position + 1
             fed.append(request)
             positions.append(position)
         self._give_blocks(growing)
         if fed:
-            feed_decodes(state, decision, fed, positions, grown_indices)
+            feed_decodes(state, decision, fed, positions, grown_indices, completing)
         decision.num_decode_tokens += len(fed)
         return len(fed)
 

@@ -77,6 +77,22 @@ def test_prefix_hits_skip_computed_tokens():
     assert (stats.num_prefix_queries_tokens, stats.num_prefix_hit_tokens) == (13 + 14, 12)
 
 
+def test_blocks_filled_by_decoding_are_keyed_too():
+    """A follow-up whose prompt is an earlier request's prompt and output (a chat's
+    next turn) hits the blocks that request's decode steps filled, not only its prompt's."""
+    geometry = make_geometry(block_size=4)
+    scheduler, worker = make_scheduler(geometry), FakeWorker(geometry)
+    prompt = list(range(10, 16))  # 6 tokens: one full block, and one filled by decoding
+    scheduler.add(make_request("turn1", prompt, max_new_tokens=11, ignore_eos=True), 0.0)
+    reply = drive(scheduler, worker)["turn1"].token_ids
+    # 16 of the 17 tokens were fed, filling 4 blocks; the last was sampled, never fed.
+    assert len(reply) == 11
+    scheduler.add(make_request("turn2", prompt + reply + [99, 98]), 1.0)
+    decision = scheduler.schedule(1.0)
+    (new,) = decision.new_sequences
+    assert new.cached_token_ids == (prompt + reply)[:16]
+
+
 def test_the_last_prompt_token_is_always_computed():
     geometry = make_geometry(block_size=4)
     scheduler, worker = make_scheduler(geometry), FakeWorker(geometry)
