@@ -18,6 +18,8 @@ import codecs
 from scheduler_svc.tokenizer import TextTokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
+# whole_texts while no text may be looked up: every index is beyond it.
+NO_WHOLE_TEXTS: tuple[()] = ()
 
 
 class IncrementalDetokenizer:
@@ -46,8 +48,9 @@ class IncrementalDetokenizer:
         # Byte-table strategy: each token's text when its bytes are whole characters.
         self._texts = tokenizer.token_texts(skip_special_tokens) if self._table else None
         # The byte strategy's table while no character is partial, so a caller may look a
-        # token's text up without a call (None entry: push it); None otherwise.
-        self.whole_texts = self._texts
+        # token's text up without a call (None entry, or an index beyond it: push it);
+        # NO_WHOLE_TEXTS otherwise.
+        self.whole_texts: list[str | None] | tuple[()] = self._texts or NO_WHOLE_TEXTS
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         # Window strategy: ids from the last emitted boundary's predecessor on; the first
         # `_read_offset` of them are already emitted and give the decoder its context.
@@ -57,7 +60,7 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """The text completed by this token ("" while a character is still partial)."""
         texts = self.whole_texts
-        if texts is not None and token_id < len(texts):
+        if token_id < len(texts):
             text = texts[token_id]
             if text is not None:
                 return text  # the common case: whole characters, nothing pending
@@ -84,7 +87,7 @@ class IncrementalDetokenizer:
         table = self._table
         token_bytes = table[token_id] if token_id < len(table) else b""
         text = self._utf8.decode(token_bytes)
-        self.whole_texts = None if self._utf8.getstate()[0] else self._texts
+        self.whole_texts = NO_WHOLE_TEXTS if self._utf8.getstate()[0] else self._texts
         return text
 
     def _push_window(self, token_id: int) -> str:

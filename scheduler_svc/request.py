@@ -156,7 +156,7 @@ class Request:
     # Copies kept on the request so a decode step touches only it, not the objects they
     # come from (at 1,000 running each is a cache miss per request: ~90 us a step here).
     last_token_id: int = -1  # token_ids[-1]: the token a decoding sequence feeds next
-    whole_texts: list[str | None] | None = None  # detokenizer.whole_texts, after every call
+    whole_texts: list[str | None] | tuple[()] = ()  # detokenizer.whole_texts, after every call
 
     def set_steady_window(self, eos_token_ids: frozenset[int], max_context_tokens: int) -> None:
         stopping = self.stopping

@@ -265,12 +265,14 @@ class Scheduler:
         """
         geometry = self._state.geometry
         eos_token_ids, max_context_tokens = geometry.eos_token_ids, geometry.max_context_tokens
-        running_get = self._state.running.get
+        running = self._state.running
         request_ids, texts, token_ids = events.request_ids, events.texts, events.token_ids
         outputs = events.outputs
+        # Exceptions rather than tests for the rare cases: a try costs nothing in 3.11.
         for seq_id, token_id in zip(outcome.seq_ids, outcome.token_ids, strict=True):
-            request = running_get(seq_id)
-            if request is None:
+            try:
+                request = running[seq_id]
+            except KeyError:
                 continue  # cancelled while the step ran
             num_tokens = len(request.token_ids) + 1  # with this one
             if (
@@ -280,8 +282,11 @@ class Scheduler:
                 request.token_ids.append(token_id)
                 request.last_token_id = token_id
                 # The detokenizer's common case without the call (~8% of a step here).
-                table = request.whole_texts
-                if table is None or token_id >= len(table) or (text := table[token_id]) is None:
+                try:
+                    text = request.whole_texts[token_id]  # ids are unsigned on the wire
+                except IndexError:
+                    text = None  # a character is partial, or the id is beyond the table
+                if text is None:
                     detokenizer = request.detokenizer
                     text = detokenizer.push(token_id)
                     request.whole_texts = detokenizer.whole_texts

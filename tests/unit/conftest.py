@@ -103,7 +103,7 @@ def make_hello(**fields) -> step_pb2.Hello:
 class LetterDetokenizer:
     """Token id -> one letter; stands in for a real detokenizer in scheduler tests."""
 
-    whole_texts = None  # no table to look texts up in: the scheduler calls push()
+    whole_texts = ()  # no table to look texts up in: the scheduler calls push()
 
     def push(self, token_id: int) -> str:
         return LETTERS[token_id % 26]
