@@ -20,6 +20,7 @@ from scheduler_svc.request import (
     ValidStopping,
 )
 from scheduler_svc.scheduler import Scheduler, StepDecision, WorkerGeometry
+from scheduler_svc.step_decision import StepOutcome
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -194,11 +195,12 @@ def check_invariants(scheduler: Scheduler) -> None:
         assert len(set(request.block_ids)) == len(request.block_ids), "a block owned twice"
         # Exactly the blocks its computed tokens fill: the decode planner relies on it.
         assert len(request.block_ids) == -(-request.num_computed_tokens // blocks.block_size)
-    for request in state.requests.values():
-        assert request.last_token_id == request.token_ids[-1]
-        assert request.whole_texts is request.detokenizer.whole_texts
         for block_id in request.block_ids:
             owners[block_id] += 1
+    for request in state.requests.values():
+        # The copies a decode step reads instead of their sources.
+        assert request.last_token_id == request.token_ids[-1]
+        assert request.whole_texts is request.detokenizer.whole_texts
     for block_id in range(allocator.num_total_blocks):
         assert allocator.ref_count(block_id) == owners.get(block_id, 0), block_id
         if allocator.is_free(block_id):
@@ -208,6 +210,29 @@ def check_invariants(scheduler: Scheduler) -> None:
         assert request.state is RequestState.WAITING and not request.block_ids
     assert set(state.prefilling) <= set(state.running)
     assert len(state.running) + len(state.waiting) == len(state.requests)
+
+
+def apply_scripts(scheduler: Scheduler, scripts: list[list[int]]) -> dict[str, list[RequestOutput]]:
+    """Run `scheduler` until it has no work, request f"r{i}" sampling `scripts[i]` in order
+    (one token per event it streams); each must have been added with a prompt starting with
+    100 + i, which names it in the plan. Returns each request's events."""
+    index_of_seq: dict[int, int] = {}
+    events: dict[str, list[RequestOutput]] = {f"r{i}": [] for i in range(len(scripts))}
+    while (decision := scheduler.schedule(0.0)) is not None:
+        sampled_ids, sampled_tokens = [], []
+        for i, seq_id in enumerate(decision.seq_ids):
+            first_fed = decision.token_ids[decision.token_offsets[i]]
+            index = index_of_seq.setdefault(seq_id, first_fed - 100)
+            if decision.sample[i]:
+                sampled_ids.append(seq_id)
+                sampled_tokens.append(scripts[index][len(events[f"r{index}"])])
+        for output in scheduler.apply(
+            StepOutcome(decision.step_id, sampled_ids, sampled_tokens), 0.0
+        ):
+            assert len(output.token_ids) == 1, output
+            events[output.request_id].append(output)
+        check_invariants(scheduler)
+    return events
 
 
 def decision_within_budget(decision: StepDecision, config: SchedulerConfig) -> bool:

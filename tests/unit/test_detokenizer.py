@@ -8,9 +8,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.step_decision import StepOutcome
 from scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
-from tests.unit.conftest import check_invariants, make_geometry, make_request, make_scheduler
+from tests.unit.conftest import apply_scripts, make_geometry, make_request, make_scheduler
 
 TEXTS = [
     "Hello, world! Plain ASCII.",
@@ -157,22 +156,6 @@ def test_the_scheduler_streams_what_decode_gives_with_partial_characters(default
         scheduler.add(
             make_request(f"r{index}", prompt, max_new_tokens=len(ids), ignore_eos=True), 0.0
         )
-    script_of_seq: dict[int, list[int]] = {}
-    texts = {f"r{index}": "" for index in range(len(scripts))}
-    num_sampled = dict.fromkeys(texts, 0)
-    while (decision := scheduler.schedule(0.0)) is not None:
-        sampled_ids, sampled_tokens = [], []
-        for i, seq_id in enumerate(decision.seq_ids):
-            first_fed = decision.token_ids[decision.token_offsets[i]]
-            index = script_of_seq.setdefault(seq_id, first_fed - 100)
-            if decision.sample[i]:
-                sampled_ids.append(seq_id)
-                sampled_tokens.append(scripts[index][num_sampled[f"r{index}"]])
-                num_sampled[f"r{index}"] += 1
-        for output in scheduler.apply(
-            StepOutcome(decision.step_id, sampled_ids, sampled_tokens), 0.0
-        ):
-            texts[output.request_id] += output.text
-        check_invariants(scheduler)
+    events = apply_scripts(scheduler, scripts)
     for index, ids in enumerate(scripts):
-        assert texts[f"r{index}"] == default_tokenizer.decode(ids)
+        assert "".join(event.text for event in events[f"r{index}"]) == default_tokenizer.decode(ids)

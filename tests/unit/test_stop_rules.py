@@ -7,14 +7,13 @@ from hypothesis import strategies as st
 
 from scheduler_svc.generation import accept_token, final_text
 from scheduler_svc.request import FinishReason, Request, token_array
-from scheduler_svc.step_decision import StepOutcome
 from scheduler_svc.stop_rules import (
     StopStringMatcher,
     find_stop_string,
     held_back_length,
     token_verdict,
 )
-from tests.unit.conftest import make_geometry, make_request, make_scheduler
+from tests.unit.conftest import apply_scripts, make_geometry, make_request, make_scheduler
 
 EOS = 2
 
@@ -200,20 +199,8 @@ def test_apply_streams_what_accept_token_gives_every_request_of_a_step(
     for index, (stopping, _) in enumerate(scripts):
         # The first prompt token names the request in the plan.
         scheduler.add(make_request(f"r{index}", prompt=[100 + index, 7, 7], **stopping), 0.0)
-    request_of_seq: dict[int, int] = {}
-    streamed: dict[str, list[tuple[int, str, FinishReason | None]]] = {r: [] for r in expected}
-    while (decision := scheduler.schedule(0.0)) is not None:
-        sampled_ids, sampled_tokens = [], []
-        for i, seq_id in enumerate(decision.seq_ids):
-            first_fed = decision.token_ids[decision.token_offsets[i]]
-            request_of_seq.setdefault(seq_id, first_fed - 100)
-            if decision.sample[i]:
-                index = request_of_seq[seq_id]
-                sampled_ids.append(seq_id)
-                sampled_tokens.append(scripts[index][1][len(streamed[f"r{index}"])])
-        for output in scheduler.apply(
-            StepOutcome(decision.step_id, sampled_ids, sampled_tokens), 0.0
-        ):
-            (token_id,) = output.token_ids
-            streamed[output.request_id].append((token_id, output.text, output.finish_reason))
+    streamed = {
+        request_id: [(o.token_ids[0], o.text, o.finish_reason) for o in outputs]
+        for request_id, outputs in apply_scripts(scheduler, [t for _, t in scripts]).items()
+    }
     assert streamed == expected
