@@ -101,7 +101,7 @@ class RequestState(enum.Enum):
     FINISHED = "finished"
 
 
-def token_array(token_ids: Iterable[int] = ()) -> array[int]:
+def token_array(token_ids: Iterable[int]) -> array[int]:
     """A request's token ids as 64-bit C integers rather than a list of int objects, which
     every collection would visit, block keying would read from all over memory and a
     finish would free one by one (together ~8% of a step at 1,000 running requests)."""
