@@ -22,13 +22,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv and install Pagoda, its tools and the default model package
 
+# protoc sees protos/ as pagoda/protos/, so the generated code imports `pagoda.protos`.
+PROTOC = $(CURDIR)/$(PY) -m grpc_tools.protoc -Ipagoda/protos=$(CURDIR)/protos --python_out=. --pyi_out=. --grpc_python_out=. $(CURDIR)/protos/*.proto
+
 protos: $(STAMP) ## regenerate protos/*_pb2*.py from the .proto files
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/*.proto
+	@tmp=$$(mktemp -d) && (cd $$tmp && $(PROTOC)) && cp $$tmp/pagoda/protos/*_pb2*.py* protos/ && rm -rf $$tmp
 
 check-protos: $(STAMP) ## fail when the committed generated code is stale
-	@tmp=$$(mktemp -d) && mkdir -p $$tmp/protos && cp protos/*.proto $$tmp/protos/ && \
-	  (cd $$tmp && $(CURDIR)/$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/*.proto) && \
-	  for f in $$tmp/protos/*_pb2*.py*; do cmp -s $$f protos/$$(basename $$f) || { echo "stale: protos/$$(basename $$f) (run make protos)"; rm -rf $$tmp; exit 1; }; done; \
+	@tmp=$$(mktemp -d) && (cd $$tmp && $(PROTOC)) && \
+	  for f in $$tmp/pagoda/protos/*_pb2*.py*; do cmp -s $$f protos/$$(basename $$f) || { echo "stale: protos/$$(basename $$f) (run make protos)"; rm -rf $$tmp; exit 1; }; done; \
 	  rm -rf $$tmp; echo "protos up to date"
 
 lint: $(STAMP) ## ruff over the code
@@ -45,16 +47,16 @@ run: $(STAMP) ## provision the default model, start worker + scheduler on 127.0.
 	$(PY) scripts/run_local.py --model $(MODEL) --grpc-address $(GRPC_ADDRESS) $(ARGS)
 
 bench: $(STAMP) ## the benchmark suite on the default model (about 8 minutes on 2 cores)
-	$(PY) -m client.bench_suite $(ARGS)
+	$(PY) -m benchmarks.suite $(ARGS)
 
 bench-quick: $(STAMP) ## a two-minute subset of make bench
-	$(PY) -m client.bench_suite --quick $(ARGS)
+	$(PY) -m benchmarks.suite --quick $(ARGS)
 
 bench-worker: $(STAMP) ## the paged worker vs transformers' own forward, per step shape
-	$(PY) -m gpu_worker.bench $(ARGS)
+	$(PY) -m benchmarks.worker_step $(ARGS)
 
 bench-scheduler: $(STAMP) ## schedule() + apply() per step at 16..1024 running sequences
-	$(PY) -m scheduler_svc.bench_core $(ARGS)
+	$(PY) -m benchmarks.scheduler_core $(ARGS)
 
 clean: ## remove .venv and caches (the model cache in ~/.cache/pagoda stays)
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info

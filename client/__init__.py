@@ -1,7 +1,7 @@
 """Python client for Pagoda's pagoda.v1.Generation API: `Client` (blocking) and `AsyncClient`."""
 
-from client.async_client import AsyncChunkStream, AsyncClient
-from client.errors import (
+from pagoda.client.async_client import AsyncChunkStream, AsyncClient
+from pagoda.client.errors import (
     DeadlineExceededError,
     InternalError,
     InvalidArgumentError,
@@ -12,8 +12,16 @@ from client.errors import (
     UnavailableError,
     error_from_rpc,
 )
-from client.results import Chunk, Completion, ModelInfo, ServerStats, Timings, TokenLogprob, Usage
-from client.sync_client import ChunkStream, Client
+from pagoda.client.results import (
+    Chunk,
+    Completion,
+    ModelInfo,
+    ServerStats,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
+from pagoda.client.sync_client import ChunkStream, Client
 
 __all__ = [
     "AsyncChunkStream",

@@ -1,5 +1,5 @@
-"""`python -m client ...` is the `pagoda` command."""
+"""`python -m pagoda.client ...` is the `pagoda` command."""
 
-from client.cli import main
+from pagoda.client.cli import main
 
 raise SystemExit(main())

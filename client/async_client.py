@@ -9,19 +9,18 @@ from typing import Any, Unpack
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from client import convert
-from client.connection import (
+from pagoda.client import convert
+from pagoda.client.connection import (
     CHANNEL_OPTIONS,
     DEFAULT_TARGET,
     READY_CHECK_TIMEOUT_S,
     READY_POLL_INTERVAL_S,
     ConnectionSettings,
 )
-from client.convert import GenerationOptions
-from client.errors import DeadlineExceededError, error_from_rpc
-from client.results import Chunk, Completion, ModelInfo, ServerStats
-from protos import generation_pb2, generation_pb2_grpc
+from pagoda.client.convert import GenerationOptions
+from pagoda.client.errors import DeadlineExceededError, error_from_rpc
+from pagoda.client.results import Chunk, Completion, ModelInfo, ServerStats
+from pagoda.protos import generation_pb2, generation_pb2_grpc
 
 
 class AsyncChunkStream(AsyncIterator[Chunk]):

@@ -2,11 +2,11 @@
 
 Programmatic use:
 
-    from client.bench import BenchConfig, format_report_table, run_bench
+    from pagoda.client.bench import BenchConfig, format_report_table, run_bench
     report = run_bench(BenchConfig(target="127.0.0.1:50051", arrival="poisson", rate_per_s=4))
     print(format_report_table({"poisson 4/s": report}))
 
-From the shell: `pagoda bench --help` (or `python -m client.bench --help`).
+From the shell: `pagoda bench --help` (or `python -m pagoda.client.bench --help`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import sys
 import time
 from typing import TextIO
 
-from client.async_client import AsyncClient
-from client.bench_config import BenchConfig
-from client.bench_report import BenchReport, RequestResult, format_report_table, summarize
-from client.bench_workload import arrival_offsets_s, build_prompts
-from client.errors import PagodaError
+from pagoda.client.async_client import AsyncClient
+from pagoda.client.bench_config import BenchConfig
+from pagoda.client.bench_report import BenchReport, RequestResult, format_report_table, summarize
+from pagoda.client.bench_workload import arrival_offsets_s, build_prompts
+from pagoda.client.errors import PagodaError
 
 __all__ = [
     "BenchConfig",
@@ -180,8 +180,8 @@ async def _num_preemptions(client: AsyncClient) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m client.bench ...` is `pagoda bench ...`."""
-    from client.cli import main as cli_main
+    """`python -m pagoda.client.bench ...` is `pagoda bench ...`."""
+    from pagoda.client.cli import main as cli_main
 
     return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 

@@ -6,10 +6,10 @@ import argparse
 import json
 import sys
 
-from client.bench import run_bench
-from client.bench_config import ARRIVALS, BenchConfig
-from client.bench_report import format_report_table
-from client.connection import ConnectionSettings
+from pagoda.client.bench import run_bench
+from pagoda.client.bench_config import ARRIVALS, BenchConfig
+from pagoda.client.bench_report import format_report_table
+from pagoda.client.connection import ConnectionSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +102,7 @@ def run_from_args(config: BenchConfig, args: argparse.Namespace) -> int:
     else:
         print(format_report_table({f"run {report.run_tag}": report}))
     if args.plot:
-        from client.bench_plot import plot_report
+        from pagoda.client.bench_plot import plot_report
 
         plot_report(report, args.plot)
         print(f"pagoda: wrote {args.plot}", file=sys.stderr)

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from client.connection import DEFAULT_TARGET
+from pagoda.client.connection import DEFAULT_TARGET
 
 ARRIVALS = ("burst", "interval", "poisson", "closed")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from client.bench_report import BenchReport
+from pagoda.client.bench_report import BenchReport
 
 # The timeline uses about this many buckets over the run (each at least 0.1 s).
 TIMELINE_BUCKETS = 60

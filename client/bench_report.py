@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from client.bench_config import BenchConfig
-from client.results import Timings, Usage
+from pagoda.client.bench_config import BenchConfig
+from pagoda.client.results import Timings, Usage
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from client.bench_config import BenchConfig
+from pagoda.client.bench_config import BenchConfig
 
 # Very common English words with a leading space: one token each in byte-level BPE
 # vocabularies (GPT-2, Llama 3, SmolLM2, Qwen), so one repeat is about one prompt token.

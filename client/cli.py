@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from client import bench_cli, cli_commands
-from client.cli_commands import EXIT_ERROR
-from client.connection import DEFAULT_TARGET, ConnectionSettings
-from client.errors import PagodaError
-from client.sync_client import Client
+from pagoda.client import bench_cli, cli_commands
+from pagoda.client.cli_commands import EXIT_ERROR
+from pagoda.client.connection import DEFAULT_TARGET, ConnectionSettings
+from pagoda.client.errors import PagodaError
+from pagoda.client.sync_client import Client
 
 EXIT_USAGE = 2  # argparse's own status for usage errors
 # A terminal user reads the text: a mild penalty stops greedy decoding of a small model from

@@ -14,10 +14,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from client.convert import GenerationOptions
-from client.errors import PagodaError
-from client.results import Completion, join_chunks
-from client.sync_client import ChunkStream, Client
+from pagoda.client.convert import GenerationOptions
+from pagoda.client.errors import PagodaError
+from pagoda.client.results import Completion, join_chunks
+from pagoda.client.sync_client import ChunkStream, Client
 
 EXIT_ERROR = 1
 

@@ -13,9 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypedDict, Unpack
 
 import grpc
-
-from client.errors import InvalidArgumentError
-from client.results import (
+from pagoda.client.errors import InvalidArgumentError
+from pagoda.client.results import (
     Chunk,
     Completion,
     ModelInfo,
@@ -25,7 +24,7 @@ from client.results import (
     Usage,
     join_chunks,
 )
-from protos import generation_pb2 as pb
+from pagoda.protos import generation_pb2 as pb
 
 __all__ = [
     "Chunk",

@@ -1,4 +1,4 @@
-"""`python -m gpu_worker` / `pagoda-worker`: parse flags, build the engine, serve."""
+"""`python -m pagoda.gpu_worker` / `pagoda-worker`: parse flags, build the engine, serve."""
 
 from __future__ import annotations
 
@@ -6,18 +6,19 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from gpu_worker.config import WorkerConfig, configure_logging, describe, load_config
-from gpu_worker.model_loader import ModelNotFoundError
-from gpu_worker.server import EXIT_REFUSED, WorkerServer
-from gpu_worker.step_engine import StepEngine
-from protos import curve
+from pagoda.gpu_worker.config import WorkerConfig, configure_logging, describe, load_config
+from pagoda.gpu_worker.model_loader import ModelNotFoundError
+from pagoda.gpu_worker.server import EXIT_REFUSED, WorkerServer
+from pagoda.gpu_worker.step_engine import StepEngine
+
+from pagoda.common import curve
 
 log = logging.getLogger("pagoda.worker")
 
 
 def build_engine(config: WorkerConfig) -> StepEngine:
     if config.is_dummy:
-        from gpu_worker.dummy_engine import DummyEngine
+        from pagoda.gpu_worker.dummy_engine import DummyEngine
 
         return DummyEngine(
             block_size=config.block_size,
@@ -25,7 +26,7 @@ def build_engine(config: WorkerConfig) -> StepEngine:
             max_context_tokens=config.max_context_tokens,
             fail_on_token_id=config.fail_on_token_id,
         )
-    from gpu_worker.engine import load_engine  # torch is imported only here
+    from pagoda.gpu_worker.engine import load_engine  # torch is imported only here
 
     return load_engine(config)
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from scheduler_svc.settings import settings_lines
+from pagoda.scheduler_svc.settings import settings_lines
 
 ENV_PREFIX = "PAGODA_WORKER_"
 DEVICES = ("auto", "cpu", "cuda")
@@ -94,7 +94,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m gpu_worker",
+        prog="python -m pagoda.gpu_worker",
         description=(
             "Pagoda worker: loads a causal LM, owns the paged KV pool and executes the "
             "scheduler's step plans over ZeroMQ. Every flag may also be set through the "
@@ -147,7 +147,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--zmq-curve-secret-key",
         default=None,
         help="this worker's CurveZMQ .key_secret file: encrypts the link to the scheduler, "
-        "which must list its public .key (see python -m protos.curve)",
+        "which must list its public .key (see python -m pagoda.common.curve)",
     )
     add(
         "--zmq-curve-server-key",

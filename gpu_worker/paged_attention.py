@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from gpu_worker.kv_pool import KVPool
-from gpu_worker.ragged_batch import RaggedBatch
+from pagoda.gpu_worker.kv_pool import KVPool
+from pagoda.gpu_worker.ragged_batch import RaggedBatch
 
 ATTENTION_NAME = "pagoda_paged"
 

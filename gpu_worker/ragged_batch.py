@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-from gpu_worker.sequence_table import ScheduledChunk
+from pagoda.gpu_worker.sequence_table import ScheduledChunk
 
 
 @dataclass(slots=True)

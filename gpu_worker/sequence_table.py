@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protos import step_pb2
+from pagoda.protos import step_pb2
 
 
 @dataclass(frozen=True, slots=True)

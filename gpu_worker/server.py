@@ -16,11 +16,12 @@ import uuid
 from pathlib import Path
 
 import zmq
+from pagoda.gpu_worker.sequence_table import named_seq_ids
+from pagoda.gpu_worker.step_engine import StepEngine, one_line
+from pagoda.protos import step_pb2
 
-from gpu_worker.sequence_table import named_seq_ids
-from gpu_worker.step_engine import StepEngine, one_line
-from protos import curve, step_pb2, transport, wire
-from scheduler_svc.systemd import notify, watchdog_interval_s
+from pagoda.common import curve, transport, wire
+from pagoda.common.systemd import notify, watchdog_interval_s
 
 log = logging.getLogger("pagoda.worker.server")
 

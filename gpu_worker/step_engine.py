@@ -15,14 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpu_worker.sequence_table import (
+from pagoda.gpu_worker.sequence_table import (
     AdmittedPlan,
     PlanError,
     ScheduledChunk,
     SequenceTable,
     named_seq_ids,
 )
-from protos import step_pb2
+from pagoda.protos import step_pb2
 
 log = logging.getLogger("pagoda.worker.step")
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import generation_pb2 as protos_dot_generation__pb2
+from pagoda.protos import generation_pb2 as pagoda_dot_protos_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/generation_pb2_grpc.py depends on'
+        + ' but the generated code in pagoda/protos/generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/pagoda.v1.Generation/Generate',
-                request_serializer=protos_dot_generation__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_generation__pb2.GenerateResponse.FromString,
+                request_serializer=pagoda_dot_protos_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pagoda_dot_protos_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Chat = channel.unary_stream(
                 '/pagoda.v1.Generation/Chat',
-                request_serializer=protos_dot_generation__pb2.ChatRequest.SerializeToString,
-                response_deserializer=protos_dot_generation__pb2.GenerateResponse.FromString,
+                request_serializer=pagoda_dot_protos_dot_generation__pb2.ChatRequest.SerializeToString,
+                response_deserializer=pagoda_dot_protos_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/pagoda.v1.Generation/Tokenize',
-                request_serializer=protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=protos_dot_generation__pb2.TokenizeResponse.FromString,
+                request_serializer=pagoda_dot_protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=pagoda_dot_protos_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/pagoda.v1.Generation/GetModelInfo',
-                request_serializer=protos_dot_generation__pb2.ModelInfoRequest.SerializeToString,
-                response_deserializer=protos_dot_generation__pb2.ModelInfo.FromString,
+                request_serializer=pagoda_dot_protos_dot_generation__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=pagoda_dot_protos_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
         self.GetServerStats = channel.unary_unary(
                 '/pagoda.v1.Generation/GetServerStats',
-                request_serializer=protos_dot_generation__pb2.ServerStatsRequest.SerializeToString,
-                response_deserializer=protos_dot_generation__pb2.ServerStats.FromString,
+                request_serializer=pagoda_dot_protos_dot_generation__pb2.ServerStatsRequest.SerializeToString,
+                response_deserializer=pagoda_dot_protos_dot_generation__pb2.ServerStats.FromString,
                 _registered_method=True)
 
 
@@ -105,28 +105,28 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_generation__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_generation__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pagoda_dot_protos_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=pagoda_dot_protos_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'Chat': grpc.unary_stream_rpc_method_handler(
                     servicer.Chat,
-                    request_deserializer=protos_dot_generation__pb2.ChatRequest.FromString,
-                    response_serializer=protos_dot_generation__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pagoda_dot_protos_dot_generation__pb2.ChatRequest.FromString,
+                    response_serializer=pagoda_dot_protos_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=protos_dot_generation__pb2.TokenizeRequest.FromString,
-                    response_serializer=protos_dot_generation__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=pagoda_dot_protos_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=pagoda_dot_protos_dot_generation__pb2.TokenizeResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=protos_dot_generation__pb2.ModelInfoRequest.FromString,
-                    response_serializer=protos_dot_generation__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=pagoda_dot_protos_dot_generation__pb2.ModelInfoRequest.FromString,
+                    response_serializer=pagoda_dot_protos_dot_generation__pb2.ModelInfo.SerializeToString,
             ),
             'GetServerStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerStats,
-                    request_deserializer=protos_dot_generation__pb2.ServerStatsRequest.FromString,
-                    response_serializer=protos_dot_generation__pb2.ServerStats.SerializeToString,
+                    request_deserializer=pagoda_dot_protos_dot_generation__pb2.ServerStatsRequest.FromString,
+                    response_serializer=pagoda_dot_protos_dot_generation__pb2.ServerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -154,8 +154,8 @@ class Generation:
             request,
             target,
             '/pagoda.v1.Generation/Generate',
-            protos_dot_generation__pb2.GenerateRequest.SerializeToString,
-            protos_dot_generation__pb2.GenerateResponse.FromString,
+            pagoda_dot_protos_dot_generation__pb2.GenerateRequest.SerializeToString,
+            pagoda_dot_protos_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -181,8 +181,8 @@ class Generation:
             request,
             target,
             '/pagoda.v1.Generation/Chat',
-            protos_dot_generation__pb2.ChatRequest.SerializeToString,
-            protos_dot_generation__pb2.GenerateResponse.FromString,
+            pagoda_dot_protos_dot_generation__pb2.ChatRequest.SerializeToString,
+            pagoda_dot_protos_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -208,8 +208,8 @@ class Generation:
             request,
             target,
             '/pagoda.v1.Generation/Tokenize',
-            protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
-            protos_dot_generation__pb2.TokenizeResponse.FromString,
+            pagoda_dot_protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            pagoda_dot_protos_dot_generation__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -235,8 +235,8 @@ class Generation:
             request,
             target,
             '/pagoda.v1.Generation/GetModelInfo',
-            protos_dot_generation__pb2.ModelInfoRequest.SerializeToString,
-            protos_dot_generation__pb2.ModelInfo.FromString,
+            pagoda_dot_protos_dot_generation__pb2.ModelInfoRequest.SerializeToString,
+            pagoda_dot_protos_dot_generation__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -262,8 +262,8 @@ class Generation:
             request,
             target,
             '/pagoda.v1.Generation/GetServerStats',
-            protos_dot_generation__pb2.ServerStatsRequest.SerializeToString,
-            protos_dot_generation__pb2.ServerStats.FromString,
+            pagoda_dot_protos_dot_generation__pb2.ServerStatsRequest.SerializeToString,
+            pagoda_dot_protos_dot_generation__pb2.ServerStats.FromString,
             options,
             channel_credentials,
             insecure,

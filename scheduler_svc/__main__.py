@@ -1,4 +1,4 @@
-"""`python -m scheduler_svc` / `pagoda-scheduler`: the gRPC API in front of one worker."""
+"""`python -m pagoda.scheduler_svc` / `pagoda-scheduler`: the gRPC API in front of one worker."""
 
 from __future__ import annotations
 
@@ -10,20 +10,21 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from protos import curve
-from scheduler_svc import settings
-from scheduler_svc.api import SERVICE_NAME, GenerationServicer, build_server
-from scheduler_svc.config import ConfigError
-from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.gc_tuning import tune_gc
-from scheduler_svc.metrics import Metrics
-from scheduler_svc.output_streams import OutputStreams
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.settings import ServiceConfig
-from scheduler_svc.step_loop import StepLoop
-from scheduler_svc.systemd import notify, watchdog_interval_s
-from scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
-from scheduler_svc.worker_link import WorkerLink
+from pagoda.scheduler_svc import settings
+from pagoda.scheduler_svc.api import SERVICE_NAME, GenerationServicer, build_server
+from pagoda.scheduler_svc.core.config import ConfigError
+from pagoda.scheduler_svc.core.scheduler import Scheduler
+from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
+from pagoda.scheduler_svc.gc_tuning import tune_gc
+from pagoda.scheduler_svc.metrics import Metrics
+from pagoda.scheduler_svc.output_streams import OutputStreams
+from pagoda.scheduler_svc.settings import ServiceConfig
+from pagoda.scheduler_svc.step_loop import StepLoop
+from pagoda.scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
+from pagoda.scheduler_svc.worker_link import WorkerLink
+
+from pagoda.common import curve
+from pagoda.common.systemd import notify, watchdog_interval_s
 
 log = logging.getLogger("pagoda.scheduler")
 
@@ -39,7 +40,7 @@ def resolve_tokenizer_dir(model: str) -> Path:
         return path
     spec = "default" if model == "dummy" else model
     result = subprocess.run(
-        [sys.executable, "-m", "gpu_worker.model_loader", spec],
+        [sys.executable, "-m", "pagoda.gpu_worker.model_loader", spec],
         stdout=subprocess.PIPE,
         text=True,
     )

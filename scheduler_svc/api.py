@@ -14,15 +14,19 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
-from protos import generation_pb2, generation_pb2_grpc
-from scheduler_svc.config import ConfigError
-from scheduler_svc.request import FinishReason, RequestOutput, ValidRequest
-from scheduler_svc.scheduler import QueueFullError, RequestTooLargeError
-from scheduler_svc.settings import ServiceConfig
-from scheduler_svc.step_loop import StepLoop, Unavailable
-from scheduler_svc.tokenizer import TextTokenizer
-from scheduler_svc.validation import Limits, ValidationError, validate_chat, validate_generate
+from pagoda.protos import generation_pb2, generation_pb2_grpc
+from pagoda.scheduler_svc.core.config import ConfigError
+from pagoda.scheduler_svc.core.request import FinishReason, RequestOutput, ValidRequest
+from pagoda.scheduler_svc.core.scheduler import QueueFullError, RequestTooLargeError
+from pagoda.scheduler_svc.settings import ServiceConfig
+from pagoda.scheduler_svc.step_loop import StepLoop, Unavailable
+from pagoda.scheduler_svc.tokenizer import TextTokenizer
+from pagoda.scheduler_svc.validation import (
+    Limits,
+    ValidationError,
+    validate_chat,
+    validate_generate,
+)
 
 log = logging.getLogger("pagoda.api")
 

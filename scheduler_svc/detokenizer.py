@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import codecs
 
-from scheduler_svc.tokenizer import TextTokenizer
+from pagoda.scheduler_svc.tokenizer import TextTokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 # whole_texts while no text may be looked up: every index is beyond it.

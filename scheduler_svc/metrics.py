@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pagoda.scheduler_svc.core.request import RequestOutput
+from pagoda.scheduler_svc.core.scheduler import SchedulerStats
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-
-from scheduler_svc.request import RequestOutput
-from scheduler_svc.scheduler import SchedulerStats
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 STEP_BUCKETS_S = (

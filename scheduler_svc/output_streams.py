@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from scheduler_svc.request import RequestOutput, TokenLogprob
-from scheduler_svc.step_events import StepEvents
+from pagoda.scheduler_svc.core.request import RequestOutput, TokenLogprob
+from pagoda.scheduler_svc.core.step_events import StepEvents
 
 
 @dataclass(slots=True)

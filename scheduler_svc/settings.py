@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scheduler_svc.config import ConfigError, SchedulerConfig
+from pagoda.scheduler_svc.core.config import ConfigError, SchedulerConfig
 
 ENV_PREFIX = "PAGODA_"
 
@@ -108,7 +108,7 @@ HELP: dict[str, str] = {
     "tls_cert": "PEM certificate chain for gRPC TLS (with --tls-key)",
     "tls_key": "PEM private key for gRPC TLS (with --tls-cert)",
     "zmq_curve_secret_key": "this scheduler's CurveZMQ .key_secret file: encrypts the "
-    "worker link and admits only authorized workers (see python -m protos.curve)",
+    "worker link and admits only authorized workers (see python -m pagoda.common.curve)",
     "zmq_curve_authorized_keys": "directory of the workers' CurveZMQ public .key files",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "max_num_batched_tokens": "tokens (prefill + decode) in one step",

@@ -6,9 +6,9 @@ column-wise, so encoding is a handful of list copies whatever the batch size.
 
 from __future__ import annotations
 
-from protos import step_pb2
-from scheduler_svc.request import ValidSampling
-from scheduler_svc.scheduler import StepDecision, StepOutcome, WorkerGeometry
+from pagoda.protos import step_pb2
+from pagoda.scheduler_svc.core.request import ValidSampling
+from pagoda.scheduler_svc.core.scheduler import StepDecision, StepOutcome, WorkerGeometry
 
 
 def _sampling_to_proto(sampling: ValidSampling) -> step_pb2.SamplingParams:

@@ -13,12 +13,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler_svc import step_codec
-from scheduler_svc.metrics import Metrics
-from scheduler_svc.output_streams import OutputSlot, OutputStreams
-from scheduler_svc.request import FinishReason, RequestOutput, ValidRequest
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.worker_link import WorkerInfo, WorkerLink, WorkerLost
+from pagoda.scheduler_svc import step_codec
+from pagoda.scheduler_svc.core.request import FinishReason, RequestOutput, ValidRequest
+from pagoda.scheduler_svc.core.scheduler import Scheduler
+from pagoda.scheduler_svc.metrics import Metrics
+from pagoda.scheduler_svc.output_streams import OutputSlot, OutputStreams
+from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLink, WorkerLost
 
 log = logging.getLogger("pagoda.step_loop")
 

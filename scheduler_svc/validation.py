@@ -11,8 +11,8 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-from scheduler_svc.request import ValidRequest, ValidSampling, ValidStopping
-from scheduler_svc.tokenizer import TextTokenizer
+from pagoda.scheduler_svc.core.request import ValidRequest, ValidSampling, ValidStopping
+from pagoda.scheduler_svc.tokenizer import TextTokenizer
 
 MAX_REQUEST_ID_BYTES = 128
 MAX_STOP_TOKEN_IDS = 64

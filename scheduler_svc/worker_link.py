@@ -18,9 +18,10 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
+from pagoda.protos import step_pb2
 from zmq.utils.monitor import parse_monitor_message
 
-from protos import curve, step_pb2, transport, wire
+from pagoda.common import curve, transport, wire
 
 log = logging.getLogger("pagoda.worker_link")
 

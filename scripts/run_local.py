@@ -68,14 +68,16 @@ def main() -> int:
     endpoint = f"ipc://{runtime_dir}/worker.sock"
     scheduler_model = "default" if args.model == "dummy" else args.model
     # The worker converts the default model on first use; the scheduler reads the result.
-    resolve = subprocess.run([sys.executable, "-m", "gpu_worker.model_loader", scheduler_model])
+    resolve = subprocess.run(
+        [sys.executable, "-m", "pagoda.gpu_worker.model_loader", scheduler_model]
+    )
     if resolve.returncode != 0:
         return resolve.returncode
     worker = subprocess.Popen(
         [
             sys.executable,
             "-m",
-            "gpu_worker",
+            "pagoda.gpu_worker",
             "--zmq-endpoint",
             endpoint,
             "--model",
@@ -86,7 +88,7 @@ def main() -> int:
     )
     scheduler = subprocess.Popen(
         [
-            sys.executable, "-m", "scheduler_svc",
+            sys.executable, "-m", "pagoda.scheduler_svc",
             "--grpc-address", args.grpc_address,
             "--zmq-endpoint", endpoint,
             "--model", scheduler_model,

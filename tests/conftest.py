@@ -137,7 +137,7 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The real default model (SmolLM2-135M-Instruct), converted once into the user cache."""
-    from gpu_worker.model_loader import resolve_model_dir
+    from pagoda.gpu_worker.model_loader import resolve_model_dir
 
     resolved = resolve_model_dir("default")
     assert resolved.path is not None

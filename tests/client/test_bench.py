@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from client.bench import BenchConfig, format_report_table, run_bench
-from client.bench_report import LatencySummary, RequestResult, percentile, summarize
-from client.bench_workload import FILLER_WORDS, arrival_offsets_s, build_prompts, filler_text
-from client.results import Timings, Usage
+from pagoda.client.bench import BenchConfig, format_report_table, run_bench
+from pagoda.client.bench_report import LatencySummary, RequestResult, percentile, summarize
+from pagoda.client.bench_workload import FILLER_WORDS, arrival_offsets_s, build_prompts, filler_text
+from pagoda.client.results import Timings, Usage
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -213,7 +212,7 @@ def test_format_report_table_puts_runs_side_by_side(make_server):
 
 def run_bench_cli(*args: str):
     return subprocess.run(
-        [sys.executable, "-m", "client", "bench", *args],
+        [sys.executable, "-m", "pagoda.client", "bench", *args],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,

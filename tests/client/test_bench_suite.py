@@ -8,18 +8,18 @@ from __future__ import annotations
 import json
 
 import pytest
+from pagoda.client.bench_config import BenchConfig
+from pagoda.client.bench_report import format_report_table, summarize
 
-from client.bench_config import BenchConfig
-from client.bench_peers import (
+from benchmarks.peers import (
     PeerRun,
     _completion_length,
     make_step_timer,
     request_result_from_token_times,
 )
-from client.bench_report import format_report_table, summarize
-from client.bench_scenarios import PEERS, build_peer_workloads, build_scenarios
-from client.bench_suite import main, parse_args, select, target_columns
-from client.bench_suite_report import SuiteResults, compare_variants, peer_verdict, relative_change
+from benchmarks.scenarios import PEERS, build_peer_workloads, build_scenarios
+from benchmarks.suite import main, parse_args, select, target_columns
+from benchmarks.suite_report import SuiteResults, compare_variants, peer_verdict, relative_change
 
 # -- scenarios ------------------------------------------------------------------------------
 
@@ -41,7 +41,7 @@ def test_scenarios_are_well_formed(quick):
 
 
 def test_every_scenario_flag_is_a_valid_scheduler_setting():
-    from scheduler_svc import settings
+    from pagoda.scheduler_svc import settings
 
     for scenario in build_scenarios():
         for variant in scenario.variants:

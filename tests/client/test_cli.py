@@ -1,4 +1,4 @@
-"""`python -m client ...` as a subprocess against the fake server."""
+"""`python -m pagoda.client ...` as a subprocess against the fake server."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def cli_env(target: str | None = None) -> dict[str, str]:
 
 def run_cli(*args: str, stdin: str = "", target: str | None = None):
     return subprocess.run(
-        [sys.executable, "-m", "client", *args],
+        [sys.executable, "-m", "pagoda.client", *args],
         input=stdin,
         capture_output=True,
         text=True,
@@ -149,7 +149,7 @@ def test_api_key_file(auth_server, tmp_path):
 
 def test_ctrl_c_cancels_the_stream_and_exits_130(fake_server):
     process = subprocess.Popen(
-        [sys.executable, "-m", "client", "generate", "hang", "--request-id", "cli-sigint"],
+        [sys.executable, "-m", "pagoda.client", "generate", "hang", "--request-id", "cli-sigint"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -6,8 +6,7 @@ import dataclasses
 
 import grpc
 import pytest
-
-from client.convert import (
+from pagoda.client.convert import (
     chat_request,
     chunk_from_response,
     generate_request,
@@ -15,9 +14,9 @@ from client.convert import (
     server_stats_from_proto,
     tokenize_request,
 )
-from client.errors import InvalidArgumentError
-from client.results import Chunk, TokenLogprob, Usage, join_chunks
-from protos import generation_pb2 as pb
+from pagoda.client.errors import InvalidArgumentError
+from pagoda.client.results import Chunk, TokenLogprob, Usage, join_chunks
+from pagoda.protos import generation_pb2 as pb
 
 ALL_OPTIONS = dict(
     temperature=0.5,

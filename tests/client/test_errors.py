@@ -6,9 +6,8 @@ import asyncio
 
 import grpc
 import pytest
-
-from client import AsyncClient, Client
-from client.errors import (
+from pagoda.client import AsyncClient, Client
+from pagoda.client.errors import (
     DeadlineExceededError,
     InternalError,
     InvalidArgumentError,

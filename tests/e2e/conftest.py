@@ -16,8 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from protos import generation_pb2, generation_pb2_grpc
+from pagoda.protos import generation_pb2, generation_pb2_grpc
 
 READY_TIMEOUT_S = 120
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +54,7 @@ class Service:
             [
                 sys.executable,
                 "-m",
-                "gpu_worker",
+                "pagoda.gpu_worker",
                 "--zmq-endpoint",
                 self.endpoint,
                 *self.worker_args,
@@ -158,7 +157,7 @@ def running_service(
             [
                 sys.executable,
                 "-m",
-                "scheduler_svc",
+                "pagoda.scheduler_svc",
                 "--grpc-address",
                 address,
                 "--zmq-endpoint",

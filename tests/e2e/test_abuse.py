@@ -9,8 +9,9 @@ import signal
 import grpc
 import pytest
 import zmq
+from pagoda.protos import generation_pb2, generation_pb2_grpc, step_pb2
 
-from protos import generation_pb2, generation_pb2_grpc, step_pb2, wire
+from pagoda.common import dummy_tokens, wire
 from tests.e2e.conftest import running_service, wait_serving, wait_until
 from tests.e2e.test_dummy_service import dummy_continuation, many_streams, prompts, request
 
@@ -170,7 +171,7 @@ def test_random_frames_at_a_worker(tmp_path):
     router.setsockopt(zmq.RCVHWM, 0)
     router.bind(endpoint)
     worker = subprocess.Popen(
-        [sys.executable, "-m", "gpu_worker", "--model", "dummy", "--zmq-endpoint", endpoint]
+        [sys.executable, "-m", "pagoda.gpu_worker", "--model", "dummy", "--zmq-endpoint", endpoint]
     )
     try:
         assert router.poll(60_000), "no hello from the worker"
@@ -206,7 +207,7 @@ def test_random_frames_at_a_worker(tmp_path):
             return None
 
         result = wait_until(our_result, 60, "the worker to answer the real plan after the fuzz")
-        assert list(result.token_ids) == [wire.dummy_next_token(7, 2, 49152)]
+        assert list(result.token_ids) == [dummy_tokens.dummy_next_token(7, 2, 49152)]
         assert worker.poll() is None
     finally:
         worker.send_signal(signal.SIGTERM)

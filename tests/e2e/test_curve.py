@@ -9,8 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from pagoda.protos import generation_pb2
 
-from protos import curve, generation_pb2
+from pagoda.common import curve
 from tests.e2e.conftest import REPO_ROOT, running_service, stop_process, wait_until
 from tests.e2e.test_dummy_service import dummy_continuation, many_streams, prompts
 
@@ -64,7 +65,7 @@ def test_authorized_worker_serves_and_an_unknown_key_is_refused(tmp_path, keys):
         assert_serves_exactly(service)
         incarnation = service.stats().worker_incarnation_id
         intruder = subprocess.Popen(
-            [sys.executable, "-m", "gpu_worker", "--model", "dummy",
+            [sys.executable, "-m", "pagoda.gpu_worker", "--model", "dummy",
              "--zmq-endpoint", service.endpoint, *worker_curve_args(directory, "intruder")],
             cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
@@ -84,7 +85,7 @@ def test_authorized_worker_serves_and_an_unknown_key_is_refused(tmp_path, keys):
 def test_bad_curve_settings_stop_both_processes_with_a_sentence(tmp_path, keys):
     directory, authorized = keys
     scheduler = subprocess.run(
-        [sys.executable, "-m", "scheduler_svc", "--zmq-endpoint", f"ipc://{tmp_path}/s.sock",
+        [sys.executable, "-m", "pagoda.scheduler_svc", "--zmq-endpoint", f"ipc://{tmp_path}/s.sock",
          "--zmq-curve-secret-key", str(directory / "scheduler.key"),
          "--zmq-curve-authorized-keys", str(authorized)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
@@ -92,7 +93,7 @@ def test_bad_curve_settings_stop_both_processes_with_a_sentence(tmp_path, keys):
     assert scheduler.returncode == 2
     assert "holds no secret key" in scheduler.stderr
     half = subprocess.run(
-        [sys.executable, "-m", "gpu_worker", "--model", "dummy",
+        [sys.executable, "-m", "pagoda.gpu_worker", "--model", "dummy",
          "--zmq-curve-secret-key", str(directory / "worker.key_secret")],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -6,8 +6,9 @@ import asyncio
 
 import grpc
 import pytest
+from pagoda.protos import generation_pb2, generation_pb2_grpc
 
-from protos import generation_pb2, generation_pb2_grpc, wire
+from pagoda.common import dummy_tokens
 from tests.e2e.conftest import running_service, stop_process, wait_serving, wait_until
 
 pytestmark = pytest.mark.slow
@@ -19,7 +20,7 @@ def dummy_continuation(prompt_ids: list[int], num_tokens: int) -> list[int]:
     """What the dummy worker generates after `prompt_ids`, token by token."""
     tokens = list(prompt_ids)
     for _ in range(num_tokens):
-        tokens.append(wire.dummy_next_token(tokens[-1], len(tokens) - 1, VOCAB_SIZE))
+        tokens.append(dummy_tokens.dummy_next_token(tokens[-1], len(tokens) - 1, VOCAB_SIZE))
     return tokens[len(prompt_ids) :]
 
 

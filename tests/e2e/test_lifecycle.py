@@ -11,8 +11,8 @@ import sys
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pagoda.protos import generation_pb2, generation_pb2_grpc
 
-from protos import generation_pb2, generation_pb2_grpc
 from tests.e2e.conftest import REPO_ROOT, free_port, running_service, stop_process, wait_until
 from tests.e2e.test_dummy_service import dummy_continuation, prompts, request, stream_tokens
 
@@ -75,7 +75,7 @@ def test_health_follows_the_worker(tmp_path):
     address = f"127.0.0.1:{free_port()}"
     log_file = open(tmp_path / "scheduler.log", "w")  # noqa: SIM115 (closed below)
     scheduler = subprocess.Popen(
-        [sys.executable, "-m", "scheduler_svc", "--grpc-address", address,
+        [sys.executable, "-m", "pagoda.scheduler_svc", "--grpc-address", address,
          "--zmq-endpoint", endpoint, "--worker-grace-s", "60"],
         cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT,
     )  # fmt: skip
@@ -83,7 +83,7 @@ def test_health_follows_the_worker(tmp_path):
     try:
         assert wait_until(lambda: health(address), 60, "the health service") == NOT_SERVING
         worker = subprocess.Popen(
-            [sys.executable, "-m", "gpu_worker", "--model", "dummy", "--zmq-endpoint", endpoint],
+            [sys.executable, "-m", "pagoda.gpu_worker", "--model", "dummy", "--zmq-endpoint", endpoint],
             cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         wait_until(lambda: health(address) == SERVING, 60, "SERVING once a worker said hello")

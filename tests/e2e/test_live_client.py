@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from pagoda.client.async_client import AsyncClient
+from pagoda.client.sync_client import Client
 
-from client.async_client import AsyncClient
-from client.sync_client import Client
 from tests.e2e.conftest import REPO_ROOT, running_service, wait_until
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def service(tmp_path_factory):
 
 def pagoda(service, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "client", "--target", service.address, *args],
+        [sys.executable, "-m", "pagoda.client", "--target", service.address, *args],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,

@@ -10,8 +10,8 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pagoda.protos import generation_pb2, generation_pb2_grpc
 
-from protos import generation_pb2, generation_pb2_grpc
 from tests.e2e.conftest import free_port, running_service, wait_until
 from tests.e2e.test_dummy_service import request
 
@@ -115,7 +115,7 @@ def test_tls_serves_clients_that_trust_the_certificate(tmp_path):
 
 def test_print_config_shows_values_and_sources():
     result = subprocess.run(
-        [sys.executable, "-m", "scheduler_svc", "--print-config", "--admission-policy", "pack"],
+        [sys.executable, "-m", "pagoda.scheduler_svc", "--print-config", "--admission-policy", "pack"],
         capture_output=True, text=True, env={"PAGODA_MAX_ACTIVE_REQUESTS": "12", "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -128,7 +128,7 @@ def test_print_config_shows_values_and_sources():
 
 def test_bad_configuration_stops_with_a_sentence():
     result = subprocess.run(
-        [sys.executable, "-m", "scheduler_svc", "--max-num-batched-tokens", "0"],
+        [sys.executable, "-m", "pagoda.scheduler_svc", "--max-num-batched-tokens", "0"],
         capture_output=True,
         text=True,
     )

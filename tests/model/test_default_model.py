@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 import pytest
-
-from gpu_worker.model_loader import ModelNotFoundError, load_model, resolve_model_dir
+from pagoda.gpu_worker.model_loader import ModelNotFoundError, load_model, resolve_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +58,7 @@ def test_greedy_chat_knows_the_capital_of_france(default_model, default_tokenize
 
 def test_loader_cli_prints_the_directory(default_model_dir):
     result = subprocess.run(
-        [sys.executable, "-m", "gpu_worker.model_loader", "default", "--no-provision"],
+        [sys.executable, "-m", "pagoda.gpu_worker.model_loader", "default", "--no-provision"],
         capture_output=True,
         text=True,
         check=True,

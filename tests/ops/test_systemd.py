@@ -71,7 +71,7 @@ def test_services_notify_ready_watchdog_and_stopping(tmp_path):
         [
             sys.executable,
             "-m",
-            "scheduler_svc",
+            "pagoda.scheduler_svc",
             "--grpc-address",
             address,
             "--zmq-endpoint",
@@ -81,7 +81,7 @@ def test_services_notify_ready_watchdog_and_stopping(tmp_path):
         cwd=REPO_ROOT,
     )
     worker = subprocess.Popen(
-        [sys.executable, "-m", "gpu_worker", "--model", "dummy", "--zmq-endpoint", endpoint],
+        [sys.executable, "-m", "pagoda.gpu_worker", "--model", "dummy", "--zmq-endpoint", endpoint],
         env=dict(os.environ, NOTIFY_SOCKET=str(worker_notify.path), WATCHDOG_USEC="2000000"),
         cwd=REPO_ROOT,
     )

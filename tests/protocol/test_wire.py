@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from pagoda.protos import step_pb2
 
-from protos import step_pb2, wire
+from pagoda.common import dummy_tokens, wire
 
 
 def _hello() -> step_pb2.Hello:
@@ -100,4 +101,6 @@ def test_malformed_frames_raise_frame_error(frames, match):
 
 
 def test_dummy_tokens_stay_in_the_vocabulary():
-    assert all(0 <= wire.dummy_next_token(t, p, 512) < 512 for t in range(600) for p in (0, 9))
+    assert all(
+        0 <= dummy_tokens.dummy_next_token(t, p, 512) < 512 for t in range(600) for p in (0, 9)
+    )

@@ -7,11 +7,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from protos import step_pb2, wire
-from protos.wire import dummy_next_token
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.fake_worker import FakeWorker
-from scheduler_svc.request import (
+from pagoda.protos import step_pb2
+from pagoda.scheduler_svc.core.config import SchedulerConfig
+from pagoda.scheduler_svc.core.request import (
     FinishReason,
     RequestOutput,
     RequestState,
@@ -19,8 +17,12 @@ from scheduler_svc.request import (
     ValidSampling,
     ValidStopping,
 )
-from scheduler_svc.scheduler import Scheduler, StepDecision, WorkerGeometry
-from scheduler_svc.step_decision import StepOutcome
+from pagoda.scheduler_svc.core.scheduler import Scheduler, StepDecision, WorkerGeometry
+from pagoda.scheduler_svc.core.step_decision import StepOutcome
+from pagoda.scheduler_svc.testing import FakeWorker
+
+from pagoda.common import wire
+from pagoda.common.dummy_tokens import dummy_next_token
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 

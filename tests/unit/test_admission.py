@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_svc.admission import (
+from pagoda.scheduler_svc.core.admission import (
     Admission,
     AdmissionBudget,
     WaitingCost,

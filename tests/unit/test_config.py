@@ -1,8 +1,7 @@
 from __future__ import annotations
 
 import pytest
-
-from scheduler_svc.config import ConfigError, SchedulerConfig
+from pagoda.scheduler_svc.core.config import ConfigError, SchedulerConfig
 
 
 def test_the_defaults_are_valid():

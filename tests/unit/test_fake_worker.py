@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from pagoda.scheduler_svc.core.scheduler import NewSequenceSpec, StepDecision
+from pagoda.scheduler_svc.testing import FakeWorker, PlanError
 
-from protos.wire import dummy_next_token
-from scheduler_svc.fake_worker import FakeWorker, PlanError
-from scheduler_svc.scheduler import NewSequenceSpec, StepDecision
+from pagoda.common.dummy_tokens import dummy_next_token
 from tests.unit.conftest import make_geometry, make_sampling
 
 

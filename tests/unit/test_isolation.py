@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from scheduler_svc.fake_worker import FakeWorker
-from scheduler_svc.request import FinishReason
+from pagoda.scheduler_svc.core.request import FinishReason
+from pagoda.scheduler_svc.testing import FakeWorker
+
 from tests.unit.conftest import (
     Stream,
     check_invariants,

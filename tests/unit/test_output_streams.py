@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from scheduler_svc.output_streams import OutputStreams
-from scheduler_svc.request import FinishReason, RequestOutput, TokenLogprob
-from scheduler_svc.step_events import StepEvents
+from pagoda.scheduler_svc.core.request import FinishReason, RequestOutput, TokenLogprob
+from pagoda.scheduler_svc.core.step_events import StepEvents
+from pagoda.scheduler_svc.output_streams import OutputStreams
 
 
 def out(text, ids, finish=None, logprobs=None):

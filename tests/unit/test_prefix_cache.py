@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from scheduler_svc.block_allocator import BlockAllocator
-from scheduler_svc.prefix_cache import PrefixCache, extend_block_hashes
-from scheduler_svc.request import token_array
+from pagoda.scheduler_svc.core.block_allocator import BlockAllocator
+from pagoda.scheduler_svc.core.prefix_cache import PrefixCache, extend_block_hashes
+from pagoda.scheduler_svc.core.request import token_array
 
 
 def hashes(token_ids: list[int], block_size: int = 2) -> list[int]:

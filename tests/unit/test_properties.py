@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from pagoda.scheduler_svc.core.request import FinishReason, ValidRequest
+from pagoda.scheduler_svc.core.scheduler import Scheduler, WorkerGeometry
+from pagoda.scheduler_svc.testing import FakeWorker
 
-from scheduler_svc.fake_worker import FakeWorker
-from scheduler_svc.request import FinishReason, ValidRequest
-from scheduler_svc.scheduler import Scheduler, WorkerGeometry
 from tests.unit.conftest import (
     Stream,
     caps_violated,

@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
-
-from scheduler_svc.fake_worker import FakeWorker
-from scheduler_svc.request import FinishReason, RequestState
-from scheduler_svc.scheduler import (
+from pagoda.scheduler_svc.core.request import FinishReason, RequestState
+from pagoda.scheduler_svc.core.scheduler import (
     DuplicateRequestError,
     QueueFullError,
     RequestTooLargeError,
     StepDecision,
 )
+from pagoda.scheduler_svc.testing import FakeWorker
+
 from tests.unit.conftest import (
     Stream,
     check_invariants,

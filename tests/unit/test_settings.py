@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from scheduler_svc import settings
-from scheduler_svc.config import ConfigError
+from pagoda.scheduler_svc import settings
+from pagoda.scheduler_svc.core.config import ConfigError
 
 
 def load(argv=(), environ=None):

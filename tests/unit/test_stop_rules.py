@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from scheduler_svc.generation import accept_token, final_text
-from scheduler_svc.request import FinishReason, Request, token_array
-from scheduler_svc.stop_rules import (
+from pagoda.scheduler_svc.core.generation import accept_token, final_text
+from pagoda.scheduler_svc.core.request import FinishReason, Request, token_array
+from pagoda.scheduler_svc.core.stop_rules import (
     StopStringMatcher,
     find_stop_string,
     held_back_length,
     token_verdict,
 )
+
 from tests.unit.conftest import apply_scripts, make_geometry, make_request, make_scheduler
 
 EOS = 2

@@ -7,8 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from scheduler_svc.tokenizer import ChatTemplateError, TextTokenizer, load_tokenizer
+from pagoda.scheduler_svc.tokenizer import ChatTemplateError, TextTokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import pytest
-
-from protos import generation_pb2 as pb
-from scheduler_svc.tokenizer import load_tokenizer
-from scheduler_svc.validation import Limits, ValidationError, validate_chat, validate_generate
+from pagoda.protos import generation_pb2 as pb
+from pagoda.scheduler_svc.tokenizer import load_tokenizer
+from pagoda.scheduler_svc.validation import (
+    Limits,
+    ValidationError,
+    validate_chat,
+    validate_generate,
+)
 
 LIMITS = Limits(
     max_context_tokens=100,

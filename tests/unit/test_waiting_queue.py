@@ -3,8 +3,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
-from scheduler_svc.waiting_queue import WaitingQueue
+from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
 
 
 def named(name: str, priority: int = 0):

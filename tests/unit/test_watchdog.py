@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from scheduler_svc import __main__ as scheduler_main
+from pagoda.scheduler_svc import __main__ as scheduler_main
 
 
 def test_keepalives_stop_while_the_step_loop_is_stuck(monkeypatch):

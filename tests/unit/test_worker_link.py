@@ -13,9 +13,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import zmq
+from pagoda.scheduler_svc.worker_link import WorkerLink
 
-from protos import wire
-from scheduler_svc.worker_link import WorkerLink
+from pagoda.common import wire
 from tests.unit.conftest import make_hello
 
 DEADLINE_S = 10.0

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from protos import step_pb2
+from pagoda.protos import step_pb2
+
 from tests.worker.conftest import TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, random_prompts
 from tests.worker.toy_scheduler import ToyScheduler
 

@@ -7,14 +7,13 @@ from collections import Counter
 
 import pytest
 import torch
+from pagoda.gpu_worker.sampler import SampleRow, apply_penalties, sample, seeded_uniform
+from pagoda.gpu_worker.sequence_table import SamplingParams
 from transformers import (
     RepetitionPenaltyLogitsProcessor,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-
-from gpu_worker.sampler import SampleRow, apply_penalties, sample, seeded_uniform
-from gpu_worker.sequence_table import SamplingParams
 
 VOCAB = 64
 

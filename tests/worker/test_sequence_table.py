@@ -7,11 +7,11 @@ import subprocess
 import sys
 
 import pytest
+from pagoda.gpu_worker.dummy_engine import DUMMY_VOCAB_SIZE, DummyEngine
+from pagoda.gpu_worker.sequence_table import PlanError, SequenceTable
+from pagoda.protos import step_pb2
 
-from gpu_worker.dummy_engine import DUMMY_VOCAB_SIZE, DummyEngine
-from gpu_worker.sequence_table import PlanError, SequenceTable
-from protos import step_pb2
-from protos.wire import dummy_next_token
+from pagoda.common.dummy_tokens import dummy_next_token
 
 
 def make_table(**overrides) -> SequenceTable:
@@ -143,7 +143,7 @@ def test_dummy_engine_fault_injection_and_malformed_plans_become_step_errors():
 
 def test_dummy_worker_modules_do_not_import_torch():
     code = (
-        "import sys, gpu_worker.__main__, gpu_worker.dummy_engine, gpu_worker.server; "
+        "import sys, pagoda.gpu_worker.__main__, pagoda.gpu_worker.dummy_engine, pagoda.gpu_worker.server; "
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

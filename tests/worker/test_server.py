@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import zmq
+from pagoda.gpu_worker.dummy_engine import DUMMY_VOCAB_SIZE
+from pagoda.gpu_worker.server import prepare_endpoint
+from pagoda.protos import step_pb2
 
-from gpu_worker.dummy_engine import DUMMY_VOCAB_SIZE
-from gpu_worker.server import prepare_endpoint
-from protos import step_pb2, wire
-from protos.wire import dummy_next_token
+from pagoda.common import wire
+from pagoda.common.dummy_tokens import dummy_next_token
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 120.0  # importing torch + transformers on a slow CI machine
@@ -69,7 +70,7 @@ class WorkerProcess:
     def __init__(self, args: list[str], log_file) -> None:
         self.log_path = Path(log_file.name)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gpu_worker", "--log-level", "DEBUG", *args],
+            [sys.executable, "-m", "pagoda.gpu_worker", "--log-level", "DEBUG", *args],
             cwd=REPO_ROOT,
             stdout=log_file,  # a file, not a pipe: a full pipe would block the worker
             stderr=subprocess.STDOUT,

@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protos import step_pb2
+from pagoda.protos import step_pb2
 
 
 @dataclass

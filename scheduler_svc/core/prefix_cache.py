@@ -18,7 +18,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 
-from scheduler_svc.block_allocator import BlockAllocator
+from pagoda.scheduler_svc.core.block_allocator import BlockAllocator
 
 ROOT_HASH = 0x5061676F6461  # parent of a sequence's first block
 

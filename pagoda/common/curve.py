@@ -6,7 +6,7 @@ in its authorized-keys directory (checked by its ZAP handler). Each worker is a 
 client that knows the scheduler's public key, so it never talks to an impostor. Keys are
 ZeroMQ certificate files: `NAME.key` (public, safe to copy) and `NAME.key_secret`.
 
-    python -m protos.curve DIR NAME     # writes DIR/NAME.key and DIR/NAME.key_secret (0600)
+    python -m pagoda.common.curve DIR NAME     # writes DIR/NAME.key and DIR/NAME.key_secret (0600)
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _load(path: str | Path) -> tuple[bytes, bytes | None]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m protos.curve", description="Write a CurveZMQ key pair for Pagoda."
+        prog="python -m pagoda.common.curve", description="Write a CurveZMQ key pair for Pagoda."
     )
     parser.add_argument("directory", type=Path, help="where to write the two files")
     parser.add_argument("name", help="file stem, e.g. scheduler or worker-1")

@@ -1,6 +1,6 @@
 """Framing of the step protocol: a one-byte kind frame, then the protobuf bytes.
 
-Shared by scheduler_svc.worker_link and gpu_worker.server so both sides agree on
+Shared by pagoda.scheduler_svc.worker_link and pagoda.gpu_worker.server so both sides agree on
 the kinds and the version by construction. Never pickle.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from google.protobuf.message import DecodeError, Message
 
-from protos import step_pb2
+from pagoda.protos import step_pb2
 
 PROTOCOL_VERSION = 1
 
@@ -51,13 +51,3 @@ def decode(frames: list[bytes]) -> Message:
     except DecodeError as exc:
         raise FrameError(f"undecodable {message.DESCRIPTOR.name}: {exc}") from exc
     return message
-
-
-def dummy_next_token(last_token_id: int, last_position: int, vocab_size: int) -> int:
-    """The token the weightless `--model dummy` worker samples after a fed token.
-
-    A pure function of the sequence's last token and its position, so the in-process
-    fake worker of the scheduler tests and the real dummy worker agree, and a
-    preempted sequence recomputes to the same output.
-    """
-    return (last_token_id * 31 + last_position * 17 + 7) % vocab_size

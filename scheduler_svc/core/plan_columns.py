@@ -6,10 +6,10 @@ now: the step in flight counts as computed (a failed step requeues its sequences
 
 from __future__ import annotations
 
-from scheduler_svc.prefix_cache import extend_block_hashes
-from scheduler_svc.request import Request
-from scheduler_svc.sequence_state import SequenceState
-from scheduler_svc.step_decision import StepDecision
+from pagoda.scheduler_svc.core.prefix_cache import extend_block_hashes
+from pagoda.scheduler_svc.core.request import Request
+from pagoda.scheduler_svc.core.sequence_state import SequenceState
+from pagoda.scheduler_svc.core.step_decision import StepDecision
 
 
 def feed(state: SequenceState, decision: StepDecision, request: Request, num_tokens: int) -> None:

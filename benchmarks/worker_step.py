@@ -1,7 +1,7 @@
 """Worker micro-benchmark: the paged engine next to transformers' own forward with its
 DynamicCache, on the same shapes, in the same run.
 
-  .venv/bin/python -m gpu_worker.bench [--model default] [--write-docs docs/benchmarks.md]
+  .venv/bin/python -m benchmarks.worker_step [--model default] [--write-docs docs/benchmarks.md]
 
 Cases: decode steps at batch 1/8/32/64 with 128-token contexts; prefill of 128/512/2048
 tokens; one mixed step (a 512-token chunk + 32 decodes) against the two run separately.
@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from gpu_worker.engine import PagedEngine, pick_device
-from gpu_worker.model_loader import load_model, resolve_model_dir
-from protos import step_pb2
+from pagoda.gpu_worker.engine import PagedEngine, pick_device
+from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
+from pagoda.protos import step_pb2
 
 BLOCK_SIZE = 16
 CONTEXT_TOKENS = 128
@@ -266,7 +265,7 @@ def write_docs(path: Path, section: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m gpu_worker.bench", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.worker_step", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--model", default="default", help="model spec, as for the worker")
     parser.add_argument("--device", default="auto")
@@ -303,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_docs:
         section = (
             "## Worker\n\n"
-            f"`python -m gpu_worker.bench`, {datetime.date.today().isoformat()}: {summary}\n\n"
+            f"`python -m benchmarks.worker_step`, {datetime.date.today().isoformat()}: {summary}\n\n"
             "transformers = the same model's own forward with its `DynamicCache` (sdpa), "
             "same shapes, same run: decode as a padded `[B, 1]` batch over a 127-token cache; "
             "prefill with `logits_to_keep=1` as `generate()` does. A mixed step feeds "

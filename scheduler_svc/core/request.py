@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler_svc.detokenizer import IncrementalDetokenizer
-    from scheduler_svc.stop_rules import StopStringMatcher
+    from pagoda.scheduler_svc.core.stop_rules import StopStringMatcher
+    from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Benchmark of the scheduler core: schedule() + apply() per step, fake worker excluded.
 
-    .venv/bin/python -m scheduler_svc.bench_core [--sizes 16,64,256,1024] [--steps 300]
+    .venv/bin/python -m benchmarks.scheduler_core [--sizes 16,64,256,1024] [--steps 300]
                                                 [--gc service|python] [--tokens uniform|zipf]
 
 Steady state at N running sequences: 128-token prompts, 64-256 generated tokens
@@ -31,13 +31,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.fake_worker import FakeWorker
-from scheduler_svc.gc_tuning import tune_gc
-from scheduler_svc.request import ValidRequest, ValidSampling, ValidStopping
-from scheduler_svc.scheduler import Scheduler, WorkerGeometry
-from scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
+from pagoda.scheduler_svc.core.config import SchedulerConfig
+from pagoda.scheduler_svc.core.request import ValidRequest, ValidSampling, ValidStopping
+from pagoda.scheduler_svc.core.scheduler import Scheduler, WorkerGeometry
+from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
+from pagoda.scheduler_svc.gc_tuning import tune_gc
+from pagoda.scheduler_svc.testing import FakeWorker
+from pagoda.scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 128
@@ -70,7 +70,7 @@ class Result:
 def default_model_dir() -> Path:
     """The default model's directory, resolved in a child process as the service does."""
     found = subprocess.run(
-        [sys.executable, "-c", "from gpu_worker.model_loader import resolve_model_dir as r; "
+        [sys.executable, "-c", "from pagoda.gpu_worker.model_loader import resolve_model_dir as r; "
          "print(r('default', provision=False).path)"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip

@@ -1,15 +1,15 @@
 """`make bench`: Pagoda's scheduler knobs compared on fixed workloads, then Pagoda vs peers.
 
-    .venv/bin/python -m client.bench_suite            # everything, about 8 minutes on 2 cores
-    .venv/bin/python -m client.bench_suite --quick    # a 2-minute subset
-    .venv/bin/python -m client.bench_suite --list     # scenario and peer-workload names
-    .venv/bin/python -m client.bench_suite --only prefix-caching --no-peers --json out.json
-    BENCH_TARGET=host:port .venv/bin/python -m client.bench_suite   # an already running server
+    .venv/bin/python -m benchmarks.suite            # everything, about 8 minutes on 2 cores
+    .venv/bin/python -m benchmarks.suite --quick    # a 2-minute subset
+    .venv/bin/python -m benchmarks.suite --list     # scenario and peer-workload names
+    .venv/bin/python -m benchmarks.suite --only prefix-caching --no-peers --json out.json
+    BENCH_TARGET=host:port .venv/bin/python -m benchmarks.suite   # an already running server
 
 Without BENCH_TARGET the suite starts a worker and, per knob setting, a scheduler (see
-client.bench_suite_service), runs the load generator for every variant of every scenario and
+benchmarks.suite_service), runs the load generator for every variant of every scenario and
 the peer workloads, stops the service, then runs the `transformers` peers in this process on
-the same prompts (see client.bench_peers), so the two never compete for the cores. With
+the same prompts (see benchmarks.peers), so the two never compete for the cores. With
 BENCH_TARGET it cannot change the server's knobs: each distinct workload runs once against
 the server as it is configured, and the tables say so.
 """
@@ -25,10 +25,11 @@ import signal
 import sys
 import time
 
-from client.bench import run_bench
-from client.bench_config import BenchConfig
-from client.bench_report import BenchReport, format_report_table
-from client.bench_scenarios import (
+from pagoda.client.bench import run_bench
+from pagoda.client.bench_config import BenchConfig
+from pagoda.client.bench_report import BenchReport, format_report_table
+
+from benchmarks.scenarios import (
     PEERS,
     PeerWorkload,
     Scenario,
@@ -36,8 +37,8 @@ from client.bench_scenarios import (
     build_scenarios,
     with_target,
 )
-from client.bench_suite_report import SuiteResults, compare_variants, peer_verdict, plot_cdfs
-from client.bench_suite_service import LocalService, resolve_model_dir
+from benchmarks.suite_report import SuiteResults, compare_variants, peer_verdict, plot_cdfs
+from benchmarks.suite_service import LocalService, resolve_model_dir
 
 PAGODA = "pagoda"
 TARGET_NOTE = "server's own knobs"
@@ -45,7 +46,7 @@ TARGET_NOTE = "server's own knobs"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m client.bench_suite",
+        prog="python -m benchmarks.suite",
         description="Pagoda's benchmark suite (make bench): scheduler knobs on fixed workloads, "
         "then Pagoda vs transformers peers. BENCH_TARGET=host:port benchmarks a running "
         "server instead of starting one (its knobs then stay as they are).",
@@ -216,7 +217,7 @@ def _run_peers(
 ) -> None:
     import logging
 
-    from client.bench_peers import Peers
+    from benchmarks.peers import Peers
 
     # generate_batch warns on every call that EOS is disabled, which is what ignore_eos asks.
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)

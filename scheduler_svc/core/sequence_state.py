@@ -10,12 +10,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from scheduler_svc.block_allocator import BlockAllocator
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.prefix_cache import PrefixCache
-from scheduler_svc.request import Request, RequestState
-from scheduler_svc.step_decision import WorkerGeometry
-from scheduler_svc.waiting_queue import WaitingQueue
+from pagoda.scheduler_svc.core.block_allocator import BlockAllocator
+from pagoda.scheduler_svc.core.config import SchedulerConfig
+from pagoda.scheduler_svc.core.prefix_cache import PrefixCache
+from pagoda.scheduler_svc.core.request import Request, RequestState
+from pagoda.scheduler_svc.core.step_decision import WorkerGeometry
+from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
 
 
 class SequenceState:

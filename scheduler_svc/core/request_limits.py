@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_svc.step_decision import WorkerGeometry
+from pagoda.scheduler_svc.core.step_decision import WorkerGeometry
 
 
 class QueueFullError(Exception):

@@ -14,7 +14,7 @@ Pure functions, plus StopStringMatcher whose only state is the text it holds bac
 
 from __future__ import annotations
 
-from scheduler_svc.request import FinishReason, ValidStopping
+from pagoda.scheduler_svc.core.request import FinishReason, ValidStopping
 
 
 def stops_allowed(num_generated_tokens: int, stopping: ValidStopping) -> bool:

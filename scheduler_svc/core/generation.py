@@ -7,9 +7,9 @@ held back, a whole character) touches nothing else.
 
 from __future__ import annotations
 
-from scheduler_svc.request import FinishReason, Request, TokenLogprob
-from scheduler_svc.step_decision import StepOutcome
-from scheduler_svc.stop_rules import stops_allowed, token_verdict
+from pagoda.scheduler_svc.core.request import FinishReason, Request, TokenLogprob
+from pagoda.scheduler_svc.core.step_decision import StepOutcome
+from pagoda.scheduler_svc.core.stop_rules import stops_allowed, token_verdict
 
 _STOP, _LENGTH = FinishReason.STOP, FinishReason.LENGTH
 

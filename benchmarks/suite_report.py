@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from client.bench_report import BenchReport, LatencySummary
+from pagoda.client.bench_report import BenchReport, LatencySummary
 
 # Pagoda's target on every peer workload: completion tokens/s at least this many times the
 # best peer's.

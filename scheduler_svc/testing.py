@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protos.wire import dummy_next_token
-from scheduler_svc.step_decision import StepDecision, StepOutcome, WorkerGeometry
+from pagoda.scheduler_svc.core.step_decision import StepDecision, StepOutcome, WorkerGeometry
+
+from pagoda.common.dummy_tokens import dummy_next_token
 
 
 class PlanError(AssertionError):

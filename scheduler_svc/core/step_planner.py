@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 from operator import attrgetter
 
-from scheduler_svc.admission import (
+from pagoda.scheduler_svc.core.admission import (
     AdmissionBudget,
     LazyCosts,
     WaitingCost,
@@ -21,12 +21,12 @@ from scheduler_svc.admission import (
     prefill_cost,
     run_policy,
 )
-from scheduler_svc.plan_columns import feed, feed_decodes
-from scheduler_svc.preemption import pick_victim
-from scheduler_svc.prefix_cache import extend_block_hashes
-from scheduler_svc.request import Request, RequestState
-from scheduler_svc.sequence_state import SequenceState
-from scheduler_svc.step_decision import NewSequenceSpec, StepDecision
+from pagoda.scheduler_svc.core.plan_columns import feed, feed_decodes
+from pagoda.scheduler_svc.core.preemption import pick_victim
+from pagoda.scheduler_svc.core.prefix_cache import extend_block_hashes
+from pagoda.scheduler_svc.core.request import Request, RequestState
+from pagoda.scheduler_svc.core.sequence_state import SequenceState
+from pagoda.scheduler_svc.core.step_decision import NewSequenceSpec, StepDecision
 
 _RUNNING = RequestState.RUNNING
 _admit_order_of = attrgetter("admit_order")

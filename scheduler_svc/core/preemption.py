@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from scheduler_svc.request import Request
+from pagoda.scheduler_svc.core.request import Request
 
 
 def pick_victim(

@@ -11,10 +11,10 @@ import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.generation import accept_token, final_text, token_logprob
-from scheduler_svc.isolation import Isolation
-from scheduler_svc.request import (
+from pagoda.scheduler_svc.core.config import SchedulerConfig
+from pagoda.scheduler_svc.core.generation import accept_token, final_text, token_logprob
+from pagoda.scheduler_svc.core.isolation import Isolation
+from pagoda.scheduler_svc.core.request import (
     FinishReason,
     Request,
     RequestOutput,
@@ -23,21 +23,26 @@ from scheduler_svc.request import (
     ValidRequest,
     token_array,
 )
-from scheduler_svc.request_limits import (
+from pagoda.scheduler_svc.core.request_limits import (
     DuplicateRequestError,
     QueueFullError,
     RequestTooLargeError,
     too_large_reason,
 )
-from scheduler_svc.sequence_state import SequenceState
-from scheduler_svc.stats import SchedulerStats
-from scheduler_svc.step_decision import NewSequenceSpec, StepDecision, StepOutcome, WorkerGeometry
-from scheduler_svc.step_events import StepEvents
-from scheduler_svc.step_planner import StepPlanner
-from scheduler_svc.stop_rules import StopStringMatcher
+from pagoda.scheduler_svc.core.sequence_state import SequenceState
+from pagoda.scheduler_svc.core.stats import SchedulerStats
+from pagoda.scheduler_svc.core.step_decision import (
+    NewSequenceSpec,
+    StepDecision,
+    StepOutcome,
+    WorkerGeometry,
+)
+from pagoda.scheduler_svc.core.step_events import StepEvents
+from pagoda.scheduler_svc.core.step_planner import StepPlanner
+from pagoda.scheduler_svc.core.stop_rules import StopStringMatcher
 
 if TYPE_CHECKING:
-    from scheduler_svc.detokenizer import IncrementalDetokenizer
+    from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
 
 __all__ = [
     "DuplicateRequestError",

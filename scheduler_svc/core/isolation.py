@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from scheduler_svc.request import Request, RequestState
-from scheduler_svc.sequence_state import SequenceState
-from scheduler_svc.step_decision import StepDecision
-from scheduler_svc.step_planner import StepPlanner
-from scheduler_svc.waiting_queue import WaitingQueue
+from pagoda.scheduler_svc.core.request import Request, RequestState
+from pagoda.scheduler_svc.core.sequence_state import SequenceState
+from pagoda.scheduler_svc.core.step_decision import StepDecision
+from pagoda.scheduler_svc.core.step_planner import StepPlanner
+from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
 
 SOLO_FAILURES_TO_CONVICT = 2
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from scheduler_svc.request import RequestOutput
+from pagoda.scheduler_svc.core.request import RequestOutput
 
 
 @dataclass(slots=True)

@@ -79,7 +79,7 @@ def resolve_model_dir(model: str) -> str:
     child process as the service does, so this process imports torch only for the peers."""
     spec = "default" if model == "dummy" else model
     result = subprocess.run(
-        [sys.executable, "-m", "gpu_worker.model_loader", spec],
+        [sys.executable, "-m", "pagoda.gpu_worker.model_loader", spec],
         stdout=subprocess.PIPE,
         text=True,
         cwd=REPO_ROOT,
@@ -113,7 +113,7 @@ class LocalService:
         self.stop()
 
     def start_worker(self) -> None:
-        argv = [sys.executable, "-m", "gpu_worker", "--zmq-endpoint", self.endpoint,
+        argv = [sys.executable, "-m", "pagoda.gpu_worker", "--zmq-endpoint", self.endpoint,
                 "--model", self.worker_model, "--device", self.device]  # fmt: skip
         self.worker = self._spawn(argv, "worker")
 
@@ -127,7 +127,7 @@ class LocalService:
         stop_process(self.scheduler)
         # A fresh port each time: the old listener may linger in TIME_WAIT.
         self.address = f"127.0.0.1:{free_port()}"
-        argv = [sys.executable, "-m", "scheduler_svc", "--grpc-address", self.address,
+        argv = [sys.executable, "-m", "pagoda.scheduler_svc", "--grpc-address", self.address,
                 "--zmq-endpoint", self.endpoint, "--model", self.model_dir,
                 "--status-interval-s", "3600", *scheduler_args]  # fmt: skip
         self.scheduler = self._spawn(argv, "scheduler")

@@ -10,7 +10,7 @@ import bisect
 import itertools
 from collections.abc import Iterator
 
-from scheduler_svc.request import Request
+from pagoda.scheduler_svc.core.request import Request
 
 
 class WaitingQueue:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_svc.request import ValidSampling
+from pagoda.scheduler_svc.core.request import ValidSampling
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from client.bench_config import BenchConfig
-from client.bench_workload import filler_text
+from pagoda.client.bench_config import BenchConfig
+from pagoda.client.bench_workload import filler_text
 
 # A hard cap on any one run, so a stuck server cannot hold the suite forever.
 RUN_DURATION_CAP_S = 240.0

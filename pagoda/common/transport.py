@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import zmq
 
-from protos import wire
+from pagoda.common import wire
 
 TRANSPORT_PING_INTERVAL_MS = 1_000
 TRANSPORT_TIMEOUT_MS = 5_000
