@@ -17,9 +17,14 @@ from pagoda.scheduler_svc.tokenizer import TextTokenizer
 MAX_REQUEST_ID_BYTES = 128
 MAX_STOP_TOKEN_IDS = 64
 MAX_TEMPERATURE = 100.0
+# Below this a temperature divides logits into infinities: it means greedy (as in vLLM).
+MIN_TEMPERATURE = 1e-5
+MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
 MAX_ABS_PRESENCE_FREQUENCY = 2.0
-# Prompt text is bounded before tokenizing, so a huge string costs no tokenizer time.
+MAX_ABS_PRIORITY = 1_000_000
+MAX_CHAT_MESSAGES = 256
+# Text is bounded before tokenizing or rendering, so a huge input costs no tokenizer time.
 MAX_PROMPT_BYTES_PER_TOKEN = 32
 
 
@@ -41,12 +46,13 @@ def validate_generate(request, tokenizer: TextTokenizer, limits: Limits) -> Vali
     """A pagoda.v1.GenerateRequest -> ValidRequest."""
     which = request.WhichOneof("input")
     if which == "prompt_token_ids":
-        prompt_token_ids = list(request.prompt_token_ids.ids)
-        for token_id in prompt_token_ids:
-            if token_id >= limits.vocab_size:
-                raise ValidationError(
-                    f"prompt_token_ids contains {token_id}, beyond the vocabulary of {limits.vocab_size} tokens"
-                )
+        prompt_token_ids = request.prompt_token_ids.ids
+        _check_num_prompt_tokens(len(prompt_token_ids), limits)  # before reading any id
+        largest = max(prompt_token_ids, default=0)
+        if largest >= limits.vocab_size:
+            raise ValidationError(
+                f"prompt_token_ids contains {largest}, beyond the vocabulary of {limits.vocab_size} tokens"
+            )
     else:
         prompt = request.prompt if which == "prompt" else ""
         _check_prompt_text(prompt, limits)
@@ -58,6 +64,16 @@ def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidReq
     """A pagoda.v1.ChatRequest -> ValidRequest, rendered with the model's chat template."""
     if not request.messages:
         raise ValidationError("messages must hold at least one message")
+    if len(request.messages) > MAX_CHAT_MESSAGES:
+        raise ValidationError(
+            f"messages holds {len(request.messages)} messages; at most {MAX_CHAT_MESSAGES}"
+        )
+    num_chars = sum(len(message.content) for message in request.messages)
+    if num_chars > limits.max_context_tokens * MAX_PROMPT_BYTES_PER_TOKEN:
+        raise ValidationError(
+            f"messages hold {num_chars} characters, far beyond the context of "
+            f"{limits.max_context_tokens} tokens"
+        )
     conversation: list[tuple[str, str]] = []
     for index, message in enumerate(request.messages):
         if message.role not in tokenizer.known_roles:
@@ -76,19 +92,26 @@ def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidReq
     return _finish(request, tuple(prompt_token_ids), limits)
 
 
+def validate_tokenize_text(text: str, limits: Limits) -> None:
+    """A Tokenize text: bounded like a prompt before any tokenizer time is spent."""
+    _check_text_length("text", text, limits)
+
+
 def _check_prompt_text(prompt: str, limits: Limits) -> None:
     if not prompt:
         raise ValidationError("prompt must not be empty")
-    max_bytes = limits.max_context_tokens * MAX_PROMPT_BYTES_PER_TOKEN
-    if len(prompt) > max_bytes:
+    _check_text_length("prompt", prompt, limits)
+
+
+def _check_text_length(name: str, text: str, limits: Limits) -> None:
+    if len(text) > limits.max_context_tokens * MAX_PROMPT_BYTES_PER_TOKEN:
         raise ValidationError(
-            f"prompt of {len(prompt)} characters is far beyond the context of "
+            f"{name} of {len(text)} characters is far beyond the context of "
             f"{limits.max_context_tokens} tokens"
         )
 
 
-def _finish(request, prompt_token_ids: tuple[int, ...], limits: Limits) -> ValidRequest:
-    num_prompt_tokens = len(prompt_token_ids)
+def _check_num_prompt_tokens(num_prompt_tokens: int, limits: Limits) -> None:
     if num_prompt_tokens == 0:
         raise ValidationError("prompt must not be empty")
     if num_prompt_tokens >= limits.max_context_tokens:
@@ -96,8 +119,20 @@ def _finish(request, prompt_token_ids: tuple[int, ...], limits: Limits) -> Valid
             f"prompt has {num_prompt_tokens} tokens; the context holds {limits.max_context_tokens} "
             "including at least one generated token"
         )
+
+
+def _finish(request, prompt_token_ids: tuple[int, ...], limits: Limits) -> ValidRequest:
+    num_prompt_tokens = len(prompt_token_ids)
+    _check_num_prompt_tokens(num_prompt_tokens, limits)
     if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
         raise ValidationError(f"request_id must be at most {MAX_REQUEST_ID_BYTES} bytes")
+    if not request.request_id.isprintable():
+        # A newline in an id that is logged could forge log lines.
+        raise ValidationError("request_id must be printable (no control characters)")
+    if not -MAX_ABS_PRIORITY <= request.priority <= MAX_ABS_PRIORITY:
+        raise ValidationError(
+            f"priority must be in [-{MAX_ABS_PRIORITY}, {MAX_ABS_PRIORITY}], got {request.priority}"
+        )
     if request.logprobs > limits.max_logprobs:
         raise ValidationError(
             f"logprobs must be at most {limits.max_logprobs}, got {request.logprobs}"
@@ -123,6 +158,8 @@ def _sampling(sampling, num_logprobs: int) -> ValidSampling:
         raise ValidationError(
             f"sampling.temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature:g}"
         )
+    if temperature < MIN_TEMPERATURE:
+        temperature = 0.0
     top_p = _finite("sampling.top_p", sampling.top_p) if sampling.HasField("top_p") else 1.0
     if not 0.0 < top_p <= 1.0:
         raise ValidationError(f"sampling.top_p must be in (0, 1], got {top_p:g}")
@@ -134,9 +171,10 @@ def _sampling(sampling, num_logprobs: int) -> ValidSampling:
     repetition_penalty = 1.0
     if sampling.HasField("repetition_penalty"):
         repetition_penalty = _finite("sampling.repetition_penalty", sampling.repetition_penalty)
-    if not 0.0 < repetition_penalty <= MAX_REPETITION_PENALTY:
+    if not MIN_REPETITION_PENALTY <= repetition_penalty <= MAX_REPETITION_PENALTY:
         raise ValidationError(
-            f"sampling.repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {repetition_penalty:g}"
+            f"sampling.repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+            f"{MAX_REPETITION_PENALTY:g}], got {repetition_penalty:g}"
         )
     for name in ("presence_penalty", "frequency_penalty"):
         value = _finite(f"sampling.{name}", getattr(sampling, name))

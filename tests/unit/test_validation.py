@@ -10,6 +10,7 @@ from pagoda.scheduler_svc.validation import (
     ValidationError,
     validate_chat,
     validate_generate,
+    validate_tokenize_text,
 )
 
 LIMITS = Limits(
@@ -87,7 +88,7 @@ BAD_REQUESTS = {
     ),
     "repetition penalty 0": (
         generate(sampling=pb.SamplingParams(repetition_penalty=0.0)),
-        ["sampling.repetition_penalty", "(0, 10]"],
+        ["sampling.repetition_penalty", "[0.01, 10]"],
     ),
     "presence penalty": (
         generate(sampling=pb.SamplingParams(presence_penalty=3.0)),
@@ -168,3 +169,83 @@ def test_chat_roles_and_empty_conversations(tokenizer):
         pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")]), tokenizer, LIMITS
     )
     assert tokenizer.decode(list(valid.prompt_token_ids)).rstrip().endswith("assistant")
+
+
+# -- hardening: cheap limits first, no NaN-producing values, bounded ordering keys -----------
+
+
+class CountingTokenizer:
+    """Wraps the real tokenizer and counts the expensive calls a refusal must not reach."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.known_roles = tokenizer.known_roles
+        self.num_renders = 0
+        self.num_encodes = 0
+
+    def render_chat(self, conversation):
+        self.num_renders += 1
+        return self._tokenizer.render_chat(conversation)
+
+    def encode(self, text, add_special_tokens):
+        self.num_encodes += 1
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def test_a_temperature_too_small_to_divide_by_means_greedy(tokenizer):
+    valid = validate_generate(
+        generate(sampling=pb.SamplingParams(temperature=1e-30)), tokenizer, LIMITS
+    )
+    assert valid.sampling.temperature == 0.0
+
+
+@pytest.mark.parametrize("penalty", [1e-30, 0.001])
+def test_a_repetition_penalty_near_zero_is_refused(tokenizer, penalty):
+    request = generate(sampling=pb.SamplingParams(repetition_penalty=penalty))
+    with pytest.raises(
+        ValidationError, match=r"sampling.repetition_penalty must be in \[0.01, 10\]"
+    ):
+        validate_generate(request, tokenizer, LIMITS)
+
+
+@pytest.mark.parametrize("priority", [-(2**31), 2**31 - 1, -1_000_001])
+def test_priority_is_bounded(tokenizer, priority):
+    with pytest.raises(ValidationError, match=r"priority must be in \[-1000000, 1000000\]"):
+        validate_generate(generate(priority=priority), tokenizer, LIMITS)
+    assert (
+        validate_generate(generate(priority=-1_000_000), tokenizer, LIMITS).priority == -1_000_000
+    )
+
+
+@pytest.mark.parametrize("request_id", ["a\nforged log line", "tab\there", "bell\x07"])
+def test_request_ids_with_control_characters_are_refused(tokenizer, request_id):
+    with pytest.raises(ValidationError, match=r"request_id must be printable"):
+        validate_generate(generate(request_id=request_id), tokenizer, LIMITS)
+
+
+def test_prompt_token_ids_are_counted_before_each_id_is_checked(tokenizer):
+    ids = [5] * 400_000 + [60_000]
+    with pytest.raises(ValidationError, match=r"prompt has 400001 tokens; the context holds 100"):
+        validate_generate(generate(prompt_token_ids=pb.TokenIds(ids=ids)), tokenizer, LIMITS)
+
+
+def test_chat_refuses_too_many_messages_before_rendering(tokenizer):
+    counting = CountingTokenizer(tokenizer)
+    many = pb.ChatRequest(messages=[pb.ChatMessage(role="wizard", content="a")] * 5000)
+    with pytest.raises(ValidationError, match=r"messages holds 5000 messages; at most 256"):
+        validate_chat(many, counting, LIMITS)
+    assert (counting.num_renders, counting.num_encodes) == (0, 0)
+
+
+def test_chat_refuses_a_conversation_far_beyond_the_context_before_rendering(tokenizer):
+    counting = CountingTokenizer(tokenizer)
+    huge = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="x" * 2000)] * 2)
+    with pytest.raises(ValidationError, match=r"messages hold 4000 characters"):
+        validate_chat(huge, counting, LIMITS)
+    assert (counting.num_renders, counting.num_encodes) == (0, 0)
+
+
+def test_tokenize_text_is_bounded_by_the_context_before_tokenizing():
+    with pytest.raises(ValidationError, match=r"text of 4000 characters is far beyond the context"):
+        validate_tokenize_text("x" * 4000, LIMITS)
+    validate_tokenize_text("x" * 3200, LIMITS)  # within 32 characters per token
