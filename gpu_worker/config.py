@@ -10,12 +10,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from pathlib import Path
 
-from pagoda.scheduler_svc.settings import settings_lines
+from pagoda.common.settings import SettingError, default_zmq_endpoint, resolve, settings_lines
 
 ENV_PREFIX = "PAGODA_WORKER_"
 DEVICES = ("auto", "cpu", "cuda")
@@ -69,14 +67,6 @@ class WorkerConfig:
     @property
     def is_dummy(self) -> bool:
         return self.model == "dummy"
-
-
-def default_zmq_endpoint(environ: Mapping[str, str]) -> str:
-    """A private ipc path: under $XDG_RUNTIME_DIR when set, else /tmp/pagoda-$UID."""
-    runtime_dir = environ.get("XDG_RUNTIME_DIR")
-    if runtime_dir:
-        return f"ipc://{runtime_dir}/pagoda/worker.sock"
-    return f"ipc:///tmp/pagoda-{os.getuid()}/worker.sock"
 
 
 def _optional_int(text: str) -> int | None:
@@ -195,47 +185,35 @@ def load_config(
     TOML key exits 2 with a sentence (argparse's usage error)."""
     environ = os.environ if environ is None else environ
     parser = build_parser(environ)
+    args = parser.parse_args(argv)
     settings = _settings(parser)
-    sources = dict.fromkeys(settings, "default")
-    layered: dict[str, object] = {}
 
-    def convert(action: argparse.Action, value: object, origin: str) -> object:
+    def parse(name: str, value: object, origin: str) -> object:
+        action = settings[name]
         try:
             return action.type(str(value)) if action.type else str(value)
         except ValueError:
-            parser.error(f"{origin}: {value!r} is not a valid value for {action.dest}")
+            raise SettingError(f"{origin}: {value!r} is not a valid value for {name}") from None
 
-    config_path = parser.parse_known_args(argv)[0].config
-    if config_path:
-        try:
-            table = tomllib.loads(Path(config_path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            parser.error(f"cannot read the config file {config_path}: {exc}")
-        for key, value in table.items():
-            if key not in settings:
-                parser.error(f"unknown key {key!r} in {config_path}")
-            layered[key] = convert(settings[key], value, f"{key} in {config_path}")
-            sources[key] = f"toml {config_path}"
-    for name, action in settings.items():
-        env_name = ENV_PREFIX + name.upper()
-        if env_name in environ:
-            layered[name] = convert(action, environ[env_name], env_name)
-            sources[name] = f"env {env_name}"
-    # The layers become argparse's defaults, so explicit flags still win.
-    parser.set_defaults(**layered)
-    args = parser.parse_args(argv)
     # Which settings the command line itself gave: a parser whose defaults are all absent.
     explicit = build_parser(environ)
     for action in _settings(explicit).values():
         action.default = argparse.SUPPRESS
     given = vars(explicit.parse_args(argv)).keys() & settings.keys()
-    sources.update(dict.fromkeys(given, "flag"))
-    values = {name: getattr(args, name) for name in settings}
     try:
-        config = WorkerConfig(**values)
-    except ValueError as exc:
+        resolved = resolve(
+            {name: action.default for name, action in settings.items()},
+            flags={name: getattr(args, name) for name in given},
+            environ=environ,
+            env_prefix=ENV_PREFIX,
+            config_path=args.config,
+            from_toml=lambda name, value, path: parse(name, value, f"{name} in {path}"),
+            from_env=parse,
+        )
+        config = WorkerConfig(**resolved.values)
+    except ValueError as exc:  # SettingError, or WorkerConfig's own checks
         parser.error(str(exc))
-    return LoadedConfig(config, {n: sources[n] for n in settings}, args.print_config)
+    return LoadedConfig(config, resolved.sources, args.print_config)
 
 
 def parse_config(

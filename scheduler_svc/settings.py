@@ -1,8 +1,8 @@
 """The scheduler process's configuration: flags > environment > TOML file > defaults.
 
 Built once in __main__ into a frozen `ServiceConfig` (which embeds the scheduling
-knobs as a `SchedulerConfig`), validated, then passed down. This is the only module
-that reads os.environ.
+knobs as a `SchedulerConfig`), validated, then passed down. This is the only scheduler module that reads
+os.environ; the layering itself is pagoda.common.settings, shared with the worker.
 """
 
 from __future__ import annotations
@@ -10,30 +10,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pagoda.scheduler_svc.core.config import ConfigError, SchedulerConfig
 
+from pagoda.common.settings import (
+    DEFAULT_GRPC_ADDRESS,
+    SettingError,
+    default_zmq_endpoint,
+    resolve,
+    settings_lines,
+)
+
 ENV_PREFIX = "PAGODA_"
-
-
-def default_zmq_endpoint() -> str:
-    """A private ipc:// path: $XDG_RUNTIME_DIR/pagoda/worker.sock, else /tmp/pagoda-$UID/."""
-    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime_dir) / "pagoda" if runtime_dir else Path(f"/tmp/pagoda-{os.getuid()}")
-    return f"ipc://{base / 'worker.sock'}"
 
 
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
     """Everything the scheduler process needs besides the scheduling knobs."""
 
-    grpc_address: str = "127.0.0.1:50051"
+    grpc_address: str = DEFAULT_GRPC_ADDRESS
     zmq_endpoint: str = field(default_factory=default_zmq_endpoint)
     model: str = "default"
     metrics_address: str | None = None
@@ -198,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     defaults = _defaults()
     for name, (kind, _) in _knob_types().items():
-        flag = "--" + name.replace("_", "-")
+        flag = _flag(name)
         help_text = f"{HELP.get(name, name)} (default: {defaults[name]})"
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
@@ -221,44 +220,37 @@ def load(
     environ = dict(os.environ) if environ is None else environ
     args = vars(build_parser().parse_args(argv))
     knobs = _knob_types()
-    values = _defaults()
-    sources = dict.fromkeys(values, "default")
-
     config_path = args.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG")
-    if config_path:
-        try:
-            table = tomllib.loads(Path(config_path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read the config file {config_path}: {exc}") from None
-        for key, value in table.items():
-            if key not in knobs:
-                raise ConfigError(f"unknown key {key!r} in {config_path}")
-            values[key] = _check_toml_value(key, value, *knobs[key])
-            sources[key] = f"toml {config_path}"
-
-    for name, (kind, optional) in knobs.items():
-        env_name = ENV_PREFIX + name.upper()
-        if env_name in environ:
-            values[name] = _parse_scalar(env_name, environ[env_name], kind, optional)
-            sources[name] = f"env {env_name}"
-
     print_config = bool(args.pop("print_config", False))
-    for name, raw in args.items():
-        kind, optional = knobs[name]
-        values[name] = (
-            raw
-            if kind is bool
-            else _parse_scalar("--" + name.replace("_", "-"), raw, kind, optional)
+    flags = {
+        name: raw if knobs[name][0] is bool else _parse_scalar(_flag(name), raw, *knobs[name])
+        for name, raw in args.items()
+    }
+    try:
+        resolved = resolve(
+            _defaults(),
+            flags=flags,
+            environ=environ,
+            env_prefix=ENV_PREFIX,
+            config_path=config_path,
+            from_toml=lambda name, value, _: _check_toml_value(name, value, *knobs[name]),
+            from_env=lambda name, text, variable: _parse_scalar(variable, text, *knobs[name]),
         )
-        sources[name] = "flag"
+    except SettingError as exc:
+        raise ConfigError(str(exc)) from None
 
+    values = resolved.values
     scheduler_names = set(_field_types(SchedulerConfig))
     scheduler = SchedulerConfig(**{n: v for n, v in values.items() if n in scheduler_names})
     config = ServiceConfig(
         scheduler=scheduler, **{n: v for n, v in values.items() if n not in scheduler_names}
     )
     config.validate()
-    return Loaded(config, sources), print_config
+    return Loaded(config, resolved.sources), print_config
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def describe(loaded: Loaded) -> str:
@@ -270,21 +262,3 @@ def describe(loaded: Loaded) -> str:
         )
         values[name] = getattr(holder, name)
     return settings_lines(values, loaded.sources)
-
-
-def settings_lines(values: dict[str, Any], sources: dict[str, str]) -> str:
-    """`name = value  # source`, one line per setting, TOML-shaped so it can seed a file
-    (an unset one is a comment). Both processes' --print-config use it."""
-    lines = []
-    for name, value in values.items():
-        line = f"# {name} (unset)" if value is None else f"{name} = {_toml_literal(value)}"
-        lines.append(line.ljust(48) + f"  # {sources[name]}")
-    return "\n".join(lines)
-
-
-def _toml_literal(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return str(value)

@@ -1,0 +1,92 @@
+"""Settings layering both processes share: flags > environment > TOML file > defaults.
+
+Each process keeps its own flags, environment prefix (PAGODA_ for the scheduler,
+PAGODA_WORKER_ for the worker) and value parsing; `resolve` layers the sources the same
+way for both and records where every value came from, which `settings_lines` prints for
+--print-config. Also the default endpoints, so both ends meet without a flag.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_GRPC_ADDRESS = "127.0.0.1:50051"
+
+
+def default_zmq_endpoint(environ: Mapping[str, str] | None = None) -> str:
+    """A private ipc:// path: $XDG_RUNTIME_DIR/pagoda/worker.sock, else /tmp/pagoda-$UID/."""
+    runtime_dir = (os.environ if environ is None else environ).get("XDG_RUNTIME_DIR")
+    base = Path(runtime_dir) / "pagoda" if runtime_dir else Path(f"/tmp/pagoda-{os.getuid()}")
+    return f"ipc://{base / 'worker.sock'}"
+
+
+class SettingError(ValueError):
+    """A setting that cannot be read; the message is one sentence naming it and its source."""
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    values: dict[str, Any]  # setting name -> value, in the order of the defaults
+    sources: dict[str, str]  # setting name -> "flag", "env PREFIX_NAME", "toml FILE", "default"
+
+
+def resolve(
+    defaults: Mapping[str, Any],
+    *,
+    flags: Mapping[str, Any],
+    environ: Mapping[str, str],
+    env_prefix: str,
+    config_path: str | None,
+    from_toml: Callable[[str, Any, str], Any],
+    from_env: Callable[[str, str, str], Any],
+) -> Resolved:
+    """Layer the sources over `defaults`, whose keys are the settings.
+
+    `flags`: the settings the command line gave, already parsed. `from_toml(name, value,
+    path)` and `from_env(name, text, variable)` parse one value or raise SettingError.
+    The file's keys are the settings' names; an unknown key is an error.
+    """
+    values = dict(defaults)
+    sources = dict.fromkeys(values, "default")
+    if config_path:
+        try:
+            table = tomllib.loads(Path(config_path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SettingError(f"cannot read the config file {config_path}: {exc}") from None
+        for key, value in table.items():
+            if key not in values:
+                raise SettingError(f"unknown key {key!r} in {config_path}")
+            values[key] = from_toml(key, value, config_path)
+            sources[key] = f"toml {config_path}"
+    for name in values:
+        variable = env_prefix + name.upper()
+        if variable in environ:
+            values[name] = from_env(name, environ[variable], variable)
+            sources[name] = f"env {variable}"
+    for name, value in flags.items():
+        values[name] = value
+        sources[name] = "flag"
+    return Resolved(values, sources)
+
+
+def settings_lines(values: Mapping[str, Any], sources: Mapping[str, str]) -> str:
+    """`name = value  # source`, one line per setting, TOML-shaped so it can seed a file
+    (an unset one is a comment). Both processes' --print-config use it."""
+    lines = []
+    for name, value in values.items():
+        line = f"# {name} (unset)" if value is None else f"{name} = {_toml_literal(value)}"
+        lines.append(line.ljust(48) + f"  # {sources[name]}")
+    return "\n".join(lines)
+
+
+def _toml_literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return str(value)
