@@ -17,7 +17,6 @@ from pagoda.scheduler_svc.core.scheduler import Scheduler
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
 from pagoda.scheduler_svc.gc_tuning import tune_gc
 from pagoda.scheduler_svc.metrics import Metrics
-from pagoda.scheduler_svc.output_streams import OutputStreams
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.step_loop import StepLoop
 from pagoda.scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
@@ -72,32 +71,28 @@ async def serve(
     curve_settings: CurveSettings,
 ) -> int:
     metrics = Metrics()
-    streams = OutputStreams()
     scheduler = Scheduler(config.scheduler, lambda: IncrementalDetokenizer(tokenizer))
     health_servicer = None
     background: set[asyncio.Task] = set()
 
     def on_worker_change(attached: bool) -> None:
-        status = "SERVING" if attached and not servicer.draining else "NOT_SERVING"
+        status = "SERVING" if attached and not loop.draining else "NOT_SERVING"
         for service in ("", SERVICE_NAME):
             task = asyncio.create_task(health_servicer.set(service, _health_status(status)))
             background.add(task)
             task.add_done_callback(background.discard)
 
+    link = WorkerLink(config.zmq_endpoint, *curve_settings)
     loop = StepLoop(
         scheduler,
-        streams,
+        link,
         metrics,
         worker_timeout_s=config.worker_timeout_s,
         worker_grace_s=config.worker_grace_s,
         status_interval_s=config.status_interval_s,
         on_worker_change=on_worker_change,
     )
-    link = WorkerLink(
-        config.zmq_endpoint, loop.worker_attached, loop.worker_detached, *curve_settings
-    )
-    loop.link = link
-    servicer = GenerationServicer(loop, tokenizer, config, model_id)
+    servicer = GenerationServicer(loop, metrics, tokenizer, config, model_id)
     server, health_servicer = build_server(config, servicer)
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, _health_status("NOT_SERVING"))
@@ -107,7 +102,7 @@ async def serve(
         log.info("metrics on http://%s/metrics", config.metrics_address)
 
     await server.start()
-    await link.start()
+    await link.start(loop)
     loop_task = asyncio.create_task(loop.run(), name="step-loop")
     log.info("serving pagoda.v1.Generation on %s", config.grpc_address)
     notify("READY=1", f"STATUS=serving on {config.grpc_address}")
@@ -124,7 +119,10 @@ async def serve(
         await server.stop(grace=None)
         return 1
 
-    await _drain(config, servicer, health_servicer, loop, streams)
+    notify("STOPPING=1")
+    loop.stop_accepting()
+    await health_servicer.enter_graceful_shutdown()
+    await loop.drain(config.drain_timeout_s)
     watchdog.cancel()
     loop.stop()
     await server.stop(grace=1.0)
@@ -132,26 +130,6 @@ async def serve(
     await link.close()
     log.info("stopped")
     return 0
-
-
-async def _drain(config, servicer, health_servicer, loop: StepLoop, streams: OutputStreams) -> None:
-    """Stop accepting, let in-flight streams finish for drain_timeout_s, cancel the rest."""
-    notify("STOPPING=1")
-    servicer.draining = True
-    await health_servicer.enter_graceful_shutdown()
-    log.info("draining %d streams for up to %g s", len(streams), config.drain_timeout_s)
-    deadline = asyncio.get_running_loop().time() + config.drain_timeout_s
-    while len(streams) and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.05)
-    if len(streams):
-        log.warning("cancelling %d streams still running after the drain timeout", len(streams))
-        for request_id in streams.request_ids():
-            loop.cancel(request_id)
-        # Give the loop one step to publish the cancellations to their streams.
-        for _ in range(40):
-            if not len(streams):
-                break
-            await asyncio.sleep(0.05)
 
 
 async def _watchdog(loop_task: asyncio.Task, is_turning: Callable[[], bool]) -> None:

@@ -18,6 +18,7 @@ from pagoda.protos import generation_pb2, generation_pb2_grpc
 from pagoda.scheduler_svc.core.config import ConfigError
 from pagoda.scheduler_svc.core.request import FinishReason, RequestOutput, ValidRequest
 from pagoda.scheduler_svc.core.scheduler import QueueFullError, RequestTooLargeError
+from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.step_loop import StepLoop, Unavailable
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
@@ -124,14 +125,19 @@ def _generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(
-        self, loop: StepLoop, tokenizer: TextTokenizer, config: ServiceConfig, model_id: str
+        self,
+        loop: StepLoop,
+        metrics: Metrics,
+        tokenizer: TextTokenizer,
+        config: ServiceConfig,
+        model_id: str,
     ) -> None:
         self._loop = loop
+        self._metrics = metrics
         self._tokenizer = tokenizer
         self._config = config
         self._model_id = model_id
         self._last_hello = None
-        self.draining = False
 
     def _limits(self) -> Limits | None:
         worker = self._loop.worker
@@ -171,20 +177,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     if output.token_ids or output.text:
                         yield to_response(output)
                     code = getattr(grpc.StatusCode, slot.error_code or "INTERNAL")
-                    self._loop.metrics.observe_error(code.name)
+                    self._metrics.observe_error(code.name)
                     await context.abort(code, output.error_message or "the request failed")
                 yield to_response(output)
         finally:
             # Reached on normal end, client cancel, deadline or disconnect (grpc.aio
             # raises CancelledError at the pending await): a live request is cancelled
             # so its blocks are free before the next step is planned.
-            self._loop.streams.close(valid.request_id)
-            if not finished:
-                self._loop.cancel(valid.request_id)
+            self._loop.release(slot)
 
     async def _admit(self, validate, request, context) -> ValidRequest:
         await self._reject_undecodable(request, context)
-        if self.draining:
+        if self._loop.draining:
             await self._abort(
                 context, grpc.StatusCode.UNAVAILABLE, "the server is draining for shutdown"
             )
@@ -211,7 +215,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.sentence)
 
     async def _abort(self, context, code: grpc.StatusCode, sentence: str):
-        self._loop.metrics.observe_error(code.name)
+        self._metrics.observe_error(code.name)
         await context.abort(code, sentence)
 
     async def Tokenize(self, request, context):
@@ -249,7 +253,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def GetServerStats(self, request, context):
         await self._reject_undecodable(request, context)
-        stats = self._loop.scheduler.stats
+        stats = self._loop.stats
         worker = self._loop.worker
         return generation_pb2.ServerStats(
             num_waiting=stats.num_waiting,
@@ -264,7 +268,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             num_generated_tokens=stats.num_generated_tokens,
             worker_connected=worker is not None,
             worker_incarnation_id=worker.hello.incarnation_id if worker else "",
-            draining=self.draining,
+            draining=self._loop.draining,
         )
 
 

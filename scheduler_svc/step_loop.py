@@ -1,8 +1,9 @@
 """The step loop: drain the inbox, schedule, send, await the result, apply, publish.
 
-It is the only code that mutates the Scheduler between steps. Everything else (the
-servicer, the worker link) talks to it through `submit`, `cancel` and the attach /
-detach callbacks, all on the same asyncio event loop.
+It is the only code that mutates the Scheduler between steps. The servicer talks to it
+through `submit`, `release`, `cancel`, `stats` and `worker`; the worker link reports
+attaches and detaches through `worker_attached` / `worker_detached` (WorkerEvents), all on
+the same asyncio event loop.
 """
 
 from __future__ import annotations
@@ -12,21 +13,37 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
+from pagoda.protos import step_pb2
 from pagoda.scheduler_svc import step_codec
 from pagoda.scheduler_svc.core.request import FinishReason, RequestOutput, ValidRequest
-from pagoda.scheduler_svc.core.scheduler import Scheduler
+from pagoda.scheduler_svc.core.scheduler import Scheduler, SchedulerStats, StepDecision
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.output_streams import OutputSlot, OutputStreams
-from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLink, WorkerLost
+from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLost
 
 log = logging.getLogger("pagoda.step_loop")
 
 IDLE_TICK_S = 0.5
+# After the drain timeout, how long cancelled streams get to see their last output.
+CANCEL_PUBLISH_S = 2.0
 
 
 class Unavailable(Exception):
     """No worker can serve a new request now (none attached, or draining); a sentence."""
+
+
+class StepLink(Protocol):
+    """What the loop needs from its worker link (WorkerLink, or a fake in tests).
+
+    Attaches and detaches do not come through here: the link reports them to the
+    WorkerEvents given to its start(), which the loop implements.
+    """
+
+    async def run_step(self, plan: step_pb2.StepPlan, timeout_s: float) -> step_pb2.StepResult:
+        """Send one plan and await its result; WorkerLost if the worker does not answer."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +57,7 @@ class StepLoop:
     def __init__(
         self,
         scheduler: Scheduler,
-        streams: OutputStreams,
+        link: StepLink,
         metrics: Metrics,
         *,
         worker_timeout_s: float,
@@ -48,42 +65,71 @@ class StepLoop:
         status_interval_s: float,
         on_worker_change: Callable[[bool], None] = lambda attached: None,
         clock: Callable[[], float] = time.monotonic,
+        idle_tick_s: float = IDLE_TICK_S,
     ) -> None:
-        self.scheduler = scheduler
-        self.streams = streams
-        self.metrics = metrics
-        self.link: WorkerLink | None = None
-        self.worker: WorkerInfo | None = None
+        self._scheduler = scheduler
+        self._link = link
+        self._metrics = metrics
+        self._streams = OutputStreams()
+        self._worker: WorkerInfo | None = None
         self._worker_timeout_s = worker_timeout_s
         self._worker_grace_s = worker_grace_s
         self._status_interval_s = status_interval_s
         self._on_worker_change = on_worker_change
         self._clock = clock
+        self._idle_tick_s = idle_tick_s
         self._wake = asyncio.Event()
+        self._no_streams = asyncio.Event()
+        self._no_streams.set()
         self._cancels: list[_Cancel] = []
         self._worker_events: list[WorkerInfo | str] = []
         self._worker_lost_at_s: float | None = None
         self._ever_attached = False
+        self._draining = False
         self._stopped = False
         self._last_status_s = clock()
         self._tokens_since_status = 0
         self._last_turn_s = clock()
 
-    # -- called by the servicer and the worker link (same event loop) --------------
+    # -- for the servicer (same event loop) -----------------------------------------------
+
+    @property
+    def worker(self) -> WorkerInfo | None:
+        """The worker the loop runs steps on, None between a detach and the next attach."""
+        return self._worker
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self._scheduler.stats
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
 
     def submit(self, request: ValidRequest) -> OutputSlot:
-        """Queue a validated request and open its output slot.
+        """Queue a validated request and open its output slot; `release` it when done reading.
 
         Raises Unavailable, or the scheduler's QueueFullError / RequestTooLargeError.
         Adding to the waiting queue is safe mid-step: apply() touches running sequences only.
         """
         self._check_available()
-        if request.request_id in self.streams:
+        if request.request_id in self._streams:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
-        self.scheduler.add(request, self._clock())
-        slot = self.streams.open(request.request_id)
+        self._scheduler.add(request, self._clock())
+        slot = self._streams.open(request.request_id)
+        self._no_streams.clear()
         self._wake.set()
         return slot
+
+    def release(self, slot: OutputSlot) -> None:
+        """The slot's reader is gone (it read the end, or its client left): close the slot,
+        and cancel the request if it has not finished, so its blocks are free before the
+        next step is planned."""
+        self._streams.close(slot.request_id)
+        if not slot.finished:
+            self.cancel(slot.request_id)
+        if not len(self._streams):
+            self._no_streams.set()
 
     def cancel(
         self,
@@ -95,6 +141,30 @@ class StepLoop:
         self._cancels.append(_Cancel(request_id, reason, message))
         self._wake.set()
 
+    def stop_accepting(self) -> None:
+        """From now on submit() raises Unavailable; requests in flight go on."""
+        self._draining = True
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop accepting, let the open streams end for up to `timeout_s`, then cancel the
+        rest and give the loop CANCEL_PUBLISH_S to publish their cancellations."""
+        self.stop_accepting()
+        log.info("draining %d streams for up to %g s", len(self._streams), timeout_s)
+        if await self._until_no_streams(timeout_s):
+            return
+        log.warning(
+            "cancelling %d streams still running after the drain timeout", len(self._streams)
+        )
+        for request_id in self._streams.request_ids():
+            self.cancel(request_id)
+        await self._until_no_streams(CANCEL_PUBLISH_S)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    # -- for the worker link: WorkerEvents ------------------------------------------------
+
     def worker_attached(self, info: WorkerInfo) -> None:
         self._worker_events.append(info)
         self._wake.set()
@@ -103,16 +173,12 @@ class StepLoop:
         self._worker_events.append(reason)
         self._wake.set()
 
-    def stop(self) -> None:
-        self._stopped = True
-        self._wake.set()
-
     # -- the loop --------------------------------------------------------------------
 
     def is_turning(self) -> bool:
-        """Whether the loop began a turn recently enough: an idle turn takes IDLE_TICK_S and
+        """Whether the loop began a turn recently enough: an idle turn takes idle_tick_s and
         a step at most the worker timeout, so a longer silence means the loop is stuck."""
-        limit_s = self._worker_timeout_s + 2 * IDLE_TICK_S + 1.0
+        limit_s = self._worker_timeout_s + 2 * self._idle_tick_s + 1.0
         return self._clock() - self._last_turn_s <= limit_s
 
     async def run(self) -> None:
@@ -120,7 +186,7 @@ class StepLoop:
             now = self._clock()
             self._last_turn_s = now
             self._drain_inbox(now)
-            decision = self.scheduler.schedule(now) if self.worker is not None else None
+            decision = self._scheduler.schedule(now) if self._worker is not None else None
             if decision is None:
                 self._expire_without_worker(now)
                 self._log_status(now)
@@ -129,30 +195,29 @@ class StepLoop:
             await self._run_step(decision)
             self._log_status(self._clock())
 
-    async def _run_step(self, decision) -> None:
-        assert self.link is not None
+    async def _run_step(self, decision: StepDecision) -> None:
         started_s = self._clock()
         plan = step_codec.encode_plan(decision)
         encoded_s = self._clock()
         try:
-            result = await self.link.run_step(plan, self._worker_timeout_s)
+            result = await self._link.run_step(plan, self._worker_timeout_s)
         except WorkerLost as exc:
             log.warning(
                 "step %d lost with the worker (%s); its requests will be recomputed",
                 decision.step_id,
                 exc,
             )
-            self._publish(self.scheduler.fail_step(decision, str(exc), self._clock()))
+            self._publish(self._scheduler.fail_step(decision, str(exc), self._clock()))
             return
         received_s = self._clock()
         outcome = step_codec.decode_result(result)
         if outcome.step_error:
             log.error("worker failed step %d: %s", decision.step_id, outcome.step_error)
-        events = self.scheduler.apply(outcome, received_s)
-        self.streams.publish_step(events)
+        events = self._scheduler.apply(outcome, received_s)
+        self._streams.publish_step(events)
         self._tokens_since_status += len(events.token_ids)
         self._observe(events.outputs)
-        self.metrics.observe_step(
+        self._metrics.observe_step(
             schedule_s=encoded_s - started_s,
             transport_s=max(0.0, received_s - encoded_s - result.total_ms / 1000),
             forward_s=result.forward_ms / 1000,
@@ -162,10 +227,20 @@ class StepLoop:
 
     async def _idle(self) -> None:
         try:
-            await asyncio.wait_for(self._wake.wait(), IDLE_TICK_S)
+            await asyncio.wait_for(self._wake.wait(), self._idle_tick_s)
         except TimeoutError:
             pass
         self._wake.clear()
+
+    async def _until_no_streams(self, timeout_s: float) -> bool:
+        """Whether every stream was released within `timeout_s`."""
+        if self._no_streams.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._no_streams.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def _drain_inbox(self, now: float) -> None:
         self._wake.clear()
@@ -177,23 +252,23 @@ class StepLoop:
                 self._attach(event)
         cancels, self._cancels = self._cancels, []
         for cancel in cancels:
-            output = self.scheduler.cancel(cancel.request_id, now, cancel.reason, cancel.message)
+            output = self._scheduler.cancel(cancel.request_id, now, cancel.reason, cancel.message)
             if output is not None:
                 self._publish([output])
 
     def _attach(self, info: WorkerInfo) -> None:
-        self.worker = info
+        self._worker = info
         self._ever_attached = True
         self._worker_lost_at_s = None
-        self._publish(self.scheduler.attach_worker(step_codec.geometry_from_hello(info.hello)))
+        self._publish(self._scheduler.attach_worker(step_codec.geometry_from_hello(info.hello)))
         self._on_worker_change(True)
 
     def _detach(self, reason: str, now: float) -> None:
-        if self.worker is None:
+        if self._worker is None:
             return
-        self.worker = None
+        self._worker = None
         self._worker_lost_at_s = now
-        self.scheduler.detach_worker()
+        self._scheduler.detach_worker()
         self._on_worker_change(False)
         log.warning(
             "worker detached (%s); requests wait up to %g s for a new one",
@@ -204,7 +279,9 @@ class StepLoop:
     def _check_available(self) -> None:
         if self._stopped:
             raise Unavailable("the server is shutting down")
-        if self.worker is not None:
+        if self._draining:
+            raise Unavailable("the server is draining for shutdown")
+        if self._worker is not None:
             return
         if not self._ever_attached:
             raise Unavailable("no worker is connected yet")
@@ -215,21 +292,21 @@ class StepLoop:
     def _expire_without_worker(self, now: float) -> None:
         """Past the grace period without a worker, every unfinished request ends UNAVAILABLE."""
         lost_at = self._worker_lost_at_s
-        if self.worker is not None or lost_at is None or now - lost_at <= self._worker_grace_s:
+        if self._worker is not None or lost_at is None or now - lost_at <= self._worker_grace_s:
             return
-        for request_id in list(self.streams.request_ids()):
-            output = self.scheduler.cancel(
+        for request_id in list(self._streams.request_ids()):
+            output = self._scheduler.cancel(
                 request_id,
                 now,
                 FinishReason.ERROR,
                 f"no worker came back within {self._worker_grace_s:g} s",
             )
             if output is not None:
-                self.streams.set_error_code(request_id, "UNAVAILABLE")
+                self._streams.set_error_code(request_id, "UNAVAILABLE")
                 self._publish([output])
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        self.streams.publish(outputs)
+        self._streams.publish(outputs)
         self._observe(outputs)
 
     def _observe(self, outputs: list[RequestOutput]) -> None:
@@ -237,14 +314,14 @@ class StepLoop:
         for output in outputs:
             self._tokens_since_status += len(output.token_ids)
             if output.finish_reason is not None:
-                self.metrics.observe_finish(output)
+                self._metrics.observe_finish(output)
                 _log_finished(output)
 
     def _log_status(self, now: float) -> None:
         elapsed_s = now - self._last_status_s
         if elapsed_s < self._status_interval_s:
             return
-        stats = self.scheduler.stats
+        stats = self._scheduler.stats
         if stats.num_running or stats.num_waiting or self._tokens_since_status:
             log.info(
                 "status: %d running, %d waiting, KV %d/%d blocks, %.1f tokens/s",

@@ -1,8 +1,9 @@
 """The scheduler's end of the step protocol: a ZeroMQ ROUTER that one worker connects to.
 
 Owns the conversation of protos/step.proto (hello, ack, heartbeats, rehello) and
-turns it into three facts for the step loop: a worker attached (with its hello),
-the worker is gone, and the result of a step. Called only from the event loop.
+turns it into three facts for the step loop: a worker attached (with its hello) and the
+worker is gone, reported to the WorkerEvents given to start(), and the result of a step,
+returned by run_step(). Called only from the event loop.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
@@ -43,12 +44,18 @@ class WorkerLost(Exception):
     """The worker went away (timeout, restart, unreachable) while a step was in flight."""
 
 
+class WorkerEvents(Protocol):
+    """Who hears of attaches and detaches (the step loop); called on the event loop."""
+
+    def worker_attached(self, info: WorkerInfo) -> None: ...
+
+    def worker_detached(self, reason: str) -> None: ...
+
+
 class WorkerLink:
     def __init__(
         self,
         endpoint: str,
-        on_attach: Callable[[WorkerInfo], None],
-        on_detach: Callable[[str], None],
         curve_keys: curve.KeyPair | None = None,
         authorized_worker_keys: frozenset[bytes] = frozenset(),
     ) -> None:
@@ -58,8 +65,7 @@ class WorkerLink:
         self._curve_keys = curve_keys
         self._authorized_worker_keys = authorized_worker_keys
         self.scheduler_incarnation_id = uuid.uuid4().hex
-        self._on_attach = on_attach
-        self._on_detach = on_detach
+        self._events: WorkerEvents | None = None  # given to start()
         self._context = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket | None = None
         self._zap: zmq.asyncio.Socket | None = None
@@ -73,7 +79,9 @@ class WorkerLink:
     def worker(self) -> WorkerInfo | None:
         return self._worker
 
-    async def start(self) -> None:
+    async def start(self, events: WorkerEvents) -> None:
+        """Bind and serve; from now on attaches and detaches are reported to `events`."""
+        self._events = events
         if self.endpoint.startswith("ipc://"):
             socket_path = Path(self.endpoint.removeprefix("ipc://"))
             socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -249,7 +257,8 @@ class WorkerLink:
                 hello.num_kv_blocks,
                 hello.block_size,
             )
-            self._on_attach(self._worker)
+            assert self._events is not None
+            self._events.worker_attached(self._worker)
         self._last_seen_s = time.monotonic()
         await self._send(
             identity,
@@ -278,7 +287,8 @@ class WorkerLink:
         self._worker = None
         if self._pending is not None and not self._pending[1].done():
             self._pending[1].set_exception(WorkerLost(reason))
-        self._on_detach(reason)
+        assert self._events is not None
+        self._events.worker_detached(reason)
 
 
 def _source_fd(frame: zmq.Frame) -> int | None:

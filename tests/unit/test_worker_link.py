@@ -13,12 +13,25 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import zmq
-from pagoda.scheduler_svc.worker_link import WorkerLink
+from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLink
 
 from pagoda.common import wire
 from tests.unit.conftest import make_hello
 
 DEADLINE_S = 10.0
+
+
+class EventLog:
+    """WorkerEvents that log attaches and detaches into a list."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def worker_attached(self, info: WorkerInfo) -> None:
+        self.events.append(f"attach {info.hello.incarnation_id}")
+
+    def worker_detached(self, reason: str) -> None:
+        self.events.append(f"detach: {reason}")
 
 
 def say_hello(context: zmq.Context, endpoint: str, incarnation_id: str) -> zmq.Socket:
@@ -40,12 +53,8 @@ async def until(condition, what: str) -> None:
 async def linked(tmp_path, events: list[str]) -> AsyncIterator[tuple[WorkerLink, zmq.Context]]:
     """A started WorkerLink that logs attaches and detaches into `events`, and a context
     for the test's workers (their sockets die with it)."""
-    link = WorkerLink(
-        f"ipc://{tmp_path}/worker.sock",
-        on_attach=lambda worker: events.append(f"attach {worker.hello.incarnation_id}"),
-        on_detach=lambda reason: events.append(f"detach: {reason}"),
-    )
-    await link.start()
+    link = WorkerLink(f"ipc://{tmp_path}/worker.sock")
+    await link.start(EventLog(events))
     context = zmq.Context()
     try:
         yield link, context
