@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from pagoda.gpu_worker.sequence_table import ScheduledChunk, SequenceTable
+from pagoda.gpu_worker.step import StepPlan, StepResult
 from pagoda.gpu_worker.step_engine import (
     MAX_LOGPROBS,
     EngineFacts,
@@ -19,7 +20,6 @@ from pagoda.gpu_worker.step_engine import (
     check_injected_fault,
     execute_plan,
 )
-from pagoda.protos import step_pb2
 
 from pagoda.common.dummy_tokens import dummy_next_token
 
@@ -57,7 +57,7 @@ class DummyEngine:
             max_logprobs=MAX_LOGPROBS,
         )
 
-    def step(self, plan: step_pb2.StepPlan) -> step_pb2.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         return execute_plan(self.table, plan, self._compute)
 
     def reset(self) -> None:

@@ -19,6 +19,7 @@ from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
 from pagoda.gpu_worker.ragged_batch import build_ragged_batch
 from pagoda.gpu_worker.sampler import SampleRow, sample
 from pagoda.gpu_worker.sequence_table import ScheduledChunk, SequenceTable
+from pagoda.gpu_worker.step import StepPlan, StepResult
 from pagoda.gpu_worker.step_engine import (
     MAX_LOGPROBS,
     EngineFacts,
@@ -26,7 +27,6 @@ from pagoda.gpu_worker.step_engine import (
     check_injected_fault,
     execute_plan,
 )
-from pagoda.protos import step_pb2
 
 log = logging.getLogger("pagoda.worker.engine")
 
@@ -89,7 +89,7 @@ class PagedEngine:
             max_logprobs=MAX_LOGPROBS,
         )
 
-    def step(self, plan: step_pb2.StepPlan) -> step_pb2.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         return execute_plan(self.table, plan, self._compute)
 
     def reset(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from pagoda.gpu_worker.sequence_table import SamplingParams
+from pagoda.gpu_worker.step import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -1,4 +1,4 @@
-"""The worker's view of live sequences, and turning a StepPlan into validated chunks.
+"""The worker's view of live sequences, and admitting a StepPlan as validated chunks.
 
 The scheduler owns the truth; the worker keeps, per live sequence, only what a step
 needs: the block table (append-only, grown from plan deltas), the sampling
@@ -8,45 +8,11 @@ torch, so the weightless dummy engine validates plans with the very same code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from pagoda.protos import step_pb2
+from pagoda.gpu_worker.step import SamplingParams, SequenceError, StepPlan
 
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Validated per-sequence sampling knobs; 1.0 top_p / repetition_penalty mean off."""
-
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int = 0
-    num_logprobs: int = 0
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    @classmethod
-    def from_proto(cls, message: step_pb2.SamplingParams, max_logprobs: int) -> SamplingParams:
-        # proto3 cannot tell "unset" from 0; 0 would be meaningless for these two.
-        top_p = message.top_p if 0.0 < message.top_p < 1.0 else 1.0
-        repetition_penalty = message.repetition_penalty if message.repetition_penalty > 0 else 1.0
-        return cls(
-            temperature=max(0.0, message.temperature),
-            top_p=top_p,
-            top_k=max(0, message.top_k),
-            min_p=min(max(0.0, message.min_p), 1.0),
-            repetition_penalty=repetition_penalty,
-            presence_penalty=message.presence_penalty,
-            frequency_penalty=message.frequency_penalty,
-            seed=message.seed,
-            num_logprobs=min(message.num_logprobs, max_logprobs),
-        )
+from pagoda.common.plan_check import check_columns
 
 
 @dataclass(slots=True)
@@ -77,44 +43,16 @@ class ScheduledChunk:
         return self.start_position + len(self.token_ids)
 
 
-@dataclass(frozen=True, slots=True)
-class SequenceRefusal:
-    seq_id: int
-    message: str
-
-
 @dataclass(slots=True)
 class AdmittedPlan:
     step_id: int
     chunks: list[ScheduledChunk]  # the valid entries, in plan order
-    refusals: list[SequenceRefusal]
+    refusals: list[SequenceError]
     forget_seq_ids: list[int]  # dropped after the forward
 
     @property
     def num_tokens(self) -> int:
         return sum(chunk.num_tokens for chunk in self.chunks)
-
-
-class PlanError(ValueError):
-    """The plan's columns do not line up; no entry of it can be trusted."""
-
-
-def _check_offsets(name: str, offsets: list[int], num_entries: int, num_values: int) -> None:
-    if num_entries == 0 and not offsets:
-        return
-    if len(offsets) != num_entries + 1:
-        raise PlanError(f"{name} has {len(offsets)} entries for {num_entries} sequences")
-    if offsets[0] != 0 or offsets[-1] != num_values:
-        raise PlanError(f"{name} must run from 0 to {num_values}")
-    if any(b < a for a, b in zip(offsets, offsets[1:], strict=False)):
-        raise PlanError(f"{name} must not decrease")
-
-
-def named_seq_ids(plan: step_pb2.StepPlan) -> set[int]:
-    """Every sequence id a plan mentions, readable even when its columns are malformed."""
-    ids = set(plan.seq_ids) | set(plan.forget_seq_ids)
-    ids.update(new.seq_id for new in plan.new_sequences)
-    return ids
 
 
 class SequenceTable:
@@ -152,34 +90,35 @@ class SequenceTable:
     def clear(self) -> None:
         self._sequences.clear()
 
-    def admit(self, plan: step_pb2.StepPlan) -> AdmittedPlan:
+    def admit(self, plan: StepPlan) -> AdmittedPlan:
         """Register new sequences, apply block deltas and fed tokens; refuse bad entries.
 
         A refused entry samples nothing and its sequence is forgotten (its block table
         would no longer match the scheduler's); every other entry runs. Raises
         PlanError when the columns themselves are inconsistent.
         """
-        seq_ids = list(plan.seq_ids)
-        num_entries = len(seq_ids)
-        start_positions = list(plan.start_positions)
-        samples = list(plan.sample)
-        token_offsets = list(plan.token_offsets)
-        token_ids = list(plan.token_ids)
-        block_offsets = list(plan.block_offsets)
-        block_ids = list(plan.block_ids)
-        if len(start_positions) != num_entries or len(samples) != num_entries:
-            raise PlanError(
-                f"start_positions ({len(start_positions)}) and sample ({len(samples)}) "
-                f"must have one entry per sequence ({num_entries})"
-            )
-        _check_offsets("token_offsets", token_offsets, num_entries, len(token_ids))
-        _check_offsets("block_offsets", block_offsets, num_entries, len(block_ids))
+        seq_ids = plan.seq_ids
+        start_positions = plan.start_positions
+        samples = plan.sample
+        token_offsets = plan.token_offsets
+        token_ids = plan.token_ids
+        block_offsets = plan.block_offsets
+        block_ids = plan.block_ids
+        check_columns(
+            num_entries=len(seq_ids),
+            start_positions=start_positions,
+            sample=samples,
+            token_offsets=token_offsets,
+            num_token_ids=len(token_ids),
+            block_offsets=block_offsets,
+            num_block_ids=len(block_ids),
+        )
 
-        refusals: list[SequenceRefusal] = []
+        refusals: list[SequenceError] = []
         refused: set[int] = set()
 
         def refuse(seq_id: int, message: str) -> None:
-            refusals.append(SequenceRefusal(seq_id, message))
+            refusals.append(SequenceError(seq_id, message))
             refused.add(seq_id)
             self._sequences.pop(seq_id, None)
 
@@ -188,10 +127,13 @@ class SequenceTable:
             if problem:
                 refuse(new.seq_id, f"cached_token_ids: {problem}")
                 continue
+            sampling = new.sampling
+            if sampling.num_logprobs > self.max_logprobs:
+                sampling = replace(sampling, num_logprobs=self.max_logprobs)
             # A new sequence with a live id replaces it (the scheduler reused the id).
             self._sequences[new.seq_id] = Sequence(
                 seq_id=new.seq_id,
-                sampling=SamplingParams.from_proto(new.sampling, self.max_logprobs),
+                sampling=sampling,
                 num_prompt_tokens=new.num_prompt_tokens,
                 token_ids=list(new.cached_token_ids),
             )
@@ -224,7 +166,7 @@ class SequenceTable:
             step_id=plan.step_id,
             chunks=chunks,
             refusals=refusals,
-            forget_seq_ids=list(plan.forget_seq_ids),
+            forget_seq_ids=plan.forget_seq_ids,
         )
 
     def _check_tokens(self, token_ids) -> str | None:

@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 import zmq
-from pagoda.gpu_worker.sequence_table import named_seq_ids
+from pagoda.gpu_worker import codec
 from pagoda.gpu_worker.step_engine import StepEngine, one_line
 from pagoda.protos import step_pb2
 
@@ -161,12 +161,13 @@ class WorkerServer:
             log.warning("ignored a malformed message: %s", exc)
             return None
         if isinstance(message, step_pb2.StepPlan):
+            plan = codec.decode_plan(message)
             try:
-                result = self.engine.step(message)
+                result = codec.encode_result(self.engine.step(plan))
             except Exception as exc:  # the engine reports its own failures; this is a backstop
-                log.error("step %d: engine crashed: %s", message.step_id, one_line(exc))
-                self.engine.table.forget(named_seq_ids(message))
-                result = step_pb2.StepResult(step_id=message.step_id, step_error=one_line(exc))
+                log.error("step %d: engine crashed: %s", plan.step_id, one_line(exc))
+                self.engine.table.forget(plan.named_seq_ids())
+                result = step_pb2.StepResult(step_id=plan.step_id, step_error=one_line(exc))
             log.debug(
                 "step %d: %d tokens, %d sampled, %.1f ms",
                 result.step_id,

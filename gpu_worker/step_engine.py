@@ -1,6 +1,7 @@
 """What every engine (paged or dummy) is to the server, and the step skeleton they share.
 
-An engine turns one StepPlan into one StepResult. The shared skeleton admits the
+An engine turns one plain StepPlan into one StepResult (pagoda.gpu_worker.step; the
+server's codec converts them to and from the wire). The shared skeleton admits the
 plan into the sequence table, runs the engine's compute over the valid chunks,
 forgets what the plan says to forget, and packs the result; an exception in the
 compute becomes `step_error` and every sequence the plan named is forgotten.
@@ -15,14 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pagoda.gpu_worker.sequence_table import (
-    AdmittedPlan,
-    PlanError,
-    ScheduledChunk,
-    SequenceTable,
-    named_seq_ids,
-)
-from pagoda.protos import step_pb2
+from pagoda.gpu_worker.sequence_table import AdmittedPlan, ScheduledChunk, SequenceTable
+from pagoda.gpu_worker.step import StepPlan, StepResult
+
+from pagoda.common.plan_check import PlanError
 
 log = logging.getLogger("pagoda.worker.step")
 
@@ -61,7 +58,7 @@ class StepEngine(Protocol):
     facts: EngineFacts
     table: SequenceTable
 
-    def step(self, plan: step_pb2.StepPlan) -> step_pb2.StepResult: ...
+    def step(self, plan: StepPlan) -> StepResult: ...
 
     def reset(self) -> None: ...
 
@@ -85,22 +82,22 @@ def one_line(exc: Exception, max_chars: int = 300) -> str:
 
 def execute_plan(
     table: SequenceTable,
-    plan: step_pb2.StepPlan,
+    plan: StepPlan,
     compute: Callable[[list[ScheduledChunk]], SampledTokens],
-) -> step_pb2.StepResult:
+) -> StepResult:
     """Admit, compute, forget, pack. Never raises for a bad plan or a failing forward."""
     started_s = time.perf_counter()
     try:
         admitted = table.admit(plan)
         sampled = compute(admitted.chunks) if admitted.chunks else SampledTokens([])
     except Exception as exc:  # any failure in the forward must not kill the worker
-        ids = sorted(named_seq_ids(plan))
+        ids = sorted(plan.named_seq_ids())
         table.forget(ids)
         message = one_line(exc)
         log.warning("step %d failed: %s; forgot %d sequences", plan.step_id, message, len(ids))
         if not isinstance(exc, PlanError):
             log.debug("step %d traceback", plan.step_id, exc_info=True)
-        return step_pb2.StepResult(
+        return StepResult(
             step_id=plan.step_id,
             step_error=message,
             total_ms=(time.perf_counter() - started_s) * 1e3,
@@ -111,24 +108,21 @@ def execute_plan(
     return result
 
 
-def pack_result(admitted: AdmittedPlan, sampled: SampledTokens) -> step_pb2.StepResult:
-    result = step_pb2.StepResult(
+def pack_result(admitted: AdmittedPlan, sampled: SampledTokens) -> StepResult:
+    result = StepResult(
         step_id=admitted.step_id,
+        seq_ids=[chunk.seq.seq_id for chunk in admitted.chunks if chunk.sample],
+        token_ids=sampled.token_ids,
+        errors=admitted.refusals,
         forward_ms=sampled.forward_ms,
         sample_ms=sampled.sample_ms,
         num_tokens=admitted.num_tokens,
     )
-    result.seq_ids.extend(chunk.seq.seq_id for chunk in admitted.chunks if chunk.sample)
-    result.token_ids.extend(sampled.token_ids)
     if sampled.logprobs:
-        result.logprobs.extend(sampled.logprobs)
-        offset = 0
+        result.logprobs = sampled.logprobs
         result.top_offsets.append(0)
         for ids, logprobs in zip(sampled.top_token_ids, sampled.top_logprobs, strict=True):
             result.top_token_ids.extend(ids)
             result.top_logprobs.extend(logprobs)
-            offset += len(ids)
-            result.top_offsets.append(offset)
-    for refusal in admitted.refusals:
-        result.errors.add(seq_id=refusal.seq_id, message=refusal.message)
+            result.top_offsets.append(len(result.top_token_ids))
     return result

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from pagoda.gpu_worker import codec
+from pagoda.protos import step_pb2
 
 # Small blocks so every prompt crosses several block boundaries.
 TEST_BLOCK_SIZE = 4
@@ -29,6 +31,11 @@ def diversify(model, seed: int = 0, std: float = 0.2) -> None:
         for parameter in model.parameters():
             if parameter.dim() >= 2:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+
+
+def run_plan(engine, plan: step_pb2.StepPlan) -> step_pb2.StepResult:
+    """One step the way the server runs it: decode the message, step, encode the result."""
+    return codec.encode_result(engine.step(codec.decode_plan(plan)))
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pagoda.protos import step_pb2
 
-from tests.worker.conftest import TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, random_prompts
+from tests.worker.conftest import TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, random_prompts, run_plan
 from tests.worker.toy_scheduler import ToyScheduler
 
 
@@ -82,7 +82,7 @@ def test_bad_entries_are_refused_while_the_rest_of_the_step_runs(llama_models):
     add_entry(plan, 2, [5, 6], 0, [TEST_NUM_BLOCKS])  # block id out of range
     plan.new_sequences.add(seq_id=3, num_prompt_tokens=9)
     add_entry(plan, 3, list(range(9)), 0, [6])  # 9 positions, 4 slots
-    result = engine.step(plan)
+    result = run_plan(engine, plan)
     assert not result.step_error
     assert list(result.seq_ids) == [1]
     assert list(result.token_ids) == llama_models.greedy(prompt, 1)
@@ -96,15 +96,15 @@ def test_bad_entries_are_refused_while_the_rest_of_the_step_runs(llama_models):
 
 def test_failing_forward_reports_step_error_and_forgets_the_plans_sequences(llama_models):
     engine = llama_models.engine(fail_on_token_id=500)
-    assert not engine.step(one_sequence_plan(1, 1, [5, 6, 7], 0, [0])).step_error
+    assert not run_plan(engine, one_sequence_plan(1, 1, [5, 6, 7], 0, [0])).step_error
     plan = one_sequence_plan(2, 2, [5, 500], 0, [1])
     add_entry(plan, 1, [9], 3, [])
-    result = engine.step(plan)
+    result = run_plan(engine, plan)
     assert "500" in result.step_error
     assert not result.token_ids
     assert 1 not in engine.table and 2 not in engine.table
     # The worker keeps serving.
-    again = engine.step(one_sequence_plan(3, 3, [5, 6, 7], 0, [2]))
+    again = run_plan(engine, one_sequence_plan(3, 3, [5, 6, 7], 0, [2]))
     assert not again.step_error and list(again.seq_ids) == [3]
 
 
@@ -113,7 +113,7 @@ def test_logprobs_and_timings_in_the_result(llama_models):
     plan = one_sequence_plan(1, 1, [5, 6, 7], 0, [0], num_logprobs=3)
     plan.new_sequences.add(seq_id=2, num_prompt_tokens=2, sampling=step_pb2.SamplingParams())
     add_entry(plan, 2, [8, 9], 0, [1])
-    result = engine.step(plan)
+    result = run_plan(engine, plan)
     assert len(result.logprobs) == 2
     assert list(result.top_offsets) == [0, 3, 3]
     assert result.top_token_ids[0] == result.token_ids[0]  # greedy: the best is the sampled
@@ -126,8 +126,8 @@ def test_forget_after_the_forward_and_plans_without_tokens(llama_models):
     engine = llama_models.engine()
     plan = one_sequence_plan(1, 1, [5, 6, 7], 0, [0])
     plan.forget_seq_ids.append(1)
-    result = engine.step(plan)
+    result = run_plan(engine, plan)
     assert list(result.seq_ids) == [1]  # ran, then forgotten
     assert 1 not in engine.table
-    empty = engine.step(step_pb2.StepPlan(step_id=2, forget_seq_ids=[1, 42]))
+    empty = run_plan(engine, step_pb2.StepPlan(step_id=2, forget_seq_ids=[1, 42]))
     assert not empty.step_error and not empty.seq_ids and empty.num_tokens == 0

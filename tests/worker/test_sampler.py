@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 from pagoda.gpu_worker.sampler import SampleRow, apply_penalties, sample, seeded_uniform
-from pagoda.gpu_worker.sequence_table import SamplingParams
+from pagoda.gpu_worker.step import SamplingParams
 from transformers import (
     RepetitionPenaltyLogitsProcessor,
     TopKLogitsWarper,

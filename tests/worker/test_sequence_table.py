@@ -7,11 +7,14 @@ import subprocess
 import sys
 
 import pytest
+from pagoda.gpu_worker.codec import decode_plan
 from pagoda.gpu_worker.dummy_engine import DUMMY_VOCAB_SIZE, DummyEngine
-from pagoda.gpu_worker.sequence_table import PlanError, SequenceTable
+from pagoda.gpu_worker.sequence_table import SequenceTable
 from pagoda.protos import step_pb2
 
 from pagoda.common.dummy_tokens import dummy_next_token
+from pagoda.common.plan_check import PlanError
+from tests.worker.conftest import run_plan
 
 
 def make_table(**overrides) -> SequenceTable:
@@ -20,6 +23,11 @@ def make_table(**overrides) -> SequenceTable:
     )
     settings.update(overrides)
     return SequenceTable(**settings)
+
+
+def admit(table: SequenceTable, plan: step_pb2.StepPlan):
+    """The table admits the plan as the server decodes it."""
+    return table.admit(decode_plan(plan))
 
 
 def plan_of(entries, new=(), forget=(), step_id=1) -> step_pb2.StepPlan:
@@ -43,20 +51,20 @@ def plan_of(entries, new=(), forget=(), step_id=1) -> step_pb2.StepPlan:
 
 def test_block_tables_grow_from_deltas_and_history_follows_positions():
     table = make_table()
-    table.admit(plan_of([(1, 0, [10, 11, 12, 13, 14], [5, 2])], new=[(1, [], 5)]))
-    table.admit(plan_of([(1, 5, [15], [])]))
+    admit(table, plan_of([(1, 0, [10, 11, 12, 13, 14], [5, 2])], new=[(1, [], 5)]))
+    admit(table, plan_of([(1, 5, [15], [])]))
     seq = table.get(1)
     assert seq.block_ids == [5, 2]
     assert seq.token_ids == [10, 11, 12, 13, 14, 15]
     # A rewound start (recompute of the tail) truncates, then extends.
-    table.admit(plan_of([(1, 3, [20, 21, 22, 23, 24], [7])]))
+    admit(table, plan_of([(1, 3, [20, 21, 22, 23, 24], [7])]))
     assert seq.token_ids == [10, 11, 12, 20, 21, 22, 23, 24]
     assert seq.block_ids == [5, 2, 7]
 
 
 def test_cached_prefix_tokens_count_as_known_history():
     table = make_table()
-    admitted = table.admit(plan_of([(1, 4, [4, 5], [0, 1])], new=[(1, [0, 1, 2, 3], 6)]))
+    admitted = admit(table, plan_of([(1, 4, [4, 5], [0, 1])], new=[(1, [0, 1, 2, 3], 6)]))
     assert admitted.chunks[0].end_position == 6
     assert table.get(1).token_ids == [0, 1, 2, 3, 4, 5]
 
@@ -75,8 +83,8 @@ def test_cached_prefix_tokens_count_as_known_history():
 )
 def test_bad_entry_is_refused_and_the_sequence_forgotten(entry, new, message):
     table = make_table()
-    table.admit(plan_of([(5, 0, [1, 2], [3])], new=[(5, [], 2)]))
-    admitted = table.admit(plan_of([entry, (5, 2, [3], [])], new=new))
+    admit(table, plan_of([(5, 0, [1, 2], [3])], new=[(5, [], 2)]))
+    admitted = admit(table, plan_of([entry, (5, 2, [3], [])], new=new))
     assert [r.seq_id for r in admitted.refusals] == [entry[0]]
     assert message in admitted.refusals[0].message
     assert entry[0] not in table
@@ -85,15 +93,15 @@ def test_bad_entry_is_refused_and_the_sequence_forgotten(entry, new, message):
 
 def test_a_new_sequence_with_a_live_id_replaces_it():
     table = make_table()
-    table.admit(plan_of([(1, 0, [1, 2, 3], [0])], new=[(1, [], 3)]))
-    table.admit(plan_of([(1, 0, [7], [4])], new=[(1, [], 1)]))
+    admit(table, plan_of([(1, 0, [1, 2, 3], [0])], new=[(1, [], 3)]))
+    admit(table, plan_of([(1, 0, [7], [4])], new=[(1, [], 1)]))
     assert table.get(1).block_ids == [4]
     assert table.get(1).token_ids == [7]
 
 
 def test_duplicate_entries_are_refused():
     table = make_table()
-    admitted = table.admit(plan_of([(1, 0, [1], [0]), (1, 1, [2], [])], new=[(1, [], 1)]))
+    admitted = admit(table, plan_of([(1, 0, [1], [0]), (1, 1, [2], [])], new=[(1, [], 1)]))
     assert [r.seq_id for r in admitted.refusals] == [1]
     assert admitted.chunks == []
 
@@ -111,7 +119,7 @@ def test_misaligned_columns_are_a_plan_error(mutate):
     plan = plan_of([(1, 0, [1, 2], [0])], new=[(1, [], 2)])
     mutate(plan)
     with pytest.raises(PlanError):
-        make_table().admit(plan)
+        admit(make_table(), plan)
 
 
 def test_dummy_engine_answers_dummy_next_token_and_refuses_like_the_paged_one():
@@ -120,11 +128,11 @@ def test_dummy_engine_answers_dummy_next_token_and_refuses_like_the_paged_one():
         [(1, 0, [10, 11, 12], [0]), (2, 0, [5, 6], [99]), (3, 0, [4, 4], [1], False)],
         new=[(1, [], 3), (2, [], 2), (3, [], 4)],
     )
-    result = engine.step(plan)
+    result = run_plan(engine, plan)
     assert list(result.seq_ids) == [1]
     assert list(result.token_ids) == [dummy_next_token(12, 2, DUMMY_VOCAB_SIZE)]
     assert [e.seq_id for e in result.errors] == [2]
-    decode = engine.step(plan_of([(1, 3, [result.token_ids[0]], []), (3, 2, [8, 9], [])]))
+    decode = run_plan(engine, plan_of([(1, 3, [result.token_ids[0]], []), (3, 2, [8, 9], [])]))
     assert list(decode.token_ids) == [
         dummy_next_token(result.token_ids[0], 3, DUMMY_VOCAB_SIZE),
         dummy_next_token(9, 3, DUMMY_VOCAB_SIZE),
@@ -133,12 +141,12 @@ def test_dummy_engine_answers_dummy_next_token_and_refuses_like_the_paged_one():
 
 def test_dummy_engine_fault_injection_and_malformed_plans_become_step_errors():
     engine = DummyEngine(fail_on_token_id=13)
-    engine.step(plan_of([(1, 0, [1], [0])], new=[(1, [], 1)]))
-    failed = engine.step(plan_of([(1, 1, [13], [])]))
+    run_plan(engine, plan_of([(1, 0, [1], [0])], new=[(1, [], 1)]))
+    failed = run_plan(engine, plan_of([(1, 1, [13], [])]))
     assert "13" in failed.step_error and 1 not in engine.table
     malformed = plan_of([(2, 0, [1], [0])], new=[(2, [], 1)])
     malformed.start_positions.append(5)
-    assert "start_positions" in engine.step(malformed).step_error
+    assert "start_positions" in run_plan(engine, malformed).step_error
 
 
 def test_dummy_worker_modules_do_not_import_torch():

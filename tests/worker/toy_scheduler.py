@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from pagoda.protos import step_pb2
 
+from tests.worker.conftest import run_plan
+
 
 @dataclass
 class Job:
@@ -138,7 +140,7 @@ class ToyScheduler:
             plan.block_offsets.append(len(plan.block_ids))
             job.num_blocks_sent = len(job.block_ids)
             fed[job.seq_id] = chunk
-        result = self.engine.step(plan)
+        result = run_plan(self.engine, plan)
         assert not result.step_error, result.step_error
         assert not result.errors, list(result.errors)
         for seq_id, count in fed.items():
