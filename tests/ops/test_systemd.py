@@ -57,6 +57,8 @@ def exposure(unit_name: str, root: Path) -> float:
         capture_output=True,
         text=True,
     )  # fmt: skip
+    if "unrecognized option" in result.stderr:  # --offline came with systemd 250
+        pytest.skip(f"this systemd-analyze cannot score unit files: {result.stderr.strip()}")
     match = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", result.stdout)
     assert match, result.stdout + result.stderr
     return float(match.group(1))
