@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pagoda.gpu_worker.engine import PagedEngine, pick_device
+from pagoda.gpu_worker import codec
 from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
+from pagoda.gpu_worker.paged_engine import PagedEngine, pick_device
 from pagoda.protos import step_pb2
 
 BLOCK_SIZE = 16
@@ -119,7 +120,8 @@ class Bench:
         self.decode_ids: list[int] = []  # the last decode case's sequences, reused by mixed
 
     def _step(self, plan: step_pb2.StepPlan) -> step_pb2.StepResult:
-        result = self.engine.step(plan)
+        """One wire plan through the codec and the engine, as the worker's server runs it."""
+        result = codec.encode_result(self.engine.step(codec.decode_plan(plan)))
         assert not result.step_error and not result.errors, (result.step_error, result.errors)
         return result
 

@@ -7,16 +7,16 @@ import sys
 from collections.abc import Sequence
 
 from pagoda.gpu_worker.config import WorkerConfig, configure_logging, describe, load_config
+from pagoda.gpu_worker.engine import Engine
 from pagoda.gpu_worker.model_loader import ModelNotFoundError
 from pagoda.gpu_worker.server import EXIT_REFUSED, WorkerServer
-from pagoda.gpu_worker.step_engine import StepEngine
 
 from pagoda.common import curve
 
 log = logging.getLogger("pagoda.worker")
 
 
-def build_engine(config: WorkerConfig) -> StepEngine:
+def build_engine(config: WorkerConfig) -> Engine:
     if config.is_dummy:
         from pagoda.gpu_worker.dummy_engine import DummyEngine
 
@@ -26,7 +26,7 @@ def build_engine(config: WorkerConfig) -> StepEngine:
             max_context_tokens=config.max_context_tokens,
             fail_on_token_id=config.fail_on_token_id,
         )
-    from pagoda.gpu_worker.engine import load_engine  # torch is imported only here
+    from pagoda.gpu_worker.paged_engine import load_engine  # torch is imported only here
 
     return load_engine(config)
 

@@ -2,8 +2,8 @@
 
 The sampled token is `pagoda.common.dummy_tokens.dummy_next_token(last fed token, its position,
 vocab)`, the same pure function the scheduler's in-process fake uses, so a
-recomputed sequence reproduces its output. Plans are validated by the same
-SequenceTable as the paged engine's. Imports no torch: the harness for scheduler
+recomputed sequence reproduces its output. Plans are validated and run by the same
+Engine.step as the paged engine's. Imports no torch: the harness for scheduler
 load tests starts in a blink.
 """
 
@@ -11,15 +11,8 @@ from __future__ import annotations
 
 import time
 
-from pagoda.gpu_worker.sequence_table import ScheduledChunk, SequenceTable
-from pagoda.gpu_worker.step import StepPlan, StepResult
-from pagoda.gpu_worker.step_engine import (
-    MAX_LOGPROBS,
-    EngineFacts,
-    SampledTokens,
-    check_injected_fault,
-    execute_plan,
-)
+from pagoda.gpu_worker.engine import Engine, EngineFacts, SampledTokens
+from pagoda.gpu_worker.sequence_table import ScheduledChunk
 
 from pagoda.common.dummy_tokens import dummy_next_token
 
@@ -29,7 +22,7 @@ DUMMY_MAX_CONTEXT_TOKENS = 8192
 DUMMY_NUM_KV_BLOCKS = 4096
 
 
-class DummyEngine:
+class DummyEngine(Engine):
     def __init__(
         self,
         *,
@@ -38,8 +31,7 @@ class DummyEngine:
         max_context_tokens: int | None = None,
         fail_on_token_id: int | None = None,
     ) -> None:
-        self.fail_on_token_id = fail_on_token_id
-        self.facts = EngineFacts(
+        facts = EngineFacts(
             model_id="dummy",
             vocab_size=DUMMY_VOCAB_SIZE,
             eos_token_ids=DUMMY_EOS_TOKEN_IDS,
@@ -49,23 +41,10 @@ class DummyEngine:
             device="none",
             dtype="none",
         )
-        self.table = SequenceTable(
-            num_kv_blocks=self.facts.num_kv_blocks,
-            block_size=block_size,
-            vocab_size=DUMMY_VOCAB_SIZE,
-            max_context_tokens=self.facts.max_context_tokens,
-            max_logprobs=MAX_LOGPROBS,
-        )
+        super().__init__(facts, fail_on_token_id=fail_on_token_id)
 
-    def step(self, plan: StepPlan) -> StepResult:
-        return execute_plan(self.table, plan, self._compute)
-
-    def reset(self) -> None:
-        self.table.clear()
-
-    def _compute(self, chunks: list[ScheduledChunk]) -> SampledTokens:
+    def compute(self, chunks: list[ScheduledChunk]) -> SampledTokens:
         started_s = time.perf_counter()
-        check_injected_fault(chunks, self.fail_on_token_id)
         sampled = SampledTokens([])
         wants_logprobs = any(c.sample and c.seq.sampling.num_logprobs for c in chunks)
         for chunk in chunks:

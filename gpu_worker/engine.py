@@ -1,183 +1,138 @@
-"""The paged engine: one forward per step over a ragged batch, then batched sampling.
+"""What an engine is to the server, and the step every engine (paged or dummy) runs.
 
-Wraps an unmodified `transformers` causal LM whose attention implementation is
-switched to pagoda.gpu_worker.paged_attention; logits are computed only at the rows that
-sample (the model's own `logits_to_keep`, so architecture-specific logit scaling
-or soft-capping still applies).
+An engine turns one plain StepPlan into one StepResult (pagoda.gpu_worker.step; the
+server's codec converts them to and from the wire). `Engine.step` admits the plan into
+the sequence table, runs the subclass's `compute` over the valid chunks, forgets what
+the plan says to forget, and packs the result; an exception in the compute becomes
+`step_error` and every sequence the plan named is forgotten. A subclass supplies only
+its facts and its compute. Imports no torch.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 
-import torch
-from pagoda.gpu_worker import paged_attention
-from pagoda.gpu_worker.config import WorkerConfig
-from pagoda.gpu_worker.kv_pool import GIB, KVGeometry, KVPool, num_blocks_for_budget
-from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
-from pagoda.gpu_worker.ragged_batch import build_ragged_batch
-from pagoda.gpu_worker.sampler import SampleRow, sample
-from pagoda.gpu_worker.sequence_table import ScheduledChunk, SequenceTable
+from pagoda.gpu_worker.sequence_table import AdmittedPlan, ScheduledChunk, SequenceTable
 from pagoda.gpu_worker.step import StepPlan, StepResult
-from pagoda.gpu_worker.step_engine import (
-    MAX_LOGPROBS,
-    EngineFacts,
-    SampledTokens,
-    check_injected_fault,
-    execute_plan,
-)
 
-log = logging.getLogger("pagoda.worker.engine")
+from pagoda.common.plan_check import PlanError
+
+log = logging.getLogger("pagoda.worker.step")
+
+MAX_LOGPROBS = 20
 
 
-def eos_token_ids_of(model) -> tuple[int, ...]:
-    ids: list[int] = []
-    for source in (model.config.get_text_config(), getattr(model, "generation_config", None)):
-        value = getattr(source, "eos_token_id", None)
-        for token_id in value if isinstance(value, list) else [value]:
-            if token_id is not None and token_id not in ids:
-                ids.append(int(token_id))
-    return tuple(ids)
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What the hello announces."""
+
+    model_id: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_context_tokens: int
+    block_size: int
+    num_kv_blocks: int
+    device: str
+    dtype: str
+    max_logprobs: int = MAX_LOGPROBS
 
 
-def max_positions_of(model) -> int:
-    text = model.config.get_text_config()
-    return int(getattr(text, "max_position_embeddings", None) or 2048)
+@dataclass(slots=True)
+class SampledTokens:
+    """One entry per chunk that samples, in plan order."""
+
+    token_ids: list[int]
+    # Filled only when some sequence asked for logprobs; then one entry per token.
+    logprobs: list[float] = field(default_factory=list)
+    top_token_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    forward_ms: float = 0.0
+    sample_ms: float = 0.0
 
 
-class PagedEngine:
-    """Executes step plans on one model and one KV pool. Called only from the step loop."""
+class InjectedFault(RuntimeError):
+    """Raised by the --fail-on-token-id test hook."""
 
-    def __init__(
-        self,
-        model,
-        *,
-        model_id: str,
-        num_kv_blocks: int,
-        block_size: int = 16,
-        max_context_tokens: int | None = None,
-        fail_on_token_id: int | None = None,
-    ) -> None:
-        paged_attention.register()
-        model.set_attn_implementation(paged_attention.ATTENTION_NAME)
-        paged_attention.number_attention_layers(model)
-        self.model = model
-        parameter = next(model.parameters())
-        self.device = parameter.device
-        geometry = KVGeometry.from_model_config(model.config, block_size, parameter.dtype)
-        self.pool = KVPool(geometry, num_kv_blocks, self.device)
-        self.block_size = block_size
-        self.fail_on_token_id = fail_on_token_id
-        vocab_size = model.get_output_embeddings().out_features
-        max_context_tokens = max_context_tokens or max_positions_of(model)
-        self.facts = EngineFacts(
-            model_id=model_id,
-            vocab_size=vocab_size,
-            eos_token_ids=eos_token_ids_of(model),
-            max_context_tokens=max_context_tokens,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            device=str(self.device),
-            dtype=str(parameter.dtype).removeprefix("torch."),
-        )
+
+class Engine(ABC):
+    """Runs step plans against one sequence table. Called only from the worker's step loop."""
+
+    def __init__(self, facts: EngineFacts, *, fail_on_token_id: int | None = None) -> None:
+        self.facts = facts
+        self.fail_on_token_id = fail_on_token_id  # fault-injection hook for tests
         self.table = SequenceTable(
-            num_kv_blocks=num_kv_blocks,
-            block_size=block_size,
-            vocab_size=vocab_size,
-            max_context_tokens=max_context_tokens,
-            max_logprobs=MAX_LOGPROBS,
+            num_kv_blocks=facts.num_kv_blocks,
+            block_size=facts.block_size,
+            vocab_size=facts.vocab_size,
+            max_context_tokens=facts.max_context_tokens,
+            max_logprobs=facts.max_logprobs,
         )
+
+    @abstractmethod
+    def compute(self, chunks: list[ScheduledChunk]) -> SampledTokens:
+        """The forward and sampling over admitted chunks (at least one)."""
 
     def step(self, plan: StepPlan) -> StepResult:
-        return execute_plan(self.table, plan, self._compute)
+        """Admit, compute, forget, pack. Never raises for a bad plan or a failing forward."""
+        started_s = time.perf_counter()
+        try:
+            admitted = self.table.admit(plan)
+            if admitted.chunks:
+                self._check_injected_fault(admitted.chunks)
+                sampled = self.compute(admitted.chunks)
+            else:
+                sampled = SampledTokens([])
+        except Exception as exc:  # any failure in the forward must not kill the worker
+            ids = sorted(plan.named_seq_ids())
+            self.table.forget(ids)
+            message = one_line(exc)
+            log.warning("step %d failed: %s; forgot %d sequences", plan.step_id, message, len(ids))
+            if not isinstance(exc, PlanError):
+                log.debug("step %d traceback", plan.step_id, exc_info=True)
+            return StepResult(
+                step_id=plan.step_id,
+                step_error=message,
+                total_ms=(time.perf_counter() - started_s) * 1e3,
+            )
+        self.table.forget(admitted.forget_seq_ids)
+        result = pack_result(admitted, sampled)
+        result.total_ms = (time.perf_counter() - started_s) * 1e3
+        return result
 
     def reset(self) -> None:
         """Forget every sequence (a new scheduler knows none of them)."""
         self.table.clear()
 
-    def _synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @torch.inference_mode()
-    def _compute(self, chunks: list[ScheduledChunk]) -> SampledTokens:
-        started_s = time.perf_counter()
-        check_injected_fault(chunks, self.fail_on_token_id)
-        batch = build_ragged_batch(chunks, self.block_size, self.device)
-        with paged_attention.active_step(batch, self.pool):
-            logits = self.model(
-                input_ids=batch.input_ids,
-                position_ids=batch.position_ids,
-                logits_to_keep=batch.sample_token_indices,
-                use_cache=False,
-            ).logits[0]
-        self._synchronize()
-        forward_done_s = time.perf_counter()
-        rows = [
-            SampleRow(c.seq.sampling, c.seq.token_ids, c.seq.num_prompt_tokens, c.end_position)
-            for c in batch.sample_chunks
-        ]
-        output = sample(logits, rows) if rows else None
-        sample_done_s = time.perf_counter()
-        if output is None:
-            return SampledTokens([], forward_ms=(forward_done_s - started_s) * 1e3)
-        return SampledTokens(
-            token_ids=output.token_ids,
-            logprobs=output.logprobs,
-            top_token_ids=output.top_token_ids,
-            top_logprobs=output.top_logprobs,
-            forward_ms=(forward_done_s - started_s) * 1e3,
-            sample_ms=(sample_done_s - forward_done_s) * 1e3,
-        )
+    def _check_injected_fault(self, chunks: list[ScheduledChunk]) -> None:
+        token_id = self.fail_on_token_id
+        if token_id is not None and any(token_id in chunk.token_ids for chunk in chunks):
+            raise InjectedFault(f"fault injected: token {token_id} was fed")
 
 
-def pick_device(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def one_line(exc: Exception, max_chars: int = 300) -> str:
+    """The exception as one bounded line (torch messages can span many)."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
-def load_engine(config: WorkerConfig) -> PagedEngine:
-    """Load the model named by the config, size the KV pool, build the engine; logs both."""
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # one log line per event, no bars
-    device = pick_device(config.device)
-    started_s = time.monotonic()
-    resolved = resolve_model_dir(config.model)
-    model = load_model(resolved, device, config.dtype)
-    log.info(
-        "loaded %s on %s (%s) in %.1f s",
-        resolved.model_id,
-        device,
-        str(model.dtype).removeprefix("torch."),
-        time.monotonic() - started_s,
+def pack_result(admitted: AdmittedPlan, sampled: SampledTokens) -> StepResult:
+    result = StepResult(
+        step_id=admitted.step_id,
+        seq_ids=[chunk.seq.seq_id for chunk in admitted.chunks if chunk.sample],
+        token_ids=sampled.token_ids,
+        errors=admitted.refusals,
+        forward_ms=sampled.forward_ms,
+        sample_ms=sampled.sample_ms,
+        num_tokens=admitted.num_tokens,
     )
-    geometry = KVGeometry.from_model_config(model.config, config.block_size, model.dtype)
-    if config.num_kv_blocks is not None:
-        num_blocks = config.num_kv_blocks
-    elif device.startswith("cuda"):
-        free_bytes, _ = torch.cuda.mem_get_info(torch.device(device))
-        num_blocks = num_blocks_for_budget(free_bytes * config.gpu_memory_utilization, geometry)
-    else:
-        num_blocks = num_blocks_for_budget(config.kv_cache_gib * GIB, geometry)
-    engine = PagedEngine(
-        model,
-        model_id=resolved.model_id,
-        num_kv_blocks=num_blocks,
-        block_size=config.block_size,
-        max_context_tokens=config.max_context_tokens,
-        fail_on_token_id=config.fail_on_token_id,
-    )
-    log.info(
-        "KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB (%d layers, %d KV heads x %d)",
-        num_blocks,
-        config.block_size,
-        num_blocks * config.block_size,
-        engine.pool.num_bytes / GIB,
-        geometry.num_layers,
-        geometry.num_kv_heads,
-        geometry.head_dim,
-    )
-    return engine
+    if sampled.logprobs:
+        result.logprobs = sampled.logprobs
+        result.top_offsets.append(0)
+        for ids, logprobs in zip(sampled.top_token_ids, sampled.top_logprobs, strict=True):
+            result.top_token_ids.extend(ids)
+            result.top_logprobs.extend(logprobs)
+            result.top_offsets.append(len(result.top_token_ids))
+    return result

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import zmq
 from pagoda.gpu_worker import codec
-from pagoda.gpu_worker.step_engine import StepEngine, one_line
+from pagoda.gpu_worker.engine import Engine, one_line
 from pagoda.protos import step_pb2
 
 from pagoda.common import curve, transport, wire
@@ -42,7 +42,7 @@ def prepare_endpoint(endpoint: str) -> None:
 class WorkerServer:
     def __init__(
         self,
-        engine: StepEngine,
+        engine: Engine,
         endpoint: str,
         curve_client: tuple[curve.KeyPair, bytes] | None = None,
     ) -> None:

@@ -19,10 +19,7 @@ from dataclasses import dataclass, field
 from pagoda.scheduler_svc.core.step_decision import StepDecision, StepOutcome, WorkerGeometry
 
 from pagoda.common.dummy_tokens import dummy_next_token
-
-
-class PlanError(AssertionError):
-    """The scheduler sent a plan a real worker could not run correctly."""
+from pagoda.common.plan_check import PlanError
 
 
 @dataclass(slots=True)

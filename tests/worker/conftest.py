@@ -47,7 +47,7 @@ class TinyModels:
     _greedy_cache: dict = field(default_factory=dict)
 
     def engine(self, **kwargs):
-        from pagoda.gpu_worker.engine import PagedEngine
+        from pagoda.gpu_worker.paged_engine import PagedEngine
 
         kwargs.setdefault("num_kv_blocks", TEST_NUM_BLOCKS)
         kwargs.setdefault("block_size", TEST_BLOCK_SIZE)

@@ -1,0 +1,159 @@
+"""The paged engine: one forward per step over a ragged batch, then batched sampling.
+
+Wraps an unmodified `transformers` causal LM whose attention implementation is
+switched to pagoda.gpu_worker.paged_attention; logits are computed only at the rows that
+sample (the model's own `logits_to_keep`, so architecture-specific logit scaling
+or soft-capping still applies).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from pagoda.gpu_worker import paged_attention
+from pagoda.gpu_worker.config import WorkerConfig
+from pagoda.gpu_worker.engine import Engine, EngineFacts, SampledTokens
+from pagoda.gpu_worker.kv_pool import GIB, KVGeometry, KVPool, num_blocks_for_budget
+from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
+from pagoda.gpu_worker.ragged_batch import build_ragged_batch
+from pagoda.gpu_worker.sampler import SampleRow, sample
+from pagoda.gpu_worker.sequence_table import ScheduledChunk
+
+log = logging.getLogger("pagoda.worker.engine")
+
+
+def eos_token_ids_of(model) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (model.config.get_text_config(), getattr(model, "generation_config", None)):
+        value = getattr(source, "eos_token_id", None)
+        for token_id in value if isinstance(value, list) else [value]:
+            if token_id is not None and token_id not in ids:
+                ids.append(int(token_id))
+    return tuple(ids)
+
+
+def max_positions_of(model) -> int:
+    text = model.config.get_text_config()
+    return int(getattr(text, "max_position_embeddings", None) or 2048)
+
+
+class PagedEngine(Engine):
+    """Executes step plans on one model and one KV pool. Called only from the step loop."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        model_id: str,
+        num_kv_blocks: int,
+        block_size: int = 16,
+        max_context_tokens: int | None = None,
+        fail_on_token_id: int | None = None,
+    ) -> None:
+        paged_attention.register()
+        model.set_attn_implementation(paged_attention.ATTENTION_NAME)
+        paged_attention.number_attention_layers(model)
+        self.model = model
+        parameter = next(model.parameters())
+        self.device = parameter.device
+        geometry = KVGeometry.from_model_config(model.config, block_size, parameter.dtype)
+        self.pool = KVPool(geometry, num_kv_blocks, self.device)
+        self.block_size = block_size
+        facts = EngineFacts(
+            model_id=model_id,
+            vocab_size=model.get_output_embeddings().out_features,
+            eos_token_ids=eos_token_ids_of(model),
+            max_context_tokens=max_context_tokens or max_positions_of(model),
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            device=str(self.device),
+            dtype=str(parameter.dtype).removeprefix("torch."),
+        )
+        super().__init__(facts, fail_on_token_id=fail_on_token_id)
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def compute(self, chunks: list[ScheduledChunk]) -> SampledTokens:
+        started_s = time.perf_counter()
+        batch = build_ragged_batch(chunks, self.block_size, self.device)
+        with paged_attention.active_step(batch, self.pool):
+            logits = self.model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                logits_to_keep=batch.sample_token_indices,
+                use_cache=False,
+            ).logits[0]
+        self._synchronize()
+        forward_done_s = time.perf_counter()
+        rows = [
+            SampleRow(c.seq.sampling, c.seq.token_ids, c.seq.num_prompt_tokens, c.end_position)
+            for c in batch.sample_chunks
+        ]
+        output = sample(logits, rows) if rows else None
+        sample_done_s = time.perf_counter()
+        if output is None:
+            return SampledTokens([], forward_ms=(forward_done_s - started_s) * 1e3)
+        return SampledTokens(
+            token_ids=output.token_ids,
+            logprobs=output.logprobs,
+            top_token_ids=output.top_token_ids,
+            top_logprobs=output.top_logprobs,
+            forward_ms=(forward_done_s - started_s) * 1e3,
+            sample_ms=(sample_done_s - forward_done_s) * 1e3,
+        )
+
+
+def pick_device(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_engine(config: WorkerConfig) -> PagedEngine:
+    """Load the model named by the config, size the KV pool, build the engine; logs both."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # one log line per event, no bars
+    device = pick_device(config.device)
+    started_s = time.monotonic()
+    resolved = resolve_model_dir(config.model)
+    model = load_model(resolved, device, config.dtype)
+    log.info(
+        "loaded %s on %s (%s) in %.1f s",
+        resolved.model_id,
+        device,
+        str(model.dtype).removeprefix("torch."),
+        time.monotonic() - started_s,
+    )
+    geometry = KVGeometry.from_model_config(model.config, config.block_size, model.dtype)
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    elif device.startswith("cuda"):
+        free_bytes, _ = torch.cuda.mem_get_info(torch.device(device))
+        num_blocks = num_blocks_for_budget(free_bytes * config.gpu_memory_utilization, geometry)
+    else:
+        num_blocks = num_blocks_for_budget(config.kv_cache_gib * GIB, geometry)
+    engine = PagedEngine(
+        model,
+        model_id=resolved.model_id,
+        num_kv_blocks=num_blocks,
+        block_size=config.block_size,
+        max_context_tokens=config.max_context_tokens,
+        fail_on_token_id=config.fail_on_token_id,
+    )
+    log.info(
+        "KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB (%d layers, %d KV heads x %d)",
+        num_blocks,
+        config.block_size,
+        num_blocks * config.block_size,
+        engine.pool.num_bytes / GIB,
+        geometry.num_layers,
+        geometry.num_kv_heads,
+        geometry.head_dim,
+    )
+    return engine
