@@ -6,9 +6,11 @@ STAMP := $(VENV)/.installed
 GRPC_ADDRESS ?= 127.0.0.1:50051
 MODEL ?= default
 ARGS ?=
+# The llama-cpp-python release whose vendored llama.cpp `make llama-server` builds.
+LLAMA_CPP_PYTHON_VERSION ?= 0.3.36
 
 .DEFAULT_GOAL := help
-.PHONY: help install protos check-protos lint test test-fast run bench bench-quick bench-worker bench-scheduler clean
+.PHONY: help install protos check-protos lint test test-fast run bench bench-quick bench-worker bench-scheduler llama-server clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -57,6 +59,9 @@ bench-worker: $(STAMP) ## the paged worker vs transformers' own forward, per ste
 
 bench-scheduler: $(STAMP) ## schedule() + apply() per step at 16..1024 running sequences
 	$(PY) -m benchmarks.scheduler_core $(ARGS)
+
+llama-server: $(STAMP) ## build llama.cpp's llama-server + the Q4_1 model into ~/.cache (a make bench peer)
+	scripts/build_llama_server.sh $(PY) $(LLAMA_CPP_PYTHON_VERSION)
 
 clean: ## remove .venv and caches (the model cache in ~/.cache/pagoda stays)
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info

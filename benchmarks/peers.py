@@ -61,6 +61,13 @@ def request_result_from_token_times(
     )
 
 
+def prompt_token_ids(tokenizer: Any, config: BenchConfig, run_tag: str) -> list[list[int]]:
+    """The token ids of the prompts the load generator sends for `config` (every peer is
+    given these, so all of them compute the same prompts)."""
+    prompts = build_prompts(config, run_tag)
+    return [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+
+
 @dataclass(slots=True)
 class PeerRun:
     """A peer's report on a workload, with a note when it served only part of it."""
@@ -95,8 +102,7 @@ class Peers:
 
     def prompt_ids(self, config: BenchConfig, run_tag: str) -> list[list[int]]:
         """The token ids of the prompts the load generator sends for `config`."""
-        prompts = build_prompts(config, run_tag)
-        return [self.tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+        return prompt_token_ids(self.tokenizer, config, run_tag)
 
     def run(self, peer: str, config: BenchConfig, run_tag: str, max_requests: int) -> PeerRun:
         """Serve the first `max_requests` requests of `config` as one burst with `peer`."""

@@ -31,6 +31,21 @@ PEER_GENERATE = "hf generate()"
 PEER_STATIC = f"hf static b{STATIC_BATCH_SIZE}"
 PEER_CONTINUOUS = "hf generate_batch"
 PEERS = (PEER_GENERATE, PEER_STATIC, PEER_CONTINUOUS)
+# llama.cpp's server (benchmarks.llama_server), when `make llama-server` has built it; it runs
+# before the transformers peers.
+PEER_LLAMA = "llama-server"
+ALL_PEERS = (PEER_LLAMA, *PEERS)
+# `--peer` names on the command line.
+PEER_KEYS = {
+    "llama-server": PEER_LLAMA,
+    "generate": PEER_GENERATE,
+    "static": PEER_STATIC,
+    "generate-batch": PEER_CONTINUOUS,
+}
+# llama-server's --parallel: a slot for every request of a 64-request burst; 16 where long
+# prompts are mixed in (the issue 15 comparison: more slots only made its steps longer).
+LLAMA_PARALLEL = 64
+LLAMA_PARALLEL_MIXED = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +84,10 @@ class PeerWorkload:
     title: str
     workload: BenchConfig
     # Requests each peer is given (the first n of the workload); fewer than the workload's
-    # num_requests only where a peer would take minutes, and the table says so.
+    # num_requests only where a peer would take minutes, and the table says so. A peer not
+    # named here does not run the workload (the transformers peers serve bursts only).
     peer_max_requests: dict[str, int]
+    llama_parallel: int = LLAMA_PARALLEL
 
 
 def _workload(**fields) -> BenchConfig:
@@ -208,13 +225,15 @@ def _prefix_caching(quick: bool, salt: str) -> Scenario:
 
 
 def build_peer_workloads(*, quick: bool = False) -> list[PeerWorkload]:
-    """The bursts served by Pagoda and the peers (all requests arrive at t=0)."""
+    """The workloads served by Pagoda and the peers: bursts (all requests at t=0) for every
+    peer, and issue 15's mixed burst and trickle for llama-server."""
     count = _scaled(64, quick, 16)
     short = PeerWorkload(
         name="burst-short",
         title=f"{count}-request burst, short prompts, 64 new tokens each",
         workload=_workload(num_requests=count, prompt_repeats=(32,), max_new_tokens=64),
         peer_max_requests={
+            PEER_LLAMA: count,
             PEER_GENERATE: 4 if quick else 16,
             PEER_STATIC: count,
             PEER_CONTINUOUS: count,
@@ -226,9 +245,28 @@ def build_peer_workloads(*, quick: bool = False) -> list[PeerWorkload]:
         name="burst-mixed",
         title="32-request burst, prompts of 256 and 32 tokens, 32 new tokens each",
         workload=_workload(num_requests=32, prompt_repeats=(256, 32, 32, 32), max_new_tokens=32),
-        peer_max_requests={PEER_GENERATE: 8, PEER_STATIC: 32, PEER_CONTINUOUS: 32},
+        peer_max_requests={PEER_LLAMA: 32, PEER_GENERATE: 8, PEER_STATIC: 32, PEER_CONTINUOUS: 32},
     )
-    return [short, mixed]
+    long_mixed = PeerWorkload(
+        name="burst-512-mix",
+        title="64-request burst, prompts cycling 512/8/8/8 tokens, 32 new tokens each",
+        workload=_workload(num_requests=64, prompt_repeats=(512, 8, 8, 8), max_new_tokens=32),
+        peer_max_requests={PEER_LLAMA: 64},
+        llama_parallel=LLAMA_PARALLEL_MIXED,
+    )
+    trickle = PeerWorkload(
+        name="trickle-short",
+        title="32 requests, one every 250 ms, 32-token prompts, 32 new tokens each",
+        workload=_workload(
+            num_requests=32,
+            arrival="interval",
+            interval_ms=250,
+            prompt_repeats=(32,),
+            max_new_tokens=32,
+        ),
+        peer_max_requests={PEER_LLAMA: 32},
+    )
+    return [short, mixed, long_mixed, trickle]
 
 
 def with_target(workload: BenchConfig, target: str) -> BenchConfig:

@@ -4,12 +4,15 @@
     .venv/bin/python -m benchmarks.suite --quick    # a 2-minute subset
     .venv/bin/python -m benchmarks.suite --list     # scenario and peer-workload names
     .venv/bin/python -m benchmarks.suite --only prefix-caching --no-peers --json out.json
+    .venv/bin/python -m benchmarks.suite --only trickle-short --peer llama-server
     BENCH_TARGET=host:port .venv/bin/python -m benchmarks.suite   # an already running server
 
 Without BENCH_TARGET the suite starts a worker and, per knob setting, a scheduler (see
 benchmarks.suite_service), runs the load generator for every variant of every scenario and
-the peer workloads, stops the service, then runs the `transformers` peers in this process on
-the same prompts (see benchmarks.peers), so the two never compete for the cores. With
+the peer workloads, stops the service, then runs llama.cpp's llama-server when `make
+llama-server` has built it (see benchmarks.llama_server) and the `transformers` peers in this
+process on the same prompts (see benchmarks.peers), one at a time, so they never compete for
+the cores. With
 BENCH_TARGET it cannot change the server's knobs: each distinct workload runs once against
 the server as it is configured, and the tables say so.
 """
@@ -30,6 +33,9 @@ from pagoda.client.bench_config import BenchConfig
 from pagoda.client.bench_report import BenchReport, format_report_table
 
 from benchmarks.scenarios import (
+    ALL_PEERS,
+    PEER_KEYS,
+    PEER_LLAMA,
     PEERS,
     PeerWorkload,
     Scenario,
@@ -59,7 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run only this scenario or peer workload (repeatable; see --list)",
     )
     parser.add_argument("--list", action="store_true", help="list the names and exit")
-    parser.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
+    parser.add_argument("--no-peers", action="store_true", help="skip every peer")
+    parser.add_argument(
+        "--peer",
+        action="append",
+        choices=list(PEER_KEYS),
+        help="run only this peer (repeatable; default: all, llama-server when built)",
+    )
     parser.add_argument(
         "--device", default="auto", help="worker and peer device: auto, cpu, cuda, cuda:N"
     )
@@ -81,6 +93,16 @@ def select(
     if unknown:
         raise ValueError(f"unknown name(s) {', '.join(unknown)}; known: {', '.join(known)}")
     return [s for s in scenarios if s.name in only], [w for w in workloads if w.name in only]
+
+
+def selected_peers(args: argparse.Namespace) -> tuple[str, ...]:
+    """The peers to run, in ALL_PEERS order."""
+    if args.no_peers:
+        return ()
+    if not args.peer:
+        return ALL_PEERS
+    wanted = {PEER_KEYS[key] for key in args.peer}
+    return tuple(peer for peer in ALL_PEERS if peer in wanted)
 
 
 def target_columns(scenario: Scenario) -> list[tuple[str, BenchConfig]]:
@@ -114,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     started_s = time.perf_counter()
     load_before = os.getloadavg()
     try:
-        run_peers = bool(workloads) and not args.no_peers and args.worker_model != "dummy"
+        peers = selected_peers(args) if args.worker_model != "dummy" else ()
+        run_peers = bool(workloads) and bool(peers)
         model_dir = resolve_model_dir(args.worker_model) if run_peers or not target else ""
         if target:
             print(f"BENCH_TARGET={target}: the server's knobs cannot be changed; each distinct "
@@ -123,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _run_local_service(args, model_dir, scenarios, workloads, results)
         if run_peers:
-            _run_peers(model_dir, args.device, workloads, results)
+            if PEER_LLAMA in peers:
+                _run_llama_server(model_dir, args.device, workloads, results)
+            _run_peers(model_dir, args.device, workloads, results, peers)
+            _print_peer_tables(workloads, results)
     except KeyboardInterrupt:
         print("\nbench: interrupted; every process it started has been stopped", file=sys.stderr)
         return 130
@@ -212,9 +238,47 @@ def _run_against_target(
         }
 
 
-def _run_peers(
+def _run_llama_server(
     model_dir: str, device: str, workloads: list[PeerWorkload], results: SuiteResults
 ) -> None:
+    from benchmarks import llama_server
+    from benchmarks.peers import prompt_token_ids
+
+    install = llama_server.installation()
+    skip = llama_server.skip_reason(install, _peer_device(device))
+    if skip is not None:
+        print(f"\n{skip}", file=sys.stderr)
+        return
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for workload in workloads:
+        if PEER_LLAMA not in workload.peer_max_requests:
+            continue
+        print(f"  {workload.name}: {PEER_LLAMA} ...", file=sys.stderr)
+        run_tag = secrets.token_hex(3)
+        ids = prompt_token_ids(tokenizer, workload.workload, run_tag)
+        try:
+            report = llama_server.run_workload(
+                install, workload.workload, ids, run_tag, parallel=workload.llama_parallel
+            )
+        except llama_server.LlamaServerError as exc:
+            print(f"  {workload.name}: {PEER_LLAMA} failed: {exc}", file=sys.stderr)
+            continue
+        label = f"{PEER_LLAMA} np{workload.llama_parallel}"
+        results.peer_workloads.setdefault(workload.name, {})[label] = report
+
+
+def _run_peers(
+    model_dir: str,
+    device: str,
+    workloads: list[PeerWorkload],
+    results: SuiteResults,
+    selected: tuple[str, ...] = PEERS,
+) -> None:
+    wanted = [w for w in workloads if any(p in w.peer_max_requests for p in PEERS if p in selected)]
+    if not wanted:
+        return
     import logging
 
     from benchmarks.peers import Peers
@@ -223,10 +287,12 @@ def _run_peers(
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     print("\nloading the peers' model in this process ...", file=sys.stderr)
     peers = Peers(model_dir, _peer_device(device))
-    for workload in workloads:
+    for workload in wanted:
         runs = results.peer_workloads.setdefault(workload.name, {})
         notes = results.peer_notes.setdefault(workload.name, {})
         for peer in PEERS:
+            if peer not in selected or peer not in workload.peer_max_requests:
+                continue
             print(f"  {workload.name}: {peer} ...", file=sys.stderr)
             limit = workload.peer_max_requests[peer]
             run = peers.run(peer, workload.workload, secrets.token_hex(3), limit)
@@ -234,6 +300,14 @@ def _run_peers(
             runs[label] = run.report
             if run.note is not None:
                 notes[label] = run.note
+
+
+def _print_peer_tables(workloads: list[PeerWorkload], results: SuiteResults) -> None:
+    for workload in workloads:
+        runs = results.peer_workloads.get(workload.name, {})
+        notes = results.peer_notes.get(workload.name, {})
+        if not any(not label.startswith(PAGODA) for label in runs):
+            continue
         print(f"\n== peers: {workload.name}: {workload.title}")
         print(format_report_table(runs))
         for label, note in notes.items():
