@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pagoda.gpu_worker.config import WorkerConfig, configure_logging, describe, load_config
 from pagoda.gpu_worker.engine import Engine
 from pagoda.gpu_worker.model_loader import ModelNotFoundError
+from pagoda.gpu_worker.quantization import QuantizationError
 from pagoda.gpu_worker.server import EXIT_REFUSED, WorkerServer
 
 from pagoda.common import curve
@@ -55,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_REFUSED
     try:
         engine = build_engine(config)
-    except ModelNotFoundError as exc:
+    except (ModelNotFoundError, QuantizationError) as exc:
         log.error("cannot load the model: %s", exc)
         return EXIT_REFUSED
     return WorkerServer(engine, config.zmq_endpoint, curve_client).run()

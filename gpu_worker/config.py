@@ -19,6 +19,7 @@ ENV_PREFIX = "PAGODA_WORKER_"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+QUANTIZATIONS = ("auto", "none", "int8")  # see pagoda.gpu_worker.quantization
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,7 @@ class WorkerConfig:
     model: str = "default"
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str = "auto"  # auto: int8 on CPU (float32), none on CUDA
     block_size: int = 16
     kv_cache_gib: float = 1.0  # pool budget on CPU
     gpu_memory_utilization: float = 0.85  # fraction of free CUDA memory after loading
@@ -47,6 +49,12 @@ class WorkerConfig:
             problems.append(f"--device must be one of {', '.join(DEVICES)} or cuda:N")
         if self.dtype not in DTYPES:
             problems.append(f"--dtype must be one of {', '.join(DTYPES)}")
+        if self.quantization not in QUANTIZATIONS:
+            problems.append(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")
+        elif self.quantization == "int8" and self.device.startswith("cuda"):
+            problems.append("--quantization int8 runs only on the CPU; use none or auto on CUDA")
+        elif self.quantization == "int8" and self.dtype in ("bfloat16", "float16"):
+            problems.append("--quantization int8 needs float32 weights (--dtype auto or float32)")
         if not 1 <= self.block_size <= 1024:
             problems.append("--block-size must be between 1 and 1024 tokens")
         if self.kv_cache_gib <= 0:
@@ -111,6 +119,14 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default="auto",
         choices=DTYPES,
         help="weights and KV dtype; auto is bfloat16 on CUDA, float32 on CPU",
+    )
+    add(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="int8: dynamic int8 Linear layers (CPU only, ~2x faster decode, see "
+        "docs/benchmarks.md 'int8 forward'); none: the weights as loaded; auto: int8 on "
+        "the CPU with float32 weights, none otherwise",
     )
     add("--block-size", type=int, default=16, help="tokens per KV block")
     add("--kv-cache-gib", type=float, default=1.0, help="KV pool size on CPU, GiB")

@@ -38,6 +38,7 @@ class EngineFacts:
     device: str
     dtype: str
     max_logprobs: int = MAX_LOGPROBS
+    quantization: str = "none"  # "none" or "int8"
 
 
 @dataclass(slots=True)

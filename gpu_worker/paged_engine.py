@@ -17,6 +17,7 @@ from pagoda.gpu_worker.config import WorkerConfig
 from pagoda.gpu_worker.engine import Engine, EngineFacts, SampledTokens
 from pagoda.gpu_worker.kv_pool import GIB, KVGeometry, KVPool, num_blocks_for_budget
 from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
+from pagoda.gpu_worker.quantization import quantize, resolve_quantization
 from pagoda.gpu_worker.ragged_batch import build_ragged_batch
 from pagoda.gpu_worker.sampler import SampleRow, sample
 from pagoda.gpu_worker.sequence_table import ScheduledChunk
@@ -51,7 +52,9 @@ class PagedEngine(Engine):
         block_size: int = 16,
         max_context_tokens: int | None = None,
         fail_on_token_id: int | None = None,
+        quantization: str = "none",  # "int8": see pagoda.gpu_worker.quantization
     ) -> None:
+        quantize(model, quantization)
         paged_attention.register()
         model.set_attn_implementation(paged_attention.ATTENTION_NAME)
         paged_attention.number_attention_layers(model)
@@ -70,6 +73,7 @@ class PagedEngine(Engine):
             num_kv_blocks=num_kv_blocks,
             device=str(self.device),
             dtype=str(parameter.dtype).removeprefix("torch."),
+            quantization=quantization,
         )
         super().__init__(facts, fail_on_token_id=fail_on_token_id)
 
@@ -120,6 +124,7 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
 
     transformers_logging.disable_progress_bar()  # one log line per event, no bars
     device = pick_device(config.device)
+    quantization = resolve_quantization(config.quantization, device, config.dtype)
     started_s = time.monotonic()
     resolved = resolve_model_dir(config.model)
     model = load_model(resolved, device, config.dtype)
@@ -138,6 +143,7 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
         num_blocks = num_blocks_for_budget(free_bytes * config.gpu_memory_utilization, geometry)
     else:
         num_blocks = num_blocks_for_budget(config.kv_cache_gib * GIB, geometry)
+    built_s = time.monotonic()
     engine = PagedEngine(
         model,
         model_id=resolved.model_id,
@@ -145,7 +151,9 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
         block_size=config.block_size,
         max_context_tokens=config.max_context_tokens,
         fail_on_token_id=config.fail_on_token_id,
+        quantization=quantization,
     )
+    log.info("quantization %s; engine built in %.1f s", quantization, time.monotonic() - built_s)
     log.info(
         "KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB (%d layers, %d KV heads x %d)",
         num_blocks,

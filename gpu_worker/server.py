@@ -79,6 +79,7 @@ class WorkerServer:
             device=facts.device,
             dtype=facts.dtype,
             max_logprobs=facts.max_logprobs,
+            quantization=facts.quantization,
         )
 
     def request_stop(self, signum: int = 0, frame=None) -> None:

@@ -24,31 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pagoda/protos/step.proto\x12\x0epagoda.step.v1\"\xf2\x01\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x16\n\x0eincarnation_id\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x14\n\x0cmax_logprobs\x18\x0b \x01(\r\"h\n\x08HelloAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12 \n\x18scheduler_incarnation_id\x18\x04 \x01(\t\"#\n\tHeartbeat\x12\x16\n\x0eincarnation_id\x18\x01 \x01(\t\"\x19\n\x07Rehello\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xc7\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x14\n\x0cnum_logprobs\x18\t \x01(\r\"\x84\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x30\n\x08sampling\x18\x02 \x01(\x0b\x32\x1e.pagoda.step.v1.SamplingParams\x12\x18\n\x10\x63\x61\x63hed_token_ids\x18\x03 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\"\xf5\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x32\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x1b.pagoda.step.v1.NewSequence\x12\x0f\n\x07seq_ids\x18\x03 \x03(\x04\x12\x17\n\x0fstart_positions\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x03(\x08\x12\x15\n\rtoken_offsets\x18\x06 \x03(\r\x12\x11\n\ttoken_ids\x18\x07 \x03(\r\x12\x15\n\rblock_offsets\x18\x08 \x03(\r\x12\x11\n\tblock_ids\x18\t \x03(\r\x12\x16\n\x0e\x66orget_seq_ids\x18\n \x03(\x04\"0\n\rSequenceError\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa5\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x13\n\x0btop_offsets\x18\x05 \x03(\r\x12\x15\n\rtop_token_ids\x18\x06 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x07 \x03(\x02\x12-\n\x06\x65rrors\x18\x08 \x03(\x0b\x32\x1d.pagoda.step.v1.SequenceError\x12\x12\n\nstep_error\x18\t \x01(\t\x12\x12\n\nforward_ms\x18\n \x01(\x01\x12\x11\n\tsample_ms\x18\x0b \x01(\x01\x12\x10\n\x08total_ms\x18\x0c \x01(\x01\x12\x12\n\nnum_tokens\x18\r \x01(\r*h\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\t\n\x05HELLO\x10\x01\x12\r\n\tHELLO_ACK\x10\x02\x12\x08\n\x04PLAN\x10\x03\x12\n\n\x06RESULT\x10\x04\x12\r\n\tHEARTBEAT\x10\x05\x12\x0b\n\x07REHELLO\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pagoda/protos/step.proto\x12\x0epagoda.step.v1\"\x88\x02\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x16\n\x0eincarnation_id\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x14\n\x0cmax_logprobs\x18\x0b \x01(\r\x12\x14\n\x0cquantization\x18\x0c \x01(\t\"h\n\x08HelloAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12 \n\x18scheduler_incarnation_id\x18\x04 \x01(\t\"#\n\tHeartbeat\x12\x16\n\x0eincarnation_id\x18\x01 \x01(\t\"\x19\n\x07Rehello\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xc7\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x14\n\x0cnum_logprobs\x18\t \x01(\r\"\x84\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x30\n\x08sampling\x18\x02 \x01(\x0b\x32\x1e.pagoda.step.v1.SamplingParams\x12\x18\n\x10\x63\x61\x63hed_token_ids\x18\x03 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\"\xf5\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x32\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x1b.pagoda.step.v1.NewSequence\x12\x0f\n\x07seq_ids\x18\x03 \x03(\x04\x12\x17\n\x0fstart_positions\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x03(\x08\x12\x15\n\rtoken_offsets\x18\x06 \x03(\r\x12\x11\n\ttoken_ids\x18\x07 \x03(\r\x12\x15\n\rblock_offsets\x18\x08 \x03(\r\x12\x11\n\tblock_ids\x18\t \x03(\r\x12\x16\n\x0e\x66orget_seq_ids\x18\n \x03(\x04\"0\n\rSequenceError\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa5\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x13\n\x0btop_offsets\x18\x05 \x03(\r\x12\x15\n\rtop_token_ids\x18\x06 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x07 \x03(\x02\x12-\n\x06\x65rrors\x18\x08 \x03(\x0b\x32\x1d.pagoda.step.v1.SequenceError\x12\x12\n\nstep_error\x18\t \x01(\t\x12\x12\n\nforward_ms\x18\n \x01(\x01\x12\x11\n\tsample_ms\x18\x0b \x01(\x01\x12\x10\n\x08total_ms\x18\x0c \x01(\x01\x12\x12\n\nnum_tokens\x18\r \x01(\r*h\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\t\n\x05HELLO\x10\x01\x12\r\n\tHELLO_ACK\x10\x02\x12\x08\n\x04PLAN\x10\x03\x12\n\n\x06RESULT\x10\x04\x12\r\n\tHEARTBEAT\x10\x05\x12\x0b\n\x07REHELLO\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagoda.protos.step_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KIND']._serialized_start=1390
-  _globals['_KIND']._serialized_end=1494
+  _globals['_KIND']._serialized_start=1412
+  _globals['_KIND']._serialized_end=1516
   _globals['_HELLO']._serialized_start=45
-  _globals['_HELLO']._serialized_end=287
-  _globals['_HELLOACK']._serialized_start=289
-  _globals['_HELLOACK']._serialized_end=393
-  _globals['_HEARTBEAT']._serialized_start=395
-  _globals['_HEARTBEAT']._serialized_end=430
-  _globals['_REHELLO']._serialized_start=432
-  _globals['_REHELLO']._serialized_end=457
-  _globals['_SAMPLINGPARAMS']._serialized_start=460
-  _globals['_SAMPLINGPARAMS']._serialized_end=659
-  _globals['_NEWSEQUENCE']._serialized_start=662
-  _globals['_NEWSEQUENCE']._serialized_end=794
-  _globals['_STEPPLAN']._serialized_start=797
-  _globals['_STEPPLAN']._serialized_end=1042
-  _globals['_SEQUENCEERROR']._serialized_start=1044
-  _globals['_SEQUENCEERROR']._serialized_end=1092
-  _globals['_STEPRESULT']._serialized_start=1095
-  _globals['_STEPRESULT']._serialized_end=1388
+  _globals['_HELLO']._serialized_end=309
+  _globals['_HELLOACK']._serialized_start=311
+  _globals['_HELLOACK']._serialized_end=415
+  _globals['_HEARTBEAT']._serialized_start=417
+  _globals['_HEARTBEAT']._serialized_end=452
+  _globals['_REHELLO']._serialized_start=454
+  _globals['_REHELLO']._serialized_end=479
+  _globals['_SAMPLINGPARAMS']._serialized_start=482
+  _globals['_SAMPLINGPARAMS']._serialized_end=681
+  _globals['_NEWSEQUENCE']._serialized_start=684
+  _globals['_NEWSEQUENCE']._serialized_end=816
+  _globals['_STEPPLAN']._serialized_start=819
+  _globals['_STEPPLAN']._serialized_end=1064
+  _globals['_SEQUENCEERROR']._serialized_start=1066
+  _globals['_SEQUENCEERROR']._serialized_end=1114
+  _globals['_STEPRESULT']._serialized_start=1117
+  _globals['_STEPRESULT']._serialized_end=1410
 # @@protoc_insertion_point(module_scope)

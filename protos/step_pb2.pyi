@@ -25,7 +25,7 @@ HEARTBEAT: Kind
 REHELLO: Kind
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "incarnation_id", "model_id", "vocab_size", "eos_token_ids", "max_context_tokens", "block_size", "num_kv_blocks", "device", "dtype", "max_logprobs")
+    __slots__ = ("protocol_version", "incarnation_id", "model_id", "vocab_size", "eos_token_ids", "max_context_tokens", "block_size", "num_kv_blocks", "device", "dtype", "max_logprobs", "quantization")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class Hello(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     incarnation_id: str
     model_id: str
@@ -48,7 +49,8 @@ class Hello(_message.Message):
     device: str
     dtype: str
     max_logprobs: int
-    def __init__(self, protocol_version: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_logprobs: _Optional[int] = ...) -> None: ...
+    quantization: str
+    def __init__(self, protocol_version: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...
 
 class HelloAck(_message.Message):
     __slots__ = ("accepted", "reason", "protocol_version", "scheduler_incarnation_id")

@@ -48,6 +48,7 @@ MODEL_INFO = pb.ModelInfo(
     eos_token_ids=[2],
     device="cpu",
     dtype="float32",
+    quantization="int8",
     worker_connected=True,
 )
 

@@ -197,6 +197,7 @@ def test_chat_reports_a_failed_turn_and_goes_on(fake_server):
 def test_info_and_stats(fake_server):
     info = run_cli("info", target=fake_server.target)
     assert info.returncode == 0 and "model_id            fake-model" in info.stdout
+    assert "quantization        int8" in info.stdout
     stats = json.loads(run_cli("stats", "--json", target=fake_server.target).stdout)
     assert stats["num_kv_blocks_total"] == 128 and stats["worker_connected"] is True
     info_json = json.loads(run_cli("info", "--json", target=fake_server.target).stdout)

@@ -168,6 +168,7 @@ def test_model_info_covers_every_proto_field():
         eos_token_ids=[0, 2],
         device="cuda",
         dtype="bfloat16",
+        quantization="int8",
         worker_connected=True,
         has_chat_template=True,
     )

@@ -24,6 +24,8 @@ MIXED_PROMPTS = [
 ]
 NUM_NEW_TOKENS = 16
 
+EXACT = ["--quantization", "none"]  # the float weights transformers runs
+
 
 def generate(stub, timeout_s: float = 120, **fields) -> list[generation_pb2.GenerateResponse]:
     return list(stub.Generate(generation_pb2.GenerateRequest(**fields), timeout=timeout_s))
@@ -70,7 +72,10 @@ def test_greedy_output_equals_transformers_generate(tmp_path, default_reference,
     tokenizer = default_reference.tokenizer
     prompts_ids = [tokenizer.encode(p) for p in MIXED_PROMPTS]
     expected = [default_reference(ids, NUM_NEW_TOKENS) for ids in prompts_ids]
-    with running_service(tmp_path, model="default", scheduler_args=scheduler_args) as service:
+    # Exact parity needs the float weights: --quantization none (the CPU default is int8).
+    with running_service(
+        tmp_path, model="default", worker_args=EXACT, scheduler_args=scheduler_args
+    ) as service:
         assert concurrent_greedy(service, prompts_ids) == expected
         stats = service.stats()
         assert stats.num_running == 0 and stats.num_waiting == 0
@@ -174,6 +179,8 @@ def test_tokenize_and_model_info(stub):
     assert info.worker_connected and info.vocab_size == 49152
     assert info.num_kv_tokens == info.num_kv_blocks * info.block_size > 0
     assert info.max_context_tokens == 8192
+    # This service runs the worker's defaults: int8 Linear layers on the CPU.
+    assert info.quantization == ("int8" if info.device == "cpu" else "none")
 
 
 BAD_REQUESTS = {

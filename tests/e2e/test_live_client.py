@@ -17,6 +17,7 @@ from tests.e2e.conftest import REPO_ROOT, running_service, wait_until
 pytestmark = pytest.mark.slow
 
 QUESTION = "What is the capital of France?"
+EXACT = ["--quantization", "none"]  # the float weights transformers runs
 PROMPTS = [
     "The sea is",
     "Write a short story about a robot who learns to paint. Once upon a time,",
@@ -27,7 +28,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    with running_service(tmp_path_factory.mktemp("live"), model="default") as service:
+    # The reference is transformers' float forward: pin the float weights.
+    with running_service(
+        tmp_path_factory.mktemp("live"), model="default", worker_args=EXACT
+    ) as service:
         yield service
 
 
@@ -60,6 +64,7 @@ def test_sync_and_async_clients_stream_the_reference_tokens(service, default_ref
     assert completion.usage.prompt_tokens == len(prompt_ids)
     assert "Paris" in answer
     assert info.has_chat_template and info.worker_connected and info.num_kv_blocks > 0
+    assert info.quantization == "none"
 
 
 def test_cli_generate_answers_as_the_model_was_tuned_and_raw_continues(service):
@@ -91,7 +96,7 @@ def test_worker_sigkilled_under_greedy_streams_resumes_with_the_reference_tokens
     num_new_tokens = 96
     prompts_ids = [default_reference.tokenizer.encode(p) for p in PROMPTS]
     expected = [default_reference(ids, num_new_tokens) for ids in prompts_ids]
-    with running_service(tmp_path, model="default") as service:
+    with running_service(tmp_path, model="default", worker_args=EXACT) as service:
 
         async def scenario():
             async with AsyncClient(service.address, timeout_s=300) as client:

@@ -165,7 +165,7 @@ def test_paged_worker_conversation(
 ):
     worker = start_worker(
         "--model", str(diversified_llama_dir), "--zmq-endpoint", endpoint,
-        "--num-kv-blocks", "64", "--block-size", "4",
+        "--num-kv-blocks", "64", "--block-size", "4", "--quantization", "none",
     )  # fmt: skip
     hello = scheduler.receive(step_pb2.Hello, STARTUP_TIMEOUT_S)
     assert hello.protocol_version == wire.PROTOCOL_VERSION
@@ -173,6 +173,7 @@ def test_paged_worker_conversation(
     assert (hello.vocab_size, list(hello.eos_token_ids)) == (512, [2])
     assert (hello.max_context_tokens, hello.block_size, hello.num_kv_blocks) == (256, 4, 64)
     assert (hello.device, hello.dtype, hello.max_logprobs) == ("cpu", "float32", 20)
+    assert hello.quantization == "none"
     assert hello.incarnation_id
     again = scheduler.receive(step_pb2.Hello, 5)  # repeated until acknowledged
     assert again.incarnation_id == hello.incarnation_id

@@ -1,0 +1,200 @@
+"""--quantization: int8 Linear layers that keep the paged attention and every architecture
+working, the flag's resolution per device, and the hello that reports it."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+
+from tests.worker.conftest import TinyModels, diversify, random_prompts
+from tests.worker.test_architectures import COMMON, EXTRA
+from tests.worker.toy_scheduler import ToyScheduler
+
+NUM_BLOCKS = 256
+BLOCK_SIZE = 4
+
+
+def quantized_reference(model):
+    """A quantized copy of `model` for generate(); the engine quantizes its own copy."""
+    from pagoda.gpu_worker.quantization import quantize_int8
+
+    return quantize_int8(copy.deepcopy(model))
+
+
+def one_at_a_time(models: TinyModels, prompts: list[list[int]], num_new_tokens: int):
+    """Greedy tokens of the int8 paged engine, one whole prompt per sequence and step."""
+    scheduler = ToyScheduler(
+        models.engine(num_kv_blocks=NUM_BLOCKS, quantization="int8"),
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+    )
+    for seq_id, prompt in enumerate(prompts):
+        scheduler.add(seq_id, prompt, admit_at_step=seq_id * (num_new_tokens + 1))
+    return scheduler.run(num_new_tokens, max_steps=len(prompts) * (num_new_tokens + 2))
+
+
+def assert_paged_int8_matches_generate(model, prompts, num_new_tokens: int = 12) -> None:
+    from pagoda.gpu_worker.quantization import count_int8_linear
+
+    models = TinyModels(None, model)
+    reference = TinyModels(None, quantized_reference(model))
+    assert count_int8_linear(reference.reference) > 0
+    tokens = one_at_a_time(models, prompts, num_new_tokens)
+    expected = {i: reference.greedy(p, num_new_tokens) for i, p in enumerate(prompts)}
+    assert tokens == expected
+
+
+def test_paged_int8_matches_the_quantized_model_generate(tiny_models):
+    """llama, qwen2 (biases) and gpt2 (Conv1D, learned positions)."""
+    assert_paged_int8_matches_generate(tiny_models.reference, random_prompts(3, seed=5))
+
+
+@pytest.mark.parametrize("config_name", sorted(EXTRA))
+def test_paged_int8_matches_generate_on_every_architecture(config_name):
+    import torch
+    import transformers
+
+    config = getattr(transformers, config_name)(**COMMON, **EXTRA[config_name])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    diversify(model)
+    if config_name.startswith("Gemma"):
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(0.1)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 9, 20)]
+    assert_paged_int8_matches_generate(model, prompts)
+
+
+def test_int8_logits_are_finite_and_close_to_float(llama_models):
+    import torch
+
+    quantized = quantized_reference(llama_models.reference)
+    input_ids = torch.tensor([random_prompts(1, seed=3, min_len=30, max_len=30)[0]])
+    with torch.inference_mode():
+        exact = llama_models.reference(input_ids=input_ids).logits[0]
+        approx = quantized(input_ids=input_ids).logits[0]
+    assert torch.isfinite(approx).all()
+    assert not torch.equal(exact, approx)
+    similarity = torch.nn.functional.cosine_similarity(exact, approx, dim=-1)
+    assert similarity.min() > 0.99, similarity.min()
+
+
+def test_a_row_hardly_depends_on_its_batch_mates():
+    """fbgemm quantizes a whole input with one scale: without the per-row scaling, one
+    row with large activations (a prefill's outlier token) would flatten the others."""
+    import torch
+    from pagoda.gpu_worker.quantization import Int8Linear
+
+    generator = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(64, 32)
+    layer = Int8Linear(linear.weight, linear.bias)
+    row = torch.randn(1, 64, generator=generator)
+    loud = torch.randn(1, 64, generator=generator) * 1000
+    with torch.inference_mode():
+        alone = layer(row)
+        batched = layer(torch.cat([row, loud]))[:1]
+        exact = linear(row)
+    assert torch.allclose(alone, batched, rtol=0.02, atol=0.02 * alone.abs().max().item())
+    assert (alone - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+def test_lm_head_stays_float_unless_asked(llama_models):
+    from pagoda.gpu_worker.quantization import Int8Linear, quantize_int8
+
+    kept = quantize_int8(copy.deepcopy(llama_models.reference))
+    assert not isinstance(kept.get_output_embeddings(), Int8Linear)
+    both = quantize_int8(copy.deepcopy(llama_models.reference), lm_head=True)
+    assert isinstance(both.get_output_embeddings(), Int8Linear)
+
+
+def test_engine_facts_and_hello_carry_the_quantization(llama_models, tmp_path):
+    from pagoda.gpu_worker.server import WorkerServer
+
+    for quantization in ("none", "int8"):
+        engine = llama_models.engine(quantization=quantization)
+        assert engine.facts.quantization == quantization
+        server = WorkerServer(engine, f"ipc://{tmp_path}/w.sock")
+        assert server.hello().quantization == quantization
+
+
+def test_load_engine_resolves_auto_to_int8_on_the_cpu(llama_models):
+    from pagoda.gpu_worker.config import parse_config
+    from pagoda.gpu_worker.paged_engine import load_engine
+    from pagoda.gpu_worker.quantization import count_int8_linear
+
+    base = ["--model", str(llama_models.directory), "--num-kv-blocks", "8"]
+    engine = load_engine(parse_config(base, {}))
+    assert engine.facts.quantization == "int8" and count_int8_linear(engine.model) > 0
+    exact = load_engine(parse_config([*base, "--quantization", "none"], {}))
+    assert exact.facts.quantization == "none" and count_int8_linear(exact.model) == 0
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "dtype", "resolved"),
+    [
+        ("auto", "cpu", "auto", "int8"),
+        ("auto", "cpu", "float32", "int8"),
+        ("auto", "cpu", "bfloat16", "none"),
+        ("auto", "cuda", "auto", "none"),
+        ("auto", "cuda:1", "float32", "none"),
+        ("none", "cpu", "auto", "none"),
+        ("none", "cuda", "auto", "none"),
+        ("int8", "cpu", "auto", "int8"),
+    ],
+)
+def test_resolve_quantization(requested, device, dtype, resolved):
+    from pagoda.gpu_worker.quantization import resolve_quantization
+
+    assert resolve_quantization(requested, device, dtype) == resolved
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "match"),
+    [("cuda", "auto", "only on the CPU"), ("cpu", "bfloat16", "float32")],
+)
+def test_int8_is_refused_where_it_cannot_run(device, dtype, match):
+    from pagoda.gpu_worker.quantization import QuantizationError, resolve_quantization
+
+    with pytest.raises(QuantizationError, match=match):
+        resolve_quantization("int8", device, dtype)
+
+
+def test_config_flag_environment_and_toml(tmp_path):
+    from pagoda.gpu_worker.config import describe, load_config, parse_config
+
+    assert parse_config([], {}).quantization == "auto"
+    assert parse_config(["--quantization", "none"], {}).quantization == "none"
+    environ = {"PAGODA_WORKER_QUANTIZATION": "int8"}
+    assert parse_config([], environ).quantization == "int8"
+    assert parse_config(["--quantization", "none"], environ).quantization == "none"
+    toml = tmp_path / "worker.toml"
+    toml.write_text('quantization = "none"\n')
+    loaded = load_config(["--config", str(toml)], {})
+    assert loaded.config.quantization == "none"
+    assert 'quantization = "none"' in describe(loaded)
+    assert f"# toml {toml}" in next(
+        line for line in describe(loaded).splitlines() if line.startswith("quantization")
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "message"),
+    [
+        (["--quantization", "int4"], {}, "invalid choice"),
+        ([], {"PAGODA_WORKER_QUANTIZATION": "fp8"}, "--quantization must be one of"),
+        (["--quantization", "int8", "--device", "cuda"], {}, "only on the CPU"),
+        (["--quantization", "int8", "--dtype", "bfloat16"], {}, "float32 weights"),
+    ],
+)
+def test_bad_quantization_exits_with_a_sentence(argv, environ, message, capsys):
+    from pagoda.gpu_worker.config import parse_config
+
+    with pytest.raises(SystemExit) as exited:
+        parse_config(argv, environ)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
