@@ -1,4 +1,5 @@
-"""Benchmark of the scheduler core: schedule() + apply() per step, fake worker excluded.
+"""Benchmark of the scheduler core: schedule() + apply() + the output processor per step (the
+token-id stop rules, detokenization and stop strings), fake worker excluded.
 
     .venv/bin/python -m benchmarks.scheduler_core [--sizes 16,64,256,1024] [--steps 300]
                                                 [--gc service|python] [--tokens uniform|zipf]
@@ -31,11 +32,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagoda.scheduler_svc.core.config import SchedulerConfig
-from pagoda.scheduler_svc.core.request import ValidRequest, ValidSampling, ValidStopping
-from pagoda.scheduler_svc.core.scheduler import Scheduler, WorkerGeometry
+from pagoda.scheduler_svc.core import (
+    Scheduler,
+    SchedulerConfig,
+    ValidRequest,
+    ValidSampling,
+    ValidStopping,
+    WorkerGeometry,
+)
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
 from pagoda.scheduler_svc.gc_tuning import tune_gc
+from pagoda.scheduler_svc.output_processor import OutputProcessor
 from pagoda.scheduler_svc.testing import FakeWorker
 from pagoda.scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
 
@@ -135,12 +142,13 @@ def run(
         max_active_requests=num_running,
         max_waiting_requests=4 * num_running,
     )
-    scheduler = Scheduler(config, lambda: IncrementalDetokenizer(tokenizer))
+    scheduler = Scheduler(config)
+    processor = OutputProcessor(scheduler, lambda: IncrementalDetokenizer(tokenizer))
     scheduler.attach_worker(geometry)
     worker = FakeWorker(geometry, check=False)
     workload = Workload(tokenizer.vocab_size)
     for _ in range(num_running):
-        scheduler.add(workload.next_request(), 0.0)
+        processor.add(workload.next_request(), 0.0)
     # Warm up until the running set is full and finishing times are spread out.
     num_warmup_steps = MAX_NEW_TOKENS + num_running * PROMPT_TOKENS // 2048
     samples_us: list[float] = []
@@ -156,22 +164,22 @@ def run(
         if step == num_warmup_steps:
             preemptions_before = scheduler.stats.num_preemptions
         started = time.perf_counter_ns()
-        decision = scheduler.schedule(now)
+        plan = scheduler.schedule(now)
         planned = time.perf_counter_ns()
-        assert decision is not None
-        outcome = worker.step(decision)
+        assert plan is not None
+        result = worker.step(plan)
         if token_map is not None:
-            outcome.token_ids = [token_map[token_id] for token_id in outcome.token_ids]
+            result.token_ids = [token_map[token_id] for token_id in result.token_ids]
         answered = time.perf_counter_ns()
-        events = scheduler.apply(outcome, now)
+        outputs = processor.process_step(scheduler.apply(result, now), now)
         applied = time.perf_counter_ns()
-        for output in events.outputs:
+        for output in outputs.outputs:
             if output.finish_reason is not None:
-                scheduler.add(workload.next_request(), now)
+                processor.add(workload.next_request(), now)
         if step >= num_warmup_steps:
             samples_us.append(((planned - started) + (applied - answered)) / 1000)
-            running.append(len(decision.seq_ids))
-            tokens.append(decision.num_tokens)
+            running.append(len(plan.seq_ids))
+            tokens.append(plan.num_tokens)
     samples_us.sort()
     return Result(
         num_running=num_running,

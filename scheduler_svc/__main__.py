@@ -12,11 +12,11 @@ from pathlib import Path
 
 from pagoda.scheduler_svc import settings
 from pagoda.scheduler_svc.api import SERVICE_NAME, GenerationServicer, build_server
-from pagoda.scheduler_svc.core.config import ConfigError
-from pagoda.scheduler_svc.core.scheduler import Scheduler
+from pagoda.scheduler_svc.core import ConfigError, Scheduler
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
 from pagoda.scheduler_svc.gc_tuning import tune_gc
 from pagoda.scheduler_svc.metrics import Metrics
+from pagoda.scheduler_svc.output_processor import OutputProcessor
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.step_loop import StepLoop
 from pagoda.scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
@@ -71,7 +71,8 @@ async def serve(
     curve_settings: CurveSettings,
 ) -> int:
     metrics = Metrics()
-    scheduler = Scheduler(config.scheduler, lambda: IncrementalDetokenizer(tokenizer))
+    scheduler = Scheduler(config.scheduler)
+    output_processor = OutputProcessor(scheduler, lambda: IncrementalDetokenizer(tokenizer))
     health_servicer = None
     background: set[asyncio.Task] = set()
 
@@ -87,6 +88,7 @@ async def serve(
         scheduler,
         link,
         metrics,
+        output_processor=output_processor,
         worker_timeout_s=config.worker_timeout_s,
         worker_grace_s=config.worker_grace_s,
         status_interval_s=config.status_interval_s,

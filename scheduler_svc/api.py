@@ -15,9 +15,14 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pagoda.protos import generation_pb2, generation_pb2_grpc
-from pagoda.scheduler_svc.core.config import ConfigError
-from pagoda.scheduler_svc.core.request import FinishReason, RequestOutput, ValidRequest
-from pagoda.scheduler_svc.core.scheduler import QueueFullError, RequestTooLargeError
+from pagoda.scheduler_svc.core import (
+    ConfigError,
+    FinishReason,
+    QueueFullError,
+    RequestOutput,
+    RequestTooLargeError,
+    ValidRequest,
+)
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.step_loop import StepLoop, Unavailable

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pagoda.scheduler_svc.core.request import RequestOutput
-from pagoda.scheduler_svc.core.scheduler import SchedulerStats
+from pagoda.scheduler_svc.core import RequestOutput, SchedulerStats
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector

@@ -10,8 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from pagoda.scheduler_svc.core.request import RequestOutput, TokenLogprob
-from pagoda.scheduler_svc.core.step_events import StepEvents
+from pagoda.scheduler_svc.core import RequestOutput, StepOutputs, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -111,13 +110,13 @@ class OutputStreams:
             if slot is not None:
                 slot.publish(output)
 
-    def publish_step(self, events: StepEvents) -> None:
-        """A step's events: the token columns, then the whole outputs."""
+    def publish_step(self, step: StepOutputs) -> None:
+        """A step's outputs: the token columns (texts filled in), then the whole outputs."""
         slot_of = self._slots.get
         for request_id, text, token_id in zip(
-            events.request_ids, events.texts, events.token_ids, strict=True
+            step.request_ids, step.texts, step.token_ids, strict=True
         ):
             slot = slot_of(request_id)
             if slot is not None:
                 slot.publish_token(text, token_id)
-        self.publish(events.outputs)
+        self.publish(step.outputs)

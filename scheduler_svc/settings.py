@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.scheduler_svc.core.config import ConfigError, SchedulerConfig
+from pagoda.scheduler_svc.core import ConfigError, SchedulerConfig
 
 from pagoda.common.settings import (
     DEFAULT_GRPC_ADDRESS,

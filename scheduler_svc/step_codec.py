@@ -1,4 +1,5 @@
-"""Domain <-> step protocol: StepDecision -> StepPlan, StepResult -> StepOutcome, Hello -> geometry.
+"""Domain <-> step protocol: StepPlan, StepResult and Hello (WorkerGeometry), each both ways
+named as in step.proto.
 
 The only scheduler module besides the servicer that touches step_pb2. Both sides are
 column-wise, so encoding is a handful of list copies whatever the batch size.
@@ -7,8 +8,7 @@ column-wise, so encoding is a handful of list copies whatever the batch size.
 from __future__ import annotations
 
 from pagoda.protos import step_pb2
-from pagoda.scheduler_svc.core.request import ValidSampling
-from pagoda.scheduler_svc.core.scheduler import StepDecision, StepOutcome, WorkerGeometry
+from pagoda.scheduler_svc.core import StepPlan, StepResult, ValidSampling, WorkerGeometry
 
 
 def _sampling_to_proto(sampling: ValidSampling) -> step_pb2.SamplingParams:
@@ -25,39 +25,39 @@ def _sampling_to_proto(sampling: ValidSampling) -> step_pb2.SamplingParams:
     )
 
 
-def encode_plan(decision: StepDecision) -> step_pb2.StepPlan:
-    plan = step_pb2.StepPlan(step_id=decision.step_id)
-    for new in decision.new_sequences:
-        plan.new_sequences.add(
+def encode_plan(plan: StepPlan) -> step_pb2.StepPlan:
+    message = step_pb2.StepPlan(step_id=plan.step_id)
+    for new in plan.new_sequences:
+        message.new_sequences.add(
             seq_id=new.seq_id,
             sampling=_sampling_to_proto(new.sampling),
             cached_token_ids=new.cached_token_ids,
             num_prompt_tokens=new.num_prompt_tokens,
         )
-    plan.seq_ids.extend(decision.seq_ids)
-    plan.start_positions.extend(decision.start_positions)
-    plan.sample.extend(decision.sample)
-    plan.token_offsets.extend(decision.token_offsets)
-    plan.token_ids.extend(decision.token_ids)
-    plan.block_offsets.extend(decision.block_offsets)
-    plan.block_ids.extend(decision.block_ids)
-    plan.forget_seq_ids.extend(decision.forget_seq_ids)
-    return plan
+    message.seq_ids.extend(plan.seq_ids)
+    message.start_positions.extend(plan.start_positions)
+    message.sample.extend(plan.sample)
+    message.token_offsets.extend(plan.token_offsets)
+    message.token_ids.extend(plan.token_ids)
+    message.block_offsets.extend(plan.block_offsets)
+    message.block_ids.extend(plan.block_ids)
+    message.forget_seq_ids.extend(plan.forget_seq_ids)
+    return message
 
 
-def decode_result(result: step_pb2.StepResult) -> StepOutcome:
-    return StepOutcome(
-        step_id=result.step_id,
-        seq_ids=list(result.seq_ids),
-        token_ids=list(result.token_ids),
-        logprobs=list(result.logprobs),
-        top_offsets=list(result.top_offsets),
-        top_token_ids=list(result.top_token_ids),
-        top_logprobs=list(result.top_logprobs),
-        errors={error.seq_id: error.message for error in result.errors},
-        step_error=result.step_error or None,
-        forward_ms=result.forward_ms,
-        sample_ms=result.sample_ms,
+def decode_result(message: step_pb2.StepResult) -> StepResult:
+    return StepResult(
+        step_id=message.step_id,
+        seq_ids=list(message.seq_ids),
+        token_ids=list(message.token_ids),
+        logprobs=list(message.logprobs),
+        top_offsets=list(message.top_offsets),
+        top_token_ids=list(message.top_token_ids),
+        top_logprobs=list(message.top_logprobs),
+        errors={error.seq_id: error.message for error in message.errors},
+        step_error=message.step_error or None,
+        forward_ms=message.forward_ms,
+        sample_ms=message.sample_ms,
     )
 
 

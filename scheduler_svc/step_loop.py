@@ -17,9 +17,16 @@ from typing import Protocol
 
 from pagoda.protos import step_pb2
 from pagoda.scheduler_svc import step_codec
-from pagoda.scheduler_svc.core.request import FinishReason, RequestOutput, ValidRequest
-from pagoda.scheduler_svc.core.scheduler import Scheduler, SchedulerStats, StepDecision
+from pagoda.scheduler_svc.core import (
+    FinishReason,
+    RequestOutput,
+    Scheduler,
+    SchedulerStats,
+    StepPlan,
+    ValidRequest,
+)
 from pagoda.scheduler_svc.metrics import Metrics
+from pagoda.scheduler_svc.output_processor import OutputProcessor
 from pagoda.scheduler_svc.output_streams import OutputSlot, OutputStreams
 from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLost
 
@@ -60,6 +67,7 @@ class StepLoop:
         link: StepLink,
         metrics: Metrics,
         *,
+        output_processor: OutputProcessor,
         worker_timeout_s: float,
         worker_grace_s: float,
         status_interval_s: float,
@@ -68,6 +76,9 @@ class StepLoop:
         idle_tick_s: float = IDLE_TICK_S,
     ) -> None:
         self._scheduler = scheduler
+        # Gives each step's outputs their text right after apply(), and ends stop-string
+        # hits before the next schedule().
+        self._output_processor = output_processor
         self._link = link
         self._metrics = metrics
         self._streams = OutputStreams()
@@ -115,7 +126,7 @@ class StepLoop:
         self._check_available()
         if request.request_id in self._streams:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
-        self._scheduler.add(request, self._clock())
+        self._output_processor.add(request, self._clock())
         slot = self._streams.open(request.request_id)
         self._no_streams.clear()
         self._wake.set()
@@ -195,7 +206,7 @@ class StepLoop:
             await self._run_step(decision)
             self._log_status(self._clock())
 
-    async def _run_step(self, decision: StepDecision) -> None:
+    async def _run_step(self, decision: StepPlan) -> None:
         started_s = self._clock()
         plan = step_codec.encode_plan(decision)
         encoded_s = self._clock()
@@ -213,7 +224,9 @@ class StepLoop:
         outcome = step_codec.decode_result(result)
         if outcome.step_error:
             log.error("worker failed step %d: %s", decision.step_id, outcome.step_error)
-        events = self._scheduler.apply(outcome, received_s)
+        events = self._output_processor.process_step(
+            self._scheduler.apply(outcome, received_s), received_s
+        )
         self._streams.publish_step(events)
         self._tokens_since_status += len(events.token_ids)
         self._observe(events.outputs)
@@ -306,6 +319,7 @@ class StepLoop:
                 self._publish([output])
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
+        self._output_processor.process(outputs)
         self._streams.publish(outputs)
         self._observe(outputs)
 

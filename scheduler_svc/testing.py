@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagoda.scheduler_svc.core.step_decision import StepDecision, StepOutcome, WorkerGeometry
+from pagoda.scheduler_svc.core import StepPlan, StepResult, WorkerGeometry
 
 from pagoda.common.dummy_tokens import dummy_next_token
 from pagoda.common.plan_check import PlanError
@@ -47,95 +47,95 @@ class FakeWorker:
     def live_seq_ids(self) -> set[int]:
         return set(self._sequences)
 
-    def step(self, decision: StepDecision) -> StepOutcome:
+    def step(self, plan: StepPlan) -> StepResult:
         """Run one plan: append blocks, "write" K/V, sample, then forget."""
         self.num_steps += 1
         check = self.check
         if check:
-            self._check_columns(decision)
-        for new in decision.new_sequences:
+            self._check_columns(plan)
+        for new in plan.new_sequences:
             if new.seq_id in self._ever_seen:
                 raise PlanError(f"seq {new.seq_id} announced as new twice")
             self._ever_seen.add(new.seq_id)
             sequence = _Sequence(num_logprobs=new.sampling.num_logprobs)
             sequence.num_positions = len(new.cached_token_ids)
             self._sequences[new.seq_id] = sequence
-        cached_of = {new.seq_id: new.cached_token_ids for new in decision.new_sequences}
+        cached_of = {new.seq_id: new.cached_token_ids for new in plan.new_sequences}
 
         vocab_size = self.geometry.vocab_size
         # Forgets happen after the forward, so their blocks may be reused in this plan.
-        forgetting = set(decision.forget_seq_ids)
-        outcome = StepOutcome(step_id=decision.step_id, seq_ids=[], token_ids=[])
-        token_ids, offsets = decision.token_ids, decision.token_offsets
+        forgetting = set(plan.forget_seq_ids)
+        result = StepResult(step_id=plan.step_id, seq_ids=[], token_ids=[])
+        token_ids, offsets = plan.token_ids, plan.token_offsets
         want_logprobs = False
         sampled: list[_Sequence] = []
-        for index, seq_id in enumerate(decision.seq_ids):
+        for index, seq_id in enumerate(plan.seq_ids):
             sequence = self._sequences.get(seq_id)
             if sequence is None:
-                raise PlanError(f"step {decision.step_id} feeds unknown seq {seq_id}")
-            new_block_ids = decision.block_ids[
-                decision.block_offsets[index] : decision.block_offsets[index + 1]
+                raise PlanError(f"step {plan.step_id} feeds unknown seq {seq_id}")
+            new_block_ids = plan.block_ids[
+                plan.block_offsets[index] : plan.block_offsets[index + 1]
             ]
             self._append_blocks(seq_id, sequence, new_block_ids)
             if check and seq_id in cached_of:
                 self._check_cached(seq_id, sequence, cached_of[seq_id])
-            start = decision.start_positions[index]
+            start = plan.start_positions[index]
             fed = token_ids[offsets[index] : offsets[index + 1]]
             if check:
-                self._check_feed(decision.step_id, seq_id, sequence, start, len(fed))
+                self._check_feed(plan.step_id, seq_id, sequence, start, len(fed))
                 self._write(seq_id, sequence, start, fed, forgetting)
             sequence.num_positions = start + len(fed)
-            if decision.sample[index]:
+            if plan.sample[index]:
                 last_position = start + len(fed) - 1
-                outcome.seq_ids.append(seq_id)
-                outcome.token_ids.append(dummy_next_token(fed[-1], last_position, vocab_size))
+                result.seq_ids.append(seq_id)
+                result.token_ids.append(dummy_next_token(fed[-1], last_position, vocab_size))
                 sampled.append(sequence)
                 want_logprobs = want_logprobs or sequence.num_logprobs > 0
         if want_logprobs:
-            self._fill_logprobs(outcome, sampled)
-        for seq_id in decision.forget_seq_ids:
+            self._fill_logprobs(result, sampled)
+        for seq_id in plan.forget_seq_ids:
             sequence = self._sequences.pop(seq_id, None)
             if sequence is None:
                 self.num_unknown_forgets += 1
                 continue
             for block_id in sequence.block_ids:
                 self._holders[block_id].discard(seq_id)
-        return outcome
+        return result
 
-    def fail(self, decision: StepDecision, message: str = "injected failure") -> StepOutcome:
+    def fail(self, plan: StepPlan, message: str = "injected failure") -> StepResult:
         """A failed step as the real worker reports it: it forgets every sequence named."""
-        for seq_id in [*decision.seq_ids, *decision.forget_seq_ids]:
+        for seq_id in [*plan.seq_ids, *plan.forget_seq_ids]:
             sequence = self._sequences.pop(seq_id, None)
             if sequence is not None:
                 for block_id in sequence.block_ids:
                     self._holders[block_id].discard(seq_id)
-        self._ever_seen.update(new.seq_id for new in decision.new_sequences)
-        return StepOutcome(step_id=decision.step_id, seq_ids=[], token_ids=[], step_error=message)
+        self._ever_seen.update(new.seq_id for new in plan.new_sequences)
+        return StepResult(step_id=plan.step_id, seq_ids=[], token_ids=[], step_error=message)
 
     def block_ids_of(self, seq_id: int) -> list[int]:
         return list(self._sequences[seq_id].block_ids)
 
     # -- checks ----------------------------------------------------------------------------
 
-    def _check_columns(self, decision: StepDecision) -> None:
-        num_seqs = len(decision.seq_ids)
+    def _check_columns(self, plan: StepPlan) -> None:
+        num_seqs = len(plan.seq_ids)
         for name in ("start_positions", "sample"):
-            if len(getattr(decision, name)) != num_seqs:
+            if len(getattr(plan, name)) != num_seqs:
                 raise PlanError(
-                    f"{name} has {len(getattr(decision, name))} entries for {num_seqs} seqs"
+                    f"{name} has {len(getattr(plan, name))} entries for {num_seqs} seqs"
                 )
-        for name, values in (("token", decision.token_ids), ("block", decision.block_ids)):
-            offsets = getattr(decision, f"{name}_offsets")
+        for name, values in (("token", plan.token_ids), ("block", plan.block_ids)):
+            offsets = getattr(plan, f"{name}_offsets")
             if len(offsets) != num_seqs + 1 or offsets[0] != 0 or offsets[-1] != len(values):
                 raise PlanError(f"{name}_offsets {offsets} do not frame {len(values)} ids")
             if any(b < a for a, b in zip(offsets, offsets[1:], strict=False)):
                 raise PlanError(f"{name}_offsets decrease: {offsets}")
-        if len(set(decision.seq_ids)) != num_seqs:
-            raise PlanError(f"a seq is fed twice in step {decision.step_id}")
+        if len(set(plan.seq_ids)) != num_seqs:
+            raise PlanError(f"a seq is fed twice in step {plan.step_id}")
         for index in range(num_seqs):
-            if decision.token_offsets[index] == decision.token_offsets[index + 1]:
-                raise PlanError(f"seq {decision.seq_ids[index]} is scheduled with no tokens")
-        for block_id in decision.block_ids:
+            if plan.token_offsets[index] == plan.token_offsets[index + 1]:
+                raise PlanError(f"seq {plan.seq_ids[index]} is scheduled with no tokens")
+        for block_id in plan.block_ids:
             if not 0 <= block_id < self.geometry.num_kv_blocks:
                 raise PlanError(f"block {block_id} is outside the pool")
 
@@ -199,11 +199,11 @@ class FakeWorker:
         sequence.prefix_hash = prefix_hash
 
     @staticmethod
-    def _fill_logprobs(outcome: StepOutcome, sampled: list[_Sequence]) -> None:
-        outcome.top_offsets.append(0)
-        for token_id, sequence in zip(outcome.token_ids, sampled, strict=True):
-            outcome.logprobs.append(-0.5)
+    def _fill_logprobs(result: StepResult, sampled: list[_Sequence]) -> None:
+        result.top_offsets.append(0)
+        for token_id, sequence in zip(result.token_ids, sampled, strict=True):
+            result.logprobs.append(-0.5)
             top = [token_id, *range(sequence.num_logprobs - 1)][: sequence.num_logprobs]
-            outcome.top_token_ids.extend(top)
-            outcome.top_logprobs.extend(-0.5 - rank for rank in range(len(top)))
-            outcome.top_offsets.append(len(outcome.top_token_ids))
+            result.top_token_ids.extend(top)
+            result.top_logprobs.extend(-0.5 - rank for rank in range(len(top)))
+            result.top_offsets.append(len(result.top_token_ids))

@@ -11,7 +11,7 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-from pagoda.scheduler_svc.core.request import ValidRequest, ValidSampling, ValidStopping
+from pagoda.scheduler_svc.core import ValidRequest, ValidSampling, ValidStopping
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
 
 MAX_REQUEST_ID_BYTES = 128

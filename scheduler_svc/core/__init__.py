@@ -1,1 +1,67 @@
-"""The scheduling core: pure, no I/O (no grpc, zmq, asyncio, protobuf or torch)."""
+"""The scheduling core: pure, no I/O (no grpc, zmq, asyncio, protobuf or torch).
+
+`Scheduler.schedule(now)` plans a step (a StepPlan), `Scheduler.apply(result, now)` takes
+the worker's StepResult and returns the step's token outputs (StepOutputs). Service code
+imports the core from here; the modules behind it are:
+  config         SchedulerConfig (the knobs) and WorkerGeometry (what a worker's hello says)
+  request        the validated input, a request's state, check_stop (token-id stop rules)
+  kv             the block pool and the prefix cache
+  waiting_queue  arrival or priority order; preempted requests at the head
+  admission      the pure admission policies
+  planner        owns the waiting, running and prefilling sets and the pool; plans steps
+  isolation      keeps the suspects of a failed step, planned alone
+  scheduler      the facade: add, cancel, schedule, apply, fail_step, stats
+  outputs        StepPlan, StepResult, StepOutputs, RequestOutput, SchedulerStats
+"""
+
+from pagoda.scheduler_svc.core.config import (
+    ADMISSION_POLICIES,
+    ConfigError,
+    SchedulerConfig,
+    WorkerGeometry,
+)
+from pagoda.scheduler_svc.core.outputs import (
+    NewSequence,
+    RequestOutput,
+    SchedulerStats,
+    StepOutputs,
+    StepPlan,
+    StepResult,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
+from pagoda.scheduler_svc.core.request import (
+    DuplicateRequestError,
+    FinishReason,
+    QueueFullError,
+    RequestTooLargeError,
+    ValidRequest,
+    ValidSampling,
+    ValidStopping,
+)
+from pagoda.scheduler_svc.core.scheduler import Scheduler
+
+__all__ = [
+    "ADMISSION_POLICIES",
+    "ConfigError",
+    "DuplicateRequestError",
+    "FinishReason",
+    "NewSequence",
+    "QueueFullError",
+    "RequestOutput",
+    "RequestTooLargeError",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerStats",
+    "StepOutputs",
+    "StepPlan",
+    "StepResult",
+    "Timings",
+    "TokenLogprob",
+    "Usage",
+    "ValidRequest",
+    "ValidSampling",
+    "ValidStopping",
+    "WorkerGeometry",
+]

@@ -1,10 +1,22 @@
-"""The scheduling knobs of DESIGN §3: one frozen value, validated once at start."""
+"""The scheduling knobs of DESIGN §3 (one frozen value, validated once at start), and the
+attached worker's geometry."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 ADMISSION_POLICIES = ("fifo", "pack", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerGeometry:
+    """What a worker's hello says about its model and KV pool."""
+
+    num_kv_blocks: int
+    block_size: int  # tokens per KV block
+    max_context_tokens: int  # longest sequence (prompt + generated)
+    eos_token_ids: frozenset[int]
+    vocab_size: int
 
 
 class ConfigError(ValueError):

@@ -4,26 +4,25 @@ A step that raises in the worker's forward names no culprit. Its requests become
 suspects; each is then run alone, one step at a time, until it samples a token
 (cleared) or fails by itself SOLO_FAILURES_TO_CONVICT times in a row (the culprit: it
 ends with ERROR; one solo failure may be a passing fault). Everything else waits
-meanwhile, so the culprit harms no other request. Called only from the Scheduler.
+meanwhile, so the culprit harms no other request. Called only from the Scheduler; the
+planner does the planning (`Planner.plan(..., only=request)`), this module only keeps
+the suspects.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 
+from pagoda.scheduler_svc.core.outputs import StepPlan
+from pagoda.scheduler_svc.core.planner import Planner
 from pagoda.scheduler_svc.core.request import Request, RequestState
-from pagoda.scheduler_svc.core.sequence_state import SequenceState
-from pagoda.scheduler_svc.core.step_decision import StepDecision
-from pagoda.scheduler_svc.core.step_planner import StepPlanner
-from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
 
 SOLO_FAILURES_TO_CONVICT = 2
 
 
 class Isolation:
-    def __init__(self, state: SequenceState, planner: StepPlanner) -> None:
-        self._state = state
+    def __init__(self, requests: dict[str, Request], planner: Planner) -> None:
+        self._requests = requests  # the Scheduler's, read only
         self._planner = planner
         self._suspect_ids: deque[str] = deque()
         self._target: Request | None = None
@@ -36,7 +35,7 @@ class Isolation:
 
     @property
     def target(self) -> Request | None:
-        """The suspect the decision in flight ran alone, if any."""
+        """The suspect the plan in flight runs alone, if any."""
         return self._target
 
     def suspect(self, request_ids: list[str]) -> None:
@@ -50,19 +49,20 @@ class Isolation:
         self._solo_failures.clear()
         self._target = None
 
-    def plan(self, step_id: int, now: float) -> StepDecision | None:
-        """A step that feeds only the first live suspect; None when no suspect is left."""
-        state = self._state
-        while self._suspect_ids and self._suspect_ids[0] not in state.requests:
+    def plan(self, step_id: int, now: float) -> StepPlan | None:
+        """A step that feeds only the first live suspect, with room made for its whole
+        sequence; None when no suspect is left."""
+        requests = self._requests
+        while self._suspect_ids and self._suspect_ids[0] not in requests:
             self._suspect_ids.popleft()  # finished or cancelled meanwhile
         if not self._suspect_ids:
             return None
-        request = state.requests[self._suspect_ids[0]]
+        request = requests[self._suspect_ids[0]]
         if self._target is not request:
             self._target = request
             self._generated_at_start = request.num_generated_tokens
-        self._make_room(request)
-        return self._plan_alone(request, step_id, now)
+        self._planner.make_room(request)
+        return self._planner.plan(step_id, now, only=request)
 
     def cleared(self) -> None:
         """The isolated step succeeded: the target is innocent once it sampled a token."""
@@ -95,44 +95,3 @@ class Isolation:
         if request_id in self._suspect_ids:
             self._suspect_ids.remove(request_id)
         return True
-
-    def _make_room(self, request: Request) -> None:
-        """Preempt the latest-admitted others until the suspect's whole sequence fits, so
-        the planner never has to preempt inside the isolated view."""
-        state = self._state
-        blocks = state.blocks
-        assert blocks is not None
-        needed = math.ceil((len(request.token_ids) + 1) / blocks.block_size) - len(
-            request.block_ids
-        )
-        others = [r for r in state.running.values() if r is not request]
-        while blocks.num_available_blocks < needed and others:
-            state.preempt(others.pop())
-
-    def _plan_alone(self, request: Request, step_id: int, now: float) -> StepDecision:
-        """Plan with the queues swapped for views holding only `request`, then merge back."""
-        state = self._state
-        waiting, running, prefilling = state.waiting, state.running, state.prefilling
-        was_waiting = request.state is RequestState.WAITING
-        view_waiting = WaitingQueue(by_priority=state.by_priority)
-        if was_waiting:
-            view_running: dict[int, Request] = {}
-            view_prefilling: dict[int, Request] = {}
-            view_waiting.push_back(request)
-        else:
-            view_running = {request.seq_id: request}
-            view_prefilling = {request.seq_id: request} if request.seq_id in prefilling else {}
-        state.waiting, state.running, state.prefilling = view_waiting, view_running, view_prefilling
-        try:
-            decision = self._planner.plan(step_id, now)
-        finally:
-            state.waiting, state.running, state.prefilling = waiting, running, prefilling
-        if request.state is RequestState.RUNNING:
-            if was_waiting:
-                waiting.remove(request)
-                running[request.seq_id] = request
-            if request.seq_id in view_prefilling:
-                prefilling[request.seq_id] = request
-            else:
-                prefilling.pop(request.seq_id, None)
-        return decision

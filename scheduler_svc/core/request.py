@@ -1,7 +1,6 @@
-"""Requests: the validated input, the scheduler's mutable state of one, and its output events.
+"""Requests: the validated input, the scheduler's state of one, and the token-id stop rules.
 
-Times (`*_s`) are seconds on the caller's monotonic clock, passed in as `now`;
-durations sent to clients are milliseconds (`*_ms`).
+Times (`*_s`) are seconds on the caller's monotonic clock, passed in as `now`.
 """
 
 from __future__ import annotations
@@ -10,11 +9,8 @@ import enum
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from pagoda.scheduler_svc.core.stop_rules import StopStringMatcher
-    from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
+from pagoda.scheduler_svc.core.config import WorkerGeometry
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,44 +53,6 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
-@dataclass(slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top_token_ids: list[int]
-    top_logprobs: list[float]
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int  # prompt tokens served from the prefix cache at first admission
-    num_preemptions: int  # times preempted and recomputed
-
-
-@dataclass(slots=True)
-class Timings:
-    queued_ms: float  # arrival to first scheduled
-    first_token_ms: float  # arrival to the first generated token
-    total_ms: float  # arrival to finish
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """One event to stream to a client: what is new since the previous event."""
-
-    request_id: str
-    # Whole UTF-8 characters only; text that may begin a stop string is held back.
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None  # one per token in token_ids when asked for
-    finish_reason: FinishReason | None = None
-    error_message: str | None = None
-    usage: Usage | None = None  # the finishing event only
-    timings: Timings | None = None  # the finishing event only
-
-
 class RequestState(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and back at the head of the queue
     RUNNING = "running"  # owns a sequence on the worker and KV blocks
@@ -104,13 +62,18 @@ class RequestState(enum.Enum):
 def token_array(token_ids: Iterable[int]) -> array[int]:
     """A request's token ids as 64-bit C integers rather than a list of int objects, which
     every collection would visit, block keying would read from all over memory and a
-    finish would free one by one (together ~8% of a step at 1,000 running requests)."""
+    finish would free one by one."""
     return array("q", token_ids)
 
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """The scheduler's truth about one request; owned and mutated by the Scheduler only.
+    """The scheduler's truth about one request.
+
+    Two writers, by field: the planner writes the sequence fields (from `state` to
+    `first_scheduled_s`: admission, feeding, preemption, release); Scheduler.apply()
+    appends generated tokens and stamps `first_token_s` and `finish_s`. Nothing else
+    writes a Request.
 
     A running request feeds `token_ids[num_computed_tokens:]`: prefill, chunked
     prefill, prefix hits, recompute after preemption and decode are all "give it n
@@ -126,8 +89,6 @@ class Request:
     # exactly once, when appended, so a recompute after preemption never repeats one.
     token_ids: array[int]
     arrival_s: float
-    detokenizer: IncrementalDetokenizer
-    stop_matcher: StopStringMatcher | None  # None when there are no stop strings
     state: RequestState = RequestState.WAITING
     seq_id: int | None = None
     # Tokens of token_ids whose KV is in block_ids, counting those fed by the step in flight.
@@ -145,31 +106,6 @@ class Request:
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
     finish_s: float | None = None
-    # apply()'s short path, fixed at each admission as it depends on the worker: while
-    # steady_from <= len(token_ids) < steady_until (counting the new token), a token is
-    # not the first generated one, stops are allowed, and neither max_new_tokens nor the
-    # context is reached, so only a token id in ending_token_ids or a stop string can
-    # end the request.
-    steady_from: int = 0
-    steady_until: int = 0
-    ending_token_ids: frozenset[int] = frozenset()
-    # Copies kept on the request so a decode step touches only it, not the objects they
-    # come from (at 1,000 running each is a cache miss per request: ~90 us a step here).
-    last_token_id: int = -1  # token_ids[-1]: the token a decoding sequence feeds next
-    whole_texts: list[str | None] | tuple[()] = ()  # detokenizer.whole_texts, after every call
-
-    def set_steady_window(self, eos_token_ids: frozenset[int], max_context_tokens: int) -> None:
-        stopping = self.stopping
-        self.steady_from = self.num_prompt_tokens + 1 + max(stopping.min_new_tokens, 1)
-        self.steady_until = min(
-            self.num_prompt_tokens + stopping.max_new_tokens, max_context_tokens
-        )
-        if stopping.ignore_eos:
-            self.ending_token_ids = stopping.stop_token_ids
-        elif stopping.stop_token_ids:
-            self.ending_token_ids = stopping.stop_token_ids | eos_token_ids
-        else:
-            self.ending_token_ids = eos_token_ids  # one set for most requests: stays cached
 
     @property
     def num_generated_tokens(self) -> int:
@@ -180,22 +116,57 @@ class Request:
         """Tokens still to compute before the next sample (1 when decoding)."""
         return len(self.token_ids) - self.num_computed_tokens
 
-    def usage(self) -> Usage:
-        return Usage(
-            prompt_tokens=self.num_prompt_tokens,
-            completion_tokens=self.num_generated_tokens,
-            cached_prompt_tokens=self.num_cached_prompt_tokens or 0,
-            num_preemptions=self.num_preemptions,
-        )
 
-    def timings(self) -> Timings:
-        """Milliseconds since arrival, once finished; a stage never reached counts as the end."""
-        assert self.finish_s is not None
-        end_s = self.finish_s
-        scheduled_s = self.first_scheduled_s if self.first_scheduled_s is not None else end_s
-        first_token_s = self.first_token_s if self.first_token_s is not None else end_s
-        return Timings(
-            queued_ms=(scheduled_s - self.arrival_s) * 1000.0,
-            first_token_ms=(first_token_s - self.arrival_s) * 1000.0,
-            total_ms=(end_s - self.arrival_s) * 1000.0,
+def check_stop(
+    request: Request, token_id: int, eos_token_ids: frozenset[int], max_context_tokens: int
+) -> FinishReason | None:
+    """How `token_id`, just appended to `request.token_ids`, ends the request by its id and
+    the lengths alone: STOP for a stop token id or EOS (unless ignore_eos), LENGTH at
+    max_new_tokens or a full context, else None. Stop strings are the service's output
+    processor's. No stop counts until min_new_tokens tokens precede the token (as Hugging
+    Face's min_new_tokens); a stop token's id is returned to the client, its text is not.
+    """
+    num_tokens = len(request.token_ids)
+    num_generated = num_tokens - request.num_prompt_tokens
+    stopping = request.stopping
+    if num_generated > stopping.min_new_tokens and (
+        token_id in stopping.stop_token_ids
+        or (token_id in eos_token_ids and not stopping.ignore_eos)
+    ):
+        return FinishReason.STOP
+    if num_generated >= stopping.max_new_tokens or num_tokens >= max_context_tokens:
+        return FinishReason.LENGTH
+    return None
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at max_waiting_requests (RESOURCE_EXHAUSTED)."""
+
+
+class RequestTooLargeError(ValueError):
+    """Prompt plus max_new_tokens can never fit the context or the whole KV pool."""
+
+
+class DuplicateRequestError(ValueError):
+    """A request with this id is already queued or running."""
+
+
+def too_large_reason(
+    num_prompt_tokens: int, max_new_tokens: int, geometry: WorkerGeometry
+) -> str | None:
+    """Why a request can never run on this worker, as a sentence; None if it can."""
+    num_tokens = num_prompt_tokens + max_new_tokens
+    if num_tokens > geometry.max_context_tokens:
+        return (
+            f"prompt ({num_prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) "
+            f"exceeds the context of {geometry.max_context_tokens} tokens"
         )
+    # The last generated token is never fed, so it needs no KV slot.
+    num_blocks = -(-(num_tokens - 1) // geometry.block_size)
+    if num_blocks > geometry.num_kv_blocks:
+        return (
+            f"prompt ({num_prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) needs "
+            f"{num_blocks} KV blocks of {geometry.block_size} tokens but the worker's pool "
+            f"holds {geometry.num_kv_blocks}"
+        )
+    return None

@@ -8,17 +8,21 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pagoda.protos import step_pb2
-from pagoda.scheduler_svc.core.config import SchedulerConfig
-from pagoda.scheduler_svc.core.request import (
+from pagoda.scheduler_svc.core import (
     FinishReason,
     RequestOutput,
-    RequestState,
+    Scheduler,
+    SchedulerConfig,
+    StepOutputs,
+    StepPlan,
+    StepResult,
     ValidRequest,
     ValidSampling,
     ValidStopping,
+    WorkerGeometry,
 )
-from pagoda.scheduler_svc.core.scheduler import Scheduler, StepDecision, WorkerGeometry
-from pagoda.scheduler_svc.core.step_decision import StepOutcome
+from pagoda.scheduler_svc.core.request import RequestState
+from pagoda.scheduler_svc.output_processor import OutputProcessor
 from pagoda.scheduler_svc.testing import FakeWorker
 
 from pagoda.common import wire
@@ -106,7 +110,7 @@ def make_hello(**fields) -> step_pb2.Hello:
 class LetterDetokenizer:
     """Token id -> one letter; stands in for a real detokenizer in scheduler tests."""
 
-    whole_texts = ()  # no table to look texts up in: the scheduler calls push()
+    whole_texts = ()  # no table to look texts up in: the output processor calls push()
 
     def push(self, token_id: int) -> str:
         return LETTERS[token_id % 26]
@@ -115,15 +119,47 @@ class LetterDetokenizer:
         return ""
 
 
+class TextScheduler:
+    """The core Scheduler as the step loop drives it: requests added through the output
+    processor, and every output it returns given its text by the processor at once (a
+    step's right after apply()). Other attributes are the Scheduler's."""
+
+    def __init__(self, scheduler: Scheduler, processor: OutputProcessor) -> None:
+        self.core = scheduler
+        self.processor = processor
+
+    def __getattr__(self, name: str):
+        return getattr(self.core, name)
+
+    def add(self, request: ValidRequest, now: float) -> None:
+        self.processor.add(request, now)
+
+    def apply(self, result: StepResult, now: float) -> StepOutputs:
+        return self.processor.process_step(self.core.apply(result, now), now)
+
+    def cancel(self, request_id: str, now: float, *args) -> RequestOutput | None:
+        output = self.core.cancel(request_id, now, *args)
+        return self.processor.process([output])[0] if output is not None else None
+
+    def attach_worker(self, geometry: WorkerGeometry) -> list[RequestOutput]:
+        return self.processor.process(self.core.attach_worker(geometry))
+
+    def fail_step(self, plan: StepPlan, error: str, now: float) -> list[RequestOutput]:
+        return self.processor.process(self.core.fail_step(plan, error, now))
+
+
 def make_scheduler(
     geometry: WorkerGeometry | None = None,
     detokenizer_factory: Callable[[], object] = LetterDetokenizer,
     **knobs,
-) -> Scheduler:
-    """A Scheduler with a worker of `geometry` (make_geometry() by default) attached."""
-    scheduler = Scheduler(SchedulerConfig(**knobs), detokenizer_factory)  # type: ignore[arg-type]
-    scheduler.attach_worker(geometry or make_geometry())
-    return scheduler
+) -> TextScheduler:
+    """A Scheduler with a worker of `geometry` (make_geometry() by default) attached, and
+    its output processor."""
+    scheduler = Scheduler(SchedulerConfig(**knobs))
+    processor = OutputProcessor(scheduler, detokenizer_factory)  # type: ignore[arg-type]
+    text_scheduler = TextScheduler(scheduler, processor)
+    text_scheduler.attach_worker(geometry or make_geometry())
+    return text_scheduler
 
 
 def expected_generation(
@@ -178,9 +214,12 @@ class Stream:
             self.usage = output.usage
 
 
-def check_invariants(scheduler: Scheduler) -> None:
-    """Block ownership and request states agree with the allocator, exactly."""
-    state = scheduler._state
+def check_invariants(scheduler: TextScheduler) -> None:
+    """Block ownership and request states agree with the allocator, exactly; the output
+    processor holds the text of exactly the unfinished requests."""
+    state = scheduler.core._planner
+    requests = scheduler.core._requests
+    assert len(scheduler.processor) == len(requests)
     blocks = state.blocks
     if blocks is None:
         assert not state.running
@@ -199,10 +238,6 @@ def check_invariants(scheduler: Scheduler) -> None:
         assert len(request.block_ids) == -(-request.num_computed_tokens // blocks.block_size)
         for block_id in request.block_ids:
             owners[block_id] += 1
-    for request in state.requests.values():
-        # The copies a decode step reads instead of their sources.
-        assert request.last_token_id == request.token_ids[-1]
-        assert request.whole_texts is request.detokenizer.whole_texts
     for block_id in range(allocator.num_total_blocks):
         assert allocator.ref_count(block_id) == owners.get(block_id, 0), block_id
         if allocator.is_free(block_id):
@@ -211,88 +246,89 @@ def check_invariants(scheduler: Scheduler) -> None:
     for request in state.waiting:
         assert request.state is RequestState.WAITING and not request.block_ids
     assert set(state.prefilling) <= set(state.running)
-    assert len(state.running) + len(state.waiting) == len(state.requests)
+    assert len(state.running) + len(state.waiting) == len(requests)
 
 
-def apply_scripts(scheduler: Scheduler, scripts: list[list[int]]) -> dict[str, list[RequestOutput]]:
+def apply_scripts(
+    scheduler: TextScheduler, scripts: list[list[int]]
+) -> dict[str, list[RequestOutput]]:
     """Run `scheduler` until it has no work, request f"r{i}" sampling `scripts[i]` in order
     (one token per event it streams); each must have been added with a prompt starting with
     100 + i, which names it in the plan. Returns each request's events."""
     index_of_seq: dict[int, int] = {}
     events: dict[str, list[RequestOutput]] = {f"r{i}": [] for i in range(len(scripts))}
-    while (decision := scheduler.schedule(0.0)) is not None:
+    while (plan := scheduler.schedule(0.0)) is not None:
         sampled_ids, sampled_tokens = [], []
-        for i, seq_id in enumerate(decision.seq_ids):
-            first_fed = decision.token_ids[decision.token_offsets[i]]
+        for i, seq_id in enumerate(plan.seq_ids):
+            first_fed = plan.token_ids[plan.token_offsets[i]]
             index = index_of_seq.setdefault(seq_id, first_fed - 100)
-            if decision.sample[i]:
+            if plan.sample[i]:
                 sampled_ids.append(seq_id)
                 sampled_tokens.append(scripts[index][len(events[f"r{index}"])])
-        for output in scheduler.apply(
-            StepOutcome(decision.step_id, sampled_ids, sampled_tokens), 0.0
-        ):
+        for output in scheduler.apply(StepResult(plan.step_id, sampled_ids, sampled_tokens), 0.0):
             assert len(output.token_ids) == 1, output
             events[output.request_id].append(output)
         check_invariants(scheduler)
     return events
 
 
-def decision_within_budget(decision: StepDecision, config: SchedulerConfig) -> bool:
+def plan_within_budget(plan: StepPlan, config: SchedulerConfig) -> bool:
     """The step's tokens fit max_num_batched_tokens, except an oversize prompt admitted
     whole without chunked prefill (it goes alone among the admissions)."""
-    if decision.num_tokens <= config.max_num_batched_tokens:
+    if plan.num_tokens <= config.max_num_batched_tokens:
         return True
     if config.chunked_prefill:
         return False
     step_prefill = min(config.max_num_batched_tokens, config.prefill_max_tokens or 10**9)
-    new_ids = {new.seq_id for new in decision.new_sequences}
+    new_ids = {new.seq_id for new in plan.new_sequences}
     sizes = [
-        decision.token_offsets[i + 1] - decision.token_offsets[i]
-        for i, seq_id in enumerate(decision.seq_ids)
+        plan.token_offsets[i + 1] - plan.token_offsets[i]
+        for i, seq_id in enumerate(plan.seq_ids)
         if seq_id in new_ids
     ]
     return len(sizes) == 1 and sizes[0] > step_prefill
 
 
-def caps_violated(decision: StepDecision, scheduler: Scheduler) -> str | None:
-    """Which per-step cap of DESIGN §3 this decision breaks, if any (None: all kept)."""
+def caps_violated(plan: StepPlan, scheduler: TextScheduler) -> str | None:
+    """Which per-step cap of DESIGN §3 this plan breaks, if any (None: all kept)."""
     config = scheduler.config
-    if config.max_decode_batch_size and decision.num_decode_tokens > config.max_decode_batch_size:
-        return f"{decision.num_decode_tokens} decodes > max_decode_batch_size"
-    num_admitted = len(decision.new_sequences)
+    if config.max_decode_batch_size and plan.num_decode_tokens > config.max_decode_batch_size:
+        return f"{plan.num_decode_tokens} decodes > max_decode_batch_size"
+    num_admitted = len(plan.new_sequences)
     if config.prefill_max_batch_size and num_admitted > config.prefill_max_batch_size:
         return f"{num_admitted} admissions > prefill_max_batch_size"
-    if len(scheduler._state.running) > config.max_active_requests:
-        return f"{len(scheduler._state.running)} running > max_active_requests"
+    num_running = len(scheduler.core._planner.running)
+    if num_running > config.max_active_requests:
+        return f"{num_running} running > max_active_requests"
     step_prefill = min(config.max_num_batched_tokens, config.prefill_max_tokens or 10**9)
-    if decision.num_prefill_tokens > step_prefill and (config.chunked_prefill or num_admitted > 1):
+    if plan.num_prefill_tokens > step_prefill and (config.chunked_prefill or num_admitted > 1):
         # Only an oversize prompt admitted whole and alone (no chunking) may exceed it.
-        return f"{decision.num_prefill_tokens} prefill tokens > {step_prefill}"
+        return f"{plan.num_prefill_tokens} prefill tokens > {step_prefill}"
     return None
 
 
 def drive(
-    scheduler: Scheduler,
+    scheduler: TextScheduler,
     worker: FakeWorker,
     streams: dict[str, Stream] | None = None,
     *,
     max_steps: int = 10_000,
     stop_early: bool = False,
-    on_step: Callable[[int, StepDecision], None] | None = None,
+    on_step: Callable[[int, StepPlan], None] | None = None,
 ) -> dict[str, Stream]:
     """Run steps until the scheduler has no work (or `max_steps` with `stop_early`);
     returns each request's stream."""
     streams = streams if streams is not None else defaultdict(Stream)
     for step in range(max_steps):
-        decision = scheduler.schedule(now=float(step))
-        if decision is None:
+        plan = scheduler.schedule(now=float(step))
+        if plan is None:
             assert not scheduler.has_work(), "work left but nothing scheduled"
             return streams
-        assert decision_within_budget(decision, scheduler.config)
-        assert caps_violated(decision, scheduler) is None, caps_violated(decision, scheduler)
+        assert plan_within_budget(plan, scheduler.config)
+        assert caps_violated(plan, scheduler) is None, caps_violated(plan, scheduler)
         if on_step is not None:
-            on_step(step, decision)
-        for output in scheduler.apply(worker.step(decision), now=float(step) + 0.5):
+            on_step(step, plan)
+        for output in scheduler.apply(worker.step(plan), now=float(step) + 0.5):
             streams[output.request_id].take(output)
         check_invariants(scheduler)
     if stop_early:

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import pytest
-from pagoda.scheduler_svc.core.block_allocator import BlockAllocator, DoubleFreeError
+from pagoda.scheduler_svc.core.kv import BlockAllocator, DoubleFreeError
 
 
 def counts(allocator: BlockAllocator) -> tuple[int, int, int]:

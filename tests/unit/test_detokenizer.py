@@ -114,7 +114,7 @@ def test_a_dangling_partial_character_becomes_a_replacement_at_the_end(default_t
 
 
 def test_looking_texts_up_in_whole_texts_is_the_same_as_pushing(default_tokenizer):
-    """The scheduler's hot loop reads whole_texts[token_id] itself and calls push() only
+    """The output processor reads whole_texts[token_id] itself and calls push() only
     when that is None or beyond the table: the pieces must be the same, broken bytes
     included."""
     rng = random.Random(11)
@@ -134,9 +134,9 @@ def test_looking_texts_up_in_whole_texts_is_the_same_as_pushing(default_tokenize
 
 
 def test_the_scheduler_streams_what_decode_gives_with_partial_characters(default_tokenizer):
-    """Scheduler.apply looks most texts up itself and keeps each request's copy of its
-    detokenizer's table in step: several requests decoding together, each through broken
-    bytes, emoji and CJK split across tokens, must each stream decode() of its tokens."""
+    """The output processor looks most texts up itself: several requests decoding together,
+    each through broken bytes, emoji and CJK split across tokens, must each stream decode()
+    of its tokens."""
     rng = random.Random(5)
     scripts = []
     for _ in range(4):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pagoda.scheduler_svc.core.scheduler import NewSequenceSpec, StepDecision
+from pagoda.scheduler_svc.core import NewSequence, StepPlan
 from pagoda.scheduler_svc.testing import FakeWorker, PlanError
 
 from pagoda.common.dummy_tokens import dummy_next_token
@@ -16,21 +16,21 @@ def plan(
     new: list[int] = (),
     cached: dict | None = None,
     forget: list[int] = (),
-) -> StepDecision:
+) -> StepPlan:
     """rows: (seq_id, start, token_ids, new block_ids, sample)."""
-    decision = StepDecision(step_id=step_id, forget_seq_ids=list(forget))
+    step_plan = StepPlan(step_id=step_id, forget_seq_ids=list(forget))
     for seq_id in new:
         cached_ids = (cached or {}).get(seq_id, [])
-        decision.new_sequences.append(NewSequenceSpec(seq_id, make_sampling(), cached_ids, 4))
+        step_plan.new_sequences.append(NewSequence(seq_id, make_sampling(), cached_ids, 4))
     for seq_id, start, token_ids, block_ids, sample in rows:
-        decision.seq_ids.append(seq_id)
-        decision.start_positions.append(start)
-        decision.sample.append(sample)
-        decision.token_ids.extend(token_ids)
-        decision.token_offsets.append(len(decision.token_ids))
-        decision.block_ids.extend(block_ids)
-        decision.block_offsets.append(len(decision.block_ids))
-    return decision
+        step_plan.seq_ids.append(seq_id)
+        step_plan.start_positions.append(start)
+        step_plan.sample.append(sample)
+        step_plan.token_ids.extend(token_ids)
+        step_plan.token_offsets.append(len(step_plan.token_ids))
+        step_plan.block_ids.extend(block_ids)
+        step_plan.block_offsets.append(len(step_plan.block_ids))
+    return step_plan
 
 
 def test_it_samples_the_dummy_token_of_the_last_fed_position():
@@ -81,10 +81,10 @@ def test_overwriting_a_block_another_live_sequence_reads_is_caught():
 
 
 def test_malformed_columns_are_caught():
-    decision = plan(1, [(1, 0, [1], [0], True)], new=[1])
-    decision.token_offsets.append(5)
+    malformed = plan(1, [(1, 0, [1], [0], True)], new=[1])
+    malformed.token_offsets.append(5)
     with pytest.raises(PlanError, match="token_offsets"):
-        FakeWorker(make_geometry()).step(decision)
+        FakeWorker(make_geometry()).step(malformed)
     with pytest.raises(PlanError, match="outside the pool"):
         FakeWorker(make_geometry(num_kv_blocks=2)).step(plan(1, [(1, 0, [1], [2], True)], new=[1]))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from pagoda.scheduler_svc.core.request import FinishReason
+from pagoda.scheduler_svc.core import FinishReason
 from pagoda.scheduler_svc.testing import FakeWorker
 
 from tests.unit.conftest import (
@@ -23,16 +23,16 @@ def run_with_poison(scheduler, worker, max_steps: int = 2000):
     streams: dict[str, Stream] = defaultdict(Stream)
     num_failed_steps = 0
     for step in range(max_steps):
-        decision = scheduler.schedule(now=float(step))
-        if decision is None:
+        plan = scheduler.schedule(now=float(step))
+        if plan is None:
             assert not scheduler.has_work()
             return streams, num_failed_steps
-        if POISON in decision.token_ids:
-            outcome = worker.fail(decision, "RuntimeError: poisoned")
+        if POISON in plan.token_ids:
+            result = worker.fail(plan, "RuntimeError: poisoned")
             num_failed_steps += 1
         else:
-            outcome = worker.step(decision)
-        for output in scheduler.apply(outcome, now=step + 0.5):
+            result = worker.step(plan)
+        for output in scheduler.apply(result, now=step + 0.5):
             streams[output.request_id].take(output)
         check_invariants(scheduler)
     raise AssertionError("the scheduler never finished: a poison request livelocks it")

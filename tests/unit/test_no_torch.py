@@ -1,4 +1,5 @@
-"""The scheduler process never loads torch (nor transformers, which imports it)."""
+"""The scheduler process never loads torch (nor transformers, which imports it), and its
+scheduling core loads no I/O at all."""
 
 from __future__ import annotations
 
@@ -7,44 +8,51 @@ import sys
 
 SCHEDULER_CORE_MODULES = [
     "pagoda.scheduler_svc",
+    "pagoda.scheduler_svc.core",
     "pagoda.scheduler_svc.core.admission",
-    "pagoda.scheduler_svc.core.block_allocator",
-    "benchmarks.scheduler_core",
     "pagoda.scheduler_svc.core.config",
-    "pagoda.scheduler_svc.detokenizer",
-    "pagoda.scheduler_svc.testing",
-    "pagoda.scheduler_svc.core.generation",
-    "pagoda.scheduler_svc.core.plan_columns",
-    "pagoda.scheduler_svc.core.preemption",
-    "pagoda.scheduler_svc.core.prefix_cache",
+    "pagoda.scheduler_svc.core.isolation",
+    "pagoda.scheduler_svc.core.kv",
+    "pagoda.scheduler_svc.core.outputs",
+    "pagoda.scheduler_svc.core.planner",
     "pagoda.scheduler_svc.core.request",
-    "pagoda.scheduler_svc.core.request_limits",
     "pagoda.scheduler_svc.core.scheduler",
-    "pagoda.scheduler_svc.core.sequence_state",
-    "pagoda.scheduler_svc.core.step_decision",
-    "pagoda.scheduler_svc.core.stats",
-    "pagoda.scheduler_svc.core.step_planner",
-    "pagoda.scheduler_svc.core.stop_rules",
-    "pagoda.scheduler_svc.tokenizer",
     "pagoda.scheduler_svc.core.waiting_queue",
+    "pagoda.scheduler_svc.detokenizer",
+    "pagoda.scheduler_svc.output_processor",
+    "pagoda.scheduler_svc.testing",
+    "pagoda.scheduler_svc.tokenizer",
+    "benchmarks.scheduler_core",
 ]
 
 PROBE = """
 import importlib, sys
-for name in sys.argv[1:]:
+for name in sys.argv[2:]:
     importlib.import_module(name)
-loaded = sorted(m for m in ("torch", "transformers") if m in sys.modules)
-print(",".join(loaded))
+forbidden = sys.argv[1].split(",")
+print(",".join(sorted(m for m in forbidden if m in sys.modules)))
 """
 
 
-def test_importing_the_scheduler_core_loads_no_torch():
+def loaded(modules: list[str], forbidden: list[str]) -> str:
+    """Which of `forbidden` a fresh interpreter has loaded after importing `modules`."""
     result = subprocess.run(
-        [sys.executable, "-c", PROBE, *SCHEDULER_CORE_MODULES],
+        [sys.executable, "-c", PROBE, ",".join(forbidden), *modules],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "", f"imported: {result.stdout.strip()}"
+    return result.stdout.strip()
+
+
+def test_importing_the_scheduler_core_loads_no_torch():
+    assert loaded(SCHEDULER_CORE_MODULES, ["torch", "transformers"]) == ""
+
+
+def test_the_scheduling_core_loads_no_io():
+    """The core is pure: no gRPC, ZeroMQ, asyncio, protobuf or torch behind any module."""
+    core = [name for name in SCHEDULER_CORE_MODULES if name.startswith("pagoda.scheduler_svc.core")]
+    forbidden = ["grpc", "zmq", "asyncio", "google.protobuf", "torch"]
+    assert loaded(core, forbidden) == ""

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pagoda.scheduler_svc.core.request import FinishReason, RequestOutput, TokenLogprob
-from pagoda.scheduler_svc.core.step_events import StepEvents
+from pagoda.scheduler_svc.core import FinishReason, RequestOutput, StepOutputs, TokenLogprob
 from pagoda.scheduler_svc.output_streams import OutputStreams
 
 
@@ -72,8 +71,10 @@ def test_a_step_of_token_columns_and_a_finish_reaches_each_slot_in_order():
     async def scenario():
         streams = OutputStreams()
         first, second = streams.open("r1"), streams.open("r2")
-        streams.publish_step(StepEvents(["r1", "r2", "gone"], ["He", "a", "x"], [1, 5, 9]))
-        streams.publish_step(StepEvents(["r2"], ["b"], [6], [out("llo", [2], FinishReason.LENGTH)]))
+        streams.publish_step(StepOutputs(["r1", "r2", "gone"], ["He", "a", "x"], [1, 5, 9]))
+        streams.publish_step(
+            StepOutputs(["r2"], ["b"], [6], [out("llo", [2], FinishReason.LENGTH)])
+        )
         merged = await first.next()
         assert (merged.text, merged.token_ids, merged.finish_reason) == (
             "Hello",

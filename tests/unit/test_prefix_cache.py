@@ -1,7 +1,6 @@
 from __future__ import annotations
 
-from pagoda.scheduler_svc.core.block_allocator import BlockAllocator
-from pagoda.scheduler_svc.core.prefix_cache import PrefixCache, extend_block_hashes
+from pagoda.scheduler_svc.core.kv import BlockAllocator, PrefixCache, extend_block_hashes
 from pagoda.scheduler_svc.core.request import token_array
 
 

@@ -10,19 +10,19 @@ from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from pagoda.scheduler_svc.core.request import FinishReason, ValidRequest
-from pagoda.scheduler_svc.core.scheduler import Scheduler, WorkerGeometry
+from pagoda.scheduler_svc.core import FinishReason, ValidRequest, WorkerGeometry
 from pagoda.scheduler_svc.testing import FakeWorker
 
 from tests.unit.conftest import (
     Stream,
+    TextScheduler,
     caps_violated,
     check_invariants,
-    decision_within_budget,
     expected_generation,
     make_geometry,
     make_request,
     make_scheduler,
+    plan_within_budget,
 )
 
 MAX_STEPS = 3000
@@ -100,7 +100,7 @@ def workloads(draw, with_cancels: bool = False, with_failures: bool = False) -> 
 
 def run(
     workload: Workload, geometry: WorkerGeometry | None = None
-) -> tuple[dict[str, Stream], Scheduler]:
+) -> tuple[dict[str, Stream], TextScheduler]:
     """Drive the workload to the end, checking invariants after every call."""
     geometry = geometry or workload.geometry
     scheduler = make_scheduler(geometry, **workload.knobs)
@@ -109,44 +109,45 @@ def run(
     failed_alone = workload.failed_alone
     failed_alone.clear()
     arrivals = list(workload.arrivals)
-    state = scheduler._state
+    state = scheduler.core._planner
+    requests = scheduler.core._requests
     for step in range(MAX_STEPS):
         now = float(step)
         while arrivals and arrivals[0][0] <= step:
             scheduler.add(arrivals.pop(0)[1], now)
         for request_id in workload.cancels.get(step, []):
-            request = state.requests.get(request_id)
+            request = requests.get(request_id)
             seq_id = request.seq_id if request is not None else None
             output = scheduler.cancel(request_id, now)
             if output is not None:
                 streams[request_id].take(output)
             check_invariants(scheduler)  # its blocks are free already
-            assert request_id not in state.requests
+            assert request_id not in requests
             if seq_id is not None:
                 assert seq_id in state.forget_seq_ids  # the next plan forgets it
-        decision = scheduler.schedule(now)
-        if decision is None:
+        plan = scheduler.schedule(now)
+        if plan is None:
             assert not scheduler.has_work()
             if not arrivals:
                 return streams, scheduler
             continue
-        assert decision_within_budget(decision, scheduler.config)
+        assert plan_within_budget(plan, scheduler.config)
         if not scheduler._isolation.active:  # isolation replans one suspect at a time
-            assert caps_violated(decision, scheduler) is None, caps_violated(decision, scheduler)
+            assert caps_violated(plan, scheduler) is None, caps_violated(plan, scheduler)
         failure = workload.failures.get(step)
         if failure == "lost" or failure == "restart":
-            assert scheduler.fail_step(decision, "worker lost", now) == []
+            assert scheduler.fail_step(plan, "worker lost", now) == []
             if failure == "restart":
                 scheduler.detach_worker()
                 assert scheduler.attach_worker(geometry) == []
                 worker = FakeWorker(geometry)
         else:
             if failure == "error":
-                ids = {state.running[s].request_id for s in decision.seq_ids if s in state.running}
+                ids = {state.running[s].request_id for s in plan.seq_ids if s in state.running}
                 if len(ids) == 1:
                     failed_alone[ids.pop()] += 1
-            outcome = worker.fail(decision) if failure == "error" else worker.step(decision)
-            for output in scheduler.apply(outcome, now + 0.5):
+            result = worker.fail(plan) if failure == "error" else worker.step(plan)
+            for output in scheduler.apply(result, now + 0.5):
                 streams[output.request_id].take(output)
         check_invariants(scheduler)
         # No sequence leaks on the worker: it holds the running ones and those to forget.

@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
-from pagoda.scheduler_svc.core.request import FinishReason, RequestState
-from pagoda.scheduler_svc.core.scheduler import (
+from pagoda.scheduler_svc.core import (
     DuplicateRequestError,
+    FinishReason,
     QueueFullError,
     RequestTooLargeError,
-    StepDecision,
+    StepPlan,
 )
+from pagoda.scheduler_svc.core.request import RequestState
 from pagoda.scheduler_svc.testing import FakeWorker
 
 from tests.unit.conftest import (
@@ -25,22 +26,22 @@ from tests.unit.conftest import (
 )
 
 
-def fed(decision: StepDecision) -> dict[int, int]:
-    """seq_id -> tokens fed in the decision."""
-    offsets = decision.token_offsets
-    return {s: offsets[i + 1] - offsets[i] for i, s in enumerate(decision.seq_ids)}
+def fed(plan: StepPlan) -> dict[int, int]:
+    """seq_id -> tokens fed in the plan."""
+    offsets = plan.token_offsets
+    return {s: offsets[i + 1] - offsets[i] for i, s in enumerate(plan.seq_ids)}
 
 
 def step(scheduler, worker, now: float = 0.0):
-    decision = scheduler.schedule(now)
-    assert decision is not None
-    outputs = scheduler.apply(worker.step(decision), now)
+    plan = scheduler.schedule(now)
+    assert plan is not None
+    outputs = scheduler.apply(worker.step(plan), now)
     check_invariants(scheduler)
-    return decision, outputs
+    return plan, outputs
 
 
 def seq_of(scheduler, request_id: str) -> int:
-    return scheduler._state.requests[request_id].seq_id
+    return scheduler.core._requests[request_id].seq_id
 
 
 def test_identical_prompts_in_one_admission_are_computed_once():
@@ -49,12 +50,12 @@ def test_identical_prompts_in_one_admission_are_computed_once():
     prompt = list(range(10, 26))  # 16 tokens: 4 full blocks
     scheduler.add(make_request("a", prompt), 0.0)
     scheduler.add(make_request("b", prompt), 0.0)
-    decision = scheduler.schedule(0.0)
-    a, b = decision.new_sequences
+    plan = scheduler.schedule(0.0)
+    a, b = plan.new_sequences
     # b points at a's first three blocks and computes only the block holding the last token.
-    assert fed(decision) == {a.seq_id: 16, b.seq_id: 4}
+    assert fed(plan) == {a.seq_id: 16, b.seq_id: 4}
     assert b.cached_token_ids == prompt[:12]
-    scheduler.apply(worker.step(decision), 0.0)
+    scheduler.apply(worker.step(plan), 0.0)
     assert worker.block_ids_of(b.seq_id)[:3] == worker.block_ids_of(a.seq_id)[:3]
     streams = drive(scheduler, worker)
     assert streams["a"].token_ids == streams["b"].token_ids
@@ -67,10 +68,10 @@ def test_prefix_hits_skip_computed_tokens():
     scheduler.add(make_request("first", prompt), 0.0)
     drive(scheduler, worker)
     scheduler.add(make_request("second", prompt[:12] + [99, 98]), 1.0)
-    decision = scheduler.schedule(1.0)
-    (new,) = decision.new_sequences
-    assert decision.start_positions == [12] and new.cached_token_ids == prompt[:12]
-    scheduler.apply(worker.step(decision), 1.0)
+    plan = scheduler.schedule(1.0)
+    (new,) = plan.new_sequences
+    assert plan.start_positions == [12] and new.cached_token_ids == prompt[:12]
+    scheduler.apply(worker.step(plan), 1.0)
     streams = drive(scheduler, worker)
     assert streams["second"].usage.cached_prompt_tokens == 12
     stats = scheduler.stats
@@ -88,8 +89,8 @@ def test_blocks_filled_by_decoding_are_keyed_too():
     # 16 of the 17 tokens were fed, filling 4 blocks; the last was sampled, never fed.
     assert len(reply) == 11
     scheduler.add(make_request("turn2", prompt + reply + [99, 98]), 1.0)
-    decision = scheduler.schedule(1.0)
-    (new,) = decision.new_sequences
+    plan = scheduler.schedule(1.0)
+    (new,) = plan.new_sequences
     assert new.cached_token_ids == (prompt + reply)[:16]
 
 
@@ -100,18 +101,18 @@ def test_the_last_prompt_token_is_always_computed():
     scheduler.add(make_request("first", prompt), 0.0)
     drive(scheduler, worker)
     scheduler.add(make_request("again", prompt), 1.0)
-    decision = scheduler.schedule(1.0)
-    assert decision.start_positions == [4] and decision.sample == [True]
+    plan = scheduler.schedule(1.0)
+    assert plan.start_positions == [4] and plan.sample == [True]
 
 
 def test_the_active_cap_clamps_admission_and_a_full_step_only_decodes():
     scheduler, worker = make_scheduler(max_active_requests=2), FakeWorker(make_geometry())
     for index in range(4):
         scheduler.add(make_request(f"r{index}", 6, max_new_tokens=3), 0.0)
-    decision, _ = step(scheduler, worker)
-    assert len(decision.new_sequences) == 2
-    decision, _ = step(scheduler, worker)
-    assert decision.new_sequences == [] and decision.num_decode_tokens == 2
+    plan, _ = step(scheduler, worker)
+    assert len(plan.new_sequences) == 2
+    plan, _ = step(scheduler, worker)
+    assert plan.new_sequences == [] and plan.num_decode_tokens == 2
     streams = drive(scheduler, worker)
     assert all(stream.finish_reason is FinishReason.LENGTH for stream in streams.values())
 
@@ -141,7 +142,7 @@ def test_force_fifo_rounds_let_a_long_head_in():
     first, _ = step(scheduler, worker)  # round 1, pack: the cheap ones
     assert seq_of(scheduler, "long") is None and len(first.new_sequences) == 8
     step(scheduler, worker)  # round 2, FIFO: the head's first chunk
-    assert scheduler._state.requests["long"].state is RequestState.RUNNING
+    assert scheduler.core._requests["long"].state is RequestState.RUNNING
 
 
 def test_round_robin_decode_under_a_decode_cap():
@@ -151,9 +152,9 @@ def test_round_robin_decode_under_a_decode_cap():
     step(scheduler, worker)  # all five prefill and sample once
     decoded: dict[int, int] = {}
     for _ in range(10):
-        decision, _ = step(scheduler, worker)
-        assert len(decision.seq_ids) == 2
-        for seq_id in decision.seq_ids:
+        plan, _ = step(scheduler, worker)
+        assert len(plan.seq_ids) == 2
+        for seq_id in plan.seq_ids:
             decoded[seq_id] = decoded.get(seq_id, 0) + 1
     assert sorted(decoded.values()) == [4, 4, 4, 4, 4]
 
@@ -181,12 +182,12 @@ def test_no_decode_waits_while_a_long_prompt_is_chunked_in():
     scheduler.add(make_request("long", 100, max_new_tokens=2), 0.0)
     num_chunks = 0
     while True:
-        decision, _ = step(scheduler, worker)
-        counts = fed(decision)
+        plan, _ = step(scheduler, worker)
+        counts = fed(plan)
         assert all(counts[seq_id] == 1 for seq_id in decoders)  # every decoder, every step
-        assert decision.num_tokens <= 16
+        assert plan.num_tokens <= 16
         long_ids = set(counts) - decoders
-        if not long_ids or decision.sample[decision.seq_ids.index(long_ids.pop())]:
+        if not long_ids or plan.sample[plan.seq_ids.index(long_ids.pop())]:
             break
         num_chunks += 1
     assert num_chunks >= 9  # 100 prompt tokens through the 11 left after 5 decodes
@@ -217,9 +218,9 @@ def test_decode_first_decides_when_prefill_and_decode_cannot_share():
             scheduler.add(make_request(f"d{index}", 2, max_new_tokens=10), 0.0)
         step(scheduler, worker)
         scheduler.add(make_request("prompt", 10), 0.0)
-        decision, _ = step(scheduler, worker)
-        assert bool(decision.new_sequences) is expect_admitted
-        assert decision.num_tokens <= 12
+        plan, _ = step(scheduler, worker)
+        assert bool(plan.new_sequences) is expect_admitted
+        assert plan.num_tokens <= 12
 
 
 def test_preemption_takes_the_most_recently_admitted_and_output_is_unchanged():
@@ -244,7 +245,7 @@ def test_priority_preempts_the_lowest_priority_first():
     scheduler.add(low, 0.0)
     drive(scheduler, worker, streams, max_steps=1, stop_early=True)  # low runs first
     scheduler.add(high, 1.0)  # high is admitted later: the most recent
-    state = scheduler._state.requests
+    state = scheduler.core._requests
     while state["high"].num_preemptions == 0 and state["low"].num_preemptions == 0:
         drive(scheduler, worker, streams, max_steps=1, stop_early=True)
     assert state["low"].num_preemptions == 1 and state["high"].num_preemptions == 0
@@ -258,7 +259,7 @@ def test_priority_admits_lower_values_first():
     scheduler.add(make_request("later", 4, priority=5), 0.0)
     scheduler.add(make_request("sooner", 4, priority=1), 0.0)
     scheduler.schedule(0.0)
-    assert scheduler._state.requests["sooner"].state is RequestState.RUNNING
+    assert scheduler.core._requests["sooner"].state is RequestState.RUNNING
 
 
 def test_a_cancel_frees_blocks_at_once_and_is_forgotten_by_the_next_plan():
@@ -273,8 +274,8 @@ def test_a_cancel_frees_blocks_at_once_and_is_forgotten_by_the_next_plan():
     assert output.finish_reason is FinishReason.CANCELLED and output.usage.completion_tokens == 1
     assert scheduler.stats.num_kv_blocks_used < used_before
     check_invariants(scheduler)
-    decision, _ = step(scheduler, worker)
-    assert decision.forget_seq_ids == [seq_id] and seq_id not in worker.live_seq_ids
+    plan, _ = step(scheduler, worker)
+    assert plan.forget_seq_ids == [seq_id] and seq_id not in worker.live_seq_ids
     assert scheduler.cancel("gone", 2.0) is None and scheduler.cancel("unknown", 2.0) is None
 
 
@@ -309,12 +310,12 @@ def test_a_failed_step_recomputes_without_losing_or_repeating_tokens():
     for request in requests:
         scheduler.add(request, 0.0)
     streams = drive(scheduler, worker, max_steps=2, stop_early=True)
-    decision = scheduler.schedule(2.0)  # lost with the worker: the plan never ran
-    assert scheduler.fail_step(decision, "worker lost", 2.0) == []
+    plan = scheduler.schedule(2.0)  # lost with the worker: the plan never ran
+    assert scheduler.fail_step(plan, "worker lost", 2.0) == []
     check_invariants(scheduler)
     assert scheduler.stats.num_running == 0 and scheduler.stats.num_waiting == 3
-    decision = scheduler.schedule(3.0)  # ran, but the forward raised
-    assert not scheduler.apply(worker.fail(decision, "CUDA error"), 3.0)
+    plan = scheduler.schedule(3.0)  # ran, but the forward raised
+    assert not scheduler.apply(worker.fail(plan, "CUDA error"), 3.0)
     drive(scheduler, worker, streams)
     for request in requests:
         assert streams[request.request_id].token_ids == expected_generation(request, geometry)[0]
@@ -326,13 +327,13 @@ def test_a_sequence_error_ends_only_that_request():
     scheduler, worker = make_scheduler(geometry), FakeWorker(geometry)
     scheduler.add(make_request("bad", 4), 0.0)
     scheduler.add(make_request("good", 4), 0.0)
-    decision = scheduler.schedule(0.0)
-    outcome = worker.step(decision)
+    plan = scheduler.schedule(0.0)
+    result = worker.step(plan)
     bad = seq_of(scheduler, "bad")
-    index = outcome.seq_ids.index(bad)
-    del outcome.seq_ids[index], outcome.token_ids[index]
-    outcome.errors[bad] = "block id out of range"
-    outputs = {o.request_id: o for o in scheduler.apply(outcome, 0.0)}
+    index = result.seq_ids.index(bad)
+    del result.seq_ids[index], result.token_ids[index]
+    result.errors[bad] = "block id out of range"
+    outputs = {o.request_id: o for o in scheduler.apply(result, 0.0)}
     assert outputs["bad"].finish_reason is FinishReason.ERROR
     assert "block id out of range" in outputs["bad"].error_message
     assert outputs["good"].finish_reason is None
@@ -343,10 +344,10 @@ def test_a_missing_sample_is_an_error_not_a_hang():
     geometry = make_geometry()
     scheduler, worker = make_scheduler(geometry), FakeWorker(geometry)
     scheduler.add(make_request("a", 4), 0.0)
-    outcome = worker.step(scheduler.schedule(0.0))
-    outcome.seq_ids.clear()
-    outcome.token_ids.clear()
-    (output,) = scheduler.apply(outcome, 0.0)
+    result = worker.step(scheduler.schedule(0.0))
+    result.seq_ids.clear()
+    result.token_ids.clear()
+    (output,) = scheduler.apply(result, 0.0)
     assert output.finish_reason is FinishReason.ERROR and not scheduler.has_work()
 
 
@@ -383,12 +384,12 @@ def test_a_late_result_is_ignored_and_one_step_is_in_flight_at_a_time():
     geometry = make_geometry()
     scheduler, worker = make_scheduler(geometry), FakeWorker(geometry)
     scheduler.add(make_request("a", 4), 0.0)
-    decision = scheduler.schedule(0.0)
+    plan = scheduler.schedule(0.0)
     with pytest.raises(RuntimeError, match="in flight"):
         scheduler.schedule(0.0)
-    outcome = worker.step(decision)
-    scheduler.fail_step(decision, "timed out", 1.0)
-    assert not scheduler.apply(outcome, 1.0)
+    result = worker.step(plan)
+    scheduler.fail_step(plan, "timed out", 1.0)
+    assert not scheduler.apply(result, 1.0)
 
 
 def test_logprobs_usage_and_timings():

@@ -1,7 +1,7 @@
 """StepLoop in process, against a fake link whose worker is the plan-checking FakeWorker.
 
 Plans leave the loop as protobuf (step_codec.encode_plan), cross the wire framing, are
-turned back into a StepDecision for FakeWorker, and its outcome returns as a StepResult
+turned back into a domain StepPlan for FakeWorker, and its result returns as a StepResult
 that the loop decodes (step_codec.decode_result): the scheduler's codec is in the path.
 Every stream is compared with what the dummy model gives the request alone
 (conftest.expected_generation), so a lost or repeated token fails the test.
@@ -19,15 +19,18 @@ from dataclasses import dataclass
 import pytest
 from pagoda.protos import step_pb2
 from pagoda.scheduler_svc import step_codec
-from pagoda.scheduler_svc.core.config import SchedulerConfig
-from pagoda.scheduler_svc.core.request import FinishReason, ValidRequest, ValidSampling
-from pagoda.scheduler_svc.core.scheduler import (
-    NewSequenceSpec,
+from pagoda.scheduler_svc.core import (
+    FinishReason,
+    NewSequence,
     Scheduler,
-    StepDecision,
-    StepOutcome,
+    SchedulerConfig,
+    StepPlan,
+    StepResult,
+    ValidRequest,
+    ValidSampling,
 )
 from pagoda.scheduler_svc.metrics import Metrics
+from pagoda.scheduler_svc.output_processor import OutputProcessor
 from pagoda.scheduler_svc.output_streams import OutputSlot
 from pagoda.scheduler_svc.step_loop import StepLoop, Unavailable
 from pagoda.scheduler_svc.testing import FakeWorker
@@ -57,12 +60,12 @@ def over_the_wire(message):
     return wire.decode(wire.encode(message))
 
 
-def decision_of(plan: step_pb2.StepPlan) -> StepDecision:
-    """A StepPlan as the domain StepDecision that FakeWorker runs (the worker's reading)."""
-    return StepDecision(
+def domain_plan_of(plan: step_pb2.StepPlan) -> StepPlan:
+    """A StepPlan message as the domain StepPlan that FakeWorker runs (the worker's reading)."""
+    return StepPlan(
         step_id=plan.step_id,
         new_sequences=[
-            NewSequenceSpec(
+            NewSequence(
                 seq_id=new.seq_id,
                 sampling=ValidSampling(
                     temperature=new.sampling.temperature,
@@ -91,8 +94,8 @@ def decision_of(plan: step_pb2.StepPlan) -> StepDecision:
     )
 
 
-def result_of(outcome: StepOutcome) -> step_pb2.StepResult:
-    """FakeWorker's outcome as the StepResult a worker sends."""
+def result_of(outcome: StepResult) -> step_pb2.StepResult:
+    """FakeWorker's result as the StepResult message a worker sends."""
     result = step_pb2.StepResult(
         step_id=outcome.step_id,
         seq_ids=outcome.seq_ids,
@@ -149,7 +152,7 @@ class FakeLink:
         if self.worker is None:
             raise WorkerLost("no worker attached")
         self.num_plans += 1
-        result = over_the_wire(result_of(self.worker.step(decision_of(over_the_wire(plan)))))
+        result = over_the_wire(result_of(self.worker.step(domain_plan_of(over_the_wire(plan)))))
         if self.num_plans == self._lose_during_plan:
             # As WorkerLink._drop_worker: the detach is reported, then the step fails.
             self.detach(f"no result for step {plan.step_id}")
@@ -215,10 +218,12 @@ async def running() -> AsyncIterator[Harness]:
     link = FakeLink()
     clock = ManualClock()
     worker_changes: asyncio.Queue[bool] = asyncio.Queue()
+    scheduler = Scheduler(SchedulerConfig())
     loop = StepLoop(
-        Scheduler(SchedulerConfig(), LetterDetokenizer),  # type: ignore[arg-type]
+        scheduler,
         link,
         Metrics(),
+        output_processor=OutputProcessor(scheduler, LetterDetokenizer),  # type: ignore[arg-type]
         worker_timeout_s=10.0,
         worker_grace_s=GRACE_S,
         status_interval_s=60.0,

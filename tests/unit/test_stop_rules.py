@@ -1,19 +1,26 @@
-"""Stop rules: pure helpers, and a sampled token meeting a request (generation.accept_token)."""
+"""Stop rules: the core's check_stop on token ids, the output processor's stop strings, and
+a sampled token meeting its request through apply() and the output processor."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pagoda.scheduler_svc.core.generation import accept_token, final_text
-from pagoda.scheduler_svc.core.request import FinishReason, Request, token_array
-from pagoda.scheduler_svc.core.stop_rules import (
+from pagoda.scheduler_svc.core import FinishReason, StepResult, ValidStopping
+from pagoda.scheduler_svc.core.request import Request, check_stop, token_array
+from pagoda.scheduler_svc.output_processor import (
     StopStringMatcher,
     find_stop_string,
     held_back_length,
-    token_verdict,
 )
 
-from tests.unit.conftest import apply_scripts, make_geometry, make_request, make_scheduler
+from tests.unit.conftest import (
+    TextScheduler,
+    apply_scripts,
+    check_invariants,
+    make_geometry,
+    make_request,
+    make_scheduler,
+)
 
 EOS = 2
 
@@ -36,27 +43,53 @@ class ScriptedDetokenizer:
         return self.pending
 
 
-def make_state(pieces: dict[int, str], **stopping) -> Request:
-    valid = make_request(prompt=[7, 7, 7], **stopping)
-    return Request(
-        request_id=valid.request_id,
+def token_verdict(
+    token_id: int,
+    num_generated_tokens: int,
+    num_tokens: int,
+    stopping: ValidStopping,
+    eos_token_ids: frozenset[int],
+    max_context_tokens: int,
+) -> FinishReason | None:
+    """check_stop on a request of `num_tokens` tokens whose last, `token_id`, is its
+    `num_generated_tokens`-th generated one."""
+    valid = make_request()
+    token_ids = [7] * (num_tokens - 1) + [token_id]
+    request = Request(
+        request_id="r0",
         sampling=valid.sampling,
-        stopping=valid.stopping,
+        stopping=stopping,
         priority=0,
-        num_prompt_tokens=3,
-        token_ids=token_array(valid.prompt_token_ids),
+        num_prompt_tokens=num_tokens - num_generated_tokens,
+        token_ids=token_array(token_ids),
         arrival_s=0.0,
-        detokenizer=ScriptedDetokenizer(pieces),  # type: ignore[arg-type]
-        stop_matcher=StopStringMatcher(valid.stopping.stop_strings)
-        if valid.stopping.stop_strings
-        else None,
     )
+    return check_stop(request, token_id, eos_token_ids, max_context_tokens)
+
+
+def run_alone(
+    pieces: dict[int, str], token_ids: list[int], max_context_tokens: int = 100, **stopping
+) -> tuple[list[tuple[str, FinishReason | None]], TextScheduler]:
+    """Request "r0" (a 3-token prompt) alone, sampling `token_ids` in order through apply()
+    and the output processor: its (text, finish reason) per output, and the scheduler."""
+    geometry = make_geometry(max_context_tokens=max_context_tokens, eos_token_ids=[EOS])
+    scheduler = make_scheduler(geometry, lambda: ScriptedDetokenizer(pieces))
+    scheduler.add(make_request("r0", prompt=[7, 7, 7], **stopping), 0.0)
+    events = []
+    for token_id in token_ids:
+        plan = scheduler.schedule(0.0)
+        assert plan is not None, "the request ended before its script"
+        assert plan.sample == [True]
+        result = StepResult(plan.step_id, plan.seq_ids, [token_id])
+        events += [(o.text, o.finish_reason) for o in scheduler.apply(result, 0.0)]
+        check_invariants(scheduler)
+    return events, scheduler
 
 
 def feed(
-    request: Request, token_ids: list[int], max_context_tokens: int = 100
+    pieces: dict[int, str], token_ids: list[int], max_context_tokens: int = 100, **stopping
 ) -> list[tuple[str, FinishReason | None]]:
-    return [accept_token(request, t, frozenset({EOS}), max_context_tokens) for t in token_ids]
+    return run_alone(pieces, token_ids, max_context_tokens, **stopping)[0]
 
 
 def test_token_verdict():
@@ -68,6 +101,8 @@ def test_token_verdict():
     assert token_verdict(7, 5, 10, stopping, eos, 100) is FinishReason.LENGTH
     assert token_verdict(7, 2, 100, stopping, eos, 100) is FinishReason.LENGTH
     assert token_verdict(EOS, 5, 10, stopping, eos, 100) is FinishReason.STOP  # STOP wins
+    ignoring = make_request(max_new_tokens=5, ignore_eos=True).stopping
+    assert token_verdict(EOS, 2, 10, ignoring, eos, 100) is None
 
 
 def test_find_stop_string_returns_the_earliest():
@@ -83,76 +118,87 @@ def test_held_back_length_is_the_longest_stop_prefix_suffix():
 
 
 def test_a_stop_string_across_token_boundaries_is_cut_and_not_returned():
-    request = make_state(
+    events, scheduler = run_alone(
         {10: "Hello wo", 11: "rld! E", 12: "ND of it", 13: "more"},
+        [10, 11, 12],
         stop_strings=("END",),
         max_new_tokens=10,
     )
-    events = feed(request, [10, 11, 12])
     assert events == [("Hello wo", None), ("rld! ", None), ("", FinishReason.STOP)]
+    assert not scheduler.has_work()  # ended, blocks free, before the next schedule()
 
 
 def test_text_that_may_start_a_stop_string_is_held_back_until_settled():
-    request = make_state(
-        {10: "a <", 11: "/", 12: "p", 13: "x"}, stop_strings=("</s>",), max_new_tokens=10
-    )
-    assert feed(request, [10, 11, 12]) == [("a ", None), ("", None), ("</p", None)]
-    assert request.stop_matcher.held_text == ""
+    pieces = {10: "a <", 11: "/", 12: "p", 13: "x"}
+    events, scheduler = run_alone(pieces, [10, 11, 12], stop_strings=("</s>",), max_new_tokens=10)
+    assert events == [("a ", None), ("", None), ("</p", None)]
+    assert scheduler.processor._matchers["r0"].held_text == ""
 
 
 def test_held_back_text_is_released_when_the_request_ends_by_length():
-    request = make_state({10: "a <", 11: "/"}, stop_strings=("</s>",), max_new_tokens=2)
-    assert feed(request, [10, 11]) == [("a ", None), ("</", FinishReason.LENGTH)]
+    events = feed({10: "a <", 11: "/"}, [10, 11], stop_strings=("</s>",), max_new_tokens=2)
+    assert events == [("a ", None), ("</", FinishReason.LENGTH)]
 
 
-def test_eos_stops_without_its_text_but_its_id_is_returned_by_the_caller():
-    request = make_state({10: "hi", EOS: "<eos>"}, max_new_tokens=10)
-    assert feed(request, [10, EOS]) == [("hi", None), ("", FinishReason.STOP)]
-    assert request.token_ids[-1] == EOS
+def test_a_stop_string_completed_by_the_last_allowed_token_wins_over_length():
+    events = feed({10: "a <", 11: "/s>"}, [10, 11], stop_strings=("</s>",), max_new_tokens=2)
+    assert events == [("a ", None), ("", FinishReason.STOP)]
+
+
+def test_eos_stops_without_its_text_but_its_id_is_returned():
+    pieces = {10: "hi", EOS: "<eos>"}
+    events, scheduler = run_alone(pieces, [10], max_new_tokens=10)
+    plan = scheduler.schedule(0.0)
+    (output,) = scheduler.apply(StepResult(plan.step_id, plan.seq_ids, [EOS]), 0.0)
+    assert events + [(output.text, output.finish_reason)] == [("hi", None), ("", FinishReason.STOP)]
+    assert output.token_ids == [EOS]
 
 
 def test_ignore_eos_keeps_going():
-    request = make_state({EOS: "<eos>"}, max_new_tokens=2, ignore_eos=True)
-    assert feed(request, [EOS, EOS]) == [("<eos>", None), ("<eos>", FinishReason.LENGTH)]
+    events = feed({EOS: "<eos>"}, [EOS, EOS], max_new_tokens=2, ignore_eos=True)
+    assert events == [("<eos>", None), ("<eos>", FinishReason.LENGTH)]
 
 
 def test_a_stop_token_id_stops():
-    request = make_state({10: "a", 11: "b"}, stop_token_ids=[11], max_new_tokens=10)
-    assert feed(request, [10, 11]) == [("a", None), ("", FinishReason.STOP)]
+    events = feed({10: "a", 11: "b"}, [10, 11], stop_token_ids=[11], max_new_tokens=10)
+    assert events == [("a", None), ("", FinishReason.STOP)]
 
 
 def test_min_new_tokens_ignores_stops_before_it():
-    request = make_state(
+    events = feed(
         {10: "x", 11: "END"},
+        [10, 11, 10],
         stop_strings=("END",),
         stop_token_ids=[10],
         min_new_tokens=2,
         max_new_tokens=10,
     )
     # Tokens 1 and 2 may not stop (not even the stop token id); token 3 may.
-    assert feed(request, [10, 11, 10]) == [("x", None), ("END", None), ("", FinishReason.STOP)]
-    request = make_state({EOS: ""}, min_new_tokens=1, max_new_tokens=10)
-    assert feed(request, [EOS, EOS]) == [("", None), ("", FinishReason.STOP)]
+    assert events == [("x", None), ("END", None), ("", FinishReason.STOP)]
+    events = feed({EOS: ""}, [EOS, EOS], min_new_tokens=1, max_new_tokens=10)
+    assert events == [("", None), ("", FinishReason.STOP)]
 
 
-def test_max_new_tokens_and_a_full_context_end_with_length():
-    request = make_state({10: "a"}, max_new_tokens=2)
-    assert feed(request, [10, 10])[-1] == ("a", FinishReason.LENGTH)
-    request = make_state({10: "a"}, max_new_tokens=50)
-    assert feed(request, [10, 10], max_context_tokens=5)[-1] == ("a", FinishReason.LENGTH)
+def test_max_new_tokens_ends_with_length():
+    # A full context ends it the same way (test_token_verdict); add() refuses a request
+    # whose max_new_tokens the context cannot hold, so here both are reached together.
+    assert feed({10: "a"}, [10, 10], max_new_tokens=2)[-1] == ("a", FinishReason.LENGTH)
+    events = feed({10: "a"}, [10, 10], max_context_tokens=5, max_new_tokens=2)
+    assert events[-1] == ("a", FinishReason.LENGTH)
 
 
-def test_final_text_releases_held_text_then_pending_bytes():
-    request = make_state({10: "a E"}, stop_strings=("END",), max_new_tokens=10)
-    feed(request, [10])
-    request.detokenizer.pending = "\ufffd"
-    assert final_text(request) == "E\ufffd"
+def test_a_cancel_releases_held_text_then_pending_bytes():
+    _, scheduler = run_alone({10: "a E"}, [10], stop_strings=("END",), max_new_tokens=10)
+    scheduler.processor._detokenizers["r0"].pending = "\ufffd"
+    output = scheduler.cancel("r0", 1.0)
+    assert (output.text, output.finish_reason) == ("E\ufffd", FinishReason.CANCELLED)
+    assert len(scheduler.processor) == 0
 
 
 def test_the_matcher_releases_everything_while_inactive():
-    matcher = StopStringMatcher(("END",))
-    assert matcher.push("a EN", active=False) == ("a EN", False)
-    assert matcher.push("D", active=True) == ("D", False)
+    matcher = StopStringMatcher(("END",), min_new_tokens=1)
+    assert matcher.push("a EN") == ("a EN", False)
+    assert matcher.push("D") == ("D", False)
 
 
 PIECES = {10: "ab", 11: "c", 12: "</", 13: "s>", 14: "x</s", 15: "", 16: ">y", EOS: "<e>"}
@@ -176,23 +222,23 @@ _token_scripts = st.lists(st.sampled_from(sorted(PIECES) + [9]), min_size=10, ma
     spare_context_tokens=st.integers(0, 3),
 )
 @settings(max_examples=300, deadline=None)
-def test_apply_streams_what_accept_token_gives_every_request_of_a_step(
-    scripts, spare_context_tokens
-):
-    """Scheduler.apply takes most tokens of a step column-wise and only the others through
-    accept_token; fed the same tokens, each of several requests decoding together must
-    stream exactly what accept_token's rules give it alone."""
+def test_every_request_of_a_step_streams_what_it_streams_alone(scripts, spare_context_tokens):
+    """apply() takes a step's tokens column-wise and the output processor gives them text
+    in one pass; fed the same tokens, each of several requests decoding together must
+    stream exactly what it streams alone."""
     max_new = max(stopping["max_new_tokens"] for stopping, _ in scripts)
     max_context_tokens = 3 + max_new + spare_context_tokens  # every prompt is 3
     expected: dict[str, list[tuple[int, str, FinishReason | None]]] = {}
     for index, (stopping, tokens) in enumerate(scripts):
-        reference = make_state(PIECES, **stopping)
-        stream = expected[f"r{index}"] = []
-        for token_id in tokens:
-            text, reason = accept_token(reference, token_id, frozenset({EOS}), max_context_tokens)
-            stream.append((token_id, text, reason))
-            if reason is not None:
-                break
+        events = feed(PIECES, tokens[:1], max_context_tokens, **stopping)
+        num_tokens = 1
+        while events[-1][1] is None:  # one more token until it ends (max_new_tokens does)
+            num_tokens += 1
+            events = feed(PIECES, tokens[:num_tokens], max_context_tokens, **stopping)
+        expected[f"r{index}"] = [
+            (token_id, text, reason)
+            for token_id, (text, reason) in zip(tokens[: len(events)], events, strict=True)
+        ]
 
     geometry = make_geometry(max_context_tokens=max_context_tokens, eos_token_ids=[EOS])
     scheduler = make_scheduler(geometry, lambda: ScriptedDetokenizer(PIECES))

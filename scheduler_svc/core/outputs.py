@@ -1,0 +1,218 @@
+"""What the core hands out: the plan of a step, the worker's result of it, the outputs of
+a step for clients, and the scheduler's stats.
+
+StepPlan and StepResult are column-wise and mirror step.proto's messages of the same
+names field for field, so step_codec copies lists and never loops over sequences.
+Durations sent to clients are milliseconds (`*_ms`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from pagoda.scheduler_svc.core.request import FinishReason, Request, ValidSampling
+
+# -- one step: plan and result ---------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class NewSequence:
+    """A sequence the worker has not seen; sent with the first plan that feeds it."""
+
+    seq_id: int
+    sampling: ValidSampling
+    # Tokens at positions before the first fed one, whose KV is in shared prefix blocks.
+    cached_token_ids: list[int]
+    num_prompt_tokens: int  # positions from here on hold generated tokens (penalties)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step's plan. Entry i of each per-sequence column is the i-th scheduled sequence.
+
+    Sequence i feeds token_ids[token_offsets[i]:token_offsets[i + 1]] from position
+    start_positions[i], and first appends block_ids[block_offsets[i]:block_offsets[i + 1]]
+    to its block table (tables are append-only and cover every fed position).
+    """
+
+    step_id: int
+    new_sequences: list[NewSequence] = field(default_factory=list)
+    seq_ids: list[int] = field(default_factory=list)
+    start_positions: list[int] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+    token_offsets: list[int] = field(default_factory=lambda: [0])
+    token_ids: list[int] = field(default_factory=list)
+    block_offsets: list[int] = field(default_factory=lambda: [0])
+    block_ids: list[int] = field(default_factory=list)
+    # Sequences to drop after this step's forward (finished, cancelled or preempted).
+    forget_seq_ids: list[int] = field(default_factory=list)
+    num_prefill_tokens: int = 0  # prompt and recompute tokens fed
+    num_decode_tokens: int = 0  # one per decoding sequence
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_sampling(self) -> int:
+        return sum(self.sample)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """The worker's answer to a StepPlan: one sampled token per sequence that sampled, in
+    plan order."""
+
+    step_id: int
+    seq_ids: list[int]
+    token_ids: list[int]
+    # Empty unless some sequence asked for logprobs; then one per sampled token, and the
+    # top-n of entry i are top_*[top_offsets[i]:top_offsets[i + 1]].
+    logprobs: list[float] = field(default_factory=list)
+    top_offsets: list[int] = field(default_factory=list)
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+    errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why the worker refused it
+    # The whole step failed; the worker forgot every sequence the plan named.
+    step_error: str | None = None
+    forward_ms: float = 0.0
+    sample_ms: float = 0.0
+
+
+# -- what clients get --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int  # times preempted and recomputed
+
+
+@dataclass(slots=True)
+class Timings:
+    queued_ms: float  # arrival to first scheduled
+    first_token_ms: float  # arrival to the first generated token
+    total_ms: float  # arrival to finish
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One event to stream to a client: what is new since the previous event.
+
+    The core leaves `text` empty; the service's output processor fills it with whole
+    UTF-8 characters, holding back text that may begin a stop string.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None  # one per token in token_ids when asked for
+    finish_reason: FinishReason | None = None
+    error_message: str | None = None
+    usage: Usage | None = None  # the finishing event only
+    timings: Timings | None = None  # the finishing event only
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    """What one apply() gives the clients, mostly column-wise.
+
+    Nearly every output of a decode step is "request r got token t" (and, once the output
+    processor ran, "may show text s"). Those are parallel columns rather than one
+    RequestOutput each, so a step of 1,000 sequences builds a few lists instead of 1,000
+    objects, and the output slots append to their pending columns. Everything else (a
+    finish with its usage, a token with logprobs, an error) is a whole RequestOutput in
+    `outputs`. A request appears at most once per step.
+    """
+
+    # Requests that got one token and go on: request_ids[i] got token_ids[i] and may show
+    # texts[i] now ("" while a character or a possible stop string is incomplete). texts
+    # is empty as apply() returns it; the service's output processor fills it.
+    request_ids: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.request_ids) + len(self.outputs)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        """Every output as a RequestOutput, the columns' first (for tests and tools; the
+        service reads the columns)."""
+        texts = self.texts or [""] * len(self.request_ids)
+        for request_id, text, token_id in zip(self.request_ids, texts, self.token_ids, strict=True):
+            yield RequestOutput(request_id, text, [token_id], None)
+        yield from self.outputs
+
+
+def token_logprob(result: StepResult, index: int) -> TokenLogprob:
+    """The logprobs of the `index`-th sampled token of `result`."""
+    top_offsets = result.top_offsets
+    if len(top_offsets) > index + 1:
+        start, end = top_offsets[index], top_offsets[index + 1]
+        top_token_ids, top_logprobs = (
+            result.top_token_ids[start:end],
+            result.top_logprobs[start:end],
+        )
+    else:
+        top_token_ids, top_logprobs = [], []
+    return TokenLogprob(
+        token_id=result.token_ids[index],
+        logprob=result.logprobs[index],
+        top_token_ids=top_token_ids,
+        top_logprobs=top_logprobs,
+    )
+
+
+def usage_of(request: Request) -> Usage:
+    return Usage(
+        prompt_tokens=request.num_prompt_tokens,
+        completion_tokens=request.num_generated_tokens,
+        cached_prompt_tokens=request.num_cached_prompt_tokens or 0,
+        num_preemptions=request.num_preemptions,
+    )
+
+
+def timings_of(request: Request) -> Timings:
+    """Milliseconds since arrival, once finished; a stage never reached counts as the end."""
+    assert request.finish_s is not None
+    end_s = request.finish_s
+    scheduled_s = request.first_scheduled_s if request.first_scheduled_s is not None else end_s
+    first_token_s = request.first_token_s if request.first_token_s is not None else end_s
+    return Timings(
+        queued_ms=(scheduled_s - request.arrival_s) * 1000.0,
+        first_token_ms=(first_token_s - request.arrival_s) * 1000.0,
+        total_ms=(end_s - request.arrival_s) * 1000.0,
+    )
+
+
+# -- the scheduler about itself ----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """What the scheduler reports about itself (GetServerStats, Prometheus)."""
+
+    num_waiting: int
+    num_running: int
+    num_kv_blocks_used: int  # owned by running sequences
+    num_kv_blocks_total: int
+    num_kv_blocks_cached: int  # ownerless blocks kept for prefix reuse
+    prefix_cache_hit_rate: float  # cached prompt tokens / prompt tokens looked up, in [0, 1]
+    num_preemptions: int
+    num_steps: int
+    num_requests_finished: int
+    num_generated_tokens: int
+    num_prefix_queries_tokens: int  # prompt tokens looked up (first admissions only)
+    num_prefix_hit_tokens: int

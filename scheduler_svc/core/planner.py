@@ -1,0 +1,578 @@
+"""The planner: who waits, who runs with which KV blocks, and what each step feeds.
+
+It owns the waiting queue, the running and prefilling sets and the KV pool, and is the
+only writer of a Request's sequence fields (see Request). Every block a sequence holds is
+released in `release`, the one path used by finish, preemption and requeue after a
+failed step.
+
+A step's token budget goes to decodes first (one token per running sequence, round-robin
+under a cap), then to prefill: partial prompts continue their chunks before new requests
+are admitted by the configured policy (admission.py). With decode_first off the order is
+reversed. Feeding a request advances its num_computed_tokens at once: the step in flight
+counts as computed (a failed step requeues its sequences). A request is never fed twice
+in one step.
+
+Preemption is by recompute: a sequence that needs a block when none is available takes
+one from the most recently admitted (pick_victim), whose blocks are released (its full
+blocks stay in the prefix cache, so the recompute is mostly hits) and who goes back to
+the head of the waiting queue. A step that preempted admits nothing new.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from operator import attrgetter
+
+from pagoda.scheduler_svc.core.admission import (
+    AdmissionBudget,
+    LazyCosts,
+    WaitingCost,
+    is_fifo_round,
+    prefill_cost,
+    run_policy,
+)
+from pagoda.scheduler_svc.core.config import SchedulerConfig, WorkerGeometry
+from pagoda.scheduler_svc.core.kv import BlockAllocator, PrefixCache, extend_block_hashes
+from pagoda.scheduler_svc.core.outputs import NewSequence, StepPlan
+from pagoda.scheduler_svc.core.request import Request, RequestState
+from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
+
+_RUNNING = RequestState.RUNNING
+_WAITING = RequestState.WAITING
+_admit_order_of = attrgetter("admit_order")
+_priority_then_admission = attrgetter("priority", "admit_order")
+
+
+class Planner:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.by_priority = config.admission_policy == "priority"
+        # The last worker's geometry; kept while detached so add() can still refuse.
+        self.geometry: WorkerGeometry | None = None
+        self.blocks: PrefixCache | None = None  # None while no worker is attached
+        self.waiting = WaitingQueue(by_priority=self.by_priority)
+        # seq_id -> request, in admission order (preemption takes from the end).
+        self.running: dict[int, Request] = {}
+        # The running ones with tokens left to feed before their next sample.
+        self.prefilling: dict[int, Request] = {}
+        self.forget_seq_ids: list[int] = []  # for the next plan
+        # (seq_id, block_id) keyed by the plan in flight: unkeyed if it fails.
+        self._keyed_in_flight: list[tuple[int, int]] = []
+        self._seq_ids = itertools.count(1)
+        self._admit_orders = itertools.count(1)
+        self.num_preemptions = 0
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+        self._num_admission_rounds = 0
+        self._decode_cursor = 0  # admit_order of the last sequence decoded under a cap
+        self._num_preemptions_before = 0  # the count when the step being planned began
+        self._only: Request | None = None  # the one request the step being planned may feed
+        # Decoders are fed in the reverse of preemption order, so a victim is never one
+        # already fed: oldest admission first (priority: lowest value, then oldest).
+        self._feed_order = _priority_then_admission if self.by_priority else _admit_order_of
+        # Shared int objects for token offsets: a step's offsets would otherwise allocate
+        # one new int per sequence.
+        self._counting_numbers: list[int] = []
+
+    # -- the pool and the sequences ------------------------------------------------------
+
+    def attach_pool(self, geometry: WorkerGeometry) -> None:
+        """A fresh pool and prefix cache for a worker that just said hello."""
+        self.geometry = geometry
+        allocator = BlockAllocator(geometry.num_kv_blocks)
+        self.blocks = PrefixCache(
+            allocator, geometry.block_size, enabled=self.config.prefix_caching
+        )
+        for request in self.waiting:
+            request.block_hashes.clear()  # the new worker may use another block size
+
+    def drop_pool(self) -> None:
+        """The worker is gone with every block: running requests go back to the head of the
+        queue (earliest admitted first) to be recomputed."""
+        self.blocks = None
+        self._keyed_in_flight = []
+        self.forget_seq_ids = []
+        for request in reversed(list(self.running.values())):
+            request.block_ids = []
+            request.num_blocks_sent = 0
+            request.num_computed_tokens = 0
+            request.seq_id = None
+            request.state = _WAITING
+            self.waiting.push_front(request)
+        self.running.clear()
+        self.prefilling.clear()
+
+    def release(self, request: Request, *, worker_knows: bool = True) -> None:
+        """End the request's sequence: its blocks are released and the worker told to
+        forget it (unless the worker already did)."""
+        seq_id = request.seq_id
+        assert seq_id is not None and self.blocks is not None
+        self.blocks.release(request.block_ids)
+        request.block_ids = []
+        request.num_blocks_sent = 0
+        request.num_computed_tokens = 0
+        request.seq_id = None
+        del self.running[seq_id]
+        self.prefilling.pop(seq_id, None)
+        if worker_knows:
+            self.forget_seq_ids.append(seq_id)
+
+    def finish(self, request: Request) -> None:
+        """The request is done: out of the queue or its sequence released."""
+        if request.state is _RUNNING:
+            self.release(request)
+        elif request.state is _WAITING:
+            self.waiting.remove(request)
+        request.state = RequestState.FINISHED
+
+    def preempt(self, request: Request) -> None:
+        """Recompute later: blocks released, back to the head of the queue."""
+        self.release(request)
+        request.state = _WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_front(request)
+
+    def requeue(self, seq_ids: Sequence[int], *, worker_knows: bool) -> None:
+        """Sequences of a failed step go back to the head of the queue, in plan order."""
+        for seq_id in reversed(seq_ids):
+            request = self.running.get(seq_id)
+            if request is not None:
+                self.release(request, worker_knows=worker_knows)
+                request.state = _WAITING
+                self.waiting.push_front(request)
+
+    def make_room(self, request: Request) -> None:
+        """Preempt the latest-admitted others until `request`'s whole sequence fits, so a
+        plan feeding it alone never has to preempt."""
+        blocks = self.blocks
+        assert blocks is not None
+        needed = math.ceil((len(request.token_ids) + 1) / blocks.block_size) - len(
+            request.block_ids
+        )
+        others = [r for r in self.running.values() if r is not request]
+        while blocks.num_available_blocks < needed and others:
+            self.preempt(others.pop())
+
+    def take_forget_seq_ids(self) -> list[int]:
+        forget, self.forget_seq_ids = self.forget_seq_ids, []
+        return forget
+
+    def take_keyed_in_flight(self) -> list[tuple[int, int]]:
+        """The blocks the plan in flight keyed; the plan is answered or failed."""
+        keyed, self._keyed_in_flight = self._keyed_in_flight, []
+        return keyed
+
+    def unkey(self, keyed: Iterable[tuple[int, int]]) -> None:
+        """Drop the prefix keys of blocks whose K/V a failed step never wrote."""
+        assert self.blocks is not None
+        for _, block_id in keyed:
+            self.blocks.unregister(block_id)
+
+    # -- planning --------------------------------------------------------------------------
+
+    def plan(self, step_id: int, now: float, only: Request | None = None) -> StepPlan:
+        """The plan for step `step_id`; it may feed nothing (the caller then skips it).
+
+        With `only`, the plan feeds that request alone (admitted, continued or decoded,
+        within the same budgets) and preempts nobody else: the caller made room first.
+        """
+        config = self.config
+        plan = StepPlan(step_id=step_id)
+        self._only = only
+        self._num_preemptions_before = self.num_preemptions
+        budget = config.max_num_batched_tokens
+        step_prefill_tokens = min(budget, config.prefill_max_tokens or budget)
+        if config.decode_first:
+            num_decode = self._schedule_decodes(plan, budget)
+            prefill_left = min(budget - num_decode, step_prefill_tokens)
+            self._schedule_prefills(plan, prefill_left, step_prefill_tokens, now)
+        else:
+            num_prefill = self._schedule_prefills(
+                plan, step_prefill_tokens, step_prefill_tokens, now
+            )
+            self._schedule_decodes(plan, budget - num_prefill)
+        self._only = None
+        return plan
+
+    # -- decode ----------------------------------------------------------------------------
+
+    def _decoders(self) -> list[Request]:
+        only, prefilling = self._only, self.prefilling
+        if only is not None:
+            alone = only.state is _RUNNING and only.seq_id not in prefilling
+            return [only] if alone else []
+        if prefilling:
+            return [request for seq_id, request in self.running.items() if seq_id not in prefilling]
+        return list(self.running.values())
+
+    def _schedule_decodes(self, plan: StepPlan, num_tokens: int) -> int:
+        """One token for each decoding sequence (round-robin under a cap); tokens used."""
+        if num_tokens <= 0 or not self.running:
+            return 0
+        decoders = self._decoders()
+        cap = min(num_tokens, self.config.max_decode_batch_size or num_tokens)
+        if len(decoders) > cap:
+            decoders = self._round_robin(decoders, cap)
+        elif self.by_priority:
+            decoders.sort(key=self._feed_order)
+        step_id = plan.step_id
+        blocks = self.blocks
+        block_size = blocks.block_size
+        # The hot loop: a few attribute reads per sequence; columns are built after it.
+        # A sequence that crosses into a new block is promised one of the `available`
+        # blocks and gets it in one allocation after the loop; only when none is left
+        # does one block at a time come from _grow, which may preempt.
+        fed: list[Request] = []
+        positions: list[int] = []
+        growing: list[Request] = []
+        grown_indices: list[int] = []  # in fed
+        completing: list[int] = []  # in fed: those whose token fills their last block
+        # The slot that completes a block, when completed blocks are keyed (-1: never).
+        last_slot = block_size - 1 if self.config.prefix_caching else -1
+        available = blocks.num_available_blocks
+        capped = len(decoders) > cap
+        # A decoder may have been preempted by an earlier one of this loop, or admitted
+        # earlier in this step (decode_first off): only then is the check needed.
+        careful = not self.config.decode_first
+        for request in decoders:
+            if capped and len(fed) == cap:
+                break
+            if careful and (
+                request.state is not _RUNNING or request.last_scheduled_step == step_id
+            ):
+                continue
+            position = request.num_computed_tokens
+            slot = position % block_size
+            # A table holds exactly the blocks its computed tokens fill, so a new one is
+            # needed at each block boundary (known without touching the table).
+            if not slot:
+                if available:
+                    available -= 1
+                    growing.append(request)
+                else:
+                    self._give_blocks(growing)  # promises first: _grow may preempt
+                    growing = []
+                    num_preemptions = self.num_preemptions
+                    grown = self._grow(request, step_id)
+                    careful = careful or self.num_preemptions != num_preemptions
+                    available = blocks.num_available_blocks
+                    if not grown:
+                        continue  # it preempted itself
+                grown_indices.append(len(fed))
+            if slot == last_slot:
+                completing.append(len(fed))
+            request.last_scheduled_step = step_id
+            request.num_computed_tokens = position + 1
+            fed.append(request)
+            positions.append(position)
+        self._give_blocks(growing)
+        if fed:
+            self._feed_decodes(plan, fed, positions, grown_indices, completing)
+        plan.num_decode_tokens += len(fed)
+        return len(fed)
+
+    def _give_blocks(self, requests: list[Request]) -> None:
+        """One new block for each of `requests`, in one allocation (they were counted)."""
+        if requests:
+            block_ids = self.blocks.allocate(len(requests))
+            assert block_ids is not None
+            for request, block_id in zip(requests, block_ids, strict=True):
+                request.block_ids.append(block_id)
+
+    def _round_robin(self, decoders: list[Request], cap: int) -> list[Request]:
+        """Decoders in the order to try under a cap: the `cap` after the last one served
+        (decoders come in admission order), then the rest in case some are preempted."""
+        start = bisect.bisect_right(decoders, self._decode_cursor, key=_admit_order_of)
+        rotated = decoders[start:] + decoders[:start]
+        chosen, rest = rotated[:cap], rotated[cap:]
+        self._decode_cursor = chosen[-1].admit_order
+        chosen.sort(key=self._feed_order)
+        return chosen + rest
+
+    # -- prefill and admission -------------------------------------------------------------
+
+    def _schedule_prefills(
+        self, plan: StepPlan, num_tokens: int, step_prefill_tokens: int, now: float
+    ) -> int:
+        """Continue partial prefills, then admit from the waiting queue; tokens used."""
+        used = 0
+        step_id = plan.step_id
+        only = self._only
+        if only is None:
+            continuing = list(self.prefilling.values())
+        else:
+            continuing = [only] if only.seq_id in self.prefilling else []
+        for request in continuing:
+            if used >= num_tokens:
+                break
+            if request.state is not _RUNNING or request.last_scheduled_step == step_id:
+                continue
+            wanted = min(request.num_tokens_to_feed, num_tokens - used)
+            num_fed = self._fit_chunk(request, wanted, step_id)
+            if num_fed:
+                self._feed(plan, request, num_fed)
+                used += num_fed
+        # A step that had to preempt admits nothing: new work would only be preempted
+        # next, and the budget it leaves lets the running requests move (no livelock).
+        if self.num_preemptions == self._num_preemptions_before:
+            used += self._admit(plan, num_tokens - used, step_prefill_tokens, now)
+        plan.num_prefill_tokens += used
+        return used
+
+    def _admit(self, plan: StepPlan, num_tokens: int, step_prefill_tokens: int, now: float) -> int:
+        """Admission rounds until one admits nothing: a later round sees the prefix blocks
+        an earlier one keyed, so identical prompts are computed once. Under `only` the
+        one request is admitted as if nothing else ran."""
+        config, blocks, waiting, only = self.config, self.blocks, self.waiting, self._only
+        batch_cap = config.prefill_max_batch_size or config.max_active_requests
+        used = num_admitted = 0
+        first_round = True
+        while only.state is _WAITING if only is not None else waiting:
+            num_running = len(self.running) if only is None else 0
+            num_requests = min(batch_cap - num_admitted, config.max_active_requests - num_running)
+            tokens_left = num_tokens - used
+            # Without chunked prefill an oversize head may still go alone on 0 tokens left.
+            if num_requests <= 0 or (
+                tokens_left <= 0 and (config.chunked_prefill or not first_round)
+            ):
+                break
+            policy = config.admission_policy
+            if first_round:
+                self._num_admission_rounds += 1
+                if is_fifo_round(self._num_admission_rounds, config.force_fifo_every):
+                    policy = "fifo"
+            if only is not None:
+                window = [only]
+            else:
+                lookahead = config.admission_lookahead if policy == "pack" else num_requests
+                window = waiting.head(lookahead)
+            budget = AdmissionBudget(
+                num_tokens=tokens_left,
+                num_step_tokens=step_prefill_tokens,
+                num_requests=num_requests,
+                num_blocks=blocks.num_available_blocks,
+                block_size=blocks.block_size,
+                chunked_prefill=config.chunked_prefill,
+                first_round=first_round,
+            )
+            admitted = []
+            costs = LazyCosts(window, self._price)
+            for admission in run_policy(policy, costs, budget, config.admission_lookahead):
+                num_fed = self._start(plan, window[admission.index], admission.num_tokens, now)
+                if num_fed == 0:
+                    break
+                admitted.append(admission.index)
+                used += num_fed
+            if not admitted:
+                break
+            if only is not None:
+                waiting.remove(only)
+            else:
+                waiting.remove_head_indices(admitted)
+            num_admitted += len(admitted)
+            first_round = False
+        return used
+
+    def _price(self, request: Request) -> WaitingCost:
+        blocks = self.blocks
+        hit_block_ids = self._match(request)
+        num_cached_tokens = len(hit_block_ids) * blocks.block_size
+        return WaitingCost(
+            num_tokens=prefill_cost(
+                len(request.token_ids), num_cached_tokens, self.geometry.max_context_tokens
+            ),
+            num_reclaimed_blocks=blocks.num_evictable(hit_block_ids),
+            priority=request.priority,
+        )
+
+    def _match(self, request: Request) -> list[int]:
+        """Cached blocks of the request's prefix; the last token is always left to compute
+        so there are logits to sample."""
+        blocks = self.blocks
+        if not blocks.enabled:
+            return []
+        max_blocks = (len(request.token_ids) - 1) // blocks.block_size
+        extend_block_hashes(request.token_ids, request.block_hashes, max_blocks, blocks.block_size)
+        return blocks.match(request.block_hashes, max_blocks)
+
+    def _start(self, plan: StepPlan, request: Request, num_tokens: int, now: float) -> int:
+        """Admit `request` as a new sequence feeding up to `num_tokens`. Returns the tokens
+        fed; 0 when it no longer fits (a prefix block it counted on was evicted since)."""
+        blocks = self.blocks
+        block_size = blocks.block_size
+        hit_block_ids = self._match(request)
+        num_cached_tokens = len(hit_block_ids) * block_size
+        num_to_feed = len(request.token_ids) - num_cached_tokens
+        num_tokens = min(num_tokens, num_to_feed)
+        if num_tokens < num_to_feed and not self.config.chunked_prefill:
+            return 0
+        num_new_blocks = -(-num_tokens // block_size)
+        if blocks.num_available_blocks - blocks.num_evictable(hit_block_ids) < num_new_blocks:
+            return 0
+        blocks.acquire(hit_block_ids)  # first, so allocating cannot evict them
+        new_block_ids = blocks.allocate(num_new_blocks)
+        assert new_block_ids is not None
+        seq_id = next(self._seq_ids)
+        request.seq_id = seq_id
+        request.state = _RUNNING
+        request.block_ids = hit_block_ids + new_block_ids
+        request.num_blocks_sent = 0
+        request.num_computed_tokens = num_cached_tokens
+        request.admit_order = next(self._admit_orders)
+        if request.num_cached_prompt_tokens is None:
+            request.num_cached_prompt_tokens = min(num_cached_tokens, request.num_prompt_tokens)
+            if self.config.prefix_caching:
+                self.num_prefix_query_tokens += request.num_prompt_tokens
+                self.num_prefix_hit_tokens += request.num_cached_prompt_tokens
+        if request.first_scheduled_s is None:
+            request.first_scheduled_s = now
+        self.running[seq_id] = request
+        plan.new_sequences.append(
+            NewSequence(
+                seq_id=seq_id,
+                sampling=request.sampling,
+                cached_token_ids=request.token_ids[:num_cached_tokens].tolist(),
+                num_prompt_tokens=request.num_prompt_tokens,
+            )
+        )
+        self._feed(plan, request, num_tokens)
+        return num_tokens
+
+    # -- blocks ----------------------------------------------------------------------------
+
+    def _fit_chunk(self, request: Request, num_tokens: int, step_id: int) -> int:
+        """Blocks for the next `num_tokens` of a partial prefill; the chunk shrinks to the
+        blocks there are. 0 when the request had to preempt itself."""
+        blocks = self.blocks
+        block_size = blocks.block_size
+        start = request.num_computed_tokens
+        num_new_blocks = -(-(start + num_tokens) // block_size) - len(request.block_ids)
+        if num_new_blocks > 0:
+            if blocks.num_available_blocks == 0:
+                if not self._grow(request, step_id):
+                    return 0
+                num_new_blocks -= 1
+            num_taken = min(num_new_blocks, blocks.num_available_blocks)
+            if num_taken:
+                request.block_ids.extend(blocks.allocate(num_taken))
+        return min(num_tokens, len(request.block_ids) * block_size - start)
+
+    def _grow(self, request: Request, step_id: int) -> bool:
+        """Append one block to a running request's table, preempting others while none is
+        available. False when the request itself was the victim."""
+        blocks = self.blocks
+        while blocks.num_available_blocks == 0:
+            candidates = reversed(self.running.values()) if self._only is None else [self._only]
+            victim = pick_victim(candidates, step_id, self.by_priority)
+            assert victim is not None  # the requester itself is always a candidate
+            self.preempt(victim)
+            if victim is request:
+                return False
+        request.block_ids.extend(blocks.allocate(1))
+        return True
+
+    def _key_blocks(self, request: Request, start: int, end: int) -> None:
+        """Key the blocks that positions [start, end) complete: the worker writes them before
+        any read in this step, so a later admission of this step may share them."""
+        blocks = self.blocks
+        block_size = blocks.block_size
+        first, last = start // block_size, end // block_size
+        if first == last:
+            return
+        extend_block_hashes(request.token_ids, request.block_hashes, last, block_size)
+        for index in range(first, last):
+            block_id = request.block_ids[index]
+            if blocks.register(block_id, request.block_hashes[index]):
+                self._keyed_in_flight.append((request.seq_id, block_id))
+
+    # -- the plan's columns ----------------------------------------------------------------
+
+    def _feed(self, plan: StepPlan, request: Request, num_tokens: int) -> None:
+        """Put the request's next `num_tokens` tokens, and its unsent blocks, in the plan."""
+        start = request.num_computed_tokens
+        end = start + num_tokens
+        token_ids, table = request.token_ids, request.block_ids
+        plan.seq_ids.append(request.seq_id)
+        plan.start_positions.append(start)
+        plan.sample.append(end == len(token_ids))
+        plan.token_ids.extend(token_ids[start:end])
+        plan.token_offsets.append(len(plan.token_ids))
+        plan.block_ids.extend(table[request.num_blocks_sent :])
+        plan.block_offsets.append(len(plan.block_ids))
+        request.num_blocks_sent = len(table)
+        request.num_computed_tokens = end
+        request.last_scheduled_step = plan.step_id
+        if end < len(token_ids):
+            self.prefilling[request.seq_id] = request
+        else:
+            self.prefilling.pop(request.seq_id, None)
+        if self.config.prefix_caching:
+            self._key_blocks(request, start, end)
+
+    def _feed_decodes(
+        self,
+        plan: StepPlan,
+        fed: list[Request],
+        positions: list[int],
+        grown_indices: list[int],
+        completing: list[int],
+    ) -> None:
+        """The columns of decoding sequences `fed`, each feeding its last token at
+        `positions[i]`. Their counters are advanced already, and those at `grown_indices`
+        (ascending) got a new block; the others have sent their whole table. Those at
+        `completing` fill their last block: it is keyed for the prefix cache.
+
+        The hot path: comprehensions rather than one append per column per sequence; only
+        the 1/block_size that grew or complete a block are visited one by one.
+        """
+        num_fed = len(fed)
+        plan.seq_ids.extend([request.seq_id for request in fed])
+        plan.start_positions.extend(positions)
+        plan.sample.extend([True] * num_fed)
+        token_ids = plan.token_ids
+        base = len(token_ids)
+        token_ids.extend([request.token_ids[-1] for request in fed])
+        stop = base + num_fed + 1
+        numbers = self._counting_numbers
+        if stop > len(numbers):
+            numbers.extend(range(len(numbers), 2 * stop))
+        plan.token_offsets.extend(numbers[base + 1 : stop])
+        block_ids, block_offsets = plan.block_ids, plan.block_offsets
+        done = 0
+        for index in grown_indices:
+            block_offsets.extend([len(block_ids)] * (index - done))
+            request = fed[index]
+            table = request.block_ids
+            block_ids.extend(table[request.num_blocks_sent :])
+            request.num_blocks_sent = len(table)
+            block_offsets.append(len(block_ids))
+            done = index + 1
+        block_offsets.extend([len(block_ids)] * (num_fed - done))
+        for index in completing:
+            self._key_blocks(fed[index], positions[index], positions[index] + 1)
+
+
+def pick_victim(candidates: Iterable[Request], step_id: int, by_priority: bool) -> Request | None:
+    """The running request to preempt among `candidates` (newest admission first), those
+    already fed in step `step_id` excepted.
+
+    The most recently admitted; under the priority policy the lowest priority (highest
+    value) first, then the most recently admitted. The requester itself is a candidate,
+    so when it is the best victim it preempts itself and nothing deadlocks.
+    """
+    if not by_priority:
+        for request in candidates:
+            if request.last_scheduled_step != step_id:
+                return request
+        return None
+    victim: Request | None = None
+    for request in candidates:
+        if request.last_scheduled_step == step_id:
+            continue
+        if victim is None or request.priority > victim.priority:
+            victim = request  # newest first: ties keep the most recently admitted
+    return victim

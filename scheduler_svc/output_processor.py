@@ -1,0 +1,226 @@
+"""The text side of each step: incremental detokenization and stop strings, run by the step
+loop once per step right after Scheduler.apply() (and on every other output it publishes).
+
+The core streams token ids and ends requests on their ids and lengths alone
+(`check_stop`). This module turns each request's tokens into what its client may see:
+- whole UTF-8 characters only (IncrementalDetokenizer); a character left incomplete when
+  the request ends becomes U+FFFD, as tokenizer.decode does;
+- stop strings are matched on the text, across token boundaries. A match ends the request
+  with STOP through Scheduler.stop() before the next schedule(): the token that completed
+  it is returned, the stop string and anything after it are not. Text that could be the
+  start of a stop string is held back until the next tokens settle it, and released when
+  the request ends any other way;
+- no stop string counts until min_new_tokens tokens precede the token (as for stop ids);
+- a stop token id or EOS ended the request in the core: its text is not streamed.
+
+One OutputProcessor per scheduler, called from the step loop only; it owns the text state
+of every unfinished request, opened by `add` and dropped with the request's last output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pagoda.scheduler_svc.core import (
+    FinishReason,
+    RequestOutput,
+    Scheduler,
+    StepOutputs,
+    ValidRequest,
+)
+from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
+
+_STOP = FinishReason.STOP
+
+
+def find_stop_string(text: str, stop_strings: tuple[str, ...]) -> int | None:
+    """Index where the earliest stop string in `text` begins, or None."""
+    earliest: int | None = None
+    for stop in stop_strings:
+        index = text.find(stop)
+        if index >= 0 and (earliest is None or index < earliest):
+            earliest = index
+    return earliest
+
+
+def held_back_length(text: str, stop_prefixes: frozenset[str], max_prefix_length: int) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    for length in range(min(len(text), max_prefix_length), 0, -1):
+        if text[-length:] in stop_prefixes:
+            return length
+    return 0
+
+
+class StopStringMatcher:
+    """The stop-string state of one request: the text held back so far, and how many more
+    tokens come before a stop string may end it (min_new_tokens)."""
+
+    __slots__ = (
+        "stop_strings",
+        "_prefixes",
+        "_max_prefix_length",
+        "_first_chars",
+        "trigger",
+        "held_text",
+        "num_tokens_inactive",
+    )
+
+    def __init__(self, stop_strings: tuple[str, ...], min_new_tokens: int = 0) -> None:
+        if not stop_strings or not all(stop_strings):
+            raise ValueError("stop strings must be non-empty")
+        self.stop_strings = stop_strings
+        self._prefixes = frozenset(s[:n] for s in stop_strings for n in range(1, len(s)))
+        self._max_prefix_length = max(len(s) for s in stop_strings) - 1
+        # A match or a held suffix starts with one of these: text without any is free.
+        self._first_chars = tuple({s[0] for s in stop_strings})
+        # While nothing is held and the matcher is active, text that does not contain
+        # `trigger` passes push() unchanged, so the output processor skips the call. The
+        # stop strings' common first character; "" (in every text) when they start
+        # differently.
+        self.trigger = self._first_chars[0] if len(self._first_chars) == 1 else ""
+        self.held_text = ""
+        self.num_tokens_inactive = min_new_tokens
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """One token's detokenized text -> (text the client may see now, whether a stop
+        string matched).
+
+        Within the first min_new_tokens tokens nothing matches and nothing is held. After
+        a match the caller finishes the request; later text is dropped.
+        """
+        held = self.held_text
+        buffer = held + text if held else text
+        if self.num_tokens_inactive:
+            self.num_tokens_inactive -= 1
+        else:
+            for char in self._first_chars:
+                if char in buffer:
+                    return self._match(buffer)
+        if held:
+            self.held_text = ""
+        return buffer, False
+
+    def _match(self, buffer: str) -> tuple[str, bool]:
+        cut = find_stop_string(buffer, self.stop_strings)
+        if cut is not None:
+            self.held_text = ""
+            return buffer[:cut], True
+        hold = held_back_length(buffer, self._prefixes, self._max_prefix_length)
+        self.held_text = buffer[len(buffer) - hold :] if hold else ""
+        return buffer[: len(buffer) - hold], False
+
+    def flush(self) -> str:
+        """The request ended without a stop string: held text is ordinary text after all."""
+        held, self.held_text = self.held_text, ""
+        return held
+
+
+class OutputProcessor:
+    def __init__(
+        self, scheduler: Scheduler, detokenizer_factory: Callable[[], IncrementalDetokenizer]
+    ) -> None:
+        self._scheduler = scheduler
+        self._new_detokenizer = detokenizer_factory
+        # The text state of each unfinished request, by request id: its detokenizer, and
+        # its matcher when it has stop strings.
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._matchers: dict[str, StopStringMatcher] = {}
+
+    def add(self, request: ValidRequest, now: float) -> None:
+        """Queue `request` in the scheduler (which may refuse it: see Scheduler.add) and
+        open its text state."""
+        self._scheduler.add(request, now)
+        request_id, stopping = request.request_id, request.stopping
+        self._detokenizers[request_id] = self._new_detokenizer()
+        if stopping.stop_strings:
+            self._matchers[request_id] = StopStringMatcher(
+                stopping.stop_strings, stopping.min_new_tokens
+            )
+
+    def __len__(self) -> int:
+        """Requests whose text state is open."""
+        return len(self._detokenizers)
+
+    def process_step(self, step: StepOutputs, now: float) -> StepOutputs:
+        """Fill in the text of apply()'s outputs, in place, and end the requests whose text
+        reached a stop string (their blocks are free before this returns)."""
+        detokenizers, matchers = self._detokenizers, self._matchers
+        texts = step.texts
+        stopped: list[int] = []
+        # The hot loop: one token per running request. The detokenizer's and the
+        # matcher's common cases are looked up here rather than called.
+        for request_id, token_id in zip(step.request_ids, step.token_ids, strict=True):
+            detokenizer = detokenizers[request_id]
+            # An exception rather than a test for the rare case: a try costs nothing in 3.11.
+            try:
+                text = detokenizer.whole_texts[token_id]  # ids are unsigned on the wire
+            except IndexError:
+                text = None  # a character is partial, or the id is beyond the table
+            if text is None:
+                text = detokenizer.push(token_id)
+            matcher = matchers.get(request_id)
+            if matcher is not None and (
+                matcher.held_text or matcher.trigger in text or matcher.num_tokens_inactive
+            ):
+                text, hit = matcher.push(text)
+                if hit:
+                    stopped.append(len(texts))  # this entry's index
+            texts.append(text)
+        for output in step.outputs:
+            self._process(output, now)
+        if stopped:
+            self._end_stopped(step, stopped, now)
+        return step
+
+    def process(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Fill in the text of outputs from outside a step (cancels, a new worker's
+        refusals, a lost step's), in place. They carry no token, so nothing matches."""
+        for output in outputs:
+            self._process(output, None)
+        return outputs
+
+    def _process(self, output: RequestOutput, now: float | None) -> None:
+        request_id = output.request_id
+        detokenizer = self._detokenizers.get(request_id)
+        if detokenizer is None:
+            return  # not added through this processor
+        matcher = self._matchers.get(request_id)
+        reason = output.finish_reason
+        text = ""
+        if output.token_ids and reason is not _STOP:  # a stop token's text is not streamed
+            text = detokenizer.push(output.token_ids[0])
+            if matcher is not None:
+                text, hit = matcher.push(text)
+                if hit:
+                    if reason is None:
+                        assert now is not None, "a token outside a step"
+                        finished = self._scheduler.stop(request_id, now)
+                        assert finished is not None
+                        output.usage, output.timings = finished.usage, finished.timings
+                    output.text, output.finish_reason = text, _STOP
+                    self._close(request_id)
+                    return
+        if reason is not None:
+            # Text that waited (a possible stop string's start, a partial character) is
+            # final now.
+            held = matcher.flush() if matcher is not None else ""
+            text += held + detokenizer.flush()
+            self._close(request_id)
+        output.text = text
+
+    def _end_stopped(self, step: StepOutputs, indices: list[int], now: float) -> None:
+        """Move the column entries at `indices` to finishing outputs: STOP, with the text
+        before the stop string."""
+        request_ids, token_ids, texts = step.request_ids, step.token_ids, step.texts
+        for index in reversed(indices):
+            request_id = request_ids[index]
+            output = self._scheduler.stop(request_id, now)
+            assert output is not None
+            output.text, output.token_ids = texts[index], [token_ids[index]]
+            step.outputs.append(output)
+            self._close(request_id)
+            del request_ids[index], token_ids[index], texts[index]
+
+    def _close(self, request_id: str) -> None:
+        del self._detokenizers[request_id]
+        self._matchers.pop(request_id, None)
