@@ -35,7 +35,7 @@ def one_at_a_time(models: TinyModels, prompts: list[list[int]], num_new_tokens: 
     return scheduler.run(num_new_tokens, max_steps=len(prompts) * (num_new_tokens + 2))
 
 
-def assert_paged_int8_matches_generate(model, prompts, num_new_tokens: int = 12) -> None:
+def assert_paged_int8_matches_generate(model, prompts, num_new_tokens: int = 8) -> None:
     from pagoda.gpu_worker.quantization import count_int8_linear
 
     models = TinyModels(None, model)
