@@ -13,6 +13,7 @@ from pagoda.gpu_worker.quantization import QuantizationError
 from pagoda.gpu_worker.server import EXIT_REFUSED, WorkerServer
 
 from pagoda.common import curve
+from pagoda.common.settings import insecure_tcp_warning
 
 log = logging.getLogger("pagoda.worker")
 
@@ -49,6 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     config = loaded.config
     configure_logging(config.log_level)
+    warning = insecure_tcp_warning(
+        config.zmq_endpoint, curve=config.zmq_curve_secret_key is not None
+    )
+    if warning is not None:
+        log.warning("%s", warning)
     try:
         curve_client = load_curve(config)
     except curve.CurveKeyError as exc:

@@ -13,7 +13,13 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from pagoda.common.settings import SettingError, default_zmq_endpoint, resolve, settings_lines
+from pagoda.common.settings import (
+    SettingError,
+    default_zmq_endpoint,
+    insecure_tcp_problem,
+    resolve,
+    settings_lines,
+)
 
 ENV_PREFIX = "PAGODA_WORKER_"
 DEVICES = ("auto", "cpu", "cuda")
@@ -36,6 +42,7 @@ class WorkerConfig:
     max_context_tokens: int | None = None  # None: the model config's position limit
     zmq_curve_secret_key: str | None = None  # this worker's CurveZMQ .key_secret file
     zmq_curve_server_key: str | None = None  # the scheduler's public .key file
+    zmq_allow_insecure_tcp: bool = False  # a tcp:// endpoint without CurveZMQ keys
     log_level: str = "INFO"
     fail_on_token_id: int | None = None  # fault-injection hook for tests
 
@@ -67,6 +74,13 @@ class WorkerConfig:
             problems.append("--max-context-tokens must be at least 1")
         if (self.zmq_curve_secret_key is None) != (self.zmq_curve_server_key is None):
             problems.append("--zmq-curve-secret-key and --zmq-curve-server-key go together")
+        insecure = insecure_tcp_problem(
+            self.zmq_endpoint,
+            curve=self.zmq_curve_secret_key is not None,
+            allow_insecure_tcp=self.zmq_allow_insecure_tcp,
+        )
+        if insecure is not None:
+            problems.append(insecure)
         if self.log_level not in LOG_LEVELS:
             problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
         if problems:
@@ -79,6 +93,15 @@ class WorkerConfig:
 
 def _optional_int(text: str) -> int | None:
     return None if text.lower() in ("", "none") else int(text)
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not true or false")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -159,6 +182,15 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--zmq-curve-server-key",
         default=None,
         help="the scheduler's CurveZMQ public .key file (with --zmq-curve-secret-key)",
+    )
+    add(
+        "--zmq-allow-insecure-tcp",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=False,
+        help="accept a tcp:// endpoint without CurveZMQ keys (plaintext and unauthenticated: "
+        "whoever reaches the port can pose as the scheduler); logged as a warning",
     )
     add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
     add(

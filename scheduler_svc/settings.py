@@ -21,6 +21,7 @@ from pagoda.common.settings import (
     DEFAULT_GRPC_ADDRESS,
     SettingError,
     default_zmq_endpoint,
+    insecure_tcp_problem,
     resolve,
     settings_lines,
 )
@@ -51,6 +52,7 @@ class ServiceConfig:
     tls_key: str | None = None
     zmq_curve_secret_key: str | None = None
     zmq_curve_authorized_keys: str | None = None
+    zmq_allow_insecure_tcp: bool = False
     log_level: str = "INFO"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -82,6 +84,13 @@ class ServiceConfig:
             raise ConfigError(
                 "zmq_curve_secret_key and zmq_curve_authorized_keys must be given together"
             )
+        problem = insecure_tcp_problem(
+            self.zmq_endpoint,
+            curve=self.zmq_curve_secret_key is not None,
+            allow_insecure_tcp=self.zmq_allow_insecure_tcp,
+        )
+        if problem is not None:
+            raise ConfigError(problem)
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(
                 f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}"
@@ -109,6 +118,8 @@ HELP: dict[str, str] = {
     "zmq_curve_secret_key": "this scheduler's CurveZMQ .key_secret file: encrypts the "
     "worker link and admits only authorized workers (see python -m pagoda.common.curve)",
     "zmq_curve_authorized_keys": "directory of the workers' CurveZMQ public .key files",
+    "zmq_allow_insecure_tcp": "accept a tcp:// zmq_endpoint without CurveZMQ keys (plaintext, "
+    "unauthenticated: anyone reaching the port can pose as the worker); logged as a warning",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "max_num_batched_tokens": "tokens (prefill + decode) in one step",
     "prefill_max_tokens": "cap on prompt tokens admitted per step (unset: no extra cap)",

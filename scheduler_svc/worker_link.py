@@ -23,6 +23,7 @@ from pagoda.protos import step_pb2
 from zmq.utils.monitor import parse_monitor_message
 
 from pagoda.common import curve, transport, wire
+from pagoda.common.settings import insecure_tcp_warning
 
 log = logging.getLogger("pagoda.worker_link")
 
@@ -98,6 +99,9 @@ class WorkerLink:
             self._zap.bind(ZAP_ENDPOINT)
             self._tasks.append(asyncio.create_task(self._answer_zap(), name="worker-link-zap"))
             curve.make_server(socket, self._curve_keys)
+        warning = insecure_tcp_warning(self.endpoint, curve=self._curve_keys is not None)
+        if warning is not None:
+            log.warning("%s", warning)
         socket.bind(self.endpoint)
         if self.endpoint.startswith("ipc://"):
             os.chmod(self.endpoint.removeprefix("ipc://"), 0o600)

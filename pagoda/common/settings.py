@@ -25,6 +25,32 @@ def default_zmq_endpoint(environ: Mapping[str, str] | None = None) -> str:
     return f"ipc://{base / 'worker.sock'}"
 
 
+def insecure_tcp_problem(endpoint: str, *, curve: bool, allow_insecure_tcp: bool) -> str | None:
+    """Why a worker link endpoint is refused (one sentence), or None.
+
+    Over tcp:// without CurveZMQ anyone who can reach the port can pose as the worker
+    (read every prompt, stream its own tokens) or as the scheduler; both processes refuse
+    that unless the operator says so explicitly (then `insecure_tcp_warning` is logged).
+    """
+    if not endpoint.startswith("tcp://") or curve or allow_insecure_tcp:
+        return None
+    return (
+        f"the worker link {endpoint} is tcp:// without CurveZMQ keys, which lets anyone who "
+        "reaches the port read every prompt and inject tokens; set the CurveZMQ keys (see "
+        "python -m pagoda.common.curve), use ipc://, or pass --zmq-allow-insecure-tcp"
+    )
+
+
+def insecure_tcp_warning(endpoint: str, *, curve: bool) -> str | None:
+    """The warning line for an allowed plaintext tcp:// link, or None when there is none."""
+    if not endpoint.startswith("tcp://") or curve:
+        return None
+    return (
+        f"the worker link {endpoint} is tcp:// without CurveZMQ (--zmq-allow-insecure-tcp): "
+        "it is neither encrypted nor authenticated"
+    )
+
+
 class SettingError(ValueError):
     """A setting that cannot be read; the message is one sentence naming it and its source."""
 

@@ -30,7 +30,10 @@ def test_environment_fills_in_and_flags_win():
         "PAGODA_WORKER_NUM_KV_BLOCKS": "100",
         "PAGODA_WORKER_LOG_LEVEL": "debug",
     }
-    config = parse_config(["--block-size", "8", "--zmq-endpoint", "tcp://127.0.0.1:5555"], environ)
+    config = parse_config(
+        ["--block-size", "8", "--zmq-endpoint", "tcp://127.0.0.1:5555", "--zmq-allow-insecure-tcp"],
+        environ,
+    )
     assert config.block_size == 8
     assert config.model == "dummy" and config.is_dummy
     assert config.num_kv_blocks == 100
@@ -80,7 +83,10 @@ def test_toml_file_is_below_environment_and_flags(tmp_path):
     toml = tmp_path / "worker.toml"
     toml.write_text('block_size = 8\nmodel = "dummy"\nkv_cache_gib = 2\ndevice = "cpu"\n')
     environ = {"PAGODA_WORKER_CONFIG": str(toml), "PAGODA_WORKER_DEVICE": "cuda"}
-    loaded = load_config(["--block-size", "4", "--zmq-endpoint", "tcp://127.0.0.1:5555"], environ)
+    loaded = load_config(
+        ["--block-size", "4", "--zmq-endpoint", "tcp://127.0.0.1:5555", "--zmq-allow-insecure-tcp"],
+        environ,
+    )
     config = loaded.config
     assert (config.block_size, config.model, config.kv_cache_gib) == (4, "dummy", 2.0)
     assert config.device == "cuda"
