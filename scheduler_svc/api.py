@@ -252,6 +252,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             info.num_kv_tokens = hello.num_kv_blocks * hello.block_size
             info.device = hello.device
             info.dtype = hello.dtype
+            info.quantization = hello.quantization or "none"  # empty from an older worker
             del info.eos_token_ids[:]
             info.eos_token_ids.extend(sorted(hello.eos_token_ids))
         return info
