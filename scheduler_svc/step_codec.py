@@ -7,6 +7,8 @@ column-wise, so encoding is a handful of list copies whatever the batch size.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 from pagoda.protos import step_pb2
 from pagoda.scheduler_svc.core import StepPlan, StepResult, ValidSampling, WorkerGeometry
 
@@ -43,6 +45,48 @@ def encode_plan(plan: StepPlan) -> step_pb2.StepPlan:
     message.block_ids.extend(plan.block_ids)
     message.forget_seq_ids.extend(plan.forget_seq_ids)
     return message
+
+
+def result_problem(
+    plan: step_pb2.StepPlan, result: step_pb2.StepResult, vocab_size: int
+) -> str | None:
+    """Why `result` cannot be the answer to `plan` (a sentence), or None.
+
+    The core's apply() assumes a well-formed result (columns of equal length, only the
+    plan's sampling sequences, token ids inside the vocabulary); a buggy, version-skewed or
+    hostile worker is stopped here, at the edge. A few passes over the columns per step.
+    """
+    if result.step_error:
+        return None  # nothing was sampled; the rest of the message is not read
+    seq_ids, token_ids = result.seq_ids, result.token_ids
+    num_sampled = len(seq_ids)
+    if len(token_ids) != num_sampled:
+        return f"{len(token_ids)} token ids for {num_sampled} sequences"
+    if result.logprobs and len(result.logprobs) != num_sampled:
+        return f"{len(result.logprobs)} logprobs for {num_sampled} sequences"
+    if token_ids and max(token_ids) >= vocab_size:
+        return f"token id {max(token_ids)} outside the vocabulary of {vocab_size}"
+    top_offsets = result.top_offsets
+    if top_offsets or result.top_token_ids or result.top_logprobs:
+        num_top = len(result.top_token_ids)
+        if len(top_offsets) != num_sampled + 1 or len(result.top_logprobs) != num_top:
+            return "its top-logprob columns do not line up with its sampled tokens"
+        if top_offsets[0] != 0 or top_offsets[-1] != num_top:
+            return "its top_offsets do not span the top-logprob columns"
+        if any(end < start for start, end in pairwise(top_offsets)):
+            return "its top_offsets decrease"
+        if num_top and max(result.top_token_ids) >= vocab_size:
+            return "a top-logprob token id is outside the vocabulary"
+    sampling = {seq_id for seq_id, sample in zip(plan.seq_ids, plan.sample, strict=True) if sample}
+    answered = set(seq_ids)
+    if len(answered) != num_sampled:
+        return "a sequence sampled twice"
+    if not answered <= sampling:
+        stray = min(answered - sampling)
+        return f"sequence {stray} sampled, which the plan did not ask to sample"
+    if result.errors and not {error.seq_id for error in result.errors} <= set(plan.seq_ids):
+        return "an error names a sequence the plan did not schedule"
+    return None
 
 
 def decode_result(message: step_pb2.StepResult) -> StepResult:

@@ -20,6 +20,7 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 from pagoda.protos import step_pb2
+from pagoda.scheduler_svc import step_codec
 from zmq.utils.monitor import parse_monitor_message
 
 from pagoda.common import curve, transport, wire
@@ -73,7 +74,8 @@ class WorkerLink:
         self._monitor: zmq.asyncio.Socket | None = None
         self._worker: WorkerInfo | None = None
         self._last_seen_s = 0.0
-        self._pending: tuple[int, asyncio.Future[step_pb2.StepResult]] | None = None
+        # The plan in flight and the future its result completes.
+        self._pending: tuple[step_pb2.StepPlan, asyncio.Future[step_pb2.StepResult]] | None = None
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -140,7 +142,7 @@ class WorkerLink:
         if worker is None or self._socket is None:
             raise WorkerLost("no worker attached")
         future: asyncio.Future[step_pb2.StepResult] = asyncio.get_running_loop().create_future()
-        self._pending = (plan.step_id, future)
+        self._pending = (plan, future)
         try:
             await self._send(worker.identity, plan)
             return await asyncio.wait_for(future, timeout_s)
@@ -181,19 +183,47 @@ class WorkerLink:
         await self._socket.send_multipart([identity, *wire.encode(message)])
 
     async def _receive_forever(self) -> None:
+        """Read, check and dispatch messages until closed. Nothing a peer sends ends this
+        task: a bad message is logged, and drops the worker if it came from the worker."""
         assert self._socket is not None
+        socket = self._socket
         while True:
-            frames = await self._socket.recv_multipart(copy=False)
-            identity, body = frames[0].bytes, [frame.bytes for frame in frames[1:]]
+            # Frame by frame, keeping at most the two of the protocol: a peer's thousand
+            # extra frames are counted and released, never copied.
+            frame = await socket.recv(copy=False)
+            identity, body, num_extra = frame.bytes, [], 0
+            while frame.more:
+                frame = await socket.recv(copy=False)
+                if len(body) < 2:
+                    body.append(frame)
+                else:
+                    num_extra += 1
             try:
-                message = wire.decode(body)
+                if num_extra:
+                    raise wire.FrameError(f"expected 2 frames (kind, body), got {2 + num_extra}")
+                message = wire.decode([part.bytes for part in body])
+                await self._dispatch(identity, message, _source_fd(frame))
             except wire.FrameError as exc:
-                log.warning("ignored a malformed frame from %s: %s", identity.hex(), exc)
-                continue
-            try:
-                await self._dispatch(identity, message, _source_fd(frames[-1]))
+                self._refuse(identity, f"a malformed message: {exc}")
             except zmq.ZMQError as exc:
                 log.warning("could not answer the worker %s: %s", identity.hex(), exc)
+            except Exception:
+                log.exception("dropped a message from %s that could not be handled", identity.hex())
+                self._drop_worker_if(identity, "a message that could not be handled")
+
+    def _refuse(self, identity: bytes, what: str) -> None:
+        """One log line for a bad message; the worker is dropped if it sent it (it may say
+        hello again), a stranger's message is only logged."""
+        current = self._worker
+        if current is not None and current.identity == identity:
+            self._drop_worker(f"it sent {what}")
+        else:
+            log.warning("ignored %s from %s", what, identity.hex())
+
+    def _drop_worker_if(self, identity: bytes, reason: str) -> None:
+        current = self._worker
+        if current is not None and current.identity == identity:
+            self._drop_worker(reason)
 
     async def _watch_disconnects(self) -> None:
         assert self._monitor is not None
@@ -233,16 +263,22 @@ class WorkerLink:
         self._last_seen_s = time.monotonic()
         if isinstance(message, step_pb2.StepResult):
             pending = self._pending
-            if pending is not None and pending[0] == message.step_id and not pending[1].done():
-                pending[1].set_result(message)
-            else:
+            if pending is None or pending[0].step_id != message.step_id or pending[1].done():
                 log.warning("ignored a result for step %d that is not in flight", message.step_id)
+                return
+            plan, future = pending
+            problem = step_codec.result_problem(plan, message, current.hello.vocab_size)
+            if problem is not None:
+                self._refuse(identity, f"a result for step {plan.step_id} that does not match "
+                             f"its plan: {problem}")  # fmt: skip
+                return
+            future.set_result(message)
 
     async def _on_hello(self, identity: bytes, hello: step_pb2.Hello, fd: int | None) -> None:
         self._take_disconnects()
         reason = hello_problem(hello)
         if reason is not None:
-            log.error("refused worker %s: %s", hello.incarnation_id or identity.hex(), reason)
+            log.error("refused worker %s: %s", hello.incarnation_id[:128] or identity.hex(), reason)
             await self._send(identity, step_pb2.HelloAck(accepted=False, reason=reason))
             return
         current = self._worker
@@ -303,6 +339,26 @@ def _source_fd(frame: zmq.Frame) -> int | None:
         return None
 
 
+# Bounds on a hello's geometry: generous for any real model and pool (a 16M-token
+# vocabulary, 2M blocks of up to 1024 tokens), small enough that sizing the block pool and
+# the vocabulary checks after it cost bounded memory; strings are logged and served to
+# every GetModelInfo caller.
+MAX_HELLO_VALUES: dict[str, int] = {
+    "vocab_size": 1 << 24,
+    "max_context_tokens": 1 << 24,
+    "block_size": 1024,
+    "num_kv_blocks": 1 << 21,
+}
+MAX_HELLO_STRING_BYTES: dict[str, int] = {
+    "incarnation_id": 128,
+    "model_id": 256,
+    "device": 64,
+    "dtype": 32,
+    "quantization": 32,
+}
+MAX_EOS_TOKEN_IDS = 256
+
+
 def hello_problem(hello: step_pb2.Hello) -> str | None:
     """Why a hello cannot be accepted (a sentence for both logs), or None."""
     if hello.protocol_version != wire.PROTOCOL_VERSION:
@@ -312,9 +368,17 @@ def hello_problem(hello: step_pb2.Hello) -> str | None:
         )
     if not hello.incarnation_id:
         return "the hello carries no incarnation id"
-    for name in ("vocab_size", "max_context_tokens", "block_size", "num_kv_blocks"):
-        if getattr(hello, name) == 0:
+    for name, limit in MAX_HELLO_STRING_BYTES.items():
+        if len(getattr(hello, name).encode()) > limit:
+            return f"the hello's {name} is longer than {limit} bytes"
+    for name, limit in MAX_HELLO_VALUES.items():
+        value = getattr(hello, name)
+        if value == 0:
             return f"the hello's {name} is 0"
+        if value > limit:
+            return f"the hello's {name} {value} is beyond the bound of {limit}"
+    if len(hello.eos_token_ids) > MAX_EOS_TOKEN_IDS:
+        return f"the hello names more than {MAX_EOS_TOKEN_IDS} eos_token_ids"
     if any(token_id >= hello.vocab_size for token_id in hello.eos_token_ids):
         return "the hello's eos_token_ids fall outside its vocabulary"
     return None
