@@ -31,6 +31,9 @@ from pagoda.scheduler_svc.core import (
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
 
 _STOP = FinishReason.STOP
+# How far past the cursor a request is looked for before the dict: the requests that left
+# the running set between two steps at that point of the column.
+RESYNC_ENTRIES = 4
 
 
 def find_stop_string(text: str, stop_strings: tuple[str, ...]) -> int | None:
@@ -122,35 +125,56 @@ class OutputProcessor:
         self._scheduler = scheduler
         self._new_detokenizer = detokenizer_factory
         # The text state of each unfinished request, by request id: its detokenizer, and
-        # its matcher when it has stop strings.
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._matchers: dict[str, StopStringMatcher] = {}
+        # its matcher (None without stop strings).
+        self._texts: dict[str, tuple[IncrementalDetokenizer, StopStringMatcher | None]] = {}
+        # The last step's column of request ids and their text states, in step: a step's
+        # columns come in the running set's order, which only finishes, preemptions and
+        # admissions change, so most requests are found by comparing a pointer with the
+        # entry at a cursor rather than by a dict lookup (which reads the id's string and
+        # the dict's entry: two cache lines a token at hundreds running).
+        self._last_ids: list[str] = []
+        self._last_detokenizers: list[IncrementalDetokenizer] = []
+        self._last_matchers: list[StopStringMatcher | None] = []
 
     def add(self, request: ValidRequest, now: float) -> None:
         """Queue `request` in the scheduler (which may refuse it: see Scheduler.add) and
         open its text state."""
         self._scheduler.add(request, now)
-        request_id, stopping = request.request_id, request.stopping
-        self._detokenizers[request_id] = self._new_detokenizer()
-        if stopping.stop_strings:
-            self._matchers[request_id] = StopStringMatcher(
-                stopping.stop_strings, stopping.min_new_tokens
-            )
+        stopping = request.stopping
+        matcher = (
+            StopStringMatcher(stopping.stop_strings, stopping.min_new_tokens)
+            if stopping.stop_strings
+            else None
+        )
+        self._texts[request.request_id] = (self._new_detokenizer(), matcher)
 
     def __len__(self) -> int:
         """Requests whose text state is open."""
-        return len(self._detokenizers)
+        return len(self._texts)
 
     def process_step(self, step: StepOutputs, now: float) -> StepOutputs:
         """Fill in the text of apply()'s outputs, in place, and end the requests whose text
         reached a stop string (their blocks are free before this returns)."""
-        detokenizers, matchers = self._detokenizers, self._matchers
         texts = step.texts
         stopped: list[int] = []
+        last_ids, last_detokenizers, last_matchers = (
+            self._last_ids,
+            self._last_detokenizers,
+            self._last_matchers,
+        )
+        num_last, cursor = len(last_ids), 0
+        detokenizers: list[IncrementalDetokenizer] = []
+        matchers: list[StopStringMatcher | None] = []
         # The hot loop: one token per running request. The detokenizer's and the
         # matcher's common cases are looked up here rather than called.
         for request_id, token_id in zip(step.request_ids, step.token_ids, strict=True):
-            detokenizer = detokenizers[request_id]
+            if cursor < num_last and last_ids[cursor] is request_id:
+                detokenizer, matcher = last_detokenizers[cursor], last_matchers[cursor]
+                cursor += 1
+            else:
+                detokenizer, matcher, cursor = self._find(request_id, cursor)
+            detokenizers.append(detokenizer)
+            matchers.append(matcher)
             # An exception rather than a test for the rare case: a try costs nothing in 3.11.
             try:
                 text = detokenizer.whole_texts[token_id]  # ids are unsigned on the wire
@@ -158,7 +182,6 @@ class OutputProcessor:
                 text = None  # a character is partial, or the id is beyond the table
             if text is None:
                 text = detokenizer.push(token_id)
-            matcher = matchers.get(request_id)
             if matcher is not None and (
                 matcher.held_text or matcher.trigger in text or matcher.num_tokens_inactive
             ):
@@ -170,21 +193,45 @@ class OutputProcessor:
             self._process(output, now)
         if stopped:
             self._end_stopped(step, stopped, now)
+            for index in reversed(stopped):
+                del detokenizers[index], matchers[index]
+        self._last_ids, self._last_detokenizers, self._last_matchers = (
+            step.request_ids,
+            detokenizers,
+            matchers,
+        )
         return step
+
+    def _find(
+        self, request_id: str, cursor: int
+    ) -> tuple[IncrementalDetokenizer, StopStringMatcher | None, int]:
+        """The text state of a request not at the cursor, and the cursor after it: a few
+        entries ahead when the ones between left the running set, else from the dict (a
+        request new to the columns; the cursor stays)."""
+        last_ids = self._last_ids
+        for ahead in range(cursor + 1, min(cursor + 1 + RESYNC_ENTRIES, len(last_ids))):
+            if last_ids[ahead] is request_id:
+                return self._last_detokenizers[ahead], self._last_matchers[ahead], ahead + 1
+        detokenizer, matcher = self._texts[request_id]
+        return detokenizer, matcher, cursor
 
     def process(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Fill in the text of outputs from outside a step (cancels, a new worker's
         refusals, a lost step's), in place. They carry no token, so nothing matches."""
+        if outputs:
+            # A finished id may come back as a new request: the last step's states are
+            # no longer to be found by the id alone.
+            self._last_ids, self._last_detokenizers, self._last_matchers = [], [], []
         for output in outputs:
             self._process(output, None)
         return outputs
 
     def _process(self, output: RequestOutput, now: float | None) -> None:
         request_id = output.request_id
-        detokenizer = self._detokenizers.get(request_id)
-        if detokenizer is None:
+        state = self._texts.get(request_id)
+        if state is None:
             return  # not added through this processor
-        matcher = self._matchers.get(request_id)
+        detokenizer, matcher = state
         reason = output.finish_reason
         text = ""
         if output.token_ids and reason is not _STOP:  # a stop token's text is not streamed
@@ -222,5 +269,4 @@ class OutputProcessor:
             del request_ids[index], token_ids[index], texts[index]
 
     def _close(self, request_id: str) -> None:
-        del self._detokenizers[request_id]
-        self._matchers.pop(request_id, None)
+        del self._texts[request_id]

@@ -37,7 +37,7 @@ from pagoda.scheduler_svc.core.admission import (
 from pagoda.scheduler_svc.core.config import SchedulerConfig, WorkerGeometry
 from pagoda.scheduler_svc.core.kv import BlockAllocator, PrefixCache, extend_block_hashes
 from pagoda.scheduler_svc.core.outputs import NewSequence, StepPlan
-from pagoda.scheduler_svc.core.request import Request, RequestState
+from pagoda.scheduler_svc.core.request import Request, RequestState, set_steady_window
 from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
 
 _RUNNING = RequestState.RUNNING
@@ -423,6 +423,7 @@ class Planner:
         request.num_blocks_sent = 0
         request.num_computed_tokens = num_cached_tokens
         request.admit_order = next(self._admit_orders)
+        set_steady_window(request, self.geometry.eos_token_ids, self.geometry.max_context_tokens)
         if request.num_cached_prompt_tokens is None:
             request.num_cached_prompt_tokens = min(num_cached_tokens, request.num_prompt_tokens)
             if self.config.prefix_caching:

@@ -71,9 +71,9 @@ class Request:
     """The scheduler's truth about one request.
 
     Two writers, by field: the planner writes the sequence fields (from `state` to
-    `first_scheduled_s`: admission, feeding, preemption, release); Scheduler.apply()
-    appends generated tokens and stamps `first_token_s` and `finish_s`. Nothing else
-    writes a Request.
+    `first_scheduled_s`, and the steady window: admission, feeding, preemption,
+    release); Scheduler.apply() appends generated tokens and stamps `first_token_s` and
+    `finish_s`. Nothing else writes a Request.
 
     A running request feeds `token_ids[num_computed_tokens:]`: prefill, chunked
     prefill, prefix hits, recompute after preemption and decode are all "give it n
@@ -106,6 +106,13 @@ class Request:
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
     finish_s: float | None = None
+    # check_stop's shortcut (set_steady_window, by the planner at each admission since it
+    # depends on the worker): while steady_from <= len(token_ids) < steady_until, the new
+    # token counted, only a token id in ending_token_ids can end the request. Empty (0, 0)
+    # until the first admission.
+    steady_from: int = 0
+    steady_until: int = 0
+    ending_token_ids: frozenset[int] = frozenset()
 
     @property
     def num_generated_tokens(self) -> int:
@@ -125,8 +132,17 @@ def check_stop(
     max_new_tokens or a full context, else None. Stop strings are the service's output
     processor's. No stop counts until min_new_tokens tokens precede the token (as Hugging
     Face's min_new_tokens); a stop token's id is returned to the client, its text is not.
+
+    Inside the request's steady window the answer is None unless the id is one of its
+    ending ids, and is known without reading its stopping rules (another object per
+    request, a memory miss per token at hundreds running: see docs/benchmarks.md).
     """
     num_tokens = len(request.token_ids)
+    if (
+        request.steady_from <= num_tokens < request.steady_until
+        and token_id not in request.ending_token_ids
+    ):
+        return None
     num_generated = num_tokens - request.num_prompt_tokens
     stopping = request.stopping
     if num_generated > stopping.min_new_tokens and (
@@ -170,3 +186,22 @@ def too_large_reason(
             f"holds {geometry.num_kv_blocks}"
         )
     return None
+
+
+def set_steady_window(
+    request: Request, eos_token_ids: frozenset[int], max_context_tokens: int
+) -> None:
+    """The lengths (prompt plus generated, the new token counted) at which check_stop's
+    rules can end the request only by a token id, and those ids: stops allowed
+    (min_new_tokens), and neither max_new_tokens nor the context reached."""
+    stopping = request.stopping
+    request.steady_from = request.num_prompt_tokens + 1 + stopping.min_new_tokens
+    request.steady_until = min(
+        request.num_prompt_tokens + stopping.max_new_tokens, max_context_tokens
+    )
+    if stopping.ignore_eos:
+        request.ending_token_ids = stopping.stop_token_ids
+    elif stopping.stop_token_ids:
+        request.ending_token_ids = stopping.stop_token_ids | eos_token_ids
+    else:
+        request.ending_token_ids = eos_token_ids  # one set for most requests: stays cached

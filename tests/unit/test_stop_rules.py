@@ -6,17 +6,25 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pagoda.scheduler_svc.core import FinishReason, StepResult, ValidStopping
-from pagoda.scheduler_svc.core.request import Request, check_stop, token_array
+from pagoda.scheduler_svc.core.request import (
+    Request,
+    check_stop,
+    set_steady_window,
+    token_array,
+)
 from pagoda.scheduler_svc.output_processor import (
     StopStringMatcher,
     find_stop_string,
     held_back_length,
 )
+from pagoda.scheduler_svc.testing import FakeWorker
 
 from tests.unit.conftest import (
     TextScheduler,
     apply_scripts,
     check_invariants,
+    drive,
+    expected_generation,
     make_geometry,
     make_request,
     make_scheduler,
@@ -105,6 +113,50 @@ def test_token_verdict():
     assert token_verdict(EOS, 2, 10, ignoring, eos, 100) is None
 
 
+@given(
+    stopping=st.fixed_dictionaries(
+        dict(
+            min_new_tokens=st.integers(0, 4),
+            max_new_tokens=st.integers(1, 12),
+            stop_token_ids=st.sets(st.integers(0, 6), max_size=2),
+            ignore_eos=st.booleans(),
+        )
+    ),
+    eos_token_ids=st.frozensets(st.integers(0, 6), max_size=2),
+    num_prompt_tokens=st.integers(1, 4),
+    spare_context_tokens=st.integers(0, 14),
+    tokens=st.lists(st.integers(0, 6), min_size=12, max_size=12),
+)
+@settings(max_examples=300, deadline=None)
+def test_the_steady_window_never_changes_check_stops_answer(
+    stopping, eos_token_ids, num_prompt_tokens, spare_context_tokens, tokens
+):
+    """check_stop's shortcut inside the window set at admission gives what its rules give."""
+    valid = make_request(prompt=num_prompt_tokens, **stopping)
+    max_context_tokens = num_prompt_tokens + 1 + spare_context_tokens
+
+    def request() -> Request:
+        return Request(
+            request_id="r0",
+            sampling=valid.sampling,
+            stopping=valid.stopping,
+            priority=0,
+            num_prompt_tokens=num_prompt_tokens,
+            token_ids=token_array(valid.prompt_token_ids),
+            arrival_s=0.0,
+        )
+
+    windowed, plain = request(), request()  # plain: no window, (0, 0), the rules alone
+    set_steady_window(windowed, eos_token_ids, max_context_tokens)
+    for token_id in tokens:
+        windowed.token_ids.append(token_id)
+        plain.token_ids.append(token_id)
+        expected = check_stop(plain, token_id, eos_token_ids, max_context_tokens)
+        assert check_stop(windowed, token_id, eos_token_ids, max_context_tokens) is expected
+        if expected is not None:
+            break
+
+
 def test_find_stop_string_returns_the_earliest():
     assert find_stop_string("abc STOP x END", ("END", "STOP")) == 4
     assert find_stop_string("nothing", ("END",)) is None
@@ -132,7 +184,7 @@ def test_text_that_may_start_a_stop_string_is_held_back_until_settled():
     pieces = {10: "a <", 11: "/", 12: "p", 13: "x"}
     events, scheduler = run_alone(pieces, [10, 11, 12], stop_strings=("</s>",), max_new_tokens=10)
     assert events == [("a ", None), ("", None), ("</p", None)]
-    assert scheduler.processor._matchers["r0"].held_text == ""
+    assert scheduler.processor._texts["r0"][1].held_text == ""
 
 
 def test_held_back_text_is_released_when_the_request_ends_by_length():
@@ -189,7 +241,7 @@ def test_max_new_tokens_ends_with_length():
 
 def test_a_cancel_releases_held_text_then_pending_bytes():
     _, scheduler = run_alone({10: "a E"}, [10], stop_strings=("END",), max_new_tokens=10)
-    scheduler.processor._detokenizers["r0"].pending = "\ufffd"
+    scheduler.processor._texts["r0"][0].pending = "\ufffd"
     output = scheduler.cancel("r0", 1.0)
     assert (output.text, output.finish_reason) == ("E\ufffd", FinishReason.CANCELLED)
     assert len(scheduler.processor) == 0
@@ -250,3 +302,20 @@ def test_every_request_of_a_step_streams_what_it_streams_alone(scripts, spare_co
         for request_id, outputs in apply_scripts(scheduler, [t for _, t in scripts]).items()
     }
     assert streamed == expected
+
+
+def test_a_request_id_used_again_after_a_cancel_gets_fresh_text_state():
+    """The processor finds most requests by their place in the last step's columns; an id
+    that comes back as a new request must not find the old request's matcher there."""
+    geometry = make_geometry()
+    again = make_request("r0", [30, 31, 32], max_new_tokens=4, ignore_eos=True)
+    *_, text = expected_generation(again, geometry)
+    scheduler = make_scheduler(geometry)
+    # The first "r0" would stop at the second letter the second one streams.
+    scheduler.add(make_request("r0", [40, 41], max_new_tokens=8, stop_strings=(text[1],)), 0.0)
+    plan = scheduler.schedule(0.0)
+    scheduler.apply(FakeWorker(geometry).step(plan), 0.0)
+    assert scheduler.cancel("r0", 0.5).finish_reason is FinishReason.CANCELLED
+    scheduler.add(again, 1.0)
+    streams = drive(scheduler, FakeWorker(geometry))
+    assert (streams["r0"].text, streams["r0"].finish_reason) == (text, FinishReason.LENGTH)
