@@ -58,7 +58,7 @@ def result_problem(
     """
     if result.step_error:
         return None  # nothing was sampled; the rest of the message is not read
-    seq_ids, token_ids = result.seq_ids, result.token_ids
+    seq_ids, token_ids = result.seq_ids, list(result.token_ids)
     num_sampled = len(seq_ids)
     if len(token_ids) != num_sampled:
         return f"{len(token_ids)} token ids for {num_sampled} sequences"
@@ -77,12 +77,18 @@ def result_problem(
             return "its top_offsets decrease"
         if num_top and max(result.top_token_ids) >= vocab_size:
             return "a top-logprob token id is outside the vocabulary"
-    sampling = {seq_id for seq_id, sample in zip(plan.seq_ids, plan.sample, strict=True) if sample}
-    answered = set(seq_ids)
-    if len(answered) != num_sampled:
+    plan_seq_ids, sample = list(plan.seq_ids), list(plan.sample)
+    sampling = (
+        plan_seq_ids
+        if all(sample)
+        else [s for s, smp in zip(plan_seq_ids, sample, strict=True) if smp]
+    )
+    if list(seq_ids) == sampling:
+        pass  # the usual answer: every sampling sequence, in plan order (plan ids are distinct)
+    elif len(set(seq_ids)) != num_sampled:
         return "a sequence sampled twice"
-    if not answered <= sampling:
-        stray = min(answered - sampling)
+    elif not set(seq_ids) <= set(sampling):
+        stray = min(set(seq_ids) - set(sampling))
         return f"sequence {stray} sampled, which the plan did not ask to sample"
     if result.errors and not {error.seq_id for error in result.errors} <= set(plan.seq_ids):
         return "an error names a sequence the plan did not schedule"
