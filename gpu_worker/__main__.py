@@ -6,10 +6,15 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from pagoda.gpu_worker.config import WorkerConfig, configure_logging, describe, load_config
+from pagoda.gpu_worker.config import (
+    QuantizationError,
+    WorkerConfig,
+    configure_logging,
+    describe,
+    load_config,
+)
 from pagoda.gpu_worker.engine import Engine
 from pagoda.gpu_worker.model_loader import ModelNotFoundError
-from pagoda.gpu_worker.quantization import QuantizationError
 from pagoda.gpu_worker.server import EXIT_REFUSED, WorkerServer
 
 from pagoda.common import curve

@@ -21,14 +21,10 @@ from __future__ import annotations
 import warnings
 
 import torch
-from pagoda.gpu_worker.config import QUANTIZATIONS
+from pagoda.gpu_worker.config import QUANTIZATIONS, QuantizationError
 
 # The output head stays float32: see docs/benchmarks.md "int8 forward" for the measurement.
 QUANTIZED_LM_HEAD = False
-
-
-class QuantizationError(ValueError):
-    """A quantization this device cannot run; the message says what to use instead."""
 
 
 def resolve_quantization(requested: str, device: str, dtype: str = "auto") -> str:
