@@ -136,11 +136,24 @@ def agreement(reference: list[list[int]], candidate: list[list[int]]) -> Agreeme
     )
 
 
+@dataclass(frozen=True, slots=True)
+class TextScores:
+    perplexity: float  # exp(mean next-token loss)
+    predicted_ids: list[int]  # the argmax next token at every position (teacher-forced)
+
+
 @torch.inference_mode()
-def perplexity(model, token_ids: list[int]) -> float:
-    """exp(mean next-token loss) of the text in one forward (stock attention)."""
+def score_text(model, token_ids: list[int]) -> TextScores:
+    """One forward over the text (stock attention): its perplexity, and the model's top
+    next-token guess at each position given the true prefix."""
     input_ids = torch.tensor([token_ids])
-    return math.exp(model(input_ids=input_ids, labels=input_ids).loss.item())
+    output = model(input_ids=input_ids, labels=input_ids)
+    return TextScores(math.exp(output.loss.item()), output.logits[0].argmax(-1).tolist())
+
+
+def top1_agreement(reference: TextScores, candidate: TextScores) -> float:
+    pairs = list(zip(reference.predicted_ids, candidate.predicted_ids, strict=True))
+    return sum(a == b for a, b in pairs) / len(pairs)
 
 
 def text_token_ids(tokenizer) -> list[int]:
@@ -189,17 +202,17 @@ def quality(resolved, variants: list[Variant], num_prompts: int, num_new_tokens:
     prompts = chat_prompts(tokenizer, num_prompts)
     text_ids = text_token_ids(tokenizer)
     greedy: dict[str, list[list[int]]] = {}
-    ppl: dict[str, float] = {}
+    scores: dict[str, TextScores] = {}
     for variant in variants:
         model = variant.prepare(load_model(resolved, "cpu"))
-        ppl[variant.name] = perplexity(model, text_ids)
+        scores[variant.name] = score_text(model, text_ids)
         num_blocks = sum(-(-(len(p) + num_new_tokens) // BLOCK_SIZE) for p in prompts)
         engine = PagedEngine(
             model, model_id=resolved.model_id, num_kv_blocks=num_blocks, block_size=BLOCK_SIZE
         )
         greedy[variant.name] = greedy_batch(engine, prompts, num_new_tokens)
         del engine, model
-        print(f"  {variant.name}: perplexity {ppl[variant.name]:.3f}", flush=True)
+        print(f"  {variant.name}: perplexity {scores[variant.name].perplexity:.3f}", flush=True)
     base = variants[0].name
     lines = [
         f"{len(prompts)} chat prompts ({min(map(len, prompts))}-{max(map(len, prompts))} "
@@ -207,16 +220,19 @@ def quality(resolved, variants: list[Variant], num_prompts: int, num_new_tokens:
         f"{len(text_ids)} tokens of {TEXT_FILE.name}.",
         "",
         "| variant | prompts identical to fp32 | mean first divergence (of "
-        f"{num_new_tokens}) | tokens equal by position | perplexity | vs fp32 |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"{num_new_tokens}) | tokens equal by position | perplexity | vs fp32 "
+        "| next-token top-1 = fp32's |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for variant in variants:
         agree = agreement(greedy[base], greedy[variant.name])
-        delta = ppl[variant.name] / ppl[base] - 1
+        score = scores[variant.name]
+        delta = score.perplexity / scores[base].perplexity - 1
         lines.append(
             f"| {variant.name} | {agree.num_identical}/{agree.num_prompts} "
             f"({agree.identical_fraction:.0%}) | {agree.mean_first_divergence:.1f} | "
-            f"{agree.token_match_fraction:.1%} | {ppl[variant.name]:.3f} | {delta:+.2%} |"
+            f"{agree.token_match_fraction:.1%} | {score.perplexity:.3f} | {delta:+.2%} | "
+            f"{top1_agreement(scores[base], score):.1%} |"
         )
     return "\n".join(lines)
 
