@@ -6,8 +6,10 @@ between protobuf and the domain and turns failures into status codes with a sent
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -28,13 +30,25 @@ from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.step_loop import StepLoop, Unavailable
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
 from pagoda.scheduler_svc.validation import (
+    MAX_CHAT_MESSAGES,
     Limits,
     ValidationError,
     validate_chat,
     validate_generate,
+    validate_tokenize_text,
 )
 
 log = logging.getLogger("pagoda.api")
+
+# Inputs longer than this (characters of prompt, chat contents or Tokenize text) are
+# tokenized and chat-rendered on a worker thread: a big one costs milliseconds to seconds
+# of tokenizer time, which on the event loop would stall every stream and the step loop.
+# The HF tokenizers release the GIL while encoding. Smaller ones stay on the loop, where
+# they cost less than a thread hop.
+OFF_LOOP_MIN_CHARS = 4096
+NUM_TOKENIZER_THREADS = 2
+# Bounds a Tokenize text before any worker said hello (the limit then follows its context).
+FALLBACK_MAX_CONTEXT_TOKENS = 32_768
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
@@ -143,6 +157,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._config = config
         self._model_id = model_id
         self._last_hello = None
+        self._tokenizer_threads = ThreadPoolExecutor(
+            max_workers=NUM_TOKENIZER_THREADS, thread_name_prefix="pagoda-tokenize"
+        )
+
+    async def _off_loop_if_big(self, num_chars: int, function, *args):
+        """`function(*args)`, on a tokenizer thread when the input is big."""
+        if num_chars <= OFF_LOOP_MIN_CHARS:
+            return function(*args)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_threads, function, *args
+        )
 
     def _limits(self) -> Limits | None:
         worker = self._loop.worker
@@ -200,8 +225,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         limits = self._limits()
         if limits is None:
             await self._abort(context, grpc.StatusCode.UNAVAILABLE, "no worker is connected yet")
+        # Before any tokenizer time: a full queue refuses cheaply (submit checks it again).
+        max_waiting = self._config.scheduler.max_waiting_requests
+        if self._loop.stats.num_waiting >= max_waiting:
+            await self._abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the waiting queue is full ({max_waiting} requests); retry later",
+            )
         try:
-            return validate(request, self._tokenizer, limits)
+            return await self._off_loop_if_big(
+                _input_chars(request), validate, request, self._tokenizer, limits
+            )
         except ValidationError as exc:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
@@ -225,11 +260,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Tokenize(self, request, context):
         await self._reject_undecodable(request, context)
-        if len(request.text) > self._config.max_grpc_message_bytes:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "text is too long")
+        limits = self._limits()
+        try:
+            validate_tokenize_text(request.text, limits or self._fallback_limits())
+        except ValidationError as exc:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return await self._off_loop_if_big(len(request.text), self._tokenize, request)
+
+    def _tokenize(self, request) -> generation_pb2.TokenizeResponse:
         ids = self._tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
         return generation_pb2.TokenizeResponse(
             token_ids=ids, tokens=[self._tokenizer.id_to_piece(i) for i in ids]
+        )
+
+    def _fallback_limits(self) -> Limits:
+        return Limits(
+            max_context_tokens=FALLBACK_MAX_CONTEXT_TOKENS,
+            vocab_size=self._tokenizer.vocab_size,
+            default_max_new_tokens=self._config.default_max_new_tokens,
+            max_stop_strings=self._config.max_stop_strings,
+            max_stop_string_bytes=self._config.max_stop_string_bytes,
+            max_logprobs=self._config.max_logprobs,
         )
 
     async def GetModelInfo(self, request, context):
@@ -276,6 +327,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             worker_incarnation_id=worker.hello.incarnation_id if worker else "",
             draining=self._loop.draining,
         )
+
+
+def _input_chars(request) -> int:
+    """Characters a request gives the tokenizer (or the chat template) to work through."""
+    messages = getattr(request, "messages", None)
+    if messages is None:
+        return len(request.prompt)
+    if len(messages) > MAX_CHAT_MESSAGES:
+        return 0  # refused before any rendering
+    return sum(len(message.content) for message in messages)
 
 
 class BearerAuth(grpc.aio.ServerInterceptor):

@@ -259,3 +259,52 @@ def _refuses(service) -> bool:
         except grpc.RpcError as exc:
             return exc.code() == grpc.StatusCode.UNAVAILABLE
     return False
+
+
+def test_big_tokenize_and_chat_requests_are_refused_while_a_stream_flows(dummy_service):
+    """4 threads send 4 MB Tokenize texts and huge chats while a stream runs: each is refused
+    with INVALID_ARGUMENT before any tokenizer time, the stream ends exactly (review M1)."""
+    import threading
+
+    huge_text = "a" * 4_000_000
+    huge_chats = [
+        generation_pb2.ChatRequest(messages=[generation_pb2.ChatMessage(role="user", content="a")] * 300_000),
+        generation_pb2.ChatRequest(messages=[generation_pb2.ChatMessage(role="user", content=huge_text)]),
+    ]  # fmt: skip
+    codes: list[str] = []
+    stop = threading.Event()
+
+    def hammer(index: int) -> None:
+        with dummy_service.channel() as channel:
+            stub = dummy_service.stub(channel)
+            while not stop.is_set():
+                try:
+                    if index % 2:
+                        stub.Tokenize(generation_pb2.TokenizeRequest(text=huge_text), timeout=60)
+                    else:
+                        list(stub.Chat(huge_chats[len(codes) % 2], timeout=60))
+                    codes.append("OK")
+                except grpc.RpcError as exc:
+                    codes.append(exc.code().name)
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        prompt_ids = prompts(1)[0]
+        wait_until(lambda: len(codes) >= 4, 120, "the first big requests to be answered")
+        [(tokens, finish)] = asyncio.run(many_streams(dummy_service.address, [prompt_ids], 256))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert finish == generation_pb2.LENGTH
+    assert tokens == dummy_continuation(prompt_ids, 256)
+    assert set(codes) == {"INVALID_ARGUMENT"}, set(codes)
+    assert dummy_service.scheduler.poll() is None
+    # A big but allowed text is still tokenized (off the loop).
+    with dummy_service.channel() as channel:
+        reply = dummy_service.stub(channel).Tokenize(
+            generation_pb2.TokenizeRequest(text="hello " * 2000), timeout=60
+        )
+    assert len(reply.token_ids) >= 2000

@@ -1,0 +1,130 @@
+"""The servicer's admission, in process: a full queue refuses before any tokenizer time, big
+inputs are tokenized and chat-rendered off the event loop, a Tokenize text is bounded by the
+context before it is encoded (security review M1)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from pagoda.protos import generation_pb2 as pb
+from pagoda.scheduler_svc.api import OFF_LOOP_MIN_CHARS, GenerationServicer
+from pagoda.scheduler_svc.metrics import Metrics
+from pagoda.scheduler_svc.settings import ServiceConfig
+from pagoda.scheduler_svc.validation import validate_chat, validate_generate
+from pagoda.scheduler_svc.worker_link import WorkerInfo
+
+from tests.unit.conftest import make_hello
+
+MAX_CONTEXT_TOKENS = 512
+
+
+class Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+
+
+class Context:
+    async def abort(self, code, details):
+        raise Aborted(code, details)
+
+
+class CountingTokenizer:
+    """Records on which thread each encode and render ran."""
+
+    vocab_size = 100
+    eos_token_ids = frozenset({2})
+    chat_template = "?"
+    known_roles = frozenset({"user", "assistant", "system"})
+    model_max_length = None
+
+    def __init__(self) -> None:
+        self.encode_threads: list[str] = []
+        self.render_threads: list[str] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.encode_threads.append(threading.current_thread().name)
+        return [5] * max(1, min(len(text) // 64, 100))
+
+    def id_to_piece(self, token_id: int) -> str:
+        return "x"
+
+    def render_chat(self, messages) -> str:
+        self.render_threads.append(threading.current_thread().name)
+        return "".join(content for _, content in messages)
+
+
+class FakeLoop:
+    def __init__(self, num_waiting: int) -> None:
+        hello = make_hello(max_context_tokens=MAX_CONTEXT_TOKENS, vocab_size=100)
+        self.worker = WorkerInfo(identity=b"w", hello=hello)
+        self.draining = False
+        self.stats = SimpleNamespace(num_waiting=num_waiting)
+
+
+def servicer(num_waiting: int = 0) -> tuple[GenerationServicer, CountingTokenizer, FakeLoop]:
+    tokenizer = CountingTokenizer()
+    loop = FakeLoop(num_waiting)
+    config = ServiceConfig()
+    return GenerationServicer(loop, Metrics(), tokenizer, config, "m"), tokenizer, loop
+
+
+def test_a_full_queue_refuses_before_any_tokenizer_time():
+    config = ServiceConfig()
+    service, tokenizer, _ = servicer(num_waiting=config.scheduler.max_waiting_requests)
+
+    async def scenario():
+        with pytest.raises(Aborted) as generate:
+            await service._admit(
+                validate_generate, pb.GenerateRequest(prompt="hi " * 900), Context()
+            )
+        with pytest.raises(Aborted) as chat:
+            request = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hello")])
+            await service._admit(validate_chat, request, Context())
+        return generate.value.code, chat.value.code
+
+    codes = asyncio.run(scenario())
+    assert codes == (grpc.StatusCode.RESOURCE_EXHAUSTED,) * 2
+    assert tokenizer.encode_threads == [] and tokenizer.render_threads == []
+
+
+def test_big_inputs_are_tokenized_and_rendered_off_the_event_loop():
+    service, tokenizer, _ = servicer()
+    small = "a" * OFF_LOOP_MIN_CHARS
+    big = "a" * (OFF_LOOP_MIN_CHARS + 1)
+
+    async def scenario():
+        for text in (small, big):
+            valid = await service._admit(
+                validate_generate, pb.GenerateRequest(prompt=text), Context()
+            )
+            assert valid.prompt_token_ids
+        request = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=big)])
+        await service._admit(validate_chat, request, Context())
+        await service.Tokenize(pb.TokenizeRequest(text=small), Context())
+        await service.Tokenize(pb.TokenizeRequest(text=big), Context())
+        return threading.current_thread().name
+
+    loop_thread = asyncio.run(scenario())
+    on_loop = [name == loop_thread for name in tokenizer.encode_threads]
+    assert on_loop == [True, False, False, True, False]
+    assert tokenizer.render_threads[0].startswith("pagoda-tokenize")
+
+
+def test_tokenize_text_is_bounded_by_the_context_before_encoding():
+    service, tokenizer, _ = servicer()
+    text = "a" * 4_000_000
+
+    async def scenario():
+        with pytest.raises(Aborted) as refused:
+            await service.Tokenize(pb.TokenizeRequest(text=text), Context())
+        return refused.value
+
+    refused = asyncio.run(scenario())
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "far beyond the context of 512 tokens" in str(refused)
+    assert tokenizer.encode_threads == []
