@@ -339,8 +339,42 @@ def _input_chars(request) -> int:
     return sum(len(message.content) for message in messages)
 
 
+# The one RPC open without the token: a load balancer's or orchestrator's probe. Watch
+# is a stream a client keeps open, so it is authenticated like the API.
+_OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
+# Longest service name a health Watch may name: each watched name is a key the health
+# servicer keeps while watched; real ones are "" and "pagoda.v1.Generation".
+MAX_HEALTH_SERVICE_NAME_CHARS = 128
+
+
+class BoundedHealthServicer(health.aio.HealthServicer):
+    """grpc's health servicer with a bound on concurrent Watch streams (and their names)."""
+
+    def __init__(self, max_watchers: int) -> None:
+        super().__init__()
+        self._max_watchers = max_watchers
+        self._num_watchers = 0
+
+    async def Watch(self, request, context) -> None:
+        if len(request.service) > MAX_HEALTH_SERVICE_NAME_CHARS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"service name longer than {MAX_HEALTH_SERVICE_NAME_CHARS} characters",
+            )
+        if self._num_watchers >= self._max_watchers:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._max_watchers} health watchers are open; use Check, or retry later",
+            )
+        self._num_watchers += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self._num_watchers -= 1
+
+
 class BearerAuth(grpc.aio.ServerInterceptor):
-    """Refuses every RPC but health checks without `authorization: Bearer <key>`."""
+    """Refuses every RPC but the health Check without `authorization: Bearer <key>`."""
 
     def __init__(self, api_key: str) -> None:
         self._expected = f"Bearer {api_key}".encode()
@@ -352,13 +386,13 @@ class BearerAuth(grpc.aio.ServerInterceptor):
         self._stream_refusal = grpc.unary_stream_rpc_method_handler(refuse)
 
     async def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method.startswith("/grpc.health.v1.Health/"):
+        if handler_call_details.method in _OPEN_METHODS:
             return await continuation(handler_call_details)
         metadata = dict(handler_call_details.invocation_metadata or ())
         token = str(metadata.get("authorization", "")).encode()
         if hmac.compare_digest(token, self._expected):
             return await continuation(handler_call_details)
-        streaming = handler_call_details.method.endswith(("/Generate", "/Chat"))
+        streaming = handler_call_details.method.endswith(("/Generate", "/Chat", "/Watch"))
         return self._stream_refusal if streaming else self._refusal
 
 
@@ -383,7 +417,7 @@ def build_server(
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     server.add_generic_rpc_handlers((_generation_handler(servicer),))
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = BoundedHealthServicer(config.max_health_watchers)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (

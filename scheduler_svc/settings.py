@@ -46,6 +46,7 @@ class ServiceConfig:
     max_logprobs: int = 20
     max_grpc_message_bytes: int = 4 * 1024 * 1024
     max_concurrent_streams: int = 4096
+    max_health_watchers: int = 64
     status_interval_s: float = 10.0
     api_key_file: str | None = None
     tls_cert: str | None = None
@@ -64,6 +65,7 @@ class ServiceConfig:
             "default_max_new_tokens",
             "max_grpc_message_bytes",
             "max_concurrent_streams",
+            "max_health_watchers",
             "status_interval_s",
         )
         for name in positive:
@@ -101,7 +103,8 @@ HELP: dict[str, str] = {
     "grpc_address": "host:port the gRPC API listens on (loopback by default)",
     "zmq_endpoint": "ZeroMQ endpoint the scheduler binds for the worker (ipc:// or tcp://)",
     "model": "tokenizer and chat template source: default, a directory, a .gguf file or a hub id",
-    "metrics_address": "host:port for Prometheus metrics over HTTP (off when unset)",
+    "metrics_address": "host:port for Prometheus metrics over HTTP, unauthenticated (off when "
+    "unset; a bare :PORT binds 127.0.0.1)",
     "worker_timeout_s": "seconds to wait for a step result before the worker counts as lost",
     "worker_grace_s": "seconds waiting requests survive without a worker before UNAVAILABLE",
     "drain_timeout_s": "on SIGTERM, seconds in-flight streams may finish before being cancelled",
@@ -111,6 +114,8 @@ HELP: dict[str, str] = {
     "max_logprobs": "largest top-n logprobs a request may ask for (at most 20)",
     "max_grpc_message_bytes": "largest gRPC message accepted or sent",
     "max_concurrent_streams": "HTTP/2 concurrent streams per connection",
+    "max_health_watchers": "concurrent grpc.health.v1 Watch streams (RESOURCE_EXHAUSTED beyond); "
+    "Watch needs the bearer token when api_key_file is set, Check never does",
     "status_interval_s": "seconds between the periodic one-line status logs",
     "api_key_file": "file holding a bearer token; when set, every RPC must present it",
     "tls_cert": "PEM certificate chain for gRPC TLS (with --tls-key)",
