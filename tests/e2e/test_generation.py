@@ -82,9 +82,27 @@ def test_greedy_output_equals_transformers_generate(tmp_path, default_reference,
         assert stats.num_kv_blocks_used == 0
 
 
+def test_the_cpu_default_int8_answers_and_reports_itself(tmp_path):
+    """The worker's defaults (int8 Linear layers on the CPU) serve a sensible chat."""
+    with running_service(tmp_path, model="default") as service, service.channel() as channel:
+        stub = service.stub(channel)
+        info = stub.GetModelInfo(generation_pb2.ModelInfoRequest(), timeout=10)
+        assert info.quantization == ("int8" if info.device == "cpu" else "none")
+        request = generation_pb2.ChatRequest(
+            messages=[
+                generation_pb2.ChatMessage(role="user", content="What is the capital of France?")
+            ],
+            stopping=generation_pb2.StoppingCriteria(max_new_tokens=24),
+        )
+        assert "Paris" in "".join(r.text for r in stub.Chat(request, timeout=120))
+
+
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    with running_service(tmp_path_factory.mktemp("svc"), model="default") as service:
+    # Its tests compare with transformers' float forward: pin the float weights.
+    with running_service(
+        tmp_path_factory.mktemp("svc"), model="default", worker_args=EXACT
+    ) as service:
         yield service
 
 
@@ -179,8 +197,7 @@ def test_tokenize_and_model_info(stub):
     assert info.worker_connected and info.vocab_size == 49152
     assert info.num_kv_tokens == info.num_kv_blocks * info.block_size > 0
     assert info.max_context_tokens == 8192
-    # This service runs the worker's defaults: int8 Linear layers on the CPU.
-    assert info.quantization == ("int8" if info.device == "cpu" else "none")
+    assert info.quantization == "none"  # pinned; the worker's hello carries it
 
 
 BAD_REQUESTS = {
