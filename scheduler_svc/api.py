@@ -187,34 +187,45 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ),
         )
 
-    async def Generate(self, request, context):
-        async for response in self._serve(validate_generate, request, context):
-            yield response
+    async def Generate(self, request, context) -> None:
+        await self._serve(validate_generate, request, context)
 
-    async def Chat(self, request, context):
-        async for response in self._serve(validate_chat, request, context):
-            yield response
+    async def Chat(self, request, context) -> None:
+        await self._serve(validate_chat, request, context)
 
-    async def _serve(self, validate, request, context):
+    async def _serve(self, validate, request, context) -> None:
         valid = await self._admit(validate, request, context)
         slot = await self._submit(valid, context)
-        finished = False
         try:
-            while not finished:
+            while True:
                 output = await slot.next()
-                finished = output.finish_reason is not None
                 if output.finish_reason is FinishReason.ERROR:
                     if output.token_ids or output.text:
-                        yield to_response(output)
+                        await self._write(context, to_response(output))
                     code = getattr(grpc.StatusCode, slot.error_code or "INTERNAL")
                     self._metrics.observe_error(code.name)
                     await context.abort(code, output.error_message or "the request failed")
-                yield to_response(output)
+                await self._write(context, to_response(output))
+                if output.finish_reason is not None:
+                    return
         finally:
-            # Reached on normal end, client cancel, deadline or disconnect (grpc.aio
-            # raises CancelledError at the pending await): a live request is cancelled
-            # so its blocks are free before the next step is planned.
+            # Reached on normal end, client cancel, deadline, disconnect or a stalled
+            # write (grpc.aio raises CancelledError at the pending await): a live request
+            # is cancelled so its blocks are free before the next step is planned.
             self._loop.release(slot)
+
+    async def _write(self, context, response: generation_pb2.GenerateResponse) -> None:
+        """Write one message; a client that takes none for stream_write_timeout_s (flow
+        control full: it stopped reading) has its stream ended, so it holds no memory."""
+        timeout_s = self._config.stream_write_timeout_s
+        try:
+            await asyncio.wait_for(context.write(response), timeout_s)
+        except TimeoutError:
+            self._metrics.observe_error("DEADLINE_EXCEEDED")
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the client took no message for {timeout_s:g} s; the stream was ended",
+            )
 
     async def _admit(self, validate, request, context) -> ValidRequest:
         await self._reject_undecodable(request, context)
@@ -339,6 +350,17 @@ def _input_chars(request) -> int:
     return sum(len(message.content) for message in messages)
 
 
+# Connection liveness: the server pings a connection silent for a minute and closes it
+# if no answer comes in 20 s (a vanished client's streams end); clients may ping every
+# 30 s, also between calls, and more often is refused (GOAWAY) as abuse.
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
+    ("grpc.http2.max_ping_strikes", 2),
+]
+
 # The one RPC open without the token: a load balancer's or orchestrator's probe. Watch
 # is a stream a client keeps open, so it is authenticated like the API.
 _OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
@@ -414,8 +436,15 @@ def build_server(
         ("grpc.max_send_message_length", config.max_grpc_message_bytes),
         ("grpc.max_concurrent_streams", config.max_concurrent_streams),
         ("grpc.so_reuseport", 0),
+        *KEEPALIVE_OPTIONS,
+        ("grpc.max_connection_idle_ms", int(config.max_connection_idle_s * 1000)),
     ]
-    server = grpc.aio.server(interceptors=interceptors, options=options)
+    # Beyond max_concurrent_rpcs (all connections together) grpc answers RESOURCE_EXHAUSTED.
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=options,
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+    )
     server.add_generic_rpc_handlers((_generation_handler(servicer),))
     health_servicer = BoundedHealthServicer(config.max_health_watchers)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -2,15 +2,31 @@
 
 The step loop publishes without ever awaiting: a slot appends every delta that its
 reader has not taken yet to one pending output's pieces, so a slow client costs memory
-proportional to its own unread tokens and never slows the loop.
+proportional to its own unread tokens and never slows the loop. That is bounded: a slot
+holding more than MAX_UNREAD_TOKENS unread drops them and ends its request with
+RESOURCE_EXHAUSTED, a client that stopped reading (security review H1).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagoda.scheduler_svc.core import RequestOutput, StepOutputs, TokenLogprob
+from pagoda.scheduler_svc.core import FinishReason, RequestOutput, StepOutputs, TokenLogprob
+
+# Unread tokens a slot holds before its request is ended, each top-logprob alternative
+# counting as one more token: about 150 KB of text, ids and logprobs. A reader that keeps
+# up holds one step's tokens; only one that stopped reading gets here.
+MAX_UNREAD_TOKENS = 2048
+UNREAD_ERROR_CODE = "RESOURCE_EXHAUSTED"
+
+
+def unread_message(max_unread_tokens: int) -> str:
+    return (
+        f"the client left more than {max_unread_tokens} tokens unread; the request was "
+        "ended and its unread output dropped"
+    )
 
 
 @dataclass(slots=True)
@@ -18,6 +34,12 @@ class OutputSlot:
     """The unread output of one request, kept as the pieces of one coalesced output."""
 
     request_id: str
+    max_unread_tokens: int = MAX_UNREAD_TOKENS
+    # Called once when the slot overflows before its request finished, to end the
+    # request (the step loop's cancel); not called for a finished one.
+    on_overflow: Callable[[str], None] | None = None
+    overflowed: bool = False
+    _num_unread: int = 0
     _texts: list[str] = field(default_factory=list)
     _token_ids: list[int] = field(default_factory=list)
     _logprobs: list[TokenLogprob] | None = None
@@ -34,7 +56,11 @@ class OutputSlot:
 
     def publish_token(self, text: str, token_id: int) -> None:
         """One token and its text; called by the step loop, never blocks."""
-        if self.finished:
+        if self.finished or self.overflowed:
+            return
+        self._num_unread += 1
+        if self._num_unread > self.max_unread_tokens:
+            self._overflow(None)
             return
         self._texts.append(text)
         self._token_ids.append(token_id)
@@ -43,6 +69,16 @@ class OutputSlot:
     def publish(self, output: RequestOutput) -> None:
         """Called by the step loop; never blocks."""
         if self.finished:
+            return
+        if self.overflowed:
+            if output.finish_reason is not None:  # the end of the cancelled request
+                self._overflow(output)
+            return
+        self._num_unread += len(output.token_ids)
+        for logprob in output.logprobs or ():
+            self._num_unread += len(logprob.top_token_ids)
+        if self._num_unread > self.max_unread_tokens:
+            self._overflow(output if output.finish_reason is not None else None)
             return
         self._texts.append(output.text)
         self._token_ids.extend(output.token_ids)
@@ -53,6 +89,31 @@ class OutputSlot:
         if output.finish_reason is not None:
             self._final = output
             self.finished = True
+        self._ready.set()
+
+    def _overflow(self, final: RequestOutput | None) -> None:
+        """Drop everything unread; end with an error once the request's end is here
+        (`final`), asking for that end first if it is not."""
+        self._texts, self._token_ids, self._logprobs = [], [], None
+        self.error_code = UNREAD_ERROR_CODE
+        if final is None:
+            if not self.overflowed:
+                self.overflowed = True
+                if self.on_overflow is not None:
+                    self.on_overflow(self.request_id)
+            return
+        self.overflowed = True
+        self._final = RequestOutput(
+            request_id=self.request_id,
+            text="",
+            token_ids=[],
+            logprobs=None,
+            finish_reason=FinishReason.ERROR,
+            error_message=unread_message(self.max_unread_tokens),
+            usage=final.usage,
+            timings=final.timings,
+        )
+        self.finished = True
         self._ready.set()
 
     async def next(self) -> RequestOutput:
@@ -73,14 +134,23 @@ class OutputSlot:
             output.usage = final.usage
             output.timings = final.timings
         self._texts, self._token_ids, self._logprobs, self._final = [], [], None, None
+        self._num_unread = 0
         return output
 
 
 class OutputStreams:
     """The slots of all live requests, by request id."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        max_unread_tokens: int = MAX_UNREAD_TOKENS,
+        on_overflow: Callable[[str], None] | None = None,
+    ) -> None:
+        """`on_overflow(request_id)`: a running request's reader stopped reading; end it."""
         self._slots: dict[str, OutputSlot] = {}
+        self._max_unread_tokens = max_unread_tokens
+        self._on_overflow = on_overflow
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._slots
@@ -89,7 +159,9 @@ class OutputStreams:
         return len(self._slots)
 
     def open(self, request_id: str) -> OutputSlot:
-        slot = OutputSlot(request_id)
+        slot = OutputSlot(
+            request_id, max_unread_tokens=self._max_unread_tokens, on_overflow=self._on_overflow
+        )
         self._slots[request_id] = slot
         return slot
 

@@ -45,7 +45,10 @@ class ServiceConfig:
     max_stop_string_bytes: int = 256
     max_logprobs: int = 20
     max_grpc_message_bytes: int = 4 * 1024 * 1024
-    max_concurrent_streams: int = 4096
+    max_concurrent_streams: int = 1024
+    max_concurrent_rpcs: int = 4096
+    stream_write_timeout_s: float = 60.0
+    max_connection_idle_s: float = 600.0
     max_health_watchers: int = 64
     status_interval_s: float = 10.0
     api_key_file: str | None = None
@@ -65,6 +68,9 @@ class ServiceConfig:
             "default_max_new_tokens",
             "max_grpc_message_bytes",
             "max_concurrent_streams",
+            "max_concurrent_rpcs",
+            "stream_write_timeout_s",
+            "max_connection_idle_s",
             "max_health_watchers",
             "status_interval_s",
         )
@@ -114,6 +120,10 @@ HELP: dict[str, str] = {
     "max_logprobs": "largest top-n logprobs a request may ask for (at most 20)",
     "max_grpc_message_bytes": "largest gRPC message accepted or sent",
     "max_concurrent_streams": "HTTP/2 concurrent streams per connection",
+    "max_concurrent_rpcs": "concurrent RPCs over all connections (RESOURCE_EXHAUSTED beyond)",
+    "stream_write_timeout_s": "a stream whose client takes no message for this long (it "
+    "stopped reading) is ended with DEADLINE_EXCEEDED and its request cancelled",
+    "max_connection_idle_s": "a connection with no call for this long is closed (GOAWAY)",
     "max_health_watchers": "concurrent grpc.health.v1 Watch streams (RESOURCE_EXHAUSTED beyond); "
     "Watch needs the bearer token when api_key_file is set, Check never does",
     "status_interval_s": "seconds between the periodic one-line status logs",

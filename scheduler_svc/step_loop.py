@@ -27,7 +27,12 @@ from pagoda.scheduler_svc.core import (
 )
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.output_processor import OutputProcessor
-from pagoda.scheduler_svc.output_streams import OutputSlot, OutputStreams
+from pagoda.scheduler_svc.output_streams import (
+    MAX_UNREAD_TOKENS,
+    OutputSlot,
+    OutputStreams,
+    unread_message,
+)
 from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLost
 
 log = logging.getLogger("pagoda.step_loop")
@@ -81,7 +86,12 @@ class StepLoop:
         self._output_processor = output_processor
         self._link = link
         self._metrics = metrics
-        self._streams = OutputStreams()
+        # A client that stops reading has its request ended, not its output piled up.
+        self._streams = OutputStreams(
+            on_overflow=lambda request_id: self.cancel(
+                request_id, FinishReason.ERROR, unread_message(MAX_UNREAD_TOKENS)
+            )
+        )
         self._worker: WorkerInfo | None = None
         self._worker_timeout_s = worker_timeout_s
         self._worker_grace_s = worker_grace_s

@@ -128,3 +128,42 @@ def test_tokenize_text_is_bounded_by_the_context_before_encoding():
     assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "far beyond the context of 512 tokens" in str(refused)
     assert tokenizer.encode_threads == []
+
+
+def test_a_stream_whose_writes_stall_is_ended_and_its_request_released():
+    """A client that stops reading blocks the write (flow control); past
+    stream_write_timeout_s the stream ends with DEADLINE_EXCEEDED and the slot is released."""
+    import dataclasses
+
+    from pagoda.scheduler_svc.core import RequestOutput
+    from pagoda.scheduler_svc.output_streams import OutputSlot
+
+    class StalledContext(Context):
+        async def write(self, message):
+            await asyncio.Event().wait()  # the client never takes it
+
+    class ServingLoop(FakeLoop):
+        def __init__(self) -> None:
+            super().__init__(num_waiting=0)
+            self.released: list[OutputSlot] = []
+
+        def submit(self, valid):
+            slot = OutputSlot(valid.request_id)
+            slot.publish(RequestOutput(valid.request_id, "a", [5], None))
+            return slot
+
+        def release(self, slot):
+            self.released.append(slot)
+
+    loop = ServingLoop()
+    config = dataclasses.replace(ServiceConfig(), stream_write_timeout_s=0.05)
+    service = GenerationServicer(loop, Metrics(), CountingTokenizer(), config, "m")
+
+    async def scenario():
+        with pytest.raises(Aborted) as ended:
+            await service.Generate(pb.GenerateRequest(prompt="hi"), StalledContext())
+        return ended.value
+
+    ended = asyncio.run(scenario())
+    assert ended.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert len(loop.released) == 1

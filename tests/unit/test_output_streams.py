@@ -87,3 +87,43 @@ def test_a_step_of_token_columns_and_a_finish_reaches_each_slot_in_order():
         assert first.finished and not second.finished
 
     asyncio.run(scenario())
+
+
+def test_a_slot_that_is_not_read_ends_its_request_and_drops_its_output():
+    """Security review H1: unread output is bounded per slot, then the request is ended."""
+    overflowed: list[str] = []
+
+    async def scenario():
+        streams = OutputStreams(max_unread_tokens=10, on_overflow=overflowed.append)
+        slot = streams.open("r1")
+        for token_id in range(10):
+            slot.publish_token("x", token_id)
+        assert overflowed == []
+        slot.publish_token("y", 10)  # the 11th unread token
+        assert overflowed == ["r1"] and slot.error_code == "RESOURCE_EXHAUSTED"
+        slot.publish_token("z", 11)  # dropped; asked to end only once
+        assert overflowed == ["r1"]
+        streams.publish([out("", [12], FinishReason.CANCELLED)])  # the request's end
+        final = await slot.next()
+        assert final.finish_reason is FinishReason.ERROR and final.token_ids == []
+        assert "unread" in final.error_message
+
+    asyncio.run(scenario())
+
+
+def test_a_reader_that_keeps_up_never_overflows_and_logprobs_count():
+    async def scenario():
+        streams = OutputStreams(max_unread_tokens=10, on_overflow=lambda rid: None)
+        slot = streams.open("r1")
+        for token_id in range(30):
+            slot.publish_token("x", token_id)
+            assert (await slot.next()).token_ids == [token_id]
+        # Each top-logprob alternative counts as one more unread token.
+        top = TokenLogprob(1, -0.1, [2, 3, 4, 5], [-1.0, -2.0, -3.0, -4.0])
+        streams.publish([out("a", [1], logprobs=[top]), out("b", [1], logprobs=[top])])
+        assert not slot.overflowed  # 10 units
+        streams.publish([out("c", [1], FinishReason.LENGTH, logprobs=[top])])
+        final = await slot.next()  # a finished, overflowing slot ends with the error
+        assert final.finish_reason is FinishReason.ERROR and final.text == ""
+
+    asyncio.run(scenario())
