@@ -7,6 +7,7 @@ between protobuf and the domain and turns failures into status codes with a sent
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -60,9 +61,14 @@ _FINISH_REASONS = {
 }
 
 
-def to_response(output: RequestOutput) -> generation_pb2.GenerateResponse:
+def to_response(
+    output: RequestOutput, request_id: str | None = None
+) -> generation_pb2.GenerateResponse:
+    """`request_id`: the id the client knows the request by (default: the server's)."""
     response = generation_pb2.GenerateResponse(
-        request_id=output.request_id, text=output.text, token_ids=output.token_ids
+        request_id=output.request_id if request_id is None else request_id,
+        text=output.text,
+        token_ids=output.token_ids,
     )
     for logprob in output.logprobs or ():
         response.logprobs.add(
@@ -195,17 +201,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _serve(self, validate, request, context) -> None:
         valid = await self._admit(validate, request, context)
+        # A client's own request_id names its request only within its connection: the
+        # server's id is scoped by the peer, so another client can neither squat nor
+        # probe it (a duplicate there is a request of its own); responses echo the
+        # client's id.
+        client_request_id = valid.request_id
+        if request.request_id:
+            scoped = f"{context.peer()}/{client_request_id}"
+            valid = dataclasses.replace(valid, request_id=scoped)
         slot = await self._submit(valid, context)
         try:
             while True:
                 output = await slot.next()
                 if output.finish_reason is FinishReason.ERROR:
                     if output.token_ids or output.text:
-                        await self._write(context, to_response(output))
+                        await self._write(context, to_response(output, client_request_id))
                     code = getattr(grpc.StatusCode, slot.error_code or "INTERNAL")
                     self._metrics.observe_error(code.name)
                     await context.abort(code, output.error_message or "the request failed")
-                await self._write(context, to_response(output))
+                await self._write(context, to_response(output, client_request_id))
                 if output.finish_reason is not None:
                     return
         finally:

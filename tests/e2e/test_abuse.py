@@ -308,3 +308,35 @@ def test_big_tokenize_and_chat_requests_are_refused_while_a_stream_flows(dummy_s
             generation_pb2.TokenizeRequest(text="hello " * 2000), timeout=60
         )
     assert len(reply.token_ids) >= 2000
+
+
+def test_one_client_cannot_squat_or_probe_another_clients_request_id(dummy_service):
+    """Review L1: the same request_id from two connections names two requests; each stream is
+    exact and echoes the id, and neither client learns the other's id is in flight."""
+    batch = prompts(2)
+
+    async def two_clients():
+        channels = [
+            grpc.aio.insecure_channel(dummy_service.address, options=[("pagoda.test.conn", i)])
+            for i in range(2)
+        ]
+        try:
+
+            async def one(channel, prompt_ids):
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                message = request(prompt_ids, 64)
+                message.request_id = "job-1"
+                tokens, ids = [], set()
+                async for response in stub.Generate(message, timeout=120):
+                    tokens.extend(response.token_ids)
+                    ids.add(response.request_id)
+                return tokens, ids
+
+            return await asyncio.gather(*(one(c, p) for c, p in zip(channels, batch, strict=True)))
+        finally:
+            for channel in channels:
+                await channel.close()
+
+    for prompt_ids, (tokens, ids) in zip(batch, asyncio.run(two_clients()), strict=True):
+        assert tokens == dummy_continuation(prompt_ids, 64)
+        assert ids == {"job-1"}
