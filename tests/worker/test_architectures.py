@@ -39,8 +39,8 @@ EXTRA = {
 }
 
 
-@pytest.mark.parametrize("config_name", sorted(EXTRA))
-def test_architecture_matches_generate(config_name):
+def architecture_model(config_name: str):
+    """A tiny random-weight model of one EXTRA architecture, fp32, greedy without EOS."""
     import torch
     import transformers
 
@@ -55,7 +55,12 @@ def test_architecture_matches_generate(config_name):
             model.get_input_embeddings().weight.mul_(0.1)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    models = TinyModels(None, model)
+    return model
+
+
+@pytest.mark.parametrize("config_name", sorted(EXTRA))
+def test_architecture_matches_generate(config_name):
+    models = TinyModels(None, architecture_model(config_name))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 9, 20, 14)]
     scheduler = ToyScheduler(models.engine(num_kv_blocks=128), num_blocks=128, block_size=4)

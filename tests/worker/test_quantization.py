@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from tests.worker.conftest import TinyModels, diversify, random_prompts
-from tests.worker.test_architectures import COMMON, EXTRA
+from tests.worker.conftest import TinyModels, random_prompts
+from tests.worker.test_architectures import EXTRA, architecture_model
 from tests.worker.toy_scheduler import ToyScheduler
 
 NUM_BLOCKS = 256
@@ -53,18 +53,7 @@ def test_paged_int8_matches_the_quantized_model_generate(tiny_models):
 
 @pytest.mark.parametrize("config_name", sorted(EXTRA))
 def test_paged_int8_matches_generate_on_every_architecture(config_name):
-    import torch
-    import transformers
-
-    config = getattr(transformers, config_name)(**COMMON, **EXTRA[config_name])
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    diversify(model)
-    if config_name.startswith("Gemma"):
-        with torch.no_grad():
-            model.get_input_embeddings().weight.mul_(0.1)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
+    model = architecture_model(config_name)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 9, 20)]
     assert_paged_int8_matches_generate(model, prompts)
