@@ -142,8 +142,11 @@ HELP: dict[str, str] = {
     "max_active_requests": "cap on unfinished running requests; when full, steps only decode",
     "max_decode_batch_size": "decode at most this many per step, round-robin (unset: all)",
     "admission_policy": "fifo, pack (cheapest first within the lookahead) or priority",
-    "admission_lookahead": "how many waiting requests pack looks at",
-    "force_fifo_every": "every N-th admission round is FIFO so long prompts never starve",
+    "admission_lookahead": "how many waiting requests pack looks at (at most 256)",
+    "force_fifo_every": (
+        "every N-th admission round starts the oldest request first so long prompts never"
+        " starve (unset: 4 under pack, never otherwise; 0: never)"
+    ),
     "chunked_prefill": "split prompts across steps instead of admitting them whole",
     "decode_first": "when prefill and decode cannot share a step, decode wins",
     "prefix_caching": "reuse KV blocks of identical prompt prefixes",

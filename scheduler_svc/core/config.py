@@ -6,6 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ADMISSION_POLICIES = ("fifo", "pack", "priority")
+# pack re-prices its whole lookahead every admission round: a bound keeps a step's cost flat.
+MAX_ADMISSION_LOOKAHEAD = 256
+# pack's forced FIFO rounds when force_fifo_every is unset: a long head waits a few rounds.
+PACK_FORCE_FIFO_EVERY = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +48,8 @@ class SchedulerConfig:
     admission_policy: str = "fifo"
     # How many waiting requests `pack` considers.
     admission_lookahead: int = 16
-    # Every N-th admission round is FIFO so long prompts are never starved; None or 0: never.
+    # Every N-th admission round is FIFO (the oldest request first) so long prompts are never
+    # starved; None: 4 under pack, never otherwise; 0: never.
     force_fifo_every: int | None = None
     # Split a prompt across steps instead of admitting it whole.
     chunked_prefill: bool = True
@@ -55,11 +60,23 @@ class SchedulerConfig:
     # Bound of the waiting queue; add() beyond it raises QueueFullError.
     max_waiting_requests: int = 1024
 
+    @property
+    def fifo_every(self) -> int:
+        """The forced FIFO period in effect (0: never), `force_fifo_every` or its default."""
+        if self.force_fifo_every is not None:
+            return self.force_fifo_every
+        return PACK_FORCE_FIFO_EVERY if self.admission_policy == "pack" else 0
+
     def validate(self) -> None:
         """Raise ConfigError for the first knob out of range."""
         _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _at_least("max_active_requests", self.max_active_requests, 1)
         _at_least("admission_lookahead", self.admission_lookahead, 1)
+        if self.admission_lookahead > MAX_ADMISSION_LOOKAHEAD:
+            raise ConfigError(
+                f"admission_lookahead must be <= {MAX_ADMISSION_LOOKAHEAD}, "
+                f"got {self.admission_lookahead}"
+            )
         _at_least("max_waiting_requests", self.max_waiting_requests, 1)
         for name in ("prefill_max_tokens", "prefill_max_batch_size", "max_decode_batch_size"):
             value = getattr(self, name)

@@ -70,6 +70,8 @@ class Planner:
         self._decode_cursor = 0  # admit_order of the last sequence decoded under a cap
         self._num_preemptions_before = 0  # the count when the step being planned began
         self._only: Request | None = None  # the one request the step being planned may feed
+        # The head a forced FIFO round could not fit: admitted before anything else.
+        self._reserved_head: Request | None = None
         # Decoders are fed in the reverse of preemption order, so a victim is never one
         # already fed: oldest admission first (priority: lowest value, then oldest).
         self._feed_order = _priority_then_admission if self.by_priority else _admit_order_of
@@ -340,13 +342,27 @@ class Planner:
                 tokens_left <= 0 and (config.chunked_prefill or not first_round)
             ):
                 break
+            if blocks.num_available_blocks == 0:
+                break  # nothing can start without a block: do not price the window
             policy = config.admission_policy
+            forced = False
             if first_round:
                 self._num_admission_rounds += 1
-                if is_fifo_round(self._num_admission_rounds, config.force_fifo_every):
-                    policy = "fifo"
+                forced = is_fifo_round(self._num_admission_rounds, config.fifo_every)
+            reserved = self._reserved_head
+            if reserved is not None and reserved.state is not _WAITING:
+                reserved = self._reserved_head = None  # it started, or ended while waiting
             if only is not None:
                 window = [only]
+            elif reserved is not None:
+                # A forced round could not fit it: nothing starts past it until it fits.
+                policy, window = "fifo", [reserved]
+            elif forced:
+                # The oldest by arrival, not the priority head, so low priorities move too.
+                policy = "fifo"
+                window = (
+                    waiting.oldest(num_requests) if self.by_priority else waiting.head(num_requests)
+                )
             else:
                 lookahead = config.admission_lookahead if policy == "pack" else num_requests
                 window = waiting.head(lookahead)
@@ -367,12 +383,12 @@ class Planner:
                     break
                 admitted.append(admission.index)
                 used += num_fed
+            if forced and only is None and window and (not admitted or admitted[0] != 0):
+                self._reserved_head = window[0]
             if not admitted:
                 break
-            if only is not None:
-                waiting.remove(only)
-            else:
-                waiting.remove_head_indices(admitted)
+            for index in admitted:
+                waiting.remove(window[index])
             num_admitted += len(admitted)
             first_round = False
         return used

@@ -2,61 +2,123 @@
 
 Preempted requests go back to the head (of their priority class): they were admitted
 before anything still waiting and hold work already streamed.
+
+Removal is lazy: a removed request's entry is marked dead in O(1) and skipped (then
+dropped) when the head is read, so a burst of cancels from a deep queue never scans it.
+A second index keeps arrival order alone, so a forced FIFO round under the priority
+policy can admit the oldest request rather than the priority head.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+from collections import deque
 from collections.abc import Iterator
 
 from pagoda.scheduler_svc.core.request import Request
 
+# Dead entries are dropped in one pass once they outnumber this and a quarter of the
+# entries: amortised O(1) per removal, and the head never skips more than that.
+_MIN_DEAD_TO_COMPACT = 64
+
+
+class _Entry:
+    __slots__ = ("request",)
+
+    def __init__(self, request: Request) -> None:
+        self.request: Request | None = request  # None once removed
+
 
 class WaitingQueue:
-    __slots__ = ("_by_priority", "_keys", "_requests", "_back", "_front")
+    __slots__ = ("_by_priority", "_keys", "_entries", "_arrivals", "_live", "_back", "_front")
 
     def __init__(self, by_priority: bool = False) -> None:
         self._by_priority = by_priority
-        # Parallel, sorted by key: (priority or 0, order); head first.
+        # Parallel, sorted by key: (priority or 0, order); head first; dead entries included.
         self._keys: list[tuple[int, int]] = []
-        self._requests: list[Request] = []
+        self._entries: list[_Entry] = []
+        # The same entries by order alone (arrival order, preempted first).
+        self._arrivals: deque[_Entry] = deque()
+        self._live: dict[int, _Entry] = {}  # id(request) -> its entry, live ones only
         self._back = itertools.count(1)  # orders for arrivals: increasing
         self._front = itertools.count(-1, -1)  # orders for preempted: before every arrival
 
     def __len__(self) -> int:
-        return len(self._requests)
+        return len(self._live)
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(self._requests)
+        return (entry.request for entry in self._entries if entry.request is not None)
 
     def push_back(self, request: Request) -> None:
-        self._insert(request, next(self._back))
+        entry = self._insert(request, next(self._back))
+        self._arrivals.append(entry)
 
     def push_front(self, request: Request) -> None:
-        self._insert(request, next(self._front))
+        entry = self._insert(request, next(self._front))
+        self._arrivals.appendleft(entry)
 
     def head(self, num_requests: int) -> list[Request]:
         """The first `num_requests` in admission order."""
-        return self._requests[:num_requests]
+        entries, keys = self._entries, self._keys
+        num_dead = 0
+        while num_dead < len(entries) and entries[num_dead].request is None:
+            num_dead += 1
+        if num_dead:
+            del entries[:num_dead], keys[:num_dead]
+        return _first_live(entries, num_requests)
+
+    def oldest(self, num_requests: int) -> list[Request]:
+        """The first `num_requests` by arrival (preempted first), whatever their priority."""
+        arrivals = self._arrivals
+        while arrivals and arrivals[0].request is None:
+            arrivals.popleft()
+        return _first_live(arrivals, num_requests)
 
     def remove(self, request: Request) -> None:
-        for index, waiting in enumerate(self._requests):
-            if waiting is request:
-                del self._keys[index], self._requests[index]
-                return
-        raise KeyError(request.request_id)
+        entry = self._live.pop(id(request), None)
+        if entry is None:
+            raise KeyError(request.request_id)
+        entry.request = None
+        num_dead = len(self._entries) - len(self._live)
+        if num_dead > _MIN_DEAD_TO_COMPACT and num_dead * 4 > len(self._entries):
+            self._compact()
 
     def remove_head_indices(self, indices: list[int]) -> None:
         """Drop the requests at these positions (as `head()` numbered them)."""
-        for index in sorted(indices, reverse=True):
-            del self._keys[index], self._requests[index]
+        if indices:
+            window = self.head(max(indices) + 1)
+            for index in indices:
+                self.remove(window[index])
 
-    def _insert(self, request: Request, order: int) -> None:
+    def _compact(self) -> None:
+        alive = [i for i, entry in enumerate(self._entries) if entry.request is not None]
+        self._keys = [self._keys[i] for i in alive]
+        self._entries = [self._entries[i] for i in alive]
+        self._arrivals = deque(entry for entry in self._arrivals if entry.request is not None)
+
+    def _insert(self, request: Request, order: int) -> _Entry:
+        if id(request) in self._live:
+            raise ValueError(f"{request.request_id} is already waiting")
         key = (request.priority if self._by_priority else 0, order)
+        entry = _Entry(request)
         if not self._keys or key > self._keys[-1]:
             index = len(self._keys)  # the common case: an arrival joins the tail
         else:
             index = bisect.bisect_left(self._keys, key)
         self._keys.insert(index, key)
-        self._requests.insert(index, request)
+        self._entries.insert(index, entry)
+        self._live[id(request)] = entry
+        return entry
+
+
+def _first_live(entries, num_requests: int) -> list[Request]:
+    found: list[Request] = []
+    if num_requests <= 0:
+        return found
+    for entry in entries:
+        if entry.request is not None:
+            found.append(entry.request)
+            if len(found) == num_requests:
+                break
+    return found
