@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import grpc
 
-DEFAULT_TARGET = "127.0.0.1:50051"
+from pagoda.common.settings import DEFAULT_GRPC_ADDRESS
+
+DEFAULT_TARGET = DEFAULT_GRPC_ADDRESS  # where the scheduler listens by default
 
 # Reconnect quickly: a local server that restarts (or starts after its client) is found
 # again within a second instead of after gRPC's default backoff of up to two minutes.
