@@ -10,10 +10,16 @@ PlanError on the first violation, so scheduler bugs surface where they happen:
   - every K/V slot a sequence reads holds that sequence's own prefix: a slot is modelled
     as a hash of all tokens up to it, so sharing a block with different content, or
     overwriting a slot another live sequence still reads, is caught.
+A sequence feeding a token id outside the vocabulary, or named in `refuse`, is refused as
+the real worker refuses it (an entry in `errors`, nothing written, forgotten). A new
+sequence of the same step that points at blocks the refused one was to write reads
+garbage, as it would on a GPU: it samples a wrong token, and feeding it again is a
+PlanError (the scheduler must recompute it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from pagoda.scheduler_svc.core import StepPlan, StepResult, WorkerGeometry
@@ -29,6 +35,7 @@ class _Sequence:
     block_index: dict[int, int] = field(default_factory=dict)  # block id -> index in table
     num_positions: int = 0  # positions whose K/V this sequence has (fed or cached)
     prefix_hash: int = 0  # content hash of its K/V up to num_positions
+    garbage: bool = False  # it read K/V that nobody wrote (a refused writer's)
 
 
 class FakeWorker:
@@ -40,6 +47,8 @@ class FakeWorker:
         # (block id, offset) -> content hash of the K/V written there (check mode only).
         self._slots: dict[tuple[int, int], int] = {}
         self._holders: dict[int, set[int]] = {}  # block id -> live seq ids holding it
+        # Blocks the step running was to write but does not: a refused (or garbage) writer's.
+        self._unwritten: set[int] = set()
         self.num_unknown_forgets = 0
         self.num_steps = 0
 
@@ -47,12 +56,24 @@ class FakeWorker:
     def live_seq_ids(self) -> set[int]:
         return set(self._sequences)
 
-    def step(self, plan: StepPlan) -> StepResult:
-        """Run one plan: append blocks, "write" K/V, sample, then forget."""
+    def step(self, plan: StepPlan, refuse: Collection[int] = ()) -> StepResult:
+        """Run one plan: append blocks, "write" K/V, sample, then forget. Sequences in
+        `refuse` (and any feeding an id outside the vocabulary) are refused."""
         self.num_steps += 1
         check = self.check
         if check:
             self._check_columns(plan)
+        vocab_size = self.geometry.vocab_size
+        offsets = plan.token_offsets
+        refused = set(refuse)
+        for index, seq_id in enumerate(plan.seq_ids):
+            fed = plan.token_ids[offsets[index] : offsets[index + 1]]
+            if fed and max(fed) >= vocab_size:
+                refused.add(seq_id)
+        for new in plan.new_sequences:
+            if new.cached_token_ids and max(new.cached_token_ids) >= vocab_size:
+                refused.add(new.seq_id)
+        self._unwritten.clear()
         for new in plan.new_sequences:
             if new.seq_id in self._ever_seen:
                 raise PlanError(f"seq {new.seq_id} announced as new twice")
@@ -62,11 +83,10 @@ class FakeWorker:
             self._sequences[new.seq_id] = sequence
         cached_of = {new.seq_id: new.cached_token_ids for new in plan.new_sequences}
 
-        vocab_size = self.geometry.vocab_size
         # Forgets happen after the forward, so their blocks may be reused in this plan.
         forgetting = set(plan.forget_seq_ids)
         result = StepResult(step_id=plan.step_id, seq_ids=[], token_ids=[])
-        token_ids, offsets = plan.token_ids, plan.token_offsets
+        token_ids = plan.token_ids
         want_logprobs = False
         sampled: list[_Sequence] = []
         for index, seq_id in enumerate(plan.seq_ids):
@@ -76,19 +96,37 @@ class FakeWorker:
             new_block_ids = plan.block_ids[
                 plan.block_offsets[index] : plan.block_offsets[index + 1]
             ]
+            start = plan.start_positions[index]
+            fed = token_ids[offsets[index] : offsets[index + 1]]
+            if seq_id in refused:
+                del self._sequences[seq_id]
+                for block_id in sequence.block_ids:
+                    self._holders[block_id].discard(seq_id)
+                table = sequence.block_ids + new_block_ids
+                block_size = self.geometry.block_size
+                end = start + len(fed)
+                self._unwritten.update(table[start // block_size : -(-end // block_size)])
+                result.errors[seq_id] = "refused: token id out of range or told to"
+                continue
+            if sequence.garbage:
+                raise PlanError(f"step {plan.step_id} feeds seq {seq_id}, whose K/V is garbage")
             self._append_blocks(seq_id, sequence, new_block_ids)
             if check and seq_id in cached_of:
                 self._check_cached(seq_id, sequence, cached_of[seq_id])
-            start = plan.start_positions[index]
-            fed = token_ids[offsets[index] : offsets[index + 1]]
             if check:
                 self._check_feed(plan.step_id, seq_id, sequence, start, len(fed))
-                self._write(seq_id, sequence, start, fed, forgetting)
+                if sequence.garbage:
+                    self._unwritten.update(sequence.block_ids)
+                else:
+                    self._write(seq_id, sequence, start, fed, forgetting)
             sequence.num_positions = start + len(fed)
             if plan.sample[index]:
                 last_position = start + len(fed) - 1
+                token_id = dummy_next_token(fed[-1], last_position, vocab_size)
+                if sequence.garbage:
+                    token_id = (token_id + 1) % vocab_size  # what garbage K/V samples
                 result.seq_ids.append(seq_id)
-                result.token_ids.append(dummy_next_token(fed[-1], last_position, vocab_size))
+                result.token_ids.append(token_id)
                 sampled.append(sequence)
                 want_logprobs = want_logprobs or sequence.num_logprobs > 0
         if want_logprobs:
@@ -171,6 +209,9 @@ class FakeWorker:
         for position, token_id in enumerate(cached_token_ids):
             prefix_hash = hash((prefix_hash, token_id))
             slot = (sequence.block_ids[position // block_size], position % block_size)
+            if slot[0] in self._unwritten and self._slots.get(slot) != prefix_hash:
+                sequence.garbage = True  # a writer of this step was refused
+                return
             if self._slots.get(slot) != prefix_hash:
                 raise PlanError(f"seq {seq_id}'s cached position {position} holds other K/V")
         sequence.prefix_hash = prefix_hash

@@ -66,7 +66,8 @@ class Scheduler:
         """A worker said hello: a fresh pool and prefix cache; running requests recompute.
 
         Returns the finishing outputs of waiting requests this worker can never hold (its
-        context or pool is smaller than the last one's); usually empty.
+        context or pool is smaller than the last one's) or read (a token id outside its
+        vocabulary: the worker would refuse it, see apply()); usually empty.
         """
         planner = self._planner
         if self.worker_attached:
@@ -77,7 +78,7 @@ class Scheduler:
         for request in list(planner.waiting):
             reason = too_large_reason(
                 request.num_prompt_tokens, request.stopping.max_new_tokens, geometry
-            )
+            ) or _outside_vocabulary(request, geometry.vocab_size)
             if reason is not None:
                 outputs.append(self._finish_with_error(request, reason, self._last_now))
         return outputs
@@ -191,7 +192,14 @@ class Scheduler:
             return step_outputs
         errors = result.errors
         if errors:
-            planner.unkey([(seq_id, block_id) for seq_id, block_id in keyed if seq_id in errors])
+            # A refused sequence wrote nothing, so neither did any that read its blocks in
+            # this step: those recompute, and every key they made is dropped.
+            unwritten = planner.unwritten_by(errors, keyed, plan.seq_ids)
+            planner.unkey([(seq_id, block_id) for seq_id, block_id in keyed if seq_id in unwritten])
+            planner.requeue(
+                [seq_id for seq_id in plan.seq_ids if seq_id in unwritten and seq_id not in errors],
+                worker_knows=True,
+            )
             for seq_id, message in errors.items():
                 request = planner.running.get(seq_id)
                 if request is not None:
@@ -203,7 +211,9 @@ class Scheduler:
         else:
             self._take_tokens(result, now, step_outputs)
         self._num_generated_tokens += len(result.seq_ids)
-        if len(result.seq_ids) + len(errors) != plan.num_sampling:
+        # The result's ids are distinct sampling ones (step_codec checks): equal counts mean
+        # none is missing. Errors are not counted: one may name a sequence that did not sample.
+        if len(result.seq_ids) != plan.num_sampling:
             outputs.extend(self._finish_unsampled(plan, result, now))
         if self._isolation.target is not None:
             self._isolation.cleared()
@@ -353,3 +363,11 @@ class Scheduler:
                     self._finish_with_error(request, "the worker returned no token for it", now)
                 )
         return outputs
+
+
+def _outside_vocabulary(request: Request, vocab_size: int) -> str | None:
+    """Why a queued request holds a token id a worker of `vocab_size` refuses, or None."""
+    largest = max(request.token_ids)
+    if largest < vocab_size:
+        return None
+    return f"token id {largest} is outside the vocabulary of {vocab_size} of the worker attached"
