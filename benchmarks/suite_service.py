@@ -92,9 +92,17 @@ def resolve_model_dir(model: str) -> str:
 class LocalService:
     """A worker and a restartable scheduler on this machine; use as a context manager."""
 
-    def __init__(self, *, worker_model: str, device: str, model_dir: str) -> None:
+    def __init__(
+        self,
+        *,
+        worker_model: str,
+        device: str,
+        model_dir: str,
+        worker_args: tuple[str, ...] = (),
+    ) -> None:
         self.worker_model = worker_model
         self.device = device
+        self.worker_args = worker_args  # more worker flags, e.g. --dummy-step-ms 10
         # The scheduler reads the tokenizer straight from the resolved directory.
         self.model_dir = model_dir
         self.run_dir = Path(tempfile.mkdtemp(prefix="pagoda-bench-"))
@@ -114,7 +122,7 @@ class LocalService:
 
     def start_worker(self) -> None:
         argv = [sys.executable, "-m", "pagoda.gpu_worker", "--zmq-endpoint", self.endpoint,
-                "--model", self.worker_model, "--device", self.device]  # fmt: skip
+                "--model", self.worker_model, "--device", self.device, *self.worker_args]  # fmt: skip
         self.worker = self._spawn(argv, "worker")
 
     def use_scheduler(self, scheduler_args: tuple[str, ...]) -> float | None:

@@ -32,6 +32,7 @@ def build_engine(config: WorkerConfig) -> Engine:
             num_kv_blocks=config.num_kv_blocks,
             max_context_tokens=config.max_context_tokens,
             fail_on_token_id=config.fail_on_token_id,
+            step_ms=config.dummy_step_ms,
         )
     from pagoda.gpu_worker.paged_engine import load_engine  # torch is imported only here
 

@@ -50,6 +50,7 @@ class WorkerConfig:
     zmq_allow_insecure_tcp: bool = False  # a tcp:// endpoint without CurveZMQ keys
     log_level: str = "INFO"
     fail_on_token_id: int | None = None  # fault-injection hook for tests
+    dummy_step_ms: float = 0.0  # --model dummy: the least wall time of each step's compute
 
     def __post_init__(self) -> None:
         problems = []
@@ -86,6 +87,8 @@ class WorkerConfig:
         )
         if insecure is not None:
             problems.append(insecure)
+        if not 0 <= self.dummy_step_ms <= 60_000:
+            problems.append("--dummy-step-ms must be between 0 and 60000")
         if self.log_level not in LOG_LEVELS:
             problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
         if problems:
@@ -204,6 +207,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=None,
         help="fault-injection hook for tests: any step that feeds this token id fails in the "
         "forward (the worker answers with step_error and keeps serving)",
+    )
+    add(
+        "--dummy-step-ms",
+        type=float,
+        default=0.0,
+        help="with --model dummy, a simulated forward: each step's compute takes at least "
+        "this many milliseconds of wall time (it sleeps for what the loop did not use)",
     )
     add(
         "--config",

@@ -5,6 +5,10 @@ vocab)`, the same pure function the scheduler's in-process fake uses, so a
 recomputed sequence reproduces its output. Plans are validated and run by the same
 Engine.step as the paged engine's. Imports no torch: the harness for scheduler
 load tests starts in a blink.
+
+`step_ms` (--dummy-step-ms) simulates a forward: each compute takes at least that much
+wall time, sleeping for what building the tokens did not use, so the scheduler's side of
+a step (plan, encode, transport, apply) can be measured against a known worker time.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class DummyEngine(Engine):
         num_kv_blocks: int | None = None,
         max_context_tokens: int | None = None,
         fail_on_token_id: int | None = None,
+        step_ms: float = 0.0,
     ) -> None:
         facts = EngineFacts(
             model_id="dummy",
@@ -42,6 +47,7 @@ class DummyEngine(Engine):
             dtype="none",
         )
         super().__init__(facts, fail_on_token_id=fail_on_token_id)
+        self.step_ms = step_ms
 
     def compute(self, chunks: list[ScheduledChunk]) -> SampledTokens:
         started_s = time.perf_counter()
@@ -60,5 +66,11 @@ class DummyEngine(Engine):
                 sampled.logprobs.append(0.0)
                 sampled.top_token_ids.append([(token_id + k) % DUMMY_VOCAB_SIZE for k in range(n)])
                 sampled.top_logprobs.append([-float(k) for k in range(n)])
+        if self.step_ms > 0:
+            # A sleep, not a spin: on a shared machine the scheduler keeps its CPU, as it
+            # would while a GPU computes.
+            left_s = started_s + self.step_ms / 1e3 - time.perf_counter()
+            if left_s > 0:
+                time.sleep(left_s)
         sampled.forward_ms = (time.perf_counter() - started_s) * 1e3
         return sampled

@@ -351,6 +351,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             worker_connected=worker is not None,
             worker_incarnation_id=worker.hello.incarnation_id if worker else "",
             draining=self._loop.draining,
+            worker_busy_fraction=self._metrics.worker_busy.fraction(),
+            worker_busy_s=self._metrics.worker_busy.total_s,
         )
 
 

@@ -6,6 +6,8 @@ the KV pool are read from the scheduler at scrape time, so they are never stale.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable
 
 from pagoda.scheduler_svc.core import RequestOutput, SchedulerStats
@@ -31,14 +33,66 @@ STEP_BUCKETS_S = (
     5,
 )
 TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# The worker's busy fraction is reported over this much recent wall time.
+BUSY_WINDOW_S = 10.0
+
+
+class WorkerBusy:
+    """How much of the wall time the worker spends inside steps.
+
+    A step's busy time is the worker's own StepResult.total_ms (Engine.step: admit,
+    forward, sample, pack); its transport, and the scheduler's planning, encoding and
+    applying, are the worker's idle time unless a step is overlapped with them. Recorded
+    when the result arrives, so a step that began before the window counts whole in it
+    (the fraction is clamped to 1).
+    """
+
+    def __init__(
+        self, window_s: float = BUSY_WINDOW_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._window_s = window_s
+        self._clock = clock
+        self._steps: deque[tuple[float, float]] = deque()  # (arrival_s, busy_s) in the window
+        self._busy_in_window_s = 0.0
+        self._started_s: float | None = None  # when the first recorded step began
+        self.total_s = 0.0  # since start, never reset
+
+    def record(self, busy_s: float) -> None:
+        now_s = self._clock()
+        if self._started_s is None:
+            self._started_s = now_s - busy_s
+        self._steps.append((now_s, busy_s))
+        self._busy_in_window_s += busy_s
+        self.total_s += busy_s
+        self._expire(now_s)
+
+    def fraction(self) -> float:
+        """Busy share of the last window_s (or of the time since the first step), in [0, 1]."""
+        if self._started_s is None:
+            return 0.0
+        now_s = self._clock()
+        self._expire(now_s)
+        span_s = min(self._window_s, now_s - self._started_s)
+        if span_s <= 0:
+            return 0.0
+        return min(1.0, max(0.0, self._busy_in_window_s / span_s))
+
+    def _expire(self, now_s: float) -> None:
+        steps = self._steps
+        while steps and steps[0][0] <= now_s - self._window_s:
+            self._busy_in_window_s -= steps.popleft()[1]
 
 
 class _LiveStats(Collector):
     def __init__(
-        self, stats: Callable[[], SchedulerStats], worker_connected: Callable[[], bool]
+        self,
+        stats: Callable[[], SchedulerStats],
+        worker_connected: Callable[[], bool],
+        worker_busy: WorkerBusy,
     ) -> None:
         self._stats = stats
         self._worker_connected = worker_connected
+        self._worker_busy = worker_busy
 
     def collect(self):
         stats = self._stats()
@@ -67,15 +121,25 @@ class _LiveStats(Collector):
                 "1 when a worker is attached",
                 int(self._worker_connected()),
             ),
+            "pagoda_worker_busy_fraction": (
+                f"Share of the last {BUSY_WINDOW_S:g} s the worker spent inside steps",
+                self._worker_busy.fraction(),
+            ),
         }
         for name, (documentation, value) in values.items():
             yield GaugeMetricFamily(name, documentation, value=value)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.worker_busy = WorkerBusy(clock=clock)
+        self.worker_busy_s = Counter(
+            "pagoda_worker_busy_seconds",
+            "Seconds the worker spent inside steps (StepResult.total_ms)",
+            registry=r,
+        )
         self.ttft_s = Histogram(
             "pagoda_time_to_first_token_seconds",
             "Arrival to first token",
@@ -127,7 +191,7 @@ class Metrics:
     def watch(
         self, stats: Callable[[], SchedulerStats], worker_connected: Callable[[], bool]
     ) -> None:
-        self.registry.register(_LiveStats(stats, worker_connected))
+        self.registry.register(_LiveStats(stats, worker_connected, self.worker_busy))
 
     def serve(self, address: str) -> None:
         host, _, port = address.rpartition(":")
@@ -139,9 +203,13 @@ class Metrics:
         schedule_s: float,
         transport_s: float,
         forward_s: float,
+        worker_s: float,
         num_prefill_tokens: int,
         num_decode_tokens: int,
     ) -> None:
+        """`worker_s`: the worker's whole time in the step (its total_ms), busy time."""
+        self.worker_busy.record(worker_s)
+        self.worker_busy_s.inc(worker_s)
         self.step_s.labels("schedule").observe(schedule_s)
         self.step_s.labels("transport").observe(transport_s)
         self.step_s.labels("forward").observe(forward_s)

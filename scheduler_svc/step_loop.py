@@ -244,6 +244,7 @@ class StepLoop:
             schedule_s=encoded_s - started_s,
             transport_s=max(0.0, received_s - encoded_s - result.total_ms / 1000),
             forward_s=result.forward_ms / 1000,
+            worker_s=result.total_ms / 1000,
             num_prefill_tokens=decision.num_prefill_tokens,
             num_decode_tokens=decision.num_decode_tokens,
         )

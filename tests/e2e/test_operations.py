@@ -32,6 +32,8 @@ def test_prometheus_metrics_are_scraped(tmp_path):
             )
             with pytest.raises(grpc.RpcError):
                 list(stub.Generate(refused, timeout=30))
+            stats = stub.GetServerStats(generation_pb2.ServerStatsRequest(), timeout=10)
+            assert stats.worker_busy_s > 0 and 0 < stats.worker_busy_fraction <= 1
         body = (
             urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
         )
@@ -51,6 +53,8 @@ def test_prometheus_metrics_are_scraped(tmp_path):
         'pagoda_step_seconds_count{part="transport"}',
         'pagoda_step_seconds_count{part="schedule"}',
         'pagoda_step_tokens_count{kind="decode"}',
+        "pagoda_worker_busy_fraction",
+        "pagoda_worker_busy_seconds_total",
     ):
         assert name in body, name
     assert 'pagoda_requests_finished_total{finish_reason="length"} 3.0' in body
