@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
+from pagoda.gpu_worker.attention import BACKEND_NAMES
+
 from pagoda.common.settings import (
     SettingError,
     default_zmq_endpoint,
@@ -26,6 +28,8 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 QUANTIZATIONS = ("auto", "none", "int8")  # see pagoda.gpu_worker.quantization
+MAX_TENSOR_PARALLEL_SIZE = 64  # a sanity bound: one host's GPUs, or a torchrun world
+ATTENTION_BACKENDS = BACKEND_NAMES  # pagoda.gpu_worker.attention's package imports no torch
 
 
 class QuantizationError(ValueError):
@@ -40,11 +44,13 @@ class WorkerConfig:
     device: str = "auto"
     dtype: str = "auto"
     quantization: str = "auto"  # auto: int8 on CPU (float32), none on CUDA
+    attention_backend: str = "auto"  # auto: triton on CUDA when it imports, else reference
     block_size: int = 16
     kv_cache_gib: float = 1.0  # pool budget on CPU
     gpu_memory_utilization: float = 0.85  # fraction of free CUDA memory after loading
     num_kv_blocks: int | None = None  # overrides both budgets
     max_context_tokens: int | None = None  # None: the model config's position limit
+    tensor_parallel_size: int = 1  # ranks sharing the model (pagoda.gpu_worker.tensor_parallel)
     zmq_curve_secret_key: str | None = None  # this worker's CurveZMQ .key_secret file
     zmq_curve_server_key: str | None = None  # the scheduler's public .key file
     zmq_allow_insecure_tcp: bool = False  # a tcp:// endpoint without CurveZMQ keys
@@ -68,6 +74,10 @@ class WorkerConfig:
             problems.append("--quantization int8 runs only on the CPU; use none or auto on CUDA")
         elif self.quantization == "int8" and self.dtype in ("bfloat16", "float16"):
             problems.append("--quantization int8 needs float32 weights (--dtype auto or float32)")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            problems.append(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
+        elif self.attention_backend == "triton" and self.device == "cpu":
+            problems.append("--attention-backend triton runs only on CUDA")
         if not 1 <= self.block_size <= 1024:
             problems.append("--block-size must be between 1 and 1024 tokens")
         if self.kv_cache_gib <= 0:
@@ -78,6 +88,12 @@ class WorkerConfig:
             problems.append("--num-kv-blocks must be at least 1")
         if self.max_context_tokens is not None and self.max_context_tokens < 1:
             problems.append("--max-context-tokens must be at least 1")
+        if not 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL_SIZE:
+            problems.append(
+                f"--tensor-parallel-size must be between 1 and {MAX_TENSOR_PARALLEL_SIZE}"
+            )
+        elif self.tensor_parallel_size > 1 and self.is_dummy:
+            problems.append("--tensor-parallel-size needs a real model (the dummy has no weights)")
         if (self.zmq_curve_secret_key is None) != (self.zmq_curve_server_key is None):
             problems.append("--zmq-curve-secret-key and --zmq-curve-server-key go together")
         insecure = insecure_tcp_problem(
@@ -159,6 +175,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "time, perplexity +2%%, see docs/benchmarks.md 'int8 forward'); none: the weights "
         "as loaded, exact; auto: int8 on the CPU with float32 weights, none otherwise",
     )
+    add(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="paged attention: reference (gather + SDPA in plain torch, exact), triton (one "
+        "kernel per layer, CUDA only); auto: triton on CUDA when it imports, else reference",
+    )
     add("--block-size", type=int, default=16, help="tokens per KV block")
     add("--kv-cache-gib", type=float, default=1.0, help="KV pool size on CPU, GiB")
     add(
@@ -179,6 +202,15 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=None,
         help="longest sequence announced to the scheduler (default: the model config's "
         "max_position_embeddings / n_positions; 8192 for dummy)",
+    )
+    add(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks that share the model, sharded by heads and MLP columns over "
+        "torch.distributed (gloo on CPU, NCCL on CUDA); rank 0 talks to the scheduler. "
+        "Without torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT the worker spawns the "
+        "ranks itself on this host; under torchrun it joins as RANK (WORLD_SIZE must match)",
     )
     add(
         "--zmq-curve-secret-key",

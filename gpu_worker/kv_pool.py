@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import torch
 
 GIB = 1 << 30
+# Set by tensor_parallel.shard_model on a sharded model's text config: its rank holds
+# num_key_value_heads / this many KV heads.
+TENSOR_PARALLEL_ATTRIBUTE = "pagoda_tensor_parallel_size"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,7 @@ class KVGeometry:
         text = config.get_text_config()
         num_heads = text.num_attention_heads
         num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        num_kv_heads //= getattr(text, TENSOR_PARALLEL_ATTRIBUTE, 1)  # this rank's share
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         return cls(text.num_hidden_layers, num_kv_heads, head_dim, block_size, dtype)
 
@@ -74,6 +78,10 @@ class KVPool:
     @property
     def num_bytes(self) -> int:
         return self.num_blocks * self.geometry.bytes_per_block
+
+    def layer_blocks(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V caches, [num_blocks, block_size, kv_heads, head_dim] each."""
+        return self.key_blocks[layer_idx], self.value_blocks[layer_idx]
 
     def layer_slots(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat [num_slots, kv_heads, head_dim] views of one layer's K and V."""

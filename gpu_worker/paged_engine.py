@@ -13,6 +13,7 @@ import time
 
 import torch
 from pagoda.gpu_worker import paged_attention
+from pagoda.gpu_worker.attention import create_backend
 from pagoda.gpu_worker.config import WorkerConfig
 from pagoda.gpu_worker.engine import Engine, EngineFacts, SampledTokens
 from pagoda.gpu_worker.kv_pool import GIB, KVGeometry, KVPool, num_blocks_for_budget
@@ -41,6 +42,7 @@ def max_positions_of(model) -> int:
 
 
 class PagedEngine(Engine):
+    samples = True  # False on tensor-parallel ranks but 0: their tokens are never sent
     """Executes step plans on one model and one KV pool. Called only from the step loop."""
 
     def __init__(
@@ -53,6 +55,7 @@ class PagedEngine(Engine):
         max_context_tokens: int | None = None,
         fail_on_token_id: int | None = None,
         quantization: str = "none",  # "int8": see pagoda.gpu_worker.quantization
+        attention_backend: str = "reference",  # see pagoda.gpu_worker.attention
     ) -> None:
         quantize(model, quantization)
         paged_attention.register()
@@ -61,6 +64,7 @@ class PagedEngine(Engine):
         self.model = model
         parameter = next(model.parameters())
         self.device = parameter.device
+        self.attention_backend = create_backend(attention_backend, self.device.type)
         geometry = KVGeometry.from_model_config(model.config, block_size, parameter.dtype)
         self.pool = KVPool(geometry, num_kv_blocks, self.device)
         self.block_size = block_size
@@ -85,20 +89,23 @@ class PagedEngine(Engine):
     def compute(self, chunks: list[ScheduledChunk]) -> SampledTokens:
         started_s = time.perf_counter()
         batch = build_ragged_batch(chunks, self.block_size, self.device)
-        with paged_attention.active_step(batch, self.pool):
-            logits = self.model(
-                input_ids=batch.input_ids,
-                position_ids=batch.position_ids,
-                logits_to_keep=batch.sample_token_indices,
-                use_cache=False,
-            ).logits[0]
+        logits = self.model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            logits_to_keep=batch.sample_token_indices,
+            use_cache=False,
+            # Reach every layer's paged_attention_forward as keyword arguments.
+            attention_metadata=batch.attention,
+            kv_pool=self.pool,
+            attention_backend=self.attention_backend,
+        ).logits[0]
         self._synchronize()
         forward_done_s = time.perf_counter()
         rows = [
             SampleRow(c.seq.sampling, c.seq.token_ids, c.seq.num_prompt_tokens, c.end_position)
             for c in batch.sample_chunks
         ]
-        output = sample(logits, rows) if rows else None
+        output = sample(logits, rows) if rows and self.samples else None
         sample_done_s = time.perf_counter()
         if output is None:
             return SampledTokens([], forward_ms=(forward_done_s - started_s) * 1e3)
@@ -120,6 +127,7 @@ def pick_device(requested: str) -> str:
 
 def load_engine(config: WorkerConfig) -> PagedEngine:
     """Load the model named by the config, size the KV pool, build the engine; logs both."""
+    from pagoda.gpu_worker import tensor_parallel
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # one log line per event, no bars
@@ -143,6 +151,7 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
         num_blocks = num_blocks_for_budget(free_bytes * config.gpu_memory_utilization, geometry)
     else:
         num_blocks = num_blocks_for_budget(config.kv_cache_gib * GIB, geometry)
+    num_blocks = tensor_parallel.agree_num_kv_blocks(num_blocks)  # identity without a group
     built_s = time.monotonic()
     engine = PagedEngine(
         model,
@@ -152,7 +161,9 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
         max_context_tokens=config.max_context_tokens,
         fail_on_token_id=config.fail_on_token_id,
         quantization=quantization,
+        attention_backend=config.attention_backend,
     )
+    log.info("attention backend %s", engine.attention_backend.name)
     log.info("quantization %s; engine built in %.1f s", quantization, time.monotonic() - built_s)
     log.info(
         "KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB (%d layers, %d KV heads x %d)",

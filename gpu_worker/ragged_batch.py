@@ -1,174 +1,109 @@
-"""One step's tokens packed as a single [1, T] sequence, plus what attention needs to
-find each sequence's keys in the paged pool.
+"""One step's tokens packed as a single [1, T] sequence, plus the attention metadata
+that lets every layer find each sequence's keys in the paged pool.
 
-Packing order: single-token (decode) chunks first, then multi-token (prefill) chunks,
-so decode queries are the contiguous rows [0, num_decode_tokens) and every layer
-answers all of them with one padded SDPA call. Built once per step; every layer
-reads it.
+Packing order: single-token (decode) chunks first, then multi-token (prefill) chunks
+(the order pagoda.gpu_worker.attention.backend defines). Built once per step on the
+host, in two flat buffers (int64 and int32) so that reaching the device costs two
+copies, from pinned memory on CUDA.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+from pagoda.gpu_worker.attention.backend import AttentionMetadata
 from pagoda.gpu_worker.sequence_table import ScheduledChunk
-
-
-@dataclass(slots=True)
-class PrefillSpan:
-    """A multi-token chunk: packed rows [query_start, query_end) at positions from start_position."""
-
-    query_start: int
-    query_end: int
-    start_position: int
-    # Pool slot of every position [0, end_position) when the chunk continues earlier
-    # tokens; None when it starts at 0 (its keys are exactly this step's keys).
-    key_slots: torch.Tensor | None
-
-    @property
-    def num_tokens(self) -> int:
-        return self.query_end - self.query_start
-
-    @property
-    def end_position(self) -> int:
-        return self.start_position + self.num_tokens
 
 
 @dataclass(slots=True)
 class RaggedBatch:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
-    slot_mapping: torch.Tensor  # [T]: pool slot each fed token's K/V is written to
-    num_decode_tokens: int  # B: rows [0, B) are single-token chunks, one per sequence
-    # [B * N]: the first N blocks of each decode row's table, N = ceil(L / block_size) for
-    # L the longest decode context (shorter tables padded with block 0, masked); flat for
-    # one index_select of whole blocks per layer.
-    decode_block_ids: torch.Tensor | None
-    decode_context_lens: torch.Tensor | None  # [B]: keys each decode row attends to
-    decode_num_keys: int  # L
-    decode_needs_padding_mask: bool  # False: every decode row sees all L keys
-    block_size: int
-    prefill_spans: list[PrefillSpan]
     sample_token_indices: torch.Tensor  # [S]: packed row of each sampling chunk, plan order
     sample_chunks: list[ScheduledChunk]  # the S sampling chunks, plan order
-    _masks: dict = field(default_factory=dict)  # (kind, index, window) -> mask
+    attention: AttentionMetadata
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
 
-    def decode_mask(self, sliding_window: int | None) -> torch.Tensor | None:
-        """[B, 1, 1, L] bool (True: attend), or None when no row needs masking."""
-        key = ("decode", 0, sliding_window)
-        if key not in self._masks:
-            lens = self.decode_context_lens
-            num_keys = self.decode_num_keys
-            key_positions = torch.arange(num_keys, device=lens.device)[None, :]
-            mask = key_positions < lens[:, None]
-            if sliding_window is not None:
-                # HF semantics: query at position p sees keys p - window < j <= p.
-                mask &= key_positions > (lens[:, None] - 1 - sliding_window)
-            windowed = sliding_window is not None and sliding_window < num_keys
-            needed = self.decode_needs_padding_mask or windowed
-            self._masks[key] = mask[:, None, None, :] if needed else None
-        return self._masks[key]
 
-    def prefill_mask(self, index: int, sliding_window: int | None) -> torch.Tensor | None:
-        """[n, end_position] bool causal mask of prefill span `index`; None: plain causal."""
-        span = self.prefill_spans[index]
-        key = ("prefill", index, sliding_window)
-        if key not in self._masks:
-            if span.start_position == 0 and (
-                sliding_window is None or sliding_window >= span.num_tokens
-            ):
-                self._masks[key] = None
-            else:
-                device = self.input_ids.device
-                query_positions = torch.arange(
-                    span.start_position, span.end_position, device=device
-                )[:, None]
-                key_positions = torch.arange(span.end_position, device=device)[None, :]
-                mask = key_positions <= query_positions
-                if sliding_window is not None:
-                    mask &= key_positions > query_positions - sliding_window
-                self._masks[key] = mask
-        return self._masks[key]
-
-
-def _slots_of_positions(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
-    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
-
-
-def _key_slots(block_table: torch.Tensor, num_keys: int, block_size: int) -> torch.Tensor:
-    """[..., num_blocks] block ids -> [..., num_keys] slots of positions 0..num_keys-1."""
-    offsets = torch.arange(block_size, device=block_table.device)
-    slots = block_table[..., :, None] * block_size + offsets
-    return slots.flatten(-2)[..., :num_keys]
+def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> tuple:
+    """(host tensor, device tensor) of `values`; one copy, pinned and async on CUDA."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host, host
+    host = host.pin_memory()
+    return host, host.to(device, non_blocking=True)
 
 
 def build_ragged_batch(
     chunks: list[ScheduledChunk], block_size: int, device: torch.device
 ) -> RaggedBatch:
     """Pack `chunks` (validated: their block tables cover every fed position)."""
-    decode = [c for c in chunks if c.num_tokens == 1]
-    prefill = [c for c in chunks if c.num_tokens > 1]
+    decode = [c for c in chunks if len(c.token_ids) == 1]
+    if len(decode) == len(chunks):
+        ordered = chunks
+    else:
+        ordered = decode + [c for c in chunks if len(c.token_ids) > 1]
+    num_seqs = len(ordered)
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
+    query_start_loc = [0]
+    context_lens: list[int] = []
     packed_end: dict[int, int] = {}  # id(chunk) -> packed row of its last token
-    for chunk in decode + prefill:
+    for chunk in ordered:
+        start = chunk.start_position
+        end = start + len(chunk.token_ids)
         input_ids.extend(chunk.token_ids)
-        positions.extend(range(chunk.start_position, chunk.end_position))
-        slots.extend(
-            _slots_of_positions(
-                chunk.seq.block_ids, chunk.start_position, chunk.end_position, block_size
+        block_ids = chunk.seq.block_ids
+        if end - start == 1:
+            positions.append(start)
+            slots.append(block_ids[start // block_size] * block_size + start % block_size)
+        else:
+            positions.extend(range(start, end))
+            slots.extend(
+                block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)
             )
-        )
+        query_start_loc.append(len(input_ids))
+        context_lens.append(end)
         packed_end[id(chunk)] = len(input_ids) - 1
-
-    def as_tensor(values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
-
-    decode_block_ids = decode_context_lens = None
-    decode_num_keys = 0
-    decode_needs_padding_mask = False
-    if decode:
-        context_lens = [c.end_position for c in decode]
-        decode_num_keys = max(context_lens)
-        num_table_blocks = -(-decode_num_keys // block_size)
-        table = [
-            c.seq.block_ids[:num_table_blocks] + [0] * (num_table_blocks - len(c.seq.block_ids))
-            for c in decode
-        ]
-        decode_block_ids = as_tensor([block_id for row in table for block_id in row])
-        decode_context_lens = as_tensor(context_lens)
-        decode_needs_padding_mask = min(context_lens) != decode_num_keys
-
-    spans = []
-    row = len(decode)
-    for chunk in prefill:
-        key_slots = None
-        if chunk.start_position > 0:
-            num_blocks = -(-chunk.end_position // block_size)
-            key_slots = _key_slots(
-                as_tensor(chunk.seq.block_ids[:num_blocks]), chunk.end_position, block_size
-            )
-        spans.append(PrefillSpan(row, row + chunk.num_tokens, chunk.start_position, key_slots))
-        row += chunk.num_tokens
-
+    num_tokens = len(input_ids)
+    max_context_len = max(context_lens)
+    width = -(-max_context_len // block_size)
+    table: list[int] = []
+    for chunk in ordered:
+        row = chunk.seq.block_ids[:width]
+        table.extend(row)
+        if len(row) < width:
+            table.extend([0] * (width - len(row)))
     sample_chunks = [c for c in chunks if c.sample]
-    return RaggedBatch(
-        input_ids=as_tensor(input_ids)[None, :],
-        position_ids=as_tensor(positions)[None, :],
-        slot_mapping=as_tensor(slots),
-        num_decode_tokens=len(decode),
-        decode_block_ids=decode_block_ids,
-        decode_context_lens=decode_context_lens,
-        decode_num_keys=decode_num_keys,
-        decode_needs_padding_mask=decode_needs_padding_mask,
+    sample_rows = [packed_end[id(c)] for c in sample_chunks]
+
+    longs_host, longs = _to_device(input_ids + positions + slots + sample_rows, torch.long, device)
+    ints_host, ints = _to_device(query_start_loc + context_lens + table, torch.int32, device)
+    num_decode = len(decode)
+    attention = AttentionMetadata(
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        num_decode_seqs=num_decode,
+        max_query_len=max(len(c.token_ids) for c in ordered),
+        max_context_len=max_context_len,
+        max_decode_context_len=max(context_lens[:num_decode], default=0),
         block_size=block_size,
-        prefill_spans=spans,
-        sample_token_indices=as_tensor([packed_end[id(c)] for c in sample_chunks]),
+        query_start_loc=ints[: num_seqs + 1],
+        context_lens=ints[num_seqs + 1 : 2 * num_seqs + 1],
+        block_table=ints[2 * num_seqs + 1 :].view(num_seqs, width),
+        slot_mapping=longs[2 * num_tokens : 3 * num_tokens],
+        query_start_loc_cpu=ints_host[: num_seqs + 1],
+        context_lens_cpu=ints_host[num_seqs + 1 : 2 * num_seqs + 1],
+    )
+    return RaggedBatch(
+        input_ids=longs[:num_tokens][None, :],
+        position_ids=longs[num_tokens : 2 * num_tokens][None, :],
+        sample_token_indices=longs[3 * num_tokens :],
         sample_chunks=sample_chunks,
+        attention=attention,
     )

@@ -1,0 +1,52 @@
+"""Paged-attention backends behind one interface (pagoda.gpu_worker.attention.backend).
+
+`create_backend(name, device)` picks one: "reference" (gather + SDPA in plain torch,
+the CPU default and the definition), "triton" (pagoda.gpu_worker.attention.triton_paged,
+class TritonBackend: one kernel launch per layer, CUDA), or "auto" (triton on CUDA when
+it imports, else reference). Importing this package imports no torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+BACKEND_NAMES = ("auto", "reference", "triton")
+# name -> (module, class); imported only when chosen, so a missing triton costs nothing.
+_BACKENDS = {
+    "reference": ("pagoda.gpu_worker.attention.reference", "ReferenceBackend"),
+    "triton": ("pagoda.gpu_worker.attention.triton_paged", "TritonBackend"),
+}
+
+log = logging.getLogger("pagoda.worker.attention")
+
+
+class BackendUnavailableError(RuntimeError):
+    """The named backend cannot run here; the message says why."""
+
+
+def create_backend(name: str, device_type: str):
+    """An AttentionBackend instance for `name` on a device of type `device_type` ("cpu", "cuda")."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKEND_NAMES)}")
+    if name == "auto":
+        if device_type == "cuda":
+            try:
+                return _instantiate("triton")
+            except BackendUnavailableError as exc:
+                log.warning("%s; using the reference attention backend", exc)
+        return _instantiate("reference")
+    if name == "triton" and device_type != "cuda":
+        raise BackendUnavailableError("the triton attention backend runs only on CUDA")
+    return _instantiate(name)
+
+
+def _instantiate(name: str):
+    module_name, class_name = _BACKENDS[name]
+    try:
+        backend_class = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise BackendUnavailableError(
+            f"the {name} attention backend is unavailable: {exc}"
+        ) from exc
+    return backend_class()

@@ -1,0 +1,230 @@
+"""The reference paged-attention backend: gather + SDPA in plain torch (the CPU default).
+
+Decode rows attend in one padded SDPA call over their blocks gathered from the cache;
+each prefill chunk attends causally over its own keys: this step's K/V when it starts
+at position 0, otherwise every earlier slot gathered through its block table. Its
+results define what every other backend must compute (tests compare against it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pagoda.gpu_worker.attention.backend import AttentionMetadata
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """softmax(q k^T * scale [+ mask]) v with [..., heads, len, dim] inputs (mask: True = attend).
+
+    q may have a multiple of k's heads (grouped-query attention).
+    """
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            is_causal=is_causal and mask is None,
+            scale=scale,
+            enable_gqa=query.shape[-3] != key.shape[-3],
+        )
+    # Logit soft-capping (Gemma 2) has no SDPA kernel: the plain math path.
+    group = query.shape[-3] // key.shape[-3]
+    if group > 1:
+        key = key.repeat_interleave(group, dim=-3)
+        value = value.repeat_interleave(group, dim=-3)
+    scores = (query @ key.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal and mask is None:
+        q_len, k_len = scores.shape[-2:]
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(value.dtype) @ value
+
+
+class _StepCache:
+    """What the reference derives once per step from the metadata and every layer reuses."""
+
+    __slots__ = ("metadata", "decode_block_ids", "masks", "prefill", "_decode_lens")
+
+    def __init__(self, metadata: AttentionMetadata) -> None:
+        self.metadata = metadata
+        self.decode_block_ids: torch.Tensor | None = None
+        self.masks: dict = {}  # (kind, index, window) -> mask or None
+        # Per prefill sequence: (row start, row end, start position, key slots or None).
+        self.prefill: list[tuple[int, int, int, torch.Tensor | None]] = []
+        num_decode = metadata.num_decode_seqs
+        block_size = metadata.block_size
+        if num_decode:
+            num_blocks = -(-metadata.max_decode_context_len // block_size)
+            table = metadata.block_table[:num_decode, :num_blocks]
+            self.decode_block_ids = table.reshape(-1)
+        starts = metadata.query_start_loc_cpu.tolist()
+        context_lens = metadata.context_lens_cpu.tolist()
+        offsets = None
+        for seq in range(num_decode, metadata.num_seqs):
+            row_start, row_end = starts[seq], starts[seq + 1]
+            end_position = context_lens[seq]
+            start_position = end_position - (row_end - row_start)
+            key_slots = None
+            if start_position > 0:  # continues earlier tokens: gather every slot so far
+                if offsets is None:
+                    offsets = torch.arange(block_size, device=metadata.block_table.device)
+                num_blocks = -(-end_position // block_size)
+                blocks = metadata.block_table[seq, :num_blocks].long()
+                key_slots = (blocks[:, None] * block_size + offsets).reshape(-1)[:end_position]
+            self.prefill.append((row_start, row_end, start_position, key_slots))
+        self._decode_lens = context_lens[:num_decode]
+
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor | None:
+        """[B, 1, 1, L] bool (True: attend), or None when every row sees all L keys."""
+        key = ("decode", 0, sliding_window)
+        if key not in self.masks:
+            metadata = self.metadata
+            num_keys = metadata.max_decode_context_len
+            windowed = sliding_window is not None and sliding_window < num_keys
+            if not windowed and min(self._decode_lens) == num_keys:
+                self.masks[key] = None
+            else:
+                lens = metadata.context_lens[: metadata.num_decode_seqs]
+                key_positions = torch.arange(num_keys, device=lens.device)[None, :]
+                mask = key_positions < lens[:, None]
+                if sliding_window is not None:
+                    # Query at position p = len - 1 sees keys p - window < j <= p.
+                    mask &= key_positions > (lens[:, None] - 1 - sliding_window)
+                self.masks[key] = mask[:, None, None, :]
+        return self.masks[key]
+
+    def prefill_mask(self, index: int, sliding_window: int | None) -> torch.Tensor | None:
+        """[n, end_position] bool causal mask of prefill sequence `index`; None: plain causal."""
+        key = ("prefill", index, sliding_window)
+        if key not in self.masks:
+            row_start, row_end, start_position, _ = self.prefill[index]
+            num_tokens = row_end - row_start
+            if start_position == 0 and (sliding_window is None or sliding_window >= num_tokens):
+                self.masks[key] = None
+            else:
+                device = self.metadata.block_table.device
+                end_position = start_position + num_tokens
+                query_positions = torch.arange(start_position, end_position, device=device)[:, None]
+                key_positions = torch.arange(end_position, device=device)[None, :]
+                mask = key_positions <= query_positions
+                if sliding_window is not None:
+                    mask &= key_positions > query_positions - sliding_window
+                self.masks[key] = mask
+        return self.masks[key]
+
+
+class ReferenceBackend:
+    """Gather + SDPA; see the module docstring. Keeps one step's derived tensors."""
+
+    name = "reference"
+
+    def __init__(self) -> None:
+        self._step: _StepCache | None = None
+
+    def _step_cache(self, metadata: AttentionMetadata) -> _StepCache:
+        step = self._step
+        if step is None or step.metadata is not metadata:
+            step = self._step = _StepCache(metadata)
+        return step
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> None:
+        flat = (-1, *key_cache.shape[2:])
+        key_cache.view(flat).index_copy_(0, metadata.slot_mapping, key.to(key_cache.dtype))
+        value_cache.view(flat).index_copy_(0, metadata.slot_mapping, value.to(value_cache.dtype))
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        step = self._step_cache(metadata)
+        num_decode = metadata.num_decode_seqs
+        if num_decode == metadata.num_tokens:  # decode only: no copy into an output buffer
+            return self._decode(query, key_cache, value_cache, step, scale, sliding_window, softcap)
+        output = query.new_empty(query.shape)
+        if num_decode:
+            output[:num_decode] = self._decode(
+                query[:num_decode], key_cache, value_cache, step, scale, sliding_window, softcap
+            )
+        flat = (-1, *key_cache.shape[2:])
+        key_slots_all, value_slots_all = key_cache.view(flat), value_cache.view(flat)
+        queries = query.transpose(0, 1)  # [heads, T, d]
+        for index, (row_start, row_end, _, key_slots) in enumerate(step.prefill):
+            if key_slots is None:  # starts at position 0: its keys are exactly this step's
+                span_keys = key[row_start:row_end].transpose(0, 1)
+                span_values = value[row_start:row_end].transpose(0, 1)
+            else:
+                span_keys = key_slots_all.index_select(0, key_slots).transpose(0, 1)
+                span_values = value_slots_all.index_select(0, key_slots).transpose(0, 1)
+            mask = step.prefill_mask(index, sliding_window)
+            attended = attend(
+                queries[None, :, row_start:row_end],
+                span_keys[None].to(query.dtype),
+                span_values[None].to(query.dtype),
+                mask,
+                scale,
+                softcap,
+                is_causal=mask is None,
+            )
+            output[row_start:row_end] = attended[0].transpose(0, 1)
+        return output
+
+    @staticmethod
+    def _decode(
+        queries: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        step: _StepCache,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """All one-token rows at once: queries [B, heads, d] -> [B, heads, d].
+
+        Keys are gathered by whole blocks (index_select of blocks: several times faster
+        than advanced indexing on CPU), then seen as [B, kv_heads, L, d] with a padding
+        mask where a row has fewer than L keys. With grouped-query attention the `group`
+        query heads sharing a KV head become that head's `group` query rows, so no K/V is
+        repeated.
+        """
+        num_rows, num_heads, head_dim = queries.shape
+        token_shape = key_cache.shape[2:]  # (kv_heads, d)
+        num_keys = step.metadata.max_decode_context_len
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:
+            blocks = cache.index_select(0, step.decode_block_ids)
+            keys = blocks.view(num_rows, -1, *token_shape)[:, :num_keys].permute(0, 2, 1, 3)
+            return keys.to(queries.dtype)
+
+        keys, values = gather(key_cache), gather(value_cache)  # [B, kv_heads, L, d]
+        num_kv_heads = keys.shape[1]
+        grouped = queries.reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        mask = step.decode_mask(sliding_window)  # [B, 1, 1, L]: over heads and group
+        attended = attend(grouped, keys, values, mask, scale, softcap)
+        return attended.reshape(num_rows, num_heads, head_dim)
