@@ -47,6 +47,11 @@ def decode_sampling(message: step_pb2.SamplingParams) -> SamplingParams:
         frequency_penalty=message.frequency_penalty,
         seed=message.seed,
         num_logprobs=message.num_logprobs,
+        # The mask is pointless without ids, or ids without a count; one check then suffices.
+        min_new_tokens=message.min_new_tokens if message.min_tokens_banned_ids else 0,
+        min_tokens_banned_ids=(
+            tuple(message.min_tokens_banned_ids) if message.min_new_tokens else ()
+        ),
     )
 
 

@@ -1,6 +1,7 @@
 """Batched sampling on the device: penalties, temperature, top-k/top-p/min-p, seeded draws.
 
-Order (Hugging Face's): repetition penalty, presence/frequency penalties, then
+Order (Hugging Face's): repetition penalty, presence/frequency penalties, the
+min_new_tokens mask (-inf on the ending ids until enough tokens were generated), then
 greedy argmax or temperature -> top-k -> top-p -> min-p -> draw. Logprobs are the
 log-softmax after temperature (1 for greedy rows), before any filtering.
 
@@ -84,6 +85,26 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     return logits
 
 
+def mask_min_new_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """-inf on the ending ids (EOS, stop ids) of rows that generated fewer than
+    min_new_tokens tokens (positions [num_prompt_tokens, position)), as transformers'
+    MinNewTokensLengthLogitsProcessor: the request cannot end before then. One pass over
+    the rows' numbers, and one scatter when some row is masked."""
+    masked = [
+        i for i, r in enumerate(rows) if r.position - r.num_prompt_tokens < r.params.min_new_tokens
+    ]
+    if not masked:
+        return logits
+    row_index = [i for i in masked for _ in rows[i].params.min_tokens_banned_ids]
+    tokens = [t for i in masked for t in rows[i].params.min_tokens_banned_ids]
+    device = logits.device
+    return logits.index_put(
+        (torch.tensor(row_index, dtype=torch.long, device=device),
+         torch.tensor(tokens, dtype=torch.long, device=device)),
+        torch.tensor(float("-inf"), dtype=logits.dtype, device=device),
+    )  # fmt: skip
+
+
 def _filtered_candidates(
     scaled: torch.Tensor, params: list[SamplingParams]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -131,7 +152,7 @@ def _draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
     """logits [S, vocab] (one row per sampling sequence, same order as `rows`)."""
-    logits = apply_penalties(logits.float(), rows)
+    logits = mask_min_new_tokens(apply_penalties(logits.float(), rows), rows)
     params = [r.params for r in rows]
     device = logits.device
     token_ids = logits.argmax(dim=-1)

@@ -128,6 +128,10 @@ class SequenceTable:
                 refuse(new.seq_id, f"cached_token_ids: {problem}")
                 continue
             sampling = new.sampling
+            bad = [t for t in sampling.min_tokens_banned_ids if t >= self.vocab_size]
+            if bad:  # the sampler would index the logits with it
+                refuse(new.seq_id, f"min_tokens_banned_ids: token id {bad[0]} out of range")
+                continue
             if sampling.num_logprobs > self.max_logprobs:
                 sampling = replace(sampling, num_logprobs=self.max_logprobs)
             # A new sequence with a live id replaces it (the scheduler reused the id).

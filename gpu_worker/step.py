@@ -24,6 +24,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int = 0
     num_logprobs: int = 0
+    # While fewer than min_new_tokens tokens were generated, these ids (the request's
+    # EOS and stop token ids) are masked out of the logits.
+    min_new_tokens: int = 0
+    min_tokens_banned_ids: tuple[int, ...] = ()
 
     @property
     def is_greedy(self) -> bool:
