@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter
 
 from pagoda.scheduler_svc.core.admission import (
@@ -70,6 +70,9 @@ class Planner:
         self._decode_cursor = 0  # admit_order of the last sequence decoded under a cap
         self._num_preemptions_before = 0  # the count when the step being planned began
         self._only: Request | None = None  # the one request the step being planned may feed
+        self._plan: StepPlan | None = None  # the plan being built (None between plans)
+        # Entries [start, end) of that plan are its decodes (an un-fed one is taken out).
+        self._decode_entries = (0, 0)
         # The head a forced FIFO round could not fit: admitted before anything else.
         self._reserved_head: Request | None = None
         # Decoders are fed in the reverse of preemption order, so a victim is never one
@@ -130,9 +133,9 @@ class Planner:
             self.waiting.remove(request)
         request.state = RequestState.FINISHED
 
-    def preempt(self, request: Request) -> None:
+    def preempt(self, request: Request, *, worker_knows: bool = True) -> None:
         """Recompute later: blocks released, back to the head of the queue."""
-        self.release(request)
+        self.release(request, worker_knows=worker_knows)
         request.state = _WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -206,6 +209,8 @@ class Planner:
         config = self.config
         plan = StepPlan(step_id=step_id)
         self._only = only
+        self._plan = plan
+        self._decode_entries = (0, 0)
         self._num_preemptions_before = self.num_preemptions
         budget = config.max_num_batched_tokens
         step_prefill_tokens = min(budget, config.prefill_max_tokens or budget)
@@ -219,6 +224,10 @@ class Planner:
             )
             self._schedule_decodes(plan, budget - num_prefill)
         self._only = None
+        self._plan = None
+        # Every entry is a decode or prefill; counted at the end since a preemption under
+        # the priority policy may take an entry out again (_unfeed).
+        plan.num_prefill_tokens = plan.num_tokens - plan.num_decode_tokens
         return plan
 
     # -- decode ----------------------------------------------------------------------------
@@ -294,7 +303,9 @@ class Planner:
             positions.append(position)
         self._give_blocks(growing)
         if fed:
+            first_entry = len(plan.seq_ids)
             self._feed_decodes(plan, fed, positions, grown_indices, completing)
+            self._decode_entries = (first_entry, len(plan.seq_ids))
         plan.num_decode_tokens += len(fed)
         return len(fed)
 
@@ -343,7 +354,6 @@ class Planner:
         # next, and the budget it leaves lets the running requests move (no livelock).
         if self.num_preemptions == self._num_preemptions_before:
             used += self._admit(plan, num_tokens - used, step_prefill_tokens, now)
-        plan.num_prefill_tokens += used
         return used
 
     def _admit(self, plan: StepPlan, num_tokens: int, step_prefill_tokens: int, now: float) -> int:
@@ -354,6 +364,9 @@ class Planner:
         batch_cap = config.prefill_max_batch_size or config.max_active_requests
         used = num_admitted = 0
         first_round = True
+        # Decodes come after admission (decode_first off): the blocks they will need are
+        # theirs, so an admission never makes an older request preempt in its own step.
+        num_reserved_blocks = -1  # counted on first need
         while only.state is _WAITING if only is not None else waiting:
             num_running = len(self.running) if only is None else 0
             num_requests = min(batch_cap - num_admitted, config.max_active_requests - num_running)
@@ -363,7 +376,10 @@ class Planner:
                 tokens_left <= 0 and (config.chunked_prefill or not first_round)
             ):
                 break
-            if blocks.num_available_blocks == 0:
+            if num_reserved_blocks < 0:
+                num_reserved_blocks = self._num_decode_growth_blocks(plan.step_id)
+            num_free_blocks = blocks.num_available_blocks - num_reserved_blocks
+            if num_free_blocks <= 0:
                 break  # nothing can start without a block: do not price the window
             policy = config.admission_policy
             forced = False
@@ -391,7 +407,7 @@ class Planner:
                 num_tokens=tokens_left,
                 num_step_tokens=step_prefill_tokens,
                 num_requests=num_requests,
-                num_blocks=blocks.num_available_blocks,
+                num_blocks=num_free_blocks,
                 block_size=blocks.block_size,
                 chunked_prefill=config.chunked_prefill,
                 first_round=first_round,
@@ -413,6 +429,20 @@ class Planner:
             num_admitted += len(admitted)
             first_round = False
         return used
+
+    def _num_decode_growth_blocks(self, step_id: int) -> int:
+        """Blocks the decodes still to plan in this step need: one for each running
+        decoder at a block boundary. 0 when decodes were planned first (or under `only`)."""
+        if self.config.decode_first or self._only is not None:
+            return 0
+        block_size, prefilling = self.blocks.block_size, self.prefilling
+        return sum(
+            1
+            for seq_id, request in self.running.items()
+            if request.num_computed_tokens % block_size == 0
+            and seq_id not in prefilling
+            and request.last_scheduled_step != step_id
+        )
 
     def _price(self, request: Request) -> WaitingCost:
         blocks = self.blocks
@@ -491,6 +521,9 @@ class Planner:
         num_new_blocks = -(-(start + num_tokens) // block_size) - len(request.block_ids)
         if num_new_blocks > 0:
             if blocks.num_available_blocks == 0:
+                room = len(request.block_ids) * block_size - start
+                if room > 0:
+                    return min(num_tokens, room)  # what fits, rather than preempt for more
                 if not self._grow(request, step_id):
                     return 0
                 num_new_blocks -= 1
@@ -504,13 +537,69 @@ class Planner:
         available. False when the request itself was the victim."""
         blocks = self.blocks
         while blocks.num_available_blocks == 0:
-            candidates = reversed(self.running.values()) if self._only is None else [self._only]
-            victim = pick_victim(candidates, step_id, self.by_priority)
+            if self._only is not None:
+                victim = pick_victim([self._only], step_id, self.by_priority)
+            else:
+                # Under the priority policy a lower priority goes first even if fed in this
+                # step (as vLLM v1): its entry is taken out of the plan being built.
+                may_unfeed = self._may_unfeed if self.by_priority else None
+                victim = pick_victim(
+                    reversed(self.running.values()), step_id, self.by_priority, may_unfeed
+                )
             assert victim is not None  # the requester itself is always a candidate
-            self.preempt(victim)
+            if victim is not request and victim.last_scheduled_step == step_id:
+                self.preempt(victim, worker_knows=self._unfeed(victim))
+            else:
+                self.preempt(victim)
             if victim is request:
                 return False
         request.block_ids.extend(blocks.allocate(1))
+        return True
+
+    def _may_unfeed(self, request: Request) -> bool:
+        """Whether `request`, fed in the plan being built, can be taken out of it: its
+        entry is in the plan's columns (not a decode still being gathered) and no other
+        sequence of the step shares a block it keys (that one would read nothing)."""
+        plan = self._plan
+        if plan is None or request.seq_id not in plan.seq_ids:
+            return False
+        ref_count = self.blocks.allocator.ref_count
+        return all(
+            ref_count(block_id) == 1
+            for seq_id, block_id in self._keyed_in_flight
+            if seq_id == request.seq_id
+        )
+
+    def _unfeed(self, request: Request) -> bool:
+        """Take `request`'s entry out of the plan being built (see _may_unfeed) and drop
+        the keys it made. Returns whether the worker knows its sequence (else it was new
+        in this plan and is dropped from it too)."""
+        plan = self._plan
+        assert plan is not None
+        seq_id = request.seq_id
+        index = plan.seq_ids.index(seq_id)
+        for ids, offsets in (
+            (plan.token_ids, plan.token_offsets),
+            (plan.block_ids, plan.block_offsets),
+        ):
+            start, end = offsets[index], offsets[index + 1]
+            del ids[start:end]
+            offsets[index + 1 :] = [offset - (end - start) for offset in offsets[index + 2 :]]
+        del plan.seq_ids[index], plan.start_positions[index], plan.sample[index]
+        first, last = self._decode_entries
+        if first <= index < last:
+            plan.num_decode_tokens -= 1
+        if index < last:
+            self._decode_entries = (first - (index < first), last - 1)
+        keyed = self._keyed_in_flight
+        for block_id in [block_id for s, block_id in keyed if s == seq_id]:
+            self.blocks.unregister(block_id)
+        self._keyed_in_flight = [entry for entry in keyed if entry[0] != seq_id]
+        news = plan.new_sequences
+        for position, new in enumerate(news):
+            if new.seq_id == seq_id:
+                del news[position]
+                return False
         return True
 
     def _key_blocks(self, request: Request, start: int, end: int) -> None:
@@ -594,9 +683,14 @@ class Planner:
             self._key_blocks(fed[index], positions[index], positions[index] + 1)
 
 
-def pick_victim(candidates: Iterable[Request], step_id: int, by_priority: bool) -> Request | None:
+def pick_victim(
+    candidates: Iterable[Request],
+    step_id: int,
+    by_priority: bool,
+    may_unfeed: Callable[[Request], bool] | None = None,
+) -> Request | None:
     """The running request to preempt among `candidates` (newest admission first), those
-    already fed in step `step_id` excepted.
+    already fed in step `step_id` excepted unless `may_unfeed` says they can be un-fed.
 
     The most recently admitted; under the priority policy the lowest priority (highest
     value) first, then the most recently admitted. The requester itself is a candidate,
@@ -609,8 +703,11 @@ def pick_victim(candidates: Iterable[Request], step_id: int, by_priority: bool) 
         return None
     victim: Request | None = None
     for request in candidates:
-        if request.last_scheduled_step == step_id:
+        if victim is not None and request.priority <= victim.priority:
+            continue  # newest first: ties keep the most recently admitted
+        if request.last_scheduled_step == step_id and (
+            may_unfeed is None or not may_unfeed(request)
+        ):
             continue
-        if victim is None or request.priority > victim.priority:
-            victim = request  # newest first: ties keep the most recently admitted
+        victim = request
     return victim
