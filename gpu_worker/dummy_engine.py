@@ -1,7 +1,8 @@
 """`--model dummy`: a weightless engine that answers every plan at once.
 
 The sampled token is `pagoda.common.dummy_tokens.dummy_next_token(last fed token, its position,
-vocab)`, the same pure function the scheduler's in-process fake uses, so a
+vocab)` (skipping the ending ids until min_new_tokens, as the sampler masks them), the
+same pure function the scheduler's in-process fake uses, so a
 recomputed sequence reproduces its output. Plans are validated and run by the same
 Engine.step as the paged engine's. Imports no torch: the harness for scheduler
 load tests starts in a blink.
@@ -18,7 +19,7 @@ import time
 from pagoda.gpu_worker.engine import Engine, EngineFacts, SampledTokens
 from pagoda.gpu_worker.sequence_table import ScheduledChunk
 
-from pagoda.common.dummy_tokens import dummy_next_token
+from pagoda.common.dummy_tokens import dummy_banned_token_ids, dummy_next_token
 
 DUMMY_VOCAB_SIZE = 49152
 DUMMY_EOS_TOKEN_IDS = (2,)
@@ -56,8 +57,15 @@ class DummyEngine(Engine):
         for chunk in chunks:
             if not chunk.sample:
                 continue
+            sampling = chunk.seq.sampling
+            banned = dummy_banned_token_ids(
+                chunk.end_position - 1,
+                chunk.seq.num_prompt_tokens,
+                sampling.min_new_tokens,
+                sampling.min_tokens_banned_ids,
+            )
             token_id = dummy_next_token(
-                chunk.token_ids[-1], chunk.end_position - 1, DUMMY_VOCAB_SIZE
+                chunk.token_ids[-1], chunk.end_position - 1, DUMMY_VOCAB_SIZE, banned
             )
             sampled.token_ids.append(token_id)
             if wants_logprobs:

@@ -30,12 +30,15 @@ def _sampling_to_proto(sampling: ValidSampling) -> step_pb2.SamplingParams:
 def encode_plan(plan: StepPlan) -> step_pb2.StepPlan:
     message = step_pb2.StepPlan(step_id=plan.step_id)
     for new in plan.new_sequences:
-        message.new_sequences.add(
+        added = message.new_sequences.add(
             seq_id=new.seq_id,
             sampling=_sampling_to_proto(new.sampling),
             cached_token_ids=new.cached_token_ids,
             num_prompt_tokens=new.num_prompt_tokens,
         )
+        if new.min_new_tokens:  # the worker masks min_tokens_banned_ids until then
+            added.sampling.min_new_tokens = new.min_new_tokens
+            added.sampling.min_tokens_banned_ids.extend(sorted(new.min_tokens_banned_ids))
     message.seq_ids.extend(plan.seq_ids)
     message.start_positions.extend(plan.start_positions)
     message.sample.extend(plan.sample)

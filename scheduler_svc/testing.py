@@ -1,6 +1,7 @@
 """An in-process worker with `--model dummy` semantics, for tests and benchmarks.
 
-Each sampling sequence gets `dummy_next_token(last fed token, its position, vocab)`,
+Each sampling sequence gets `dummy_next_token(last fed token, its position, vocab)`
+(skipping the ending ids until min_new_tokens, as a worker masks them),
 exactly what the real dummy worker answers, so a preempted request recomputes to the
 same output. With `check=True` it also verifies what a real worker relies on and raises
 PlanError on the first violation, so scheduler bugs surface where they happen:
@@ -24,13 +25,16 @@ from dataclasses import dataclass, field
 
 from pagoda.scheduler_svc.core import StepPlan, StepResult, WorkerGeometry
 
-from pagoda.common.dummy_tokens import dummy_next_token
+from pagoda.common.dummy_tokens import dummy_banned_token_ids, dummy_next_token
 from pagoda.common.plan_check import PlanError
 
 
 @dataclass(slots=True)
 class _Sequence:
     num_logprobs: int
+    num_prompt_tokens: int = 0
+    min_new_tokens: int = 0  # the ending ids below are masked until then, as on a worker
+    min_tokens_banned_ids: frozenset[int] = frozenset()
     block_ids: list[int] = field(default_factory=list)
     block_index: dict[int, int] = field(default_factory=dict)  # block id -> index in table
     num_positions: int = 0  # positions whose K/V this sequence has (fed or cached)
@@ -78,7 +82,12 @@ class FakeWorker:
             if new.seq_id in self._ever_seen:
                 raise PlanError(f"seq {new.seq_id} announced as new twice")
             self._ever_seen.add(new.seq_id)
-            sequence = _Sequence(num_logprobs=new.sampling.num_logprobs)
+            sequence = _Sequence(
+                num_logprobs=new.sampling.num_logprobs,
+                num_prompt_tokens=new.num_prompt_tokens,
+                min_new_tokens=new.min_new_tokens,
+                min_tokens_banned_ids=new.min_tokens_banned_ids,
+            )
             sequence.num_positions = len(new.cached_token_ids)
             self._sequences[new.seq_id] = sequence
         cached_of = {new.seq_id: new.cached_token_ids for new in plan.new_sequences}
@@ -122,7 +131,13 @@ class FakeWorker:
             sequence.num_positions = start + len(fed)
             if plan.sample[index]:
                 last_position = start + len(fed) - 1
-                token_id = dummy_next_token(fed[-1], last_position, vocab_size)
+                banned = dummy_banned_token_ids(
+                    last_position,
+                    sequence.num_prompt_tokens,
+                    sequence.min_new_tokens,
+                    sequence.min_tokens_banned_ids,
+                )
+                token_id = dummy_next_token(fed[-1], last_position, vocab_size, banned)
                 if sequence.garbage:
                     token_id = (token_id + 1) % vocab_size  # what garbage K/V samples
                 result.seq_ids.append(seq_id)

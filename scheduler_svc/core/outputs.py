@@ -25,6 +25,10 @@ class NewSequence:
     # Tokens at positions before the first fed one, whose KV is in shared prefix blocks.
     cached_token_ids: list[int]
     num_prompt_tokens: int  # positions from here on hold generated tokens (penalties)
+    # While fewer than min_new_tokens tokens are generated, the worker masks these ids
+    # (EOS unless ignored, stop token ids) out of the logits; 0 and empty once reached.
+    min_new_tokens: int = 0
+    min_tokens_banned_ids: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)

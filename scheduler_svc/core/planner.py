@@ -499,12 +499,18 @@ class Planner:
         if request.first_scheduled_s is None:
             request.first_scheduled_s = now
         self.running[seq_id] = request
+        # The worker masks the ending ids until min_new_tokens (check_stop never sees one).
+        masked = bool(request.ending_token_ids) and (
+            request.num_generated_tokens < request.stopping.min_new_tokens
+        )
         plan.new_sequences.append(
             NewSequence(
                 seq_id=seq_id,
                 sampling=request.sampling,
                 cached_token_ids=request.token_ids[:num_cached_tokens].tolist(),
                 num_prompt_tokens=request.num_prompt_tokens,
+                min_new_tokens=request.stopping.min_new_tokens if masked else 0,
+                min_tokens_banned_ids=request.ending_token_ids if masked else frozenset(),
             )
         )
         self._feed(plan, request, num_tokens)

@@ -31,7 +31,9 @@ class ValidSampling:
 @dataclass(frozen=True, slots=True)
 class ValidStopping:
     max_new_tokens: int
-    min_new_tokens: int  # EOS, stop token ids and stop strings are ignored before this many
+    # Until this many tokens are generated, the worker masks EOS and the stop token ids out
+    # of the logits, and stop strings are not matched.
+    min_new_tokens: int
     stop_strings: tuple[str, ...]
     stop_token_ids: frozenset[int]
     ignore_eos: bool
@@ -130,8 +132,13 @@ def check_stop(
     """How `token_id`, just appended to `request.token_ids`, ends the request by its id and
     the lengths alone: STOP for a stop token id or EOS (unless ignore_eos), LENGTH at
     max_new_tokens or a full context, else None. Stop strings are the service's output
-    processor's. No stop counts until min_new_tokens tokens precede the token (as Hugging
-    Face's min_new_tokens); a stop token's id is returned to the client, its text is not.
+    processor's. A stop token's id is returned to the client, its text is not.
+
+    min_new_tokens is not checked here: the worker masks these ids out of the logits until
+    then (NewSequence.min_tokens_banned_ids, as transformers' and vLLM's min_new_tokens),
+    and a worker that does not speaks an older protocol version and is refused. A
+    second rule here would only hide a worker that broke the contract, by feeding back
+    a token the model was told it could not produce.
 
     Inside the request's steady window the answer is None unless the id is one of its
     ending ids, and is known without reading its stopping rules (another object per
@@ -143,13 +150,12 @@ def check_stop(
         and token_id not in request.ending_token_ids
     ):
         return None
-    num_generated = num_tokens - request.num_prompt_tokens
     stopping = request.stopping
-    if num_generated > stopping.min_new_tokens and (
-        token_id in stopping.stop_token_ids
-        or (token_id in eos_token_ids and not stopping.ignore_eos)
+    if token_id in stopping.stop_token_ids or (
+        token_id in eos_token_ids and not stopping.ignore_eos
     ):
         return FinishReason.STOP
+    num_generated = num_tokens - request.num_prompt_tokens
     if num_generated >= stopping.max_new_tokens or num_tokens >= max_context_tokens:
         return FinishReason.LENGTH
     return None
@@ -192,10 +198,10 @@ def set_steady_window(
     request: Request, eos_token_ids: frozenset[int], max_context_tokens: int
 ) -> None:
     """The lengths (prompt plus generated, the new token counted) at which check_stop's
-    rules can end the request only by a token id, and those ids: stops allowed
-    (min_new_tokens), and neither max_new_tokens nor the context reached."""
+    rules can end the request only by a token id, and those ids: neither max_new_tokens
+    nor the context reached. The ids are also the worker's min_new_tokens mask."""
     stopping = request.stopping
-    request.steady_from = request.num_prompt_tokens + 1 + stopping.min_new_tokens
+    request.steady_from = request.num_prompt_tokens + 1
     request.steady_until = min(
         request.num_prompt_tokens + stopping.max_new_tokens, max_context_tokens
     )

@@ -172,15 +172,17 @@ def expected_generation(
     generated: list[int] = []
     text = ""
     active_from: int | None = None  # where stop strings start counting
+    ending_ids = set(stopping.stop_token_ids)
+    if not stopping.ignore_eos:
+        ending_ids |= geometry.eos_token_ids
     while True:
-        token_id = dummy_next_token(tokens[-1], len(tokens) - 1, geometry.vocab_size)
+        # The worker masks the ending ids until min_new_tokens are generated.
+        banned = ending_ids if len(generated) < stopping.min_new_tokens else ()
+        token_id = dummy_next_token(tokens[-1], len(tokens) - 1, geometry.vocab_size, banned)
         tokens.append(token_id)
         generated.append(token_id)
         allowed = len(generated) > stopping.min_new_tokens
-        if allowed and (
-            token_id in stopping.stop_token_ids
-            or (token_id in geometry.eos_token_ids and not stopping.ignore_eos)
-        ):
+        if token_id in ending_ids:
             return generated, FinishReason.STOP, text
         if allowed and active_from is None:
             active_from = len(text)

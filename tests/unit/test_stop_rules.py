@@ -103,7 +103,8 @@ def feed(
 def test_token_verdict():
     stopping = make_request(max_new_tokens=5, min_new_tokens=1, stop_token_ids=[9]).stopping
     eos = frozenset({EOS})
-    assert token_verdict(EOS, 1, 10, stopping, eos, 100) is None  # before min_new_tokens
+    # min_new_tokens is the worker's mask: an ending id that arrives ends the request.
+    assert token_verdict(EOS, 1, 10, stopping, eos, 100) is FinishReason.STOP
     assert token_verdict(EOS, 2, 10, stopping, eos, 100) is FinishReason.STOP
     assert token_verdict(9, 2, 10, stopping, eos, 100) is FinishReason.STOP
     assert token_verdict(7, 5, 10, stopping, eos, 100) is FinishReason.LENGTH
@@ -216,19 +217,50 @@ def test_a_stop_token_id_stops():
     assert events == [("a", None), ("", FinishReason.STOP)]
 
 
-def test_min_new_tokens_ignores_stops_before_it():
+def test_min_new_tokens_ignores_stop_strings_before_it():
     events = feed(
-        {10: "x", 11: "END"},
-        [10, 11, 10],
+        {12: "x", 11: "END", 10: "y"},
+        [12, 11, 10],
         stop_strings=("END",),
         stop_token_ids=[10],
         min_new_tokens=2,
         max_new_tokens=10,
     )
-    # Tokens 1 and 2 may not stop (not even the stop token id); token 3 may.
+    # Tokens 1 and 2 may not end it by a stop string; token 3 ends it by its id.
     assert events == [("x", None), ("END", None), ("", FinishReason.STOP)]
-    events = feed({EOS: ""}, [EOS, EOS], min_new_tokens=1, max_new_tokens=10)
-    assert events == [("", None), ("", FinishReason.STOP)]
+
+
+def test_min_new_tokens_is_sent_as_the_workers_mask_until_reached():
+    """The ending ids (stop ids and EOS unless ignored) go to the worker with the new
+    sequence, which masks them out of the logits; check_stop no longer second-guesses
+    an ending id (issue 14 item 6). A recompute past min_new_tokens sends no mask."""
+    geometry = make_geometry(eos_token_ids=[EOS])
+    scheduler = make_scheduler(geometry)
+    scheduler.add(
+        make_request(
+            "r0", prompt=[7, 7, 7], min_new_tokens=3, max_new_tokens=8, stop_token_ids=[9]
+        ),
+        0.0,
+    )
+    scheduler.add(make_request("r1", prompt=[7, 7], min_new_tokens=2, ignore_eos=True), 0.0)
+    scheduler.add(make_request("r2", prompt=[7], max_new_tokens=3), 0.0)
+    plan = scheduler.schedule(0.0)
+    masks = [(n.min_new_tokens, n.min_tokens_banned_ids) for n in plan.new_sequences]
+    assert masks == [(3, frozenset({9, EOS})), (0, frozenset()), (0, frozenset())]
+
+    # Preempted after 3 generated tokens: the recomputed sequence is not masked.
+    scheduler = make_scheduler(geometry)
+    scheduler.add(make_request("r0", prompt=[7, 7, 7], min_new_tokens=3, max_new_tokens=8), 0.0)
+    for token_id in (5, 6, 5):
+        plan = scheduler.schedule(0.0)
+        scheduler.apply(StepResult(plan.step_id, plan.seq_ids, [token_id]), 0.0)
+    planner = scheduler._planner
+    (request,) = planner.running.values()
+    planner.preempt(request)
+    plan = scheduler.schedule(0.0)
+    assert [(n.min_new_tokens, n.min_tokens_banned_ids) for n in plan.new_sequences] == [
+        (0, frozenset())
+    ]
 
 
 def test_max_new_tokens_ends_with_length():
