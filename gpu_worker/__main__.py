@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -66,6 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except curve.CurveKeyError as exc:
         log.error("%s", exc)
         return EXIT_REFUSED
+    # torchrun's WORLD_SIZE > 1 without the flag is refused there (its ranks must match).
+    if config.tensor_parallel_size > 1 or os.environ.get("WORLD_SIZE", "1") != "1":
+        from pagoda.gpu_worker import tensor_parallel  # imports torch
+
+        return tensor_parallel.run(config, curve_client)
     try:
         engine = build_engine(config)
     except (ModelNotFoundError, QuantizationError) as exc:

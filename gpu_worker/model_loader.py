@@ -223,7 +223,10 @@ def load_model(resolved: ResolvedModel, device: str, dtype: str = "auto"):
     else:
         torch_dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch_dtype)
-    return model.to(device).eval()
+    # A tensor-parallel rank keeps its shard, before the move: a GPU never holds it all.
+    from pagoda.gpu_worker.tensor_parallel import shard_if_grouped
+
+    return shard_if_grouped(model).to(device).eval()
 
 
 def main(argv: list[str] | None = None) -> int:

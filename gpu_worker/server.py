@@ -5,6 +5,10 @@ exits with code 2; an ack from a scheduler incarnation we have not served before
 the ack that follows a REHELLO, resets the engine. Then each PLAN gets exactly one
 RESULT; HEARTBEAT every second of silence; REHELLO sends HELLO again. Malformed frames
 are logged and skipped. SIGTERM/SIGINT close the socket and exit 0. Imports no torch.
+
+Under tensor parallelism this is rank 0, and `group` (tensor_parallel.GroupLeader) hears of
+every plan (its protobuf bytes) and reset before the engine runs it; a lost group exits
+EXIT_GROUP_LOST.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ log = logging.getLogger("pagoda.worker.server")
 
 EXIT_OK = 0
 EXIT_REFUSED = 2
+EXIT_GROUP_LOST = 3  # a tensor-parallel rank died: restartable (systemd), unlike 2
 HELLO_INTERVAL_S = 1.0
 HEARTBEAT_INTERVAL_S = 1.0
 # Longest wait in poll, so a stop signal is noticed promptly.
@@ -45,9 +50,13 @@ class WorkerServer:
         engine: Engine,
         endpoint: str,
         curve_client: tuple[curve.KeyPair, bytes] | None = None,
+        group=None,
     ) -> None:
-        """`curve_client`: this worker's CurveZMQ keys and the scheduler's public key."""
+        """`curve_client`: this worker's CurveZMQ keys and the scheduler's public key;
+        `group`: the tensor-parallel ranks to keep in step (send_plan, send_reset,
+        keepalive, lost), None for a single-process worker."""
         self.engine = engine
+        self.group = group
         self.endpoint = endpoint
         self._curve_client = curve_client
         self.incarnation_id = uuid.uuid4().hex
@@ -80,6 +89,7 @@ class WorkerServer:
             dtype=facts.dtype,
             max_logprobs=facts.max_logprobs,
             quantization=facts.quantization,
+            feeds_last_sampled=True,  # SequenceTable substitutes last_sampled_rows
         )
 
     def request_stop(self, signum: int = 0, frame=None) -> None:
@@ -121,6 +131,8 @@ class WorkerServer:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not self._stop_requested:
+            if self._group_lost():
+                return EXIT_GROUP_LOST
             self._send_timers()
             if not poller.poll(POLL_SLICE_MS):
                 continue
@@ -146,6 +158,14 @@ class WorkerServer:
                 self._last_hello_s = now_s
         elif now_s - self._last_sent_s >= HEARTBEAT_INTERVAL_S:
             self._send(step_pb2.Heartbeat(incarnation_id=self.incarnation_id))
+        if self.group is not None:
+            self.group.keepalive()
+
+    def _group_lost(self) -> bool:
+        problem = self.group.lost() if self.group is not None else None
+        if problem is not None:
+            log.error("the tensor-parallel group is lost (%s); exiting", problem)
+        return problem is not None
 
     def _send(self, message) -> bool:
         try:
@@ -163,12 +183,16 @@ class WorkerServer:
             return None
         if isinstance(message, step_pb2.StepPlan):
             plan = codec.decode_plan(message)
+            if self.group is not None:
+                self.group.send_plan(frames[1])  # the bytes wire.decode just parsed
             try:
                 result = codec.encode_result(self.engine.step(plan))
             except Exception as exc:  # the engine reports its own failures; this is a backstop
                 log.error("step %d: engine crashed: %s", plan.step_id, one_line(exc))
                 self.engine.table.forget(plan.named_seq_ids())
                 result = step_pb2.StepResult(step_id=plan.step_id, step_error=one_line(exc))
+            if self._group_lost():
+                return EXIT_GROUP_LOST  # a partial sum is no result: the scheduler sees a loss
             log.debug(
                 "step %d: %d tokens, %d sampled, %.1f ms",
                 result.step_id,
@@ -209,6 +233,8 @@ class WorkerServer:
         if ack.scheduler_incarnation_id != self._scheduler_incarnation_id or self._forgotten:
             if len(self.engine.table):
                 log.info("forgetting %d sequences of a past attachment", len(self.engine.table))
+            if self.group is not None:
+                self.group.send_reset()
             self.engine.reset()
             self._scheduler_incarnation_id = ack.scheduler_incarnation_id
             self._forgotten = False

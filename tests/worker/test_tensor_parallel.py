@@ -1,0 +1,202 @@
+"""Tensor parallelism (pagoda.gpu_worker.tensor_parallel): the launch rules, the shard plan,
+and greedy output of two gloo ranks on the CPU equal to one process's, token for token.
+
+The parity tests spawn two processes (one rank each) that load the same tiny model, shard
+it and build a paged engine; rank 0 drives the toy scheduler and broadcasts each plan's
+protobuf bytes exactly as the worker's server does, rank 1 runs tensor_parallel.follow.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from pagoda.gpu_worker import tensor_parallel
+from pagoda.gpu_worker.config import parse_config
+from pagoda.gpu_worker.kv_pool import KVGeometry
+from pagoda.gpu_worker.tensor_parallel import Rendezvous, TensorParallelError
+
+from tests.worker import toy_scheduler
+from tests.worker.conftest import NUM_NEW_TOKENS, TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, random_prompts
+
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+def test_the_flag_comes_from_the_environment_and_is_bounded():
+    environ = {"PAGODA_WORKER_TENSOR_PARALLEL_SIZE": "2"}
+    assert parse_config(["--model", "m"], environ).tensor_parallel_size == 2
+    assert (
+        parse_config(["--model", "m", "--tensor-parallel-size", "3"], environ).tensor_parallel_size
+        == 3
+    )
+    with pytest.raises(SystemExit):
+        parse_config(["--model", "m", "--tensor-parallel-size", "0"], {})
+    with pytest.raises(SystemExit):
+        parse_config(["--model", "dummy", "--tensor-parallel-size", "2"], {})
+
+
+def test_torchrun_variables_make_this_process_a_rank():
+    assert tensor_parallel.rendezvous_from_environ({}, 2) is None
+    assert tensor_parallel.rendezvous_from_environ(
+        {**TORCHRUN, "LOCAL_RANK": "1"}, 2
+    ) == Rendezvous(rank=1, world_size=2, local_rank=1)
+    with pytest.raises(TensorParallelError, match="LOCAL_RANK"):
+        tensor_parallel.rendezvous_from_environ(TORCHRUN, 2)  # incomplete
+    with pytest.raises(
+        TensorParallelError, match="WORLD_SIZE is 2 but --tensor-parallel-size is 4"
+    ):
+        tensor_parallel.rendezvous_from_environ({**TORCHRUN, "LOCAL_RANK": "1"}, 4)
+
+
+def load(model_dir: Path):
+    import transformers
+
+    from tests.worker.conftest import diversify
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    diversify(model)  # the same draw as the fixtures' reference (seed 0)
+    return model
+
+
+class FakeGroup:
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+
+def test_the_shard_plan_splits_heads_and_mlp_columns(tiny_model_factory):
+    model = load(tiny_model_factory("qwen2"))  # 4 heads, 2 KV heads, biased q/k/v
+    full_q = model.model.layers[0].self_attn.q_proj
+    q_weight, q_bias = full_q.weight.clone(), full_q.bias.clone()
+    full_down = model.model.layers[0].mlp.down_proj.weight.clone()
+    tensor_parallel.shard_model(model, FakeGroup(rank=1, world_size=2))
+    attention = model.model.layers[0].self_attn
+    # Column-parallel: rank 1 keeps the second half of the output rows (heads 2 and 3).
+    assert torch.equal(attention.q_proj.weight, q_weight[32:])
+    assert torch.equal(attention.q_proj.bias, q_bias[32:])
+    assert attention.k_proj.out_features == 16  # one KV head of 16
+    # Row-parallel: the second half of the input columns, no bias but on rank 0, wrapped.
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, tensor_parallel.RowParallelLinear)
+    assert torch.equal(down.linear.weight, full_down[:, 64:])
+    assert attention.o_proj.linear.bias is None and attention.o_proj.linear.in_features == 32
+    # The embeddings and the head stay whole.
+    assert model.get_output_embeddings().weight.shape == (512, 64)
+    geometry = KVGeometry.from_model_config(model.config, 4, torch.float32)
+    assert (geometry.num_kv_heads, geometry.head_dim) == (1, 16)
+
+
+def test_models_that_cannot_be_split_are_refused_with_a_reason(tiny_model_factory):
+    with pytest.raises(TensorParallelError, match="4 attention heads and 2 KV heads.*\\[1, 2\\]"):
+        tensor_parallel.shard_plan(load(tiny_model_factory("llama")), 4)
+    with pytest.raises(TensorParallelError, match="no tensor-parallel plan"):
+        tensor_parallel.shard_plan(load(tiny_model_factory("gpt2")), 2)
+
+
+# -- two ranks --------------------------------------------------------------------------------
+
+PARITY_ARCHITECTURES = ("llama", "qwen2")  # GQA; biased q/k/v (column-sliced biases)
+NUM_RUNS = 2  # the second after a reset, reusing the first run's sequence and block ids
+
+
+def _rank_main(rank: int, model_dirs: list[str], port: int, out_path: str) -> None:
+    """One rank of the parity test (runs in a spawned process): per model, rank 0 drives
+    the toy scheduler, rank 1 follows until rank 0's STOP."""
+    from pagoda.gpu_worker.paged_engine import PagedEngine
+
+    group = tensor_parallel.init_group(Rendezvous(rank, 2, rank, port), "cpu")
+    outputs = []
+    try:
+        for model_dir in model_dirs:
+            model = tensor_parallel.shard_model(load(Path(model_dir)), group)
+            engine = PagedEngine(
+                model, model_id="tiny", num_kv_blocks=TEST_NUM_BLOCKS, block_size=TEST_BLOCK_SIZE
+            )
+            assert engine.pool.geometry.num_kv_heads == 1  # of the model's 2
+            if rank != 0:
+                assert tensor_parallel.follow(engine, group) == tensor_parallel.EXIT_OK
+                continue
+            leader = tensor_parallel.GroupLeader(group)
+            tensor_parallel.join_engine(engine, group)
+            outputs.append(_lead(engine, leader))
+            leader.shutdown(tensor_parallel.EXIT_OK)  # STOP: rank 1 returns from follow
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(outputs))
+    finally:
+        tensor_parallel.close_group()
+
+
+def _lead(engine, leader) -> list[dict]:
+    """Rank 0: the toy scheduler's runs, each plan broadcast first (as the server does)."""
+    plain_run_plan = toy_scheduler.run_plan
+
+    def run_plan(engine, plan):
+        leader.send_plan(plan.SerializeToString())
+        return plain_run_plan(engine, plan)
+
+    toy_scheduler.run_plan = run_plan  # this process only
+    outputs = []
+    for run in range(NUM_RUNS):
+        if run:  # a new scheduler: every rank forgets
+            leader.send_reset()
+            engine.reset()
+        outputs.append(_scenario(engine, seed=run))
+        assert leader.lost() is None
+    toy_scheduler.run_plan = plain_run_plan
+    return outputs
+
+
+def _scenario(engine, seed: int) -> dict[int, list[int]]:
+    """Staggered, chunked prompts: prefill chunks share steps with decodes."""
+    import random
+
+    prompts = random_prompts(5, seed=10 + seed)
+    scheduler = toy_scheduler.ToyScheduler(
+        engine, num_blocks=TEST_NUM_BLOCKS, block_size=TEST_BLOCK_SIZE, seed=seed
+    )
+    rng = random.Random(seed)
+    for seq_id, prompt in enumerate(prompts):
+        chunks = toy_scheduler.split_into(len(prompt), rng.randint(1, 3), rng)
+        scheduler.add(seq_id, prompt, chunk_sizes=chunks, admit_at_step=seq_id)
+    return scheduler.run(NUM_NEW_TOKENS)
+
+
+def run_two_ranks(model_dirs: list[Path], tmp_path: Path) -> list[list[dict]]:
+    import torch.distributed as dist
+    import torch.multiprocessing as multiprocessing
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        # This process hosts the rendezvous store on the loopback socket; both ranks join it.
+        store = dist.TCPStore(
+            "127.0.0.1", port, 2, True, timeout=timedelta(seconds=120),
+            wait_for_workers=False, master_listen_fd=listener.detach(),
+        )  # fmt: skip
+        out_path = tmp_path / "tokens.json"
+        multiprocessing.spawn(
+            _rank_main, args=([str(d) for d in model_dirs], port, str(out_path)), nprocs=2
+        )
+        del store
+    return [
+        [{int(seq_id): tokens for seq_id, tokens in run.items()} for run in runs]
+        for runs in json.loads(out_path.read_text())
+    ]
+
+
+def test_two_ranks_equal_one_process_token_for_token(tiny_model_factory, tmp_path):
+    """Greedy, fp32, quantization none. Each run's second half (after a reset) reuses the
+    sequence and block ids of the first: a rank that kept the first run's sequences would
+    refuse the plans and the ranks' collectives would no longer pair up."""
+    from tests.worker.conftest import TinyModels
+
+    model_dirs = [tiny_model_factory(arch) for arch in PARITY_ARCHITECTURES]
+    expected = []
+    for model_dir in model_dirs:
+        models = TinyModels(model_dir, load(model_dir))
+        expected.append([_scenario(models.engine(), seed=run) for run in range(NUM_RUNS)])
+    assert run_two_ranks(model_dirs, tmp_path) == expected
