@@ -31,6 +31,7 @@ def decode_plan(message: step_pb2.StepPlan) -> StepPlan:
         block_offsets=list(message.block_offsets),
         block_ids=list(message.block_ids),
         forget_seq_ids=list(message.forget_seq_ids),
+        last_sampled_rows=list(message.last_sampled_rows),
     )
 
 

@@ -84,6 +84,8 @@ class Engine(ABC):
             if admitted.chunks:
                 self._check_injected_fault(admitted.chunks)
                 sampled = self.compute(admitted.chunks)
+                # Before the next plan, which may feed these tokens as placeholders.
+                self.table.record_sampled(admitted.chunks, sampled.token_ids)
             else:
                 sampled = SampledTokens([])
         except Exception as exc:  # any failure in the forward must not kill the worker

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from pagoda.gpu_worker.step import SamplingParams, SequenceError, StepPlan
 
-from pagoda.common.plan_check import check_columns
+from pagoda.common.plan_check import PlanError, check_columns
 
 
 @dataclass(slots=True)
@@ -22,6 +22,10 @@ class Sequence:
     num_prompt_tokens: int  # tokens at positions >= this were generated
     block_ids: list[int] = field(default_factory=list)  # append-only
     token_ids: list[int] = field(default_factory=list)  # token_ids[p] is the token at position p
+    # The token sampled last and the position it belongs at (-1: none yet), for a plan
+    # that feeds it as a placeholder (StepPlan.last_sampled_rows).
+    last_sampled_token_id: int = -1
+    last_sampled_position: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +120,9 @@ class SequenceTable:
 
         refusals: list[SequenceError] = []
         refused: set[int] = set()
+        last_sampled_rows = set(plan.last_sampled_rows)
+        if last_sampled_rows and not all(0 <= row < len(seq_ids) for row in last_sampled_rows):
+            raise PlanError("last_sampled_rows names a row the plan does not have")
 
         def refuse(seq_id: int, message: str) -> None:
             refusals.append(SequenceError(seq_id, message))
@@ -155,6 +162,12 @@ class SequenceTable:
             fed = token_ids[token_offsets[i] : token_offsets[i + 1]]
             new_blocks = block_ids[block_offsets[i] : block_offsets[i + 1]]
             seq = self._sequences.get(seq_id)
+            if i in last_sampled_rows:
+                problem = _last_sampled_problem(seq, seq_id, start_positions[i], fed)
+                if problem:
+                    refuse(seq_id, problem)
+                    continue
+                fed = [seq.last_sampled_token_id]
             problem = self._check_entry(seq, seq_id, start_positions[i], fed, new_blocks)
             if problem:
                 refuse(seq_id, problem)
@@ -172,6 +185,15 @@ class SequenceTable:
             refusals=refusals,
             forget_seq_ids=plan.forget_seq_ids,
         )
+
+    @staticmethod
+    def record_sampled(chunks: list[ScheduledChunk], token_ids: list[int]) -> None:
+        """The tokens sampled by the chunks that sample (in order), for the next plans."""
+        sampling = [chunk for chunk in chunks if chunk.sample]
+        for chunk, token_id in zip(sampling, token_ids, strict=True):
+            seq = chunk.seq
+            seq.last_sampled_token_id = token_id
+            seq.last_sampled_position = chunk.end_position
 
     def _check_tokens(self, token_ids) -> str | None:
         bad = [t for t in token_ids if t >= self.vocab_size]
@@ -216,3 +238,21 @@ class SequenceTable:
                 f"({num_covered} slots)"
             )
         return None
+
+
+def _last_sampled_problem(
+    seq: Sequence | None, seq_id: int, start_position: int, fed: list[int]
+) -> str | None:
+    """Why a last_sampled row cannot take the sequence's last sampled token, or None."""
+    if seq is None:
+        return f"unknown sequence {seq_id}: neither live nor new in this plan"
+    if len(fed) != 1:
+        return f"sequence {seq_id} feeds {len(fed)} tokens in a last_sampled row (1 expected)"
+    if seq.last_sampled_position < 0:
+        return f"sequence {seq_id} has sampled no token to feed"
+    if start_position != seq.last_sampled_position:
+        return (
+            f"sequence {seq_id} feeds its last sampled token at position {start_position}, "
+            f"but that token belongs at {seq.last_sampled_position}"
+        )
+    return None

@@ -59,6 +59,9 @@ class StepPlan:
     block_offsets: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     forget_seq_ids: list[int] = field(default_factory=list)  # dropped after the forward
+    # Rows (indices into seq_ids) whose one fed token is a placeholder for the token the
+    # worker sampled for that sequence last (overlapped steps, see step.proto).
+    last_sampled_rows: list[int] = field(default_factory=list)
 
     def named_seq_ids(self) -> set[int]:
         """Every sequence id the plan mentions, readable even when its columns are malformed."""

@@ -25,7 +25,7 @@ HEARTBEAT: Kind
 REHELLO: Kind
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "incarnation_id", "model_id", "vocab_size", "eos_token_ids", "max_context_tokens", "block_size", "num_kv_blocks", "device", "dtype", "max_logprobs", "quantization")
+    __slots__ = ("protocol_version", "incarnation_id", "model_id", "vocab_size", "eos_token_ids", "max_context_tokens", "block_size", "num_kv_blocks", "device", "dtype", "max_logprobs", "quantization", "feeds_last_sampled")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class Hello(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    FEEDS_LAST_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     incarnation_id: str
     model_id: str
@@ -50,7 +51,8 @@ class Hello(_message.Message):
     dtype: str
     max_logprobs: int
     quantization: str
-    def __init__(self, protocol_version: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...
+    feeds_last_sampled: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., feeds_last_sampled: _Optional[bool] = ...) -> None: ...
 
 class HelloAck(_message.Message):
     __slots__ = ("accepted", "reason", "protocol_version", "scheduler_incarnation_id")
@@ -115,7 +117,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cached_token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "seq_ids", "start_positions", "sample", "token_offsets", "token_ids", "block_offsets", "block_ids", "forget_seq_ids")
+    __slots__ = ("step_id", "new_sequences", "seq_ids", "start_positions", "sample", "token_offsets", "token_ids", "block_offsets", "block_ids", "forget_seq_ids", "last_sampled_rows")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +128,7 @@ class StepPlan(_message.Message):
     BLOCK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     FORGET_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SAMPLED_ROWS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -136,7 +139,8 @@ class StepPlan(_message.Message):
     block_offsets: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     forget_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_offsets: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_offsets: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., forget_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    last_sampled_rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_offsets: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_offsets: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., forget_seq_ids: _Optional[_Iterable[int]] = ..., last_sampled_rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SequenceError(_message.Message):
     __slots__ = ("seq_id", "message")

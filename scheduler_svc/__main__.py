@@ -93,6 +93,7 @@ async def serve(
         worker_grace_s=config.worker_grace_s,
         status_interval_s=config.status_interval_s,
         on_worker_change=on_worker_change,
+        overlap_steps=config.overlap_steps,
     )
     servicer = GenerationServicer(loop, metrics, tokenizer, config, model_id)
     server, health_servicer = build_server(config, servicer)

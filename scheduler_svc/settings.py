@@ -58,6 +58,7 @@ class ServiceConfig:
     zmq_curve_authorized_keys: str | None = None
     zmq_allow_insecure_tcp: bool = False
     log_level: str = "INFO"
+    overlap_steps: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> None:
@@ -136,6 +137,8 @@ HELP: dict[str, str] = {
     "zmq_allow_insecure_tcp": "accept a tcp:// zmq_endpoint without CurveZMQ keys (plaintext, "
     "unauthenticated: anyone reaching the port can pose as the worker); logged as a warning",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "overlap_steps": "plan and send step N+1 while the worker runs step N (for a worker that "
+    "feeds its last sampled tokens; an older one gets one step at a time)",
     "max_num_batched_tokens": "tokens (prefill + decode) in one step",
     "prefill_max_tokens": "cap on prompt tokens admitted per step (unset: no extra cap)",
     "prefill_max_batch_size": "cap on requests admitted per step (unset: no cap)",

@@ -47,6 +47,7 @@ def encode_plan(plan: StepPlan) -> step_pb2.StepPlan:
     message.block_offsets.extend(plan.block_offsets)
     message.block_ids.extend(plan.block_ids)
     message.forget_seq_ids.extend(plan.forget_seq_ids)
+    message.last_sampled_rows.extend(plan.last_sampled_rows)
     return message
 
 

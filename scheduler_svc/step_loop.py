@@ -1,5 +1,10 @@
 """The step loop: drain the inbox, schedule, send, await the result, apply, publish.
 
+With overlapped steps (the default, for a worker whose hello says feeds_last_sampled),
+step N+1 is planned and sent as soon as N is sent, so the worker computes N+1 while the
+loop awaits, decodes and applies N and plans N+2: at most two steps are in flight, their
+results applied in order (see Scheduler). Without, one step at a time.
+
 It is the only code that mutates the Scheduler between steps. The servicer talks to it
 through `submit`, `release`, `cancel`, `stats` and `worker`; the worker link reports
 attaches and detaches through `worker_attached` / `worker_detached` (WorkerEvents), all on
@@ -11,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -58,6 +64,16 @@ class StepLink(Protocol):
         ...
 
 
+@dataclass(slots=True)
+class _Flight:
+    """A step sent to the worker; `result` completes with its answer or WorkerLost."""
+
+    decision: StepPlan
+    result: asyncio.Task[step_pb2.StepResult]
+    started_s: float  # when planning began
+    encoded_s: float  # when it was ready to send
+
+
 @dataclass(frozen=True, slots=True)
 class _Cancel:
     request_id: str
@@ -79,8 +95,13 @@ class StepLoop:
         on_worker_change: Callable[[bool], None] = lambda attached: None,
         clock: Callable[[], float] = time.monotonic,
         idle_tick_s: float = IDLE_TICK_S,
+        overlap_steps: bool = True,
     ) -> None:
         self._scheduler = scheduler
+        # Plan step N+1 while N runs, when the worker substitutes last sampled tokens.
+        self._overlap_steps = overlap_steps
+        self._flights: deque[_Flight] = deque()  # oldest first, at most two
+        self._last_received_s = 0.0
         # Gives each step's outputs their text right after apply(), and ends stop-string
         # hits before the next schedule().
         self._output_processor = output_processor
@@ -203,26 +224,61 @@ class StepLoop:
         return self._clock() - self._last_turn_s <= limit_s
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            for flight in self._flights:  # stopped with steps in flight: nobody awaits them
+                flight.result.cancel()
+
+    async def _run(self) -> None:
         while not self._stopped:
             now = self._clock()
             self._last_turn_s = now
             self._drain_inbox(now)
-            decision = self._scheduler.schedule(now) if self._worker is not None else None
-            if decision is None:
-                self._expire_without_worker(now)
-                self._log_status(now)
-                await self._idle()
+            if self._may_plan():
+                decision = self._scheduler.schedule(now, ahead=bool(self._flights))
+                if decision is not None:
+                    self._send(decision, now)
+                    # Plan the next step at once, before awaiting this one's result.
+                    await asyncio.sleep(0)  # the send goes out first
+                    continue
+            if self._flights:
+                await self._finish_oldest()
+                self._log_status(self._clock())
                 continue
-            await self._run_step(decision)
-            self._log_status(self._clock())
+            self._expire_without_worker(now)
+            self._log_status(now)
+            await self._idle()
 
-    async def _run_step(self, decision: StepPlan) -> None:
-        started_s = self._clock()
+    def _may_plan(self) -> bool:
+        """No step is in flight, or one is and the next may be planned ahead of its result."""
+        worker = self._worker
+        if worker is None:
+            return False
+        if not self._flights:
+            return True
+        return (
+            self._overlap_steps
+            and worker.hello.feeds_last_sampled
+            and self._scheduler.can_plan_ahead
+        )
+
+    def _send(self, decision: StepPlan, started_s: float) -> None:
         plan = step_codec.encode_plan(decision)
         encoded_s = self._clock()
+        result = asyncio.create_task(
+            self._link.run_step(plan, self._worker_timeout_s), name=f"step-{decision.step_id}"
+        )
+        self._flights.append(_Flight(decision, result, started_s, encoded_s))
+
+    async def _finish_oldest(self) -> None:
+        """Await the oldest step's result and apply it (or fail it with the worker)."""
+        flight = self._flights[0]
+        decision = flight.decision
         try:
-            result = await self._link.run_step(plan, self._worker_timeout_s)
+            result = await flight.result
         except WorkerLost as exc:
+            self._flights.popleft()
             log.warning(
                 "step %d lost with the worker (%s); its requests will be recomputed",
                 decision.step_id,
@@ -230,7 +286,11 @@ class StepLoop:
             )
             self._publish(self._scheduler.fail_step(decision, str(exc), self._clock()))
             return
+        self._flights.popleft()
         received_s = self._clock()
+        # A step sent behind another started on the worker when that one ended.
+        sent_s = max(flight.encoded_s, self._last_received_s)
+        self._last_received_s = received_s
         outcome = step_codec.decode_result(result)
         if outcome.step_error:
             log.error("worker failed step %d: %s", decision.step_id, outcome.step_error)
@@ -241,8 +301,8 @@ class StepLoop:
         self._tokens_since_status += len(events.token_ids)
         self._observe(events.outputs)
         self._metrics.observe_step(
-            schedule_s=encoded_s - started_s,
-            transport_s=max(0.0, received_s - encoded_s - result.total_ms / 1000),
+            schedule_s=flight.encoded_s - flight.started_s,
+            transport_s=max(0.0, received_s - sent_s - result.total_ms / 1000),
             forward_s=result.forward_ms / 1000,
             worker_s=result.total_ms / 1000,
             num_prefill_tokens=decision.num_prefill_tokens,

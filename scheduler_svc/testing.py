@@ -40,6 +40,8 @@ class _Sequence:
     num_positions: int = 0  # positions whose K/V this sequence has (fed or cached)
     prefix_hash: int = 0  # content hash of its K/V up to num_positions
     garbage: bool = False  # it read K/V that nobody wrote (a refused writer's)
+    # (token id, its position) of the last token sampled, for StepPlan.last_sampled_rows.
+    last_sampled: tuple[int, int] | None = None
 
 
 class FakeWorker:
@@ -95,7 +97,7 @@ class FakeWorker:
         # Forgets happen after the forward, so their blocks may be reused in this plan.
         forgetting = set(plan.forget_seq_ids)
         result = StepResult(step_id=plan.step_id, seq_ids=[], token_ids=[])
-        token_ids = plan.token_ids
+        token_ids = self._substitute_last_sampled(plan)
         want_logprobs = False
         sampled: list[_Sequence] = []
         for index, seq_id in enumerate(plan.seq_ids):
@@ -142,6 +144,7 @@ class FakeWorker:
                     token_id = (token_id + 1) % vocab_size  # what garbage K/V samples
                 result.seq_ids.append(seq_id)
                 result.token_ids.append(token_id)
+                sequence.last_sampled = (token_id, last_position + 1)
                 sampled.append(sequence)
                 want_logprobs = want_logprobs or sequence.num_logprobs > 0
         if want_logprobs:
@@ -164,6 +167,26 @@ class FakeWorker:
                     self._holders[block_id].discard(seq_id)
         self._ever_seen.update(new.seq_id for new in plan.new_sequences)
         return StepResult(step_id=plan.step_id, seq_ids=[], token_ids=[], step_error=message)
+
+    def _substitute_last_sampled(self, plan: StepPlan) -> list[int]:
+        """The plan's token ids, each last_sampled row's placeholder replaced by the token
+        its sequence sampled last (overlapped steps), as the real worker does; a row whose
+        sequence has no such token at that position is a PlanError."""
+        if not plan.last_sampled_rows:
+            return plan.token_ids
+        token_ids = list(plan.token_ids)
+        for row in plan.last_sampled_rows:
+            seq_id = plan.seq_ids[row]
+            sequence = self._sequences.get(seq_id)
+            last = sequence.last_sampled if sequence is not None else None
+            start, end = plan.token_offsets[row], plan.token_offsets[row + 1]
+            if last is None or end - start != 1 or last[1] != plan.start_positions[row]:
+                raise PlanError(
+                    f"step {plan.step_id}: seq {seq_id} feeds a last sampled token at position "
+                    f"{plan.start_positions[row]}, but its last sample is {last}"
+                )
+            token_ids[start] = last[0]
+        return token_ids
 
     def block_ids_of(self, seq_id: int) -> list[int]:
         return list(self._sequences[seq_id].block_ids)

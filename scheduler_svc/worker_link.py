@@ -42,6 +42,10 @@ class WorkerInfo:
     fd: int | None = None  # our end of its connection, to recognise its disconnect
 
 
+# A plan in flight and the future its result completes.
+_Pending = tuple[step_pb2.StepPlan, "asyncio.Future[step_pb2.StepResult]"]
+
+
 class WorkerLost(Exception):
     """The worker went away (timeout, restart, unreachable) while a step was in flight."""
 
@@ -74,8 +78,8 @@ class WorkerLink:
         self._monitor: zmq.asyncio.Socket | None = None
         self._worker: WorkerInfo | None = None
         self._last_seen_s = 0.0
-        # The plan in flight and the future its result completes.
-        self._pending: tuple[step_pb2.StepPlan, asyncio.Future[step_pb2.StepResult]] | None = None
+        # Plans in flight (two with overlapped steps) and the futures their results complete.
+        self._pending: dict[int, _Pending] = {}
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -137,12 +141,14 @@ class WorkerLink:
         self._context.term()
 
     async def run_step(self, plan: step_pb2.StepPlan, timeout_s: float) -> step_pb2.StepResult:
-        """Send one plan and await its result; WorkerLost if the worker does not answer."""
+        """Send one plan and await its result; WorkerLost if the worker does not answer.
+        Another plan may be in flight (overlapped steps): the worker answers in order, and
+        `timeout_s` counts from this send, so it covers the step before too."""
         worker = self._worker
         if worker is None or self._socket is None:
             raise WorkerLost("no worker attached")
         future: asyncio.Future[step_pb2.StepResult] = asyncio.get_running_loop().create_future()
-        self._pending = (plan, future)
+        self._pending[plan.step_id] = (plan, future)
         try:
             await self._send(worker.identity, plan)
             return await asyncio.wait_for(future, timeout_s)
@@ -155,7 +161,7 @@ class WorkerLink:
             self._drop_worker(reason)
             raise WorkerLost(reason) from None
         finally:
-            self._pending = None
+            self._pending.pop(plan.step_id, None)
 
     async def _answer_zap(self) -> None:
         """Admit a CURVE peer only by an authorized public key; log every refusal."""
@@ -262,8 +268,8 @@ class WorkerLink:
             return
         self._last_seen_s = time.monotonic()
         if isinstance(message, step_pb2.StepResult):
-            pending = self._pending
-            if pending is None or pending[0].step_id != message.step_id or pending[1].done():
+            pending = self._pending.get(message.step_id)
+            if pending is None or pending[1].done():
                 log.warning("ignored a result for step %d that is not in flight", message.step_id)
                 return
             plan, future = pending
@@ -313,11 +319,7 @@ class WorkerLink:
         while True:
             await asyncio.sleep(HEARTBEAT_TIMEOUT_S / 5)
             silent_s = time.monotonic() - self._last_seen_s
-            if (
-                self._worker is not None
-                and self._pending is None
-                and silent_s > HEARTBEAT_TIMEOUT_S
-            ):
+            if self._worker is not None and not self._pending and silent_s > HEARTBEAT_TIMEOUT_S:
                 self._drop_worker(f"no heartbeat for {silent_s:.1f} s")
 
     def _drop_worker(self, reason: str) -> None:
@@ -325,8 +327,9 @@ class WorkerLink:
             return
         log.warning("worker %s lost: %s", self._worker.hello.incarnation_id, reason)
         self._worker = None
-        if self._pending is not None and not self._pending[1].done():
-            self._pending[1].set_exception(WorkerLost(reason))
+        for _, future in self._pending.values():
+            if not future.done():
+                future.set_exception(WorkerLost(reason))
         assert self._events is not None
         self._events.worker_detached(reason)
 

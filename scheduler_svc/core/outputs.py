@@ -51,6 +51,9 @@ class StepPlan:
     block_ids: list[int] = field(default_factory=list)
     # Sequences to drop after this step's forward (finished, cancelled or preempted).
     forget_seq_ids: list[int] = field(default_factory=list)
+    # Entries (indices into seq_ids) that feed the token the step in flight samples for
+    # them: the worker substitutes it for their token_ids entry (overlapped steps).
+    last_sampled_rows: list[int] = field(default_factory=list)
     num_prefill_tokens: int = 0  # prompt and recompute tokens fed
     num_decode_tokens: int = 0  # one per decoding sequence
 

@@ -75,6 +75,9 @@ class Planner:
         self._decode_entries = (0, 0)
         # The head a forced FIFO round could not fit: admitted before anything else.
         self._reserved_head: Request | None = None
+        # (request, position) of the decodes fed ahead of their token (overlapped steps):
+        # the step in flight samples it, the worker feeds it (StepPlan.last_sampled_rows).
+        self._ahead: list[tuple[Request, int]] = []
         # Decoders are fed in the reverse of preemption order, so a victim is never one
         # already fed: oldest admission first (priority: lowest value, then oldest).
         self._feed_order = _priority_then_admission if self.by_priority else _admit_order_of
@@ -165,6 +168,17 @@ class Planner:
     def take_forget_seq_ids(self) -> list[int]:
         forget, self.forget_seq_ids = self.forget_seq_ids, []
         return forget
+
+    def take_ahead(self) -> list[tuple[Request, int]]:
+        """The decodes the last plan fed ahead of their token (see _schedule_decodes)."""
+        ahead, self._ahead = self._ahead, []
+        return ahead
+
+    def key_known(self, request: Request, position: int) -> list[tuple[int, int]]:
+        """Key the block that `position` completes, its token now known (it was decoded
+        ahead of it); the (seq_id, block_id) keyed, for the plan that feeds it."""
+        self._key_blocks(request, position, position + 1)
+        return self.take_keyed_in_flight()
 
     def take_keyed_in_flight(self) -> list[tuple[int, int]]:
         """The blocks the plan in flight keyed; the plan is answered or failed."""
@@ -278,6 +292,11 @@ class Planner:
             ):
                 continue
             position = request.num_computed_tokens
+            num_known = len(request.token_ids)
+            # Its token of the step in flight is not known yet (overlapped steps): fed as
+            # the worker's last sampled one, unless that token certainly ends the request.
+            if position == num_known and position + 1 >= request.steady_until:
+                continue
             slot = position % block_size
             # A table holds exactly the blocks its computed tokens fill, so a new one is
             # needed at each block boundary (known without touching the table).
@@ -295,7 +314,9 @@ class Planner:
                     if not grown:
                         continue  # it preempted itself
                 grown_indices.append(len(fed))
-            if slot == last_slot:
+            if position == num_known:
+                self._ahead.append((request, position))  # its block is keyed once known
+            elif slot == last_slot:
                 completing.append(len(fed))
             request.last_scheduled_step = step_id
             request.num_computed_tokens = position + 1

@@ -91,6 +91,7 @@ def domain_plan_of(plan: step_pb2.StepPlan) -> StepPlan:
         block_offsets=list(plan.block_offsets),
         block_ids=list(plan.block_ids),
         forget_seq_ids=list(plan.forget_seq_ids),
+        last_sampled_rows=list(plan.last_sampled_rows),
     )
 
 

@@ -1,0 +1,58 @@
+"""Every StepLoop scenario of test_step_loop.py again, with a worker that announces
+feeds_last_sampled, so the loop overlaps steps (plans N+1 while N runs): streams must be
+as exact, cancels, detaches and losses as clean. Plus what only overlap does."""
+
+from __future__ import annotations
+
+import pytest
+from pagoda.scheduler_svc.testing import FakeWorker
+
+import tests.unit.test_step_loop as serial
+
+SCENARIOS = sorted(name for name in dir(serial) if name.startswith("test_"))
+
+
+@pytest.fixture
+def overlapped(monkeypatch) -> list[int]:
+    """Workers announce feeds_last_sampled; returns a list that counts, per plan run, the
+    rows fed ahead of their token."""
+    monkeypatch.setitem(serial.HELLO_FIELDS, "feeds_last_sampled", True)
+    rows: list[int] = []
+    step = FakeWorker.step
+
+    def counting_step(self, plan, *args, **kwargs):
+        rows.append(len(plan.last_sampled_rows))
+        return step(self, plan, *args, **kwargs)
+
+    monkeypatch.setattr(FakeWorker, "step", counting_step)
+    return rows
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_step_loop_scenario_with_overlapped_steps(name, overlapped):
+    getattr(serial, name)()
+
+
+def test_a_long_run_is_mostly_overlapped_and_exact(overlapped):
+    async def body() -> None:
+        async with serial.running() as h:
+            await h.attach("w1")
+            requests = serial.contending_requests()
+            serial.assert_all_exact(requests, await h.settle(*h.submit_all(requests)))
+            serial.assert_idle(h.loop)
+
+    serial.scenario(body)
+    assert sum(1 for n in overlapped if n) > len(overlapped) / 2
+
+
+def test_no_overlap_steps_or_an_older_worker_runs_one_step_at_a_time(overlapped, monkeypatch):
+    monkeypatch.setitem(serial.HELLO_FIELDS, "feeds_last_sampled", False)
+
+    async def body() -> None:
+        async with serial.running() as h:
+            await h.attach("w1")
+            requests = serial.contending_requests()
+            serial.assert_all_exact(requests, await h.settle(*h.submit_all(requests)))
+
+    serial.scenario(body)
+    assert overlapped and not any(overlapped)
