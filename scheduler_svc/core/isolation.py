@@ -1,12 +1,14 @@
 """Finding the poison request when a whole worker step fails.
 
-A step that raises in the worker's forward names no culprit. Its requests become
-suspects; each is then run alone, one step at a time, until it samples a token
-(cleared) or fails by itself SOLO_FAILURES_TO_CONVICT times in a row (the culprit: it
-ends with ERROR; one solo failure may be a passing fault). Everything else waits
-meanwhile, so the culprit harms no other request. Called only from the Scheduler; the
-planner does the planning (`Planner.plan(..., only=request)`), this module only keeps
-the suspects.
+A step that raises in the worker's forward, or during which the worker is lost (it died
+or hung), names no culprit. Its requests become suspects; each is then run alone, one
+step at a time, until it samples a token (cleared) or fails by itself
+SOLO_FAILURES_TO_CONVICT times in a row (the culprit: it ends with ERROR; one solo
+failure may be a passing fault). Everything else waits meanwhile, so the culprit harms
+no other request. Suspects and solo failures survive a new worker's hello: a request
+that killed the last worker would kill the next one too. Called only from the
+Scheduler; the planner does the planning (`Planner.plan(..., only=request)`), this
+module only keeps the suspects.
 """
 
 from __future__ import annotations
@@ -43,12 +45,6 @@ class Isolation:
             if request_id not in self._suspect_ids:
                 self._suspect_ids.append(request_id)
 
-    def reset(self) -> None:
-        """A new worker: the failure may have been the old worker's; start afresh."""
-        self._suspect_ids.clear()
-        self._solo_failures.clear()
-        self._target = None
-
     def plan(self, step_id: int, now: float) -> StepPlan | None:
         """A step that feeds only the first live suspect, with room made for its whole
         sequence; None when no suspect is left."""
@@ -77,7 +73,8 @@ class Isolation:
             self._target = None
 
     def stand_down(self) -> None:
-        """The suspect could not run alone this step; the next plan is an ordinary one."""
+        """The suspect could not run alone this step (or its worker is gone); the next plan
+        is an ordinary one, or tries it again."""
         self._target = None
 
     def failed_alone(self, request_id: str) -> bool:

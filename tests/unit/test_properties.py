@@ -135,17 +135,19 @@ def run(
         if not scheduler._isolation.active:  # isolation replans one suspect at a time
             assert caps_violated(plan, scheduler) is None, caps_violated(plan, scheduler)
         failure = workload.failures.get(step)
+        if failure is not None:
+            # A lost worker counts as a failed step: either may convict a request alone.
+            ids = {state.running[s].request_id for s in plan.seq_ids if s in state.running}
+            if len(ids) == 1:
+                failed_alone[ids.pop()] += 1
         if failure == "lost" or failure == "restart":
-            assert scheduler.fail_step(plan, "worker lost", now) == []
+            for output in scheduler.fail_step(plan, "worker lost", now):
+                streams[output.request_id].take(output)
             if failure == "restart":
                 scheduler.detach_worker()
                 assert scheduler.attach_worker(geometry) == []
                 worker = FakeWorker(geometry)
         else:
-            if failure == "error":
-                ids = {state.running[s].request_id for s in plan.seq_ids if s in state.running}
-                if len(ids) == 1:
-                    failed_alone[ids.pop()] += 1
             result = worker.fail(plan) if failure == "error" else worker.step(plan)
             for output in scheduler.apply(result, now + 0.5):
                 streams[output.request_id].take(output)

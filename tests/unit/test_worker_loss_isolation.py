@@ -1,0 +1,93 @@
+"""A request that kills (or hangs) the worker is isolated like one that makes its step fail
+(sched_review finding 6, issue 14 item 4): the lost step's requests become suspects, the
+suspects and their solo failures survive the next worker's hello, and a request whose
+step alone loses the worker twice ends with an error (INTERNAL) while the others finish.
+
+The StepLoop runs in process on test_step_loop's fake link, whose worker here dies on any
+plan that feeds POISON; every death is followed by a new worker's hello.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from pagoda.scheduler_svc.core import FinishReason
+from pagoda.scheduler_svc.worker_link import WorkerLost
+
+from tests.unit.conftest import make_request
+from tests.unit.test_step_loop import (
+    Harness,
+    assert_exact,
+    assert_idle,
+    read_to_end,
+    running,
+    scenario,
+)
+
+POISON = 62  # inside the vocabulary (a hello does not refuse it); no good request feeds it
+MAX_CRASHES = 8  # far above the 3 isolation needs: a crash loop fails the test at once
+
+
+class CrashingWorkers:
+    """Makes `harness.link` lose its worker on every plan that feeds POISON (the loss
+    reported as WorkerLink reports it: the detach, then WorkerLost), and says hello with
+    a fresh worker after each loss."""
+
+    def __init__(self, harness: Harness) -> None:
+        self.harness = harness
+        self.num_crashes = 0
+        self.solo_crashes = 0  # crashes of a plan that fed one sequence only
+        link = harness.link
+        run_step = link.run_step
+
+        async def crashing_run_step(plan, timeout_s):
+            if POISON not in plan.token_ids:
+                return await run_step(plan, timeout_s)
+            await asyncio.sleep(0)
+            self.num_crashes += 1
+            self.solo_crashes += len(plan.seq_ids) == 1
+            if self.num_crashes > MAX_CRASHES:
+                raise AssertionError("the poison request crashes worker after worker")
+            link.num_plans += 1
+            link.detach(f"the worker died in step {plan.step_id}")
+            raise WorkerLost(f"the worker died in step {plan.step_id}")
+
+        link.run_step = crashing_run_step  # type: ignore[method-assign]
+        self.task = asyncio.create_task(self._reattach())
+
+    async def _reattach(self) -> None:
+        number = 1
+        while True:
+            attached = await self.harness.worker_changes.get()
+            if not attached:
+                number += 1
+                self.harness.link.attach(f"w{number}")
+
+
+def test_a_request_that_kills_the_worker_ends_alone_with_an_error_and_the_others_finish():
+    async def body() -> None:
+        async with running() as h:
+            await h.attach("w1")
+            crashes = CrashingWorkers(h)
+            good = [
+                make_request(f"good{i}", 6 + 3 * i, max_new_tokens=12, ignore_eos=True)
+                for i in range(5)
+            ]
+            poison = make_request("poison", [5, 6, POISON, 7], max_new_tokens=12)
+            slots = [h.loop.submit(r) for r in (*good[:2], poison, *good[2:])]
+            streams = await h.settle(*(read_to_end(h.loop, slot) for slot in slots))
+            crashes.task.cancel()
+            by_id = {
+                slot.request_id: (slot, stream) for slot, stream in zip(slots, streams, strict=True)
+            }
+            slot, stream = by_id["poison"]
+            assert stream.finish_reason is FinishReason.ERROR and stream.token_ids == []
+            assert slot.error_code is None  # a failure of this request alone: INTERNAL
+            for request in good:
+                assert_exact(by_id[request.request_id][1], request)
+            # The mixed step, then the poison request alone twice: the second solo loss
+            # convicts it.
+            assert (crashes.num_crashes, crashes.solo_crashes) == (3, 2)
+            assert_idle(h.loop)
+
+    scenario(body)
