@@ -1,8 +1,13 @@
 """The scheduler core: schedule() returns a StepPlan, apply() turns the worker's StepResult
 into token outputs. No I/O and no clock: `now` (seconds, monotonic) is passed in.
 
-One plan is in flight at a time: schedule() is called again only after apply() or
-fail_step() of the previous one. add(), cancel() and stop() may be called at any time.
+At most two plans are in flight, answered in order. schedule() may plan step N+1 while
+step N runs when `can_plan_ahead` says so (overlapped steps): a sequence that samples in
+N and decodes in N+1 feeds the token N samples, which the worker substitutes
+(StepPlan.last_sampled_rows); when N's result ends that sequence, N+1's token for it is
+dropped, never streamed. A failure in N (a worker loss, a failed step, a refused
+sequence) also fails N+1, whose sequences recompute. Isolation steps run alone.
+add(), cancel() and stop() may be called at any time.
 Text (detokenization, stop strings) is not the core's: the service's output processor
 runs right after apply() and ends stop-string hits through stop() before the next
 schedule().
@@ -11,6 +16,7 @@ schedule().
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 from pagoda.scheduler_svc.core.config import SchedulerConfig, WorkerGeometry
 from pagoda.scheduler_svc.core.isolation import Isolation
@@ -40,6 +46,20 @@ from pagoda.scheduler_svc.core.request import (
 )
 
 _WAITING = RequestState.WAITING
+_RUNNING = RequestState.RUNNING
+MAX_STEPS_IN_FLIGHT = 2
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A plan sent and not yet answered, with what undoing it needs."""
+
+    plan: StepPlan
+    keyed: list[tuple[int, int]]  # (seq_id, block_id) keyed for the prefix cache by the plan
+    # (request, seq_id, position) decoded ahead whose position completes a block: keyed
+    # when the step before answers with the token.
+    key_later: list[tuple[Request, int, int]]
+    isolated: bool  # a step of the isolation of a failure: nothing runs beside it
 
 
 class Scheduler:
@@ -49,7 +69,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._planner = Planner(config)
         self._isolation = Isolation(self._requests, self._planner)
-        self._in_flight: StepPlan | None = None
+        self._in_flight: list[_Flight] = []  # oldest first
         self._step_ids = itertools.count(1)
         self._last_now = 0.0  # for outputs of calls that carry no clock (attach_worker)
         self._num_steps = 0
@@ -87,7 +107,7 @@ class Scheduler:
 
     def detach_worker(self) -> None:
         """The worker is lost: schedule() returns None until the next attach_worker()."""
-        self._in_flight = None
+        self._in_flight.clear()
         self._planner.drop_pool()
 
     # -- requests in and out -----------------------------------------------------------------
@@ -152,15 +172,30 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------
 
-    def schedule(self, now: float) -> StepPlan | None:
-        """Plan the next step, or None when there is nothing to run or no worker."""
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def can_plan_ahead(self) -> bool:
+        """Whether the next step may be planned now, before the result of the one in flight:
+        exactly one is, and no failure is being isolated (its steps run alone)."""
+        return (
+            len(self._in_flight) == 1
+            and not self._in_flight[0].isolated
+            and not self._isolation.active
+        )
+
+    def schedule(self, now: float, *, ahead: bool = False) -> StepPlan | None:
+        """Plan the next step, or None when there is nothing to run or no worker. With
+        `ahead`, one step may be in flight (when can_plan_ahead); else none may."""
         self._last_now = now
         planner = self._planner
         if planner.blocks is None or not (planner.running or planner.waiting):
             return None
-        if self._in_flight is not None:
+        if self._in_flight and not (ahead and self.can_plan_ahead):
             raise RuntimeError(
-                f"schedule() while step {self._in_flight.step_id} is in flight; "
+                f"schedule() while step {self._in_flight[-1].plan.step_id} is in flight; "
                 "apply() or fail_step() it first"
             )
         step_id = next(self._step_ids)
@@ -168,29 +203,52 @@ class Scheduler:
         if plan is not None and not plan.seq_ids:
             self._isolation.stand_down()
             plan = None
+        isolated = plan is not None
         if plan is None:
             plan = planner.plan(step_id, now)
+        ahead = planner.take_ahead()
         if not plan.seq_ids:
             return None  # nothing could run (pending forgets wait for the next plan)
         plan.forget_seq_ids = planner.take_forget_seq_ids()
-        self._in_flight = plan
+        flight = _Flight(plan, planner.take_keyed_in_flight(), [], isolated)
+        if ahead:
+            self._mark_ahead(flight, ahead)
+        self._in_flight.append(flight)
         self._num_steps += 1
         return plan
+
+    def _mark_ahead(self, flight: _Flight, ahead: list[tuple[Request, int]]) -> None:
+        """The plan's rows that feed the token of the step in flight (those still in it:
+        a priority preemption may have taken one out), and the blocks they complete."""
+        plan, step_id = flight.plan, flight.plan.step_id
+        block_size = self._planner.blocks.block_size
+        positions = {
+            request.seq_id: (request, position)
+            for request, position in ahead
+            if request.state is _RUNNING and request.last_scheduled_step == step_id
+        }
+        plan.last_sampled_rows = [i for i, s in enumerate(plan.seq_ids) if s in positions]
+        if self.config.prefix_caching:
+            flight.key_later = [
+                (request, seq_id, position)
+                for seq_id, (request, position) in positions.items()
+                if (position + 1) % block_size == 0
+            ]
 
     def apply(self, result: StepResult, now: float) -> StepOutputs:
         """Take the worker's sampled tokens: token-id stop rules (check_stop), outputs.
         Finished requests free their blocks now and are forgotten by the next plan."""
         self._last_now = now
         planner = self._planner
-        plan = self._in_flight
         step_outputs = StepOutputs()
-        if plan is None or result.step_id != plan.step_id:
+        if not self._in_flight or result.step_id != self._in_flight[0].plan.step_id:
             return step_outputs  # a late result of a step already failed or reset
-        self._in_flight = None
-        keyed = planner.take_keyed_in_flight()
+        flight = self._in_flight.pop(0)
+        plan, keyed = flight.plan, flight.keyed
         outputs = step_outputs.outputs
         if result.step_error:
             outputs.extend(self._step_failed(plan, keyed, result.step_error, now))
+            self._fail_flights(0)  # the worker forgot sequences the next step feeds
             return step_outputs
         errors = result.errors
         if errors:
@@ -219,7 +277,22 @@ class Scheduler:
             outputs.extend(self._finish_unsampled(plan, result, now))
         if self._isolation.target is not None:
             self._isolation.cleared()
+        if self._in_flight:
+            if errors:
+                self._fail_flights(0)  # it feeds sequences the worker refused or forgot
+            else:
+                self._key_known(self._in_flight[0])
         return step_outputs
+
+    def _key_known(self, flight: _Flight) -> None:
+        """The tokens of the step just applied are known: key the blocks `flight`'s ahead
+        decodes complete (dropped with flight.keyed if it fails). A request that ended or
+        was preempted meanwhile keys nothing: its row's token is dropped."""
+        planner = self._planner
+        for request, seq_id, position in flight.key_later:
+            if request.seq_id == seq_id and len(request.token_ids) > position:
+                flight.keyed.extend(planner.key_known(request, position))
+        flight.key_later = []
 
     def _step_failed(
         self, plan: StepPlan, keyed: list[tuple[int, int]], error: str, now: float
@@ -290,23 +363,41 @@ class Scheduler:
                 outputs.append(self._finish(request, finish_reason, now, [token_id], logprobs))
 
     def fail_step(self, plan: StepPlan, error: str, now: float) -> list[RequestOutput]:
-        """The worker was lost or timed out during `plan`: its sequences go back to the
-        waiting queue for recompute; nothing streamed is lost or repeated. A worker that
-        dies on a request is isolated as a failed step is: the requests become suspects,
-        and one whose step alone lost the worker twice ends with ERROR."""
+        """The worker was lost or timed out during `plan`: its sequences, and those of the
+        step after it if one is in flight, go back to the waiting queue for recompute;
+        nothing streamed is lost or repeated. A worker that dies on a request is isolated
+        as a failed step is: the requests become suspects, and one whose step alone lost
+        the worker twice ends with ERROR."""
         self._last_now = now
-        if self._in_flight is None or self._in_flight.step_id != plan.step_id:
+        step_ids = [flight.plan.step_id for flight in self._in_flight]
+        if plan.step_id not in step_ids:
             return []
-        self._in_flight = None
-        planner = self._planner
-        planner.unkey(planner.take_keyed_in_flight())
-        running = planner.running
-        request_ids = [running[s].request_id for s in plan.seq_ids if s in running]
-        # The plan may never have arrived: send its forgets again (a worker ignores
-        # forgets of sequences it does not hold).
-        planner.forget_seq_ids.extend(plan.forget_seq_ids)
-        planner.requeue(plan.seq_ids, worker_knows=True)
+        start = step_ids.index(plan.step_id)
+        running = self._planner.running
+        request_ids = list(
+            dict.fromkeys(
+                running[s].request_id
+                for flight in self._in_flight[start:]
+                for s in flight.plan.seq_ids
+                if s in running
+            )
+        )
+        self._fail_flights(start)
         return self._isolate(request_ids, f"the worker was lost on this request: {error}", now)
+
+    def _fail_flights(self, start: int) -> None:
+        """Steps in flight from `start` on count as never run: their keys dropped, their
+        sequences requeued (the earliest step's at the head). A late result of one is
+        ignored (apply() no longer knows its step)."""
+        planner = self._planner
+        failed = self._in_flight[start:]
+        del self._in_flight[start:]
+        for flight in reversed(failed):
+            planner.unkey(flight.keyed)
+            # The plan may never have arrived: send its forgets again (a worker ignores
+            # forgets of sequences it does not hold).
+            planner.forget_seq_ids.extend(flight.plan.forget_seq_ids)
+            planner.requeue(flight.plan.seq_ids, worker_knows=True)
 
     @property
     def stats(self) -> SchedulerStats:
