@@ -146,6 +146,11 @@ def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     add("--stop-token-id", action="append", type=int, dest="stop_token_ids", metavar="ID")
     add("--ignore-eos", action="store_true", default=None)
     add("--priority", type=int, help="lower runs first under --admission-policy priority")
+    add(
+        "--cache-salt",
+        metavar="TEXT",
+        help="share cached prompt blocks only with requests of the same salt (tenant isolation)",
+    )
     add("--logprobs", type=int, metavar="N", help="print top-N logprobs per token to stderr")
     add("--show-usage", action="store_true", help="print usage and timings to stderr")
 

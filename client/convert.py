@@ -65,6 +65,7 @@ class GenerationOptions(TypedDict, total=False):
     priority: int
     logprobs: int
     request_id: str
+    cache_salt: str  # share cached prompt blocks only with requests of the same salt
 
 
 _SAMPLING_FIELDS = (
@@ -78,7 +79,7 @@ _SAMPLING_FIELDS = (
     "seed",
 )
 _STOPPING_SCALAR_FIELDS = ("max_new_tokens", "min_new_tokens", "ignore_eos")
-_TOP_LEVEL_FIELDS = ("priority", "logprobs", "request_id")
+_TOP_LEVEL_FIELDS = ("priority", "logprobs", "request_id", "cache_salt")
 _OPTION_NAMES = frozenset(GenerationOptions.__annotations__)
 
 _FINISH_REASON_NAMES = {

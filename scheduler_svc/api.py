@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import hmac
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -209,6 +210,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if request.request_id:
             scoped = f"{context.peer()}/{client_request_id}"
             valid = dataclasses.replace(valid, request_id=scoped)
+        if self._config.cache_salt_by_api_key:
+            salt = tenant_cache_salt(_bearer_token(context), valid.cache_salt)
+            valid = dataclasses.replace(valid, cache_salt=salt)
         slot = await self._submit(valid, context)
         try:
             while True:
@@ -411,11 +415,43 @@ class BoundedHealthServicer(health.aio.HealthServicer):
             self._num_watchers -= 1
 
 
-class BearerAuth(grpc.aio.ServerInterceptor):
-    """Refuses every RPC but the health Check without `authorization: Bearer <key>`."""
+def _bearer_token(context) -> str:
+    """The caller's `authorization` metadata ("Bearer <key>"), "" when absent."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return ""
 
-    def __init__(self, api_key: str) -> None:
-        self._expected = f"Bearer {api_key}".encode()
+
+def tenant_cache_salt(authorization: str, cache_salt: str) -> str:
+    """The cache salt of a request under --cache-salt-by-api-key: a digest of the caller's
+    key (never the key itself, which then lives in no request) then the request's own salt.
+    The digest's fixed length keeps the two parts apart: no (key, salt) pair can pose as
+    another, and a tenant's own salts still split its cache further."""
+    digest = hashlib.sha256(authorization.encode()).hexdigest()
+    return f"{digest}:{cache_salt}"
+
+
+def read_api_keys(path: str) -> list[str]:
+    """The bearer tokens of an api_key_file: one per line, blank lines and # comments
+    skipped; a file holding one key, as before, is one line."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read api_key_file: {exc}") from None
+    keys = [line.strip() for line in text.splitlines()]
+    keys = [key for key in keys if key and not key.startswith("#")]
+    if not keys:
+        raise ConfigError(f"api_key_file {path} is empty")
+    return keys
+
+
+class BearerAuth(grpc.aio.ServerInterceptor):
+    """Refuses every RPC but the health Check without `authorization: Bearer <key>` for
+    one of the keys (one per tenant)."""
+
+    def __init__(self, api_keys: list[str]) -> None:
+        self._expected = [f"Bearer {key}".encode() for key in api_keys]
 
         async def refuse(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required")
@@ -428,7 +464,8 @@ class BearerAuth(grpc.aio.ServerInterceptor):
             return await continuation(handler_call_details)
         metadata = dict(handler_call_details.invocation_metadata or ())
         token = str(metadata.get("authorization", "")).encode()
-        if hmac.compare_digest(token, self._expected):
+        # Every key compared (no early exit), so the time taken tells nothing of which.
+        if sum(hmac.compare_digest(token, expected) for expected in self._expected):
             return await continuation(handler_call_details)
         streaming = handler_call_details.method.endswith(("/Generate", "/Chat", "/Watch"))
         return self._stream_refusal if streaming else self._refusal
@@ -440,13 +477,7 @@ def build_server(
     """The grpc.aio server with Generation, health (NOT_SERVING until a worker) and reflection."""
     interceptors = []
     if config.api_key_file:
-        try:
-            api_key = Path(config.api_key_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read api_key_file: {exc}") from None
-        if not api_key:
-            raise ConfigError(f"api_key_file {config.api_key_file} is empty")
-        interceptors.append(BearerAuth(api_key))
+        interceptors.append(BearerAuth(read_api_keys(config.api_key_file)))
     options = [
         ("grpc.max_receive_message_length", config.max_grpc_message_bytes),
         ("grpc.max_send_message_length", config.max_grpc_message_bytes),

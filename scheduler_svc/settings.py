@@ -52,6 +52,7 @@ class ServiceConfig:
     max_health_watchers: int = 64
     status_interval_s: float = 10.0
     api_key_file: str | None = None
+    cache_salt_by_api_key: bool = False
     tls_cert: str | None = None
     tls_key: str | None = None
     zmq_curve_secret_key: str | None = None
@@ -86,6 +87,11 @@ class ServiceConfig:
         if not self.zmq_endpoint.startswith(("ipc://", "tcp://")):
             raise ConfigError(
                 f"zmq_endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.zmq_endpoint!r}"
+            )
+        if self.cache_salt_by_api_key and self.api_key_file is None:
+            raise ConfigError(
+                "cache_salt_by_api_key needs api_key_file: without one every caller's key is "
+                "its own choice, and cache_salt in the request does the same"
             )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("tls_cert and tls_key must be given together")
@@ -128,7 +134,10 @@ HELP: dict[str, str] = {
     "max_health_watchers": "concurrent grpc.health.v1 Watch streams (RESOURCE_EXHAUSTED beyond); "
     "Watch needs the bearer token when api_key_file is set, Check never does",
     "status_interval_s": "seconds between the periodic one-line status logs",
-    "api_key_file": "file holding a bearer token; when set, every RPC must present it",
+    "api_key_file": "file holding the bearer tokens, one per line (one per tenant); when set, "
+    "every RPC must present one of them",
+    "cache_salt_by_api_key": "salt the prefix cache by the caller's API key (with the request's "
+    "own cache_salt): tenants share no cached block, nor see each other's hits",
     "tls_cert": "PEM certificate chain for gRPC TLS (with --tls-key)",
     "tls_key": "PEM private key for gRPC TLS (with --tls-cert)",
     "zmq_curve_secret_key": "this scheduler's CurveZMQ .key_secret file: encrypts the "

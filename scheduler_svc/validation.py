@@ -15,6 +15,7 @@ from pagoda.scheduler_svc.core import ValidRequest, ValidSampling, ValidStopping
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
 
 MAX_REQUEST_ID_BYTES = 128
+MAX_CACHE_SALT_BYTES = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_TEMPERATURE = 100.0
 # Below this a temperature divides logits into infinities: it means greedy (as in vLLM).
@@ -129,6 +130,11 @@ def _finish(request, prompt_token_ids: tuple[int, ...], limits: Limits) -> Valid
     if not request.request_id.isprintable():
         # A newline in an id that is logged could forge log lines.
         raise ValidationError("request_id must be printable (no control characters)")
+    if len(request.cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
+        raise ValidationError(
+            f"cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes, "
+            f"got {len(request.cache_salt.encode())}"
+        )
     if not -MAX_ABS_PRIORITY <= request.priority <= MAX_ABS_PRIORITY:
         raise ValidationError(
             f"priority must be in [-{MAX_ABS_PRIORITY}, {MAX_ABS_PRIORITY}], got {request.priority}"
@@ -143,6 +149,7 @@ def _finish(request, prompt_token_ids: tuple[int, ...], limits: Limits) -> Valid
         sampling=_sampling(request.sampling, request.logprobs),
         stopping=_stopping(request.stopping, num_prompt_tokens, limits),
         priority=request.priority,
+        cache_salt=request.cache_salt,
     )
 
 

@@ -119,14 +119,26 @@ class BlockAllocator:
         self._free_block_ids.append(block_id)
 
 
-ROOT_HASH = 0x5061676F6461  # parent of a sequence's first block
+ROOT_HASH = 0x5061676F6461  # parent of an unsalted sequence's first block
+
+
+def cache_root_hash(cache_salt: str) -> int:
+    """The parent of the first block of a request with this cache salt: requests with
+    different salts share no key, so no prefix-cache block (issue 14 item 12). The empty
+    salt is ROOT_HASH, which every unsalted request shares."""
+    return hash((ROOT_HASH, cache_salt.encode())) if cache_salt else ROOT_HASH
 
 
 def extend_block_hashes(
-    token_ids: array[int], block_hashes: list[int], num_blocks: int, block_size: int
+    token_ids: array[int],
+    block_hashes: list[int],
+    num_blocks: int,
+    block_size: int,
+    root_hash: int = ROOT_HASH,
 ) -> None:
-    """Append to `block_hashes` the chained keys of `token_ids`' full blocks up to `num_blocks`."""
-    parent = block_hashes[-1] if block_hashes else ROOT_HASH
+    """Append to `block_hashes` the chained keys of `token_ids`' full blocks up to `num_blocks`,
+    the first block's parent being `root_hash` (cache_root_hash of the request's salt)."""
+    parent = block_hashes[-1] if block_hashes else root_hash
     for index in range(len(block_hashes), num_blocks):
         start = index * block_size
         parent = hash((parent, token_ids[start : start + block_size].tobytes()))

@@ -484,7 +484,13 @@ class Planner:
         if not blocks.enabled:
             return []
         max_blocks = (len(request.token_ids) - 1) // blocks.block_size
-        extend_block_hashes(request.token_ids, request.block_hashes, max_blocks, blocks.block_size)
+        extend_block_hashes(
+            request.token_ids,
+            request.block_hashes,
+            max_blocks,
+            blocks.block_size,
+            request.cache_root_hash,
+        )
         return blocks.match(request.block_hashes, max_blocks)
 
     def _start(self, plan: StepPlan, request: Request, num_tokens: int, now: float) -> int:
@@ -637,7 +643,9 @@ class Planner:
         first, last = start // block_size, end // block_size
         if first == last:
             return
-        extend_block_hashes(request.token_ids, request.block_hashes, last, block_size)
+        extend_block_hashes(
+            request.token_ids, request.block_hashes, last, block_size, request.cache_root_hash
+        )
         for index in range(first, last):
             block_id = request.block_ids[index]
             if blocks.register(block_id, request.block_hashes[index]):

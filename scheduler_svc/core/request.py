@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagoda.scheduler_svc.core.config import WorkerGeometry
+from pagoda.scheduler_svc.core.kv import ROOT_HASH
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,8 @@ class ValidRequest:
     sampling: ValidSampling
     stopping: ValidStopping
     priority: int = 0  # lower runs first under the priority policy
+    # Requests share prefix-cache blocks only with requests of the same salt (tenants).
+    cache_salt: str = ""
 
 
 class FinishReason(enum.Enum):
@@ -101,6 +104,7 @@ class Request:
     # Chained hashes of token_ids' full blocks, computed lazily and kept across
     # preemptions (tokens never change once known).
     block_hashes: list[int] = field(default_factory=list)
+    cache_root_hash: int = ROOT_HASH  # the chain's root: kv.cache_root_hash(cache salt)
     admit_order: int = 0  # stamp of the latest admission; preemption picks the latest
     last_scheduled_step: int = -1  # step_id of the last plan that fed this request
     num_cached_prompt_tokens: int | None = None  # prefix hit at first admission

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from pagoda.scheduler_svc.core.config import SchedulerConfig, WorkerGeometry
 from pagoda.scheduler_svc.core.isolation import Isolation
+from pagoda.scheduler_svc.core.kv import cache_root_hash
 from pagoda.scheduler_svc.core.outputs import (
     RequestOutput,
     SchedulerStats,
@@ -143,6 +144,7 @@ class Scheduler:
             num_prompt_tokens=len(request.prompt_token_ids),
             token_ids=token_array(request.prompt_token_ids),
             arrival_s=now,
+            cache_root_hash=cache_root_hash(request.cache_salt),
         )
         self._requests[request.request_id] = queued
         planner.waiting.push_back(queued)
