@@ -34,6 +34,7 @@ def build_engine(config: WorkerConfig) -> Engine:
             max_context_tokens=config.max_context_tokens,
             fail_on_token_id=config.fail_on_token_id,
             step_ms=config.dummy_step_ms,
+            crash_on_token_id=config.dummy_crash_on_token_id,
         )
     from pagoda.gpu_worker.paged_engine import load_engine  # torch is imported only here
 

@@ -57,6 +57,8 @@ class WorkerConfig:
     log_level: str = "INFO"
     fail_on_token_id: int | None = None  # fault-injection hook for tests
     dummy_step_ms: float = 0.0  # --model dummy: the least wall time of each step's compute
+    # --model dummy, tests only: the process dies at once on a step feeding this token id.
+    dummy_crash_on_token_id: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -105,6 +107,8 @@ class WorkerConfig:
             problems.append(insecure)
         if not 0 <= self.dummy_step_ms <= 60_000:
             problems.append("--dummy-step-ms must be between 0 and 60000")
+        if self.dummy_crash_on_token_id is not None and not self.is_dummy:
+            problems.append("--dummy-crash-on-token-id needs --model dummy")
         if self.log_level not in LOG_LEVELS:
             problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
         if problems:
@@ -239,6 +243,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=None,
         help="fault-injection hook for tests: any step that feeds this token id fails in the "
         "forward (the worker answers with step_error and keeps serving)",
+    )
+    add(
+        "--dummy-crash-on-token-id",
+        type=_optional_int,
+        default=None,
+        help="with --model dummy, a test's fault injection: the worker process dies at once "
+        "(as if it segfaulted) on any step that feeds this token id",
     )
     add(
         "--dummy-step-ms",

@@ -14,6 +14,8 @@ a step (plan, encode, transport, apply) can be measured against a known worker t
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 
 from pagoda.gpu_worker.engine import Engine, EngineFacts, SampledTokens
@@ -21,10 +23,14 @@ from pagoda.gpu_worker.sequence_table import ScheduledChunk
 
 from pagoda.common.dummy_tokens import dummy_banned_token_ids, dummy_next_token
 
+log = logging.getLogger("pagoda.worker.dummy")
+
 DUMMY_VOCAB_SIZE = 49152
 DUMMY_EOS_TOKEN_IDS = (2,)
 DUMMY_MAX_CONTEXT_TOKENS = 8192
 DUMMY_NUM_KV_BLOCKS = 4096
+# The exit status of a dummy worker that died on purpose (crash_on_token_id).
+DUMMY_CRASH_EXIT_CODE = 70
 
 
 class DummyEngine(Engine):
@@ -36,6 +42,7 @@ class DummyEngine(Engine):
         max_context_tokens: int | None = None,
         fail_on_token_id: int | None = None,
         step_ms: float = 0.0,
+        crash_on_token_id: int | None = None,
     ) -> None:
         facts = EngineFacts(
             model_id="dummy",
@@ -49,9 +56,16 @@ class DummyEngine(Engine):
         )
         super().__init__(facts, fail_on_token_id=fail_on_token_id)
         self.step_ms = step_ms
+        # Tests only: a request that kills its worker (the scheduler must isolate it).
+        self.crash_on_token_id = crash_on_token_id
 
     def compute(self, chunks: list[ScheduledChunk]) -> SampledTokens:
         started_s = time.perf_counter()
+        crash_id = self.crash_on_token_id
+        if crash_id is not None and any(crash_id in chunk.token_ids for chunk in chunks):
+            log.error("fault injected: token %d was fed; the worker dies now", crash_id)
+            logging.shutdown()
+            os._exit(DUMMY_CRASH_EXIT_CODE)  # no cleanup, no goodbye: as a segfault
         sampled = SampledTokens([])
         wants_logprobs = any(c.sample and c.seq.sampling.num_logprobs for c in chunks)
         for chunk in chunks:

@@ -49,6 +49,7 @@ def test_environment_fills_in_and_flags_win():
         (["--zmq-endpoint", "no-scheme"], {}),
         ([], {"PAGODA_WORKER_BLOCK_SIZE": "sixteen"}),
         ([], {"PAGODA_WORKER_DEVICE": "tpu"}),
+        (["--model", "some/model", "--dummy-crash-on-token-id", "5"], {}),
     ],
 )
 def test_bad_values_exit_with_a_message(argv, environ, capsys):
