@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import re
 import subprocess
 import sys
@@ -21,6 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.worker.conftest import TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, random_prompts
+from tests.worker.toy_scheduler import ToyScheduler, split_into
 
 pytest.importorskip("triton")
 
@@ -46,11 +50,13 @@ def kernels():
     return triton_paged
 
 
+@pytest.mark.slow  # about 35 s of CPU: the interpreter runs every kernel op in Python
 @pytest.mark.skipif(RUN_HERE, reason="the kernel tests run in this process")
 def test_kernels_under_the_interpreter():
+    this_file = str(Path(__file__).relative_to(REPO_ROOT))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", this_file]
     completed = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow"]
-        + [str(Path(__file__).relative_to(REPO_ROOT))],
+        [*command, "-k", "not compile_for_cuda"],  # that one needs no interpreter
         cwd=REPO_ROOT,
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
@@ -357,6 +363,23 @@ def test_backend_matches_the_reference_backend(kernels, sliding_window):
     torch.testing.assert_close(triton_output, reference_output, rtol=1e-4, atol=1e-5)
     expected = dense_attention(step, 0.125, sliding_window)
     torch.testing.assert_close(triton_output.cpu(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not INTERPRETED, reason="the tiny model runs on CPU: interpreter only")
+def test_engine_on_the_triton_backend_matches_generate(kernels, llama_models):
+    # The backend inside the real engine: block size 4, head_dim 16, grouped-query heads,
+    # staggered chunked prompts sharing steps with decodes, greedy tokens equal generate().
+    engine = llama_models.engine()
+    engine.attention_backend = kernels.TritonBackend()  # create_backend refuses it on CPU
+    scheduler = ToyScheduler(engine, num_blocks=TEST_NUM_BLOCKS, block_size=TEST_BLOCK_SIZE)
+    prompts = random_prompts(3, seed=4, max_len=14)
+    rng = random.Random(4)
+    for seq_id, prompt in enumerate(prompts):
+        chunks = split_into(len(prompt), rng.randint(2, 3), rng)
+        scheduler.add(seq_id, prompt, chunk_sizes=chunks, admit_at_step=seq_id)
+    expected = {seq_id: llama_models.greedy(prompt, 6) for seq_id, prompt in enumerate(prompts)}
+    assert scheduler.run(6) == expected
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="bf16 tensor-core path: needs CUDA")
