@@ -47,7 +47,8 @@ class WorkerConfig:
     attention_backend: str = "auto"  # auto: triton on CUDA when it imports, else reference
     block_size: int = 16
     kv_cache_gib: float = 1.0  # pool budget on CPU
-    gpu_memory_utilization: float = 0.85  # fraction of free CUDA memory after loading
+    gpu_memory_utilization: float = 0.85  # fraction of the CUDA memory for everything
+    max_num_batched_tokens: int = 2048  # the largest step expected (KV sizing on CUDA)
     num_kv_blocks: int | None = None  # overrides both budgets
     max_context_tokens: int | None = None  # None: the model config's position limit
     tensor_parallel_size: int = 1  # ranks sharing the model (pagoda.gpu_worker.tensor_parallel)
@@ -86,6 +87,8 @@ class WorkerConfig:
             problems.append("--kv-cache-gib must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:
             problems.append("--gpu-memory-utilization must be in (0, 1]")
+        if self.max_num_batched_tokens < 1:
+            problems.append("--max-num-batched-tokens must be at least 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             problems.append("--num-kv-blocks must be at least 1")
         if self.max_context_tokens is not None and self.max_context_tokens < 1:
@@ -169,7 +172,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--dtype",
         default="auto",
         choices=DTYPES,
-        help="weights and KV dtype; auto is bfloat16 on CUDA, float32 on CPU",
+        help="weights and KV dtype; auto is float32 on CPU, bfloat16 on CUDA where the GPU "
+        "supports it (else float16)",
     )
     add(
         "--quantization",
@@ -192,7 +196,16 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--gpu-memory-utilization",
         type=float,
         default=0.85,
-        help="on CUDA, fraction of the memory free after loading the weights given to the KV pool",
+        help="on CUDA, fraction of the device's memory this worker may fill: weights, the "
+        "activations of the largest step (measured by a profiling step before the pool exists) "
+        "and the KV pool, which gets the rest",
+    )
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="on CUDA, tokens in the profiling step that sizes the KV pool: the scheduler's "
+        "--max-num-batched-tokens (a larger step could run out of memory)",
     )
     add(
         "--num-kv-blocks",

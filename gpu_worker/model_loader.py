@@ -211,15 +211,24 @@ def _download_from_hub(repo_id: str) -> Path:
         ) from exc
 
 
+def auto_dtype_name(device: str, *, bf16_supported: bool) -> str:
+    """What dtype 'auto' means: float32 on the CPU; on CUDA bfloat16 where the GPU has it
+    (Ampere and later), else float16 (bfloat16 there is emulated, slow or refused)."""
+    if not device.startswith("cuda"):
+        return "float32"
+    return "bfloat16" if bf16_supported else "float16"
+
+
 def load_model(resolved: ResolvedModel, device: str, dtype: str = "auto"):
-    """Load the causal LM on `device`; dtype 'auto' is float32 on CPU, bfloat16 on CUDA."""
+    """Load the causal LM on `device`; dtype 'auto': see auto_dtype_name."""
     import torch
     from transformers import AutoModelForCausalLM
 
     if resolved.path is None:
         raise ValueError("the dummy model has no weights to load")
     if dtype == "auto":
-        torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported()
+        torch_dtype = getattr(torch, auto_dtype_name(device, bf16_supported=bf16))
     else:
         torch_dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch_dtype)

@@ -17,6 +17,7 @@ from pagoda.gpu_worker.attention import create_backend
 from pagoda.gpu_worker.config import WorkerConfig
 from pagoda.gpu_worker.engine import Engine, EngineFacts, SampledTokens
 from pagoda.gpu_worker.kv_pool import GIB, KVGeometry, KVPool, num_blocks_for_budget
+from pagoda.gpu_worker.kv_sizing import kv_budget_bytes, measure_memory, profile_plan
 from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
 from pagoda.gpu_worker.quantization import quantize, resolve_quantization
 from pagoda.gpu_worker.ragged_batch import build_ragged_batch
@@ -64,6 +65,10 @@ class PagedEngine(Engine):
         self.model = model
         parameter = next(model.parameters())
         self.device = parameter.device
+        if self.device.type == "cuda":
+            # cuDNN attention builds and caches a plan per new shape (every step's context
+            # length is new): tens of ms each, and host memory that is never given back.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.attention_backend = create_backend(attention_backend, self.device.type)
         geometry = KVGeometry.from_model_config(model.config, block_size, parameter.dtype)
         self.pool = KVPool(geometry, num_kv_blocks, self.device)
@@ -147,8 +152,36 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif device.startswith("cuda"):
-        free_bytes, _ = torch.cuda.mem_get_info(torch.device(device))
-        num_blocks = num_blocks_for_budget(free_bytes * config.gpu_memory_utilization, geometry)
+        # After a profiling step as large as the scheduler's largest (kv_sizing.py).
+        plan = profile_plan(
+            config.max_num_batched_tokens,
+            config.max_context_tokens or max_positions_of(model),
+            config.block_size,
+        )
+
+        def probe(num_kv_blocks: int) -> PagedEngine:
+            return PagedEngine(
+                model,
+                model_id=resolved.model_id,
+                num_kv_blocks=num_kv_blocks,
+                block_size=config.block_size,
+                max_context_tokens=config.max_context_tokens,
+                quantization=quantization,
+                attention_backend=config.attention_backend,
+            )
+
+        profile = measure_memory(probe, plan, torch.device(device))
+        log.info(
+            "profiling step of %d tokens: peak %.3f GiB allocated (probe pool %.3f GiB), "
+            "%.3f GiB used outside torch, %.3f GiB total",
+            config.max_num_batched_tokens,
+            profile.peak_allocated_bytes / GIB,
+            profile.probe_pool_bytes / GIB,
+            (profile.in_use_bytes - profile.reserved_bytes) / GIB,
+            profile.total_bytes / GIB,
+        )
+        budget_bytes = kv_budget_bytes(profile, config.gpu_memory_utilization)
+        num_blocks = num_blocks_for_budget(budget_bytes, geometry)
     else:
         num_blocks = num_blocks_for_budget(config.kv_cache_gib * GIB, geometry)
     num_blocks = tensor_parallel.agree_num_kv_blocks(num_blocks)  # identity without a group

@@ -171,7 +171,9 @@ def running_service(
             tmp_path / "scheduler.log",
         ),  # fmt: skip
         log_dir=tmp_path,
-        worker_args=["--model", model, *worker_args],
+        # --device cpu: exact-parity tests compare with transformers' float32 CPU forward,
+        # which a GPU host's bfloat16 worker would not match (a test may still override it).
+        worker_args=["--model", model, "--device", "cpu", *worker_args],
     )
     service.start_worker()
     try:
