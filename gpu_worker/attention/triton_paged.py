@@ -320,7 +320,7 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return output
     _check_last_dim_contiguous(query, output, key_cache, value_cache)
-    _check_block_size(key_cache.shape[1])
+    _check_tile_sizes(key_cache.shape[1], head_dim, compiled=query.device.type != "cpu")
     group = num_heads // num_kv_heads
     block_q, block_m = query_tile(max_query_len, group)
     num_tiles = num_tokens // block_q + num_seqs
@@ -362,10 +362,16 @@ def paged_attention(
     return output
 
 
-def _check_block_size(block_size: int) -> None:
-    # One cache block is one key tile: tl.arange needs a power of two, tl.dot on CUDA >= 16.
+def _check_tile_sizes(block_size: int, head_dim: int, compiled: bool) -> None:
+    """One cache block is one key tile, so tl.arange needs a power-of-two block size; a
+    compiled tl.dot needs 16 or more along every side (the interpreter, on CPU, does not)."""
     if block_size & (block_size - 1):
         raise ValueError(f"the triton backend needs a power-of-two block size, not {block_size}")
+    if compiled and min(block_size, triton.next_power_of_2(head_dim)) < 16:
+        raise ValueError(
+            f"the triton backend needs a block size and head size of 16 or more on a GPU, "
+            f"not {block_size} and {head_dim}"
+        )
 
 
 def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:

@@ -365,6 +365,23 @@ def test_backend_matches_the_reference_backend(kernels, sliding_window):
     torch.testing.assert_close(triton_output.cpu(), expected, rtol=1e-4, atol=1e-5)
 
 
+def test_tile_sizes_a_gpu_cannot_compile_are_refused(kernels):
+    # Checked before any launch, so meta tensors stand in for a GPU's.
+    def arguments(block_size: int, head_dim: int, device: str) -> list[torch.Tensor]:
+        cache = torch.empty(4, block_size, 1, head_dim, device=device)
+        query = torch.empty(3, 2, head_dim, device=device)
+        index = torch.zeros(2, dtype=torch.int32, device=device)
+        return [query, cache, cache, index, index[:1], index[None]]
+
+    for block_size, head_dim in ((8, 64), (16, 8)):
+        with pytest.raises(ValueError, match="16 or more on a GPU"):
+            kernels.paged_attention(
+                *arguments(block_size, head_dim, "meta"), max_query_len=3, scale=1.0
+            )
+    with pytest.raises(ValueError, match="power-of-two block size"):
+        kernels.paged_attention(*arguments(12, 64, "cpu"), max_query_len=3, scale=1.0)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not INTERPRETED, reason="the tiny model runs on CPU: interpreter only")
 def test_engine_on_the_triton_backend_matches_generate(kernels, llama_models):
