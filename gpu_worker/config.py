@@ -58,6 +58,7 @@ class WorkerConfig:
     log_level: str = "INFO"
     fail_on_token_id: int | None = None  # fault-injection hook for tests
     dummy_step_ms: float = 0.0  # --model dummy: the least wall time of each step's compute
+    cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA + triton only)
     # --model dummy, tests only: the process dies at once on a step feeding this token id.
     dummy_crash_on_token_id: int | None = None
 
@@ -263,6 +264,15 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=None,
         help="with --model dummy, a test's fault injection: the worker process dies at once "
         "(as if it segfaulted) on any step that feeds this token id",
+    )
+    add(
+        "--cuda-graphs",
+        type=_bool,
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CUDA with the triton attention backend, capture the forward of decode-only "
+        "steps at padded batch sizes 1, 2, 4, 8, 16, 24 .. 256 before saying hello, and "
+        "replay them (pagoda.gpu_worker.cuda_graphs); --no-cuda-graphs runs every step eagerly",
     )
     add(
         "--dummy-step-ms",

@@ -15,6 +15,7 @@ import torch
 from pagoda.gpu_worker import paged_attention
 from pagoda.gpu_worker.attention import create_backend
 from pagoda.gpu_worker.config import WorkerConfig
+from pagoda.gpu_worker.cuda_graphs import DecodeGraphs, can_capture
 from pagoda.gpu_worker.engine import Engine, EngineFacts, SampledTokens
 from pagoda.gpu_worker.kv_pool import GIB, KVGeometry, KVPool, num_blocks_for_budget
 from pagoda.gpu_worker.kv_sizing import kv_budget_bytes, measure_memory, profile_plan
@@ -57,6 +58,7 @@ class PagedEngine(Engine):
         fail_on_token_id: int | None = None,
         quantization: str = "none",  # "int8": see pagoda.gpu_worker.quantization
         attention_backend: str = "reference",  # see pagoda.gpu_worker.attention
+        cuda_graphs: bool = False,  # see pagoda.gpu_worker.cuda_graphs
     ) -> None:
         quantize(model, quantization)
         paged_attention.register()
@@ -71,7 +73,9 @@ class PagedEngine(Engine):
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.attention_backend = create_backend(attention_backend, self.device.type)
         geometry = KVGeometry.from_model_config(model.config, block_size, parameter.dtype)
-        self.pool = KVPool(geometry, num_kv_blocks, self.device)
+        graphs = cuda_graphs and can_capture(self.attention_backend.name, self.device.type)
+        # With graphs, one block more than announced: padded rows' scratch (cuda_graphs.py).
+        self.pool = KVPool(geometry, num_kv_blocks + graphs, self.device)
         self.block_size = block_size
         facts = EngineFacts(
             model_id=model_id,
@@ -85,6 +89,11 @@ class PagedEngine(Engine):
             quantization=quantization,
         )
         super().__init__(facts, fail_on_token_id=fail_on_token_id)
+        self.decode_graphs: DecodeGraphs | None = None
+        if graphs:  # captured by load_engine, before the hello
+            self.decode_graphs = DecodeGraphs(
+                self, scratch_block=num_kv_blocks, max_context_tokens=facts.max_context_tokens
+            )
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -93,6 +102,9 @@ class PagedEngine(Engine):
     @torch.inference_mode()
     def compute(self, chunks: list[ScheduledChunk]) -> SampledTokens:
         started_s = time.perf_counter()
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(chunks):
+            return self._sample(graphs.run(chunks), chunks, started_s)
         batch = build_ragged_batch(chunks, self.block_size, self.device)
         logits = self.model(
             input_ids=batch.input_ids,
@@ -104,11 +116,17 @@ class PagedEngine(Engine):
             kv_pool=self.pool,
             attention_backend=self.attention_backend,
         ).logits[0]
+        return self._sample(logits, batch.sample_chunks, started_s)
+
+    def _sample(
+        self, logits: torch.Tensor, sample_chunks: list[ScheduledChunk], started_s: float
+    ) -> SampledTokens:
+        """Sample the rows of `logits` (one per chunk of `sample_chunks`, in order)."""
         self._synchronize()
         forward_done_s = time.perf_counter()
         rows = [
             SampleRow(c.seq.sampling, c.seq.token_ids, c.seq.num_prompt_tokens, c.end_position)
-            for c in batch.sample_chunks
+            for c in sample_chunks
         ]
         output = sample(logits, rows) if rows and self.samples else None
         sample_done_s = time.perf_counter()
@@ -195,8 +213,14 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
         fail_on_token_id=config.fail_on_token_id,
         quantization=quantization,
         attention_backend=config.attention_backend,
+        # Not across tensor-parallel ranks: their collectives are not captured here.
+        cuda_graphs=config.cuda_graphs and config.tensor_parallel_size == 1,
     )
     log.info("attention backend %s", engine.attention_backend.name)
+    if engine.decode_graphs is not None:
+        engine.decode_graphs.capture()  # before the hello: no step waits on it
+    elif config.cuda_graphs and device.startswith("cuda"):
+        log.info("no CUDA graphs: the %s backend loops on the host", engine.attention_backend.name)
     log.info("quantization %s; engine built in %.1f s", quantization, time.monotonic() - built_s)
     log.info(
         "KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB (%d layers, %d KV heads x %d)",

@@ -1,0 +1,257 @@
+"""CUDA graphs for decode-only steps: one captured forward per padded batch size.
+
+A decode step of n sequences (every chunk feeds one token) is padded to the smallest
+bucket B >= n of DECODE_BUCKETS (1, 2, 4, 8, then every 8 up to 256) and replayed from
+the graph captured for B, so its ~1,300 kernel launches cost one. Padded rows feed
+token 0 at position 0 into the scratch slot (the first slot of a block the engine keeps
+outside the pool it announces, so no sequence's K/V is touched), read that slot alone
+(context length 1), and their logits are never read. Steps that feed a prompt chunk, or
+more sequences than the largest bucket, run eagerly as before.
+
+What a graph replays is fixed at capture: the buffers below are static and each step
+copies its (padded) inputs into them; the block table is max_blocks_per_seq wide, so
+any context up to the model's limit fits. Only backends without host-side loops can be
+captured (the Triton one: the reference backend reads *_cpu tensors and loops on the
+host); the engine asks `can_capture(backend)`.
+
+Capture happens at load, before the worker says hello, so no step of the scheduler's
+waits on it; it is bounded by CAPTURE_BUDGET_S (buckets left over run eagerly) and
+logged. The bucketing and padding are plain Python (tested on the CPU); the capture and
+replay need CUDA and are untested without it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger("pagoda.worker.cuda_graphs")
+
+DECODE_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, *range(16, 257, 8))
+# Capture stops after this much wall time; the buckets not captured run eagerly.
+CAPTURE_BUDGET_S = 60.0
+PAD_TOKEN_ID = 0
+
+
+def bucket_for(num_seqs: int, buckets: Sequence[int] = DECODE_BUCKETS) -> int | None:
+    """The smallest bucket holding `num_seqs` rows (buckets ascending); None past the last."""
+    if num_seqs < 1:
+        return None
+    index = bisect.bisect_left(buckets, num_seqs)
+    return buckets[index] if index < len(buckets) else None
+
+
+@dataclass(slots=True)
+class PaddedDecode:
+    """A decode step's inputs padded to `bucket` rows, flat, ready for the static buffers.
+    Rows [0, num_seqs) are the step's sequences in plan order, the rest padding."""
+
+    bucket: int
+    num_seqs: int
+    input_ids: list[int]  # [bucket]
+    positions: list[int]  # [bucket]
+    slot_mapping: list[int]  # [bucket]: where each row's K/V is written
+    context_lens: list[int]  # [bucket]: keys each row reads, its own included
+    block_table: list[int]  # [bucket * width], row-major
+
+
+def pad_decode(
+    token_ids: Sequence[int],
+    positions: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    *,
+    block_size: int,
+    bucket: int,
+    width: int,
+    scratch_block: int,
+) -> PaddedDecode:
+    """Row i feeds token_ids[i] at positions[i] through block_tables[i]; pad to `bucket`
+    rows of a `width`-wide block table. Table columns past a sequence's blocks, and every
+    padded row, name the scratch block (never read past a row's context length)."""
+    num_seqs = len(token_ids)
+    if not 0 < num_seqs <= bucket:
+        raise ValueError(f"{num_seqs} rows do not fit a bucket of {bucket}")
+    slot_mapping: list[int] = []
+    table: list[int] = []
+    for position, blocks in zip(positions, block_tables, strict=True):
+        num_blocks = position // block_size + 1
+        if num_blocks > width or num_blocks > len(blocks):
+            raise ValueError(f"position {position} is not covered by the block table")
+        slot_mapping.append(blocks[position // block_size] * block_size + position % block_size)
+        row = list(blocks[:num_blocks])
+        table.extend(row)
+        table.extend([scratch_block] * (width - len(row)))
+    num_padded = bucket - num_seqs
+    scratch_slot = scratch_block * block_size
+    return PaddedDecode(
+        bucket=bucket,
+        num_seqs=num_seqs,
+        input_ids=[*token_ids, *[PAD_TOKEN_ID] * num_padded],
+        positions=[*positions, *[0] * num_padded],
+        slot_mapping=slot_mapping + [scratch_slot] * num_padded,
+        context_lens=[position + 1 for position in positions] + [1] * num_padded,
+        block_table=table + [scratch_block] * (width * num_padded),
+    )
+
+
+def can_capture(backend_name: str, device_type: str) -> bool:
+    """Graphs need CUDA and a backend whose forward launches kernels only (no host loop)."""
+    return device_type == "cuda" and backend_name == "triton"
+
+
+class DecodeGraphs:
+    """The captured decode graphs of one engine (torch is imported only here, on CUDA)."""
+
+    def __init__(
+        self,
+        engine,
+        *,
+        scratch_block: int,
+        max_context_tokens: int,
+        buckets: Sequence[int] = DECODE_BUCKETS,
+    ) -> None:
+        import torch
+
+        self._engine = engine
+        self.scratch_block = scratch_block
+        self.block_size = engine.block_size
+        self.width = -(-max_context_tokens // self.block_size)
+        self.buckets = tuple(buckets)
+        self._graphs: dict[int, object] = {}  # bucket -> torch.cuda.CUDAGraph
+        self._logits: dict[int, torch.Tensor] = {}  # bucket -> its static output
+        device = engine.device
+        largest = self.buckets[-1]
+        self._input_ids = torch.zeros(1, largest, dtype=torch.long, device=device)
+        self._positions = torch.zeros(1, largest, dtype=torch.long, device=device)
+        self._slot_mapping = torch.zeros(largest, dtype=torch.long, device=device)
+        self._context_lens = torch.ones(largest, dtype=torch.int32, device=device)
+        self._block_table = torch.full(
+            (largest, self.width), scratch_block, dtype=torch.int32, device=device
+        )
+        self._query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self._rows = torch.arange(largest, dtype=torch.long, device=device)
+        # One pinned staging buffer per step: a single host-to-device copy per tensor.
+        self._host_longs = torch.zeros(3 * largest, dtype=torch.long).pin_memory()
+        self._host_ints = torch.zeros(largest * (1 + self.width), dtype=torch.int32).pin_memory()
+        self._pool = None
+
+    @property
+    def captured_buckets(self) -> tuple[int, ...]:
+        return tuple(sorted(self._graphs))
+
+    def fits(self, chunks) -> bool:
+        """A decode-only step whose padded bucket was captured."""
+        if not all(len(chunk.token_ids) == 1 for chunk in chunks):
+            return False
+        bucket = bucket_for(len(chunks), self.buckets)
+        return bucket is not None and bucket in self._graphs
+
+    def capture(self, budget_s: float = CAPTURE_BUDGET_S) -> None:
+        """Capture the buckets, largest first (later ones reuse its memory pool), until
+        `budget_s` runs out."""
+        import torch
+
+        started_s = time.monotonic()
+        self._pool = torch.cuda.graph_pool_handle()
+        for bucket in sorted(self.buckets, reverse=True):
+            if time.monotonic() - started_s > budget_s:
+                log.warning(
+                    "CUDA graph capture stopped after %.1f s: %d buckets captured, "
+                    "batches above the rest run eagerly",
+                    time.monotonic() - started_s,
+                    len(self._graphs),
+                )
+                break
+            self._capture_one(bucket)
+        log.info(
+            "captured %d decode CUDA graphs (batch %s) in %.1f s",
+            len(self._graphs),
+            ", ".join(map(str, self.captured_buckets)),
+            time.monotonic() - started_s,
+        )
+
+    def _capture_one(self, bucket: int) -> None:
+        import torch
+
+        self._stage(pad_decode([PAD_TOKEN_ID], [0], [[self.scratch_block]],
+                               block_size=self.block_size, bucket=bucket, width=self.width,
+                               scratch_block=self.scratch_block))  # fmt: skip
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: JIT and autotuning happen outside the capture
+                self._forward(bucket)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._logits[bucket] = self._forward(bucket)
+        self._graphs[bucket] = graph
+
+    def run(self, chunks):
+        """The logits of a decode step that `fits`, one row per chunk in order."""
+        bucket = bucket_for(len(chunks), self.buckets)
+        padded = pad_decode(
+            [chunk.token_ids[0] for chunk in chunks],
+            [chunk.start_position for chunk in chunks],
+            [chunk.seq.block_ids for chunk in chunks],
+            block_size=self.block_size,
+            bucket=bucket,
+            width=self.width,
+            scratch_block=self.scratch_block,
+        )
+        self._stage(padded)
+        self._graphs[bucket].replay()
+        return self._logits[bucket][: len(chunks)]
+
+    def _stage(self, padded: PaddedDecode) -> None:
+        """Copy a padded step into the static buffers (through pinned memory)."""
+        import torch
+
+        bucket = padded.bucket
+        longs = self._host_longs[: 3 * bucket]
+        longs.copy_(
+            torch.tensor(padded.input_ids + padded.positions + padded.slot_mapping),
+        )
+        ints = self._host_ints[: bucket * (1 + self.width)]
+        ints.copy_(torch.tensor(padded.context_lens + padded.block_table, dtype=torch.int32))
+        device_longs = longs.to(self._engine.device, non_blocking=True)
+        device_ints = ints.to(self._engine.device, non_blocking=True)
+        self._input_ids[0, :bucket].copy_(device_longs[:bucket])
+        self._positions[0, :bucket].copy_(device_longs[bucket : 2 * bucket])
+        self._slot_mapping[:bucket].copy_(device_longs[2 * bucket :])
+        self._context_lens[:bucket].copy_(device_ints[:bucket])
+        self._block_table[:bucket].copy_(device_ints[bucket:].view(bucket, self.width))
+
+    def _forward(self, bucket: int):
+        from pagoda.gpu_worker.attention.backend import AttentionMetadata
+
+        engine = self._engine
+        max_context_len = self.width * self.block_size  # static: any context fits
+        metadata = AttentionMetadata(
+            num_tokens=bucket,
+            num_seqs=bucket,
+            num_decode_seqs=bucket,
+            max_query_len=1,
+            max_context_len=max_context_len,
+            max_decode_context_len=max_context_len,
+            block_size=self.block_size,
+            query_start_loc=self._query_start_loc[: bucket + 1],
+            context_lens=self._context_lens[:bucket],
+            block_table=self._block_table[:bucket],
+            slot_mapping=self._slot_mapping[:bucket],
+            # Never read by a capturable backend (no host loop); views keep the type.
+            query_start_loc_cpu=self._query_start_loc[: bucket + 1],
+            context_lens_cpu=self._context_lens[:bucket],
+        )
+        return engine.model(
+            input_ids=self._input_ids[:, :bucket],
+            position_ids=self._positions[:, :bucket],
+            logits_to_keep=self._rows[:bucket],
+            use_cache=False,
+            attention_metadata=metadata,
+            kv_pool=engine.pool,
+            attention_backend=engine.attention_backend,
+        ).logits[0]
