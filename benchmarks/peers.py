@@ -264,6 +264,8 @@ def make_step_timer():
             if not self._seen_prompt:
                 self._seen_prompt = True
                 return
+            if getattr(value, "is_cuda", False):
+                value.cpu()  # wait for the step's kernels: time their end, not their launch
             self.step_times_s.append(time.perf_counter())
 
         def end(self) -> None:

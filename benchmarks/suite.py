@@ -6,6 +6,7 @@
     .venv/bin/python -m benchmarks.suite --only prefix-caching --no-peers --json out.json
     .venv/bin/python -m benchmarks.suite --only trickle-short --peer llama-server
     BENCH_TARGET=host:port .venv/bin/python -m benchmarks.suite   # an already running server
+    .venv/bin/python -m benchmarks.suite --device cuda --write-docs  # on a GPU host
 
 Without BENCH_TARGET the suite starts a worker and, per knob setting, a scheduler (see
 benchmarks.suite_service), runs the load generator for every variant of every scenario and
@@ -15,12 +16,18 @@ process on the same prompts (see benchmarks.peers), one at a time, so they never
 the cores. With
 BENCH_TARGET it cannot change the server's knobs: each distinct workload runs once against
 the server as it is configured, and the tables say so.
+
+--device is the worker's and the peers' (both synchronize before they read a clock).
+--write-docs copies everything the run printed into its own generated section of
+docs/benchmarks.md ("make bench --device cuda", say; see benchmarks.docs_section), which a
+re-run replaces.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import json
 import os
 import secrets
@@ -32,6 +39,7 @@ from pagoda.client.bench import run_bench
 from pagoda.client.bench_config import BenchConfig
 from pagoda.client.bench_report import BenchReport, format_report_table
 
+from benchmarks.docs_section import section_body, write_section
 from benchmarks.scenarios import (
     ALL_PEERS,
     PEER_KEYS,
@@ -76,6 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device", default="auto", help="worker and peer device: auto, cpu, cuda, cuda:N"
     )
     parser.add_argument("--json", metavar="PATH", help="write every result as JSON")
+    parser.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="copy the run's output into its own generated section of docs/benchmarks.md "
+        '("make bench --device DEVICE"; a quick run gets "make bench-quick ...")',
+    )
     parser.add_argument("--plot", metavar="PNG", help="write latency CDFs of one workload")
     # A smoke-test hook: `--worker-model dummy` runs the scenarios without weights.
     parser.add_argument("--worker-model", default="default", help=argparse.SUPPRESS)
@@ -131,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    transcript = _Tee(sys.stdout) if args.write_docs else None
+    if transcript is not None:
+        sys.stdout = transcript
     target = os.environ.get("BENCH_TARGET")
     results = SuiteResults()
     started_s = time.perf_counter()
@@ -171,7 +188,42 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.json}")
     if args.plot:
         _plot(results, args.plot)
+    if transcript is not None:
+        sys.stdout = transcript.stream
+        _write_docs(args, transcript.getvalue(), load_before[0])
     return 0
+
+
+class _Tee(io.StringIO):
+    """Keeps a copy of what is printed, for --write-docs."""
+
+    def __init__(self, stream) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        return super().write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _write_docs(args: argparse.Namespace, transcript: str, load_before: float) -> None:
+    device = _peer_device(args.device) if args.device == "auto" else args.device
+    name = f"make bench{'-quick' if args.quick else ''} --device {device.split(':')[0]}"
+    notes = [f"Device: {_device_name(device)}; {os.cpu_count()} CPUs, load average "
+             f"{load_before:.2f} before the run."]  # fmt: skip
+    write_section(name, section_body(name, transcript, notes))
+    print(f"wrote the section {name!r} of docs/benchmarks.md")
+
+
+def _device_name(device: str) -> str:
+    if not device.startswith("cuda"):
+        return "CPU"
+    import torch
+
+    return f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
 
 
 def _run_local_service(
