@@ -132,6 +132,8 @@ class Group:
         self.lost: str | None = None  # why the group is unusable, once it is
 
     def _collective(self, operation, *args, **kwargs) -> None:
+        if self.lost is not None:  # a broken group may hang rather than fail again
+            raise RuntimeError(f"the tensor-parallel group is lost: {self.lost}")
         try:
             operation(*args, **kwargs)
         except Exception as exc:  # gloo and NCCL raise RuntimeError subclasses
@@ -540,6 +542,11 @@ def _run_rank(
     from pagoda.gpu_worker.server import WorkerServer
 
     device = rank_device(config.device, rendezvous.local_rank)
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # N ranks of one host share its cores: each rank's default (every core) makes idle
+        # OpenMP threads spin against the other ranks, and every all_reduce then waits for
+        # the rank that was descheduled.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // rendezvous.world_size))
     group = init_group(rendezvous, device, listener)
     leader = GroupLeader(group, children) if rendezvous.rank == 0 else None
     exit_code = EXIT_GROUP_LOST

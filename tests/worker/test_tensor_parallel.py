@@ -96,6 +96,55 @@ def test_models_that_cannot_be_split_are_refused_with_a_reason(tiny_model_factor
         tensor_parallel.shard_plan(load(tiny_model_factory("gpt2")), 2)
 
 
+class FakeLeader:
+    """What the server sees of tensor_parallel.GroupLeader."""
+
+    def __init__(self) -> None:
+        self.plans: list[bytes] = []
+        self.num_resets = 0
+        self.problem: str | None = None
+
+    def send_plan(self, payload: bytes) -> None:
+        self.plans.append(payload)
+
+    def send_reset(self) -> None:
+        self.num_resets += 1
+
+    def keepalive(self) -> None:
+        pass
+
+    def lost(self) -> str | None:
+        return self.problem
+
+
+def test_the_server_forwards_plans_and_resets_and_exits_when_the_group_is_lost(tmp_path):
+    import zmq
+    from pagoda.gpu_worker.dummy_engine import DummyEngine
+    from pagoda.gpu_worker.server import EXIT_GROUP_LOST, WorkerServer
+    from pagoda.protos import step_pb2
+
+    from pagoda.common import wire
+
+    leader = FakeLeader()
+    server = WorkerServer(DummyEngine(num_kv_blocks=8), f"ipc://{tmp_path}/w.sock", group=leader)
+    server._socket = zmq.Context.instance().socket(zmq.DEALER)  # connected nowhere
+    server._socket.setsockopt(zmq.IMMEDIATE, 1)
+    try:
+        ack = step_pb2.HelloAck(
+            accepted=True, protocol_version=wire.PROTOCOL_VERSION, scheduler_incarnation_id="s1"
+        )
+        assert server._handle(wire.encode(ack)) is None
+        assert leader.num_resets == 1  # a new scheduler: every rank forgets
+        plan = step_pb2.StepPlan(step_id=7)
+        frames = wire.encode(plan)
+        assert server._handle(frames) is None
+        assert leader.plans == [frames[1]]  # the protobuf bytes, as received
+        leader.problem = "rank 1 exited with -9"
+        assert server._handle(wire.encode(step_pb2.StepPlan(step_id=8))) == EXIT_GROUP_LOST
+    finally:
+        server._socket.close(linger=0)
+
+
 # -- two ranks --------------------------------------------------------------------------------
 
 PARITY_ARCHITECTURES = ("llama", "qwen2")  # GQA; biased q/k/v (column-sliced biases)
