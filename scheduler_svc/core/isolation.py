@@ -77,6 +77,22 @@ class Isolation:
         is an ordinary one, or tries it again."""
         self._target = None
 
+    def hand_over(self) -> list[tuple[str, int]]:
+        """The suspects in order with their solo failures, forgotten here: their requests
+        move to another worker's scheduler (Scheduler.hand_over)."""
+        suspects = [(s, self._solo_failures.get(s, 0)) for s in self._suspect_ids]
+        self._suspect_ids.clear()
+        self._solo_failures.clear()
+        self._target = None
+        return suspects
+
+    def take_over(self, suspects: list[tuple[str, int]]) -> None:
+        """Suspects handed over by another scheduler's isolation, after those here."""
+        for request_id, num_failures in suspects:
+            self.suspect([request_id])
+            if num_failures:
+                self._solo_failures[request_id] = num_failures
+
     def failed_alone(self, request_id: str) -> bool:
         """A step feeding only `request_id` failed: True when it is now the convicted
         culprit, False when it stays first in line to be tried alone again."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pagoda.scheduler_svc.core.config import SchedulerConfig, WorkerGeometry
 from pagoda.scheduler_svc.core.isolation import Isolation
-from pagoda.scheduler_svc.core.kv import cache_root_hash
+from pagoda.scheduler_svc.core.kv import cache_root_hash, extend_block_hashes
 from pagoda.scheduler_svc.core.outputs import (
     RequestOutput,
     SchedulerStats,
@@ -32,6 +32,7 @@ from pagoda.scheduler_svc.core.outputs import (
     token_logprob,
     usage_of,
 )
+from pagoda.scheduler_svc.core.placement import LaneLoad
 from pagoda.scheduler_svc.core.planner import Planner
 from pagoda.scheduler_svc.core.request import (
     DuplicateRequestError,
@@ -171,6 +172,73 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self._planner.waiting) or bool(self._planner.running)
+
+    # -- lanes: one Scheduler per worker (scheduler_svc/lanes.py) ---------------------------
+
+    def holds(self, request_id: str) -> bool:
+        """Whether `request_id` is unfinished here."""
+        return request_id in self._requests
+
+    def lane_load(self, request: ValidRequest) -> LaneLoad:
+        """This scheduler's load as `request` sees it, for placement.choose_lane."""
+        planner = self._planner
+        blocks = planner.blocks
+        if blocks is None:
+            return LaneLoad(0, 0, 0, 0, len(planner.running))
+        block_size = blocks.block_size
+        token_ids = token_array(request.prompt_token_ids)
+        max_blocks = (len(token_ids) - 1) // block_size  # as the planner's match
+        block_hashes: list[int] = []
+        if blocks.enabled:
+            root_hash = cache_root_hash(request.cache_salt)
+            extend_block_hashes(token_ids, block_hashes, max_blocks, block_size, root_hash)
+        num_queued_tokens = sum(len(waiting.token_ids) for waiting in planner.waiting)
+        return LaneLoad(
+            num_cached_prefix_blocks=len(blocks.match(block_hashes, max_blocks)),
+            num_kv_blocks_used=blocks.allocator.num_used_blocks,
+            num_kv_blocks_queued=-(-num_queued_tokens // block_size),
+            num_kv_blocks_total=blocks.allocator.num_total_blocks,
+            num_running=len(planner.running),
+        )
+
+    def hand_over(self) -> tuple[list[Request], list[tuple[str, int]]]:
+        """Take every unfinished request out, for another worker's scheduler to `take_over`
+        (this worker is lost; detach_worker() put its running ones in the queue): the
+        requests in queue order with the tokens they streamed, and the suspects of a
+        failure with their solo failures, so a request that kills workers is still
+        convicted as it moves."""
+        if self.worker_attached:
+            raise RuntimeError("hand_over() with a worker attached; detach_worker() first")
+        waiting = self._planner.waiting
+        requests = list(waiting)
+        for request in requests:
+            waiting.remove(request)
+            del self._requests[request.request_id]
+        return requests, self._isolation.hand_over()
+
+    def take_over(
+        self, requests: list[Request], suspects: list[tuple[str, int]], now: float
+    ) -> list[RequestOutput]:
+        """Queue the requests another scheduler handed over, at the head (they were
+        admitted before anything waiting here, and stream on from the tokens they have);
+        returns the finishing outputs of those this worker can never hold."""
+        self._last_now = now
+        planner = self._planner
+        outputs = []
+        for request in reversed(requests):
+            request.block_hashes.clear()  # this worker may use another block size
+            request.last_scheduled_step = -1  # step ids are this scheduler's own
+            self._requests[request.request_id] = request
+            planner.waiting.push_front(request)
+        self._isolation.take_over(suspects)
+        geometry = planner.geometry
+        for request in requests if geometry is not None else ():
+            reason = too_large_reason(
+                request.num_prompt_tokens, request.stopping.max_new_tokens, geometry
+            )
+            if reason is not None:
+                outputs.append(self._finish_with_error(request, reason, now))
+        return outputs
 
     # -- one step ----------------------------------------------------------------------------
 

@@ -1,0 +1,63 @@
+"""The placement policy (several workers): prefix affinity first, then least KV use
+counting queued demand, then fewer running; and the lane load a Scheduler reports."""
+
+from __future__ import annotations
+
+import pytest
+from pagoda.scheduler_svc.core.placement import LaneLoad, choose_lane
+from pagoda.scheduler_svc.testing import FakeWorker
+
+from tests.unit.conftest import drive, make_geometry, make_request, make_scheduler
+
+
+def load(hit=0, used=0, queued=0, total=100, running=0) -> LaneLoad:
+    return LaneLoad(hit, used, queued, total, running)
+
+
+def test_the_longest_cached_prefix_wins_over_a_lighter_lane():
+    loads = [load(used=0), load(hit=2, used=90), load(hit=3, used=95)]
+    assert choose_lane(loads) == 2
+
+
+def test_equal_prefix_hits_go_to_the_lighter_of_them():
+    loads = [load(used=5), load(hit=2, used=60), load(hit=2, used=40)]
+    assert choose_lane(loads) == 2
+
+
+def test_without_a_hit_the_least_kv_use_counting_the_queue_wins():
+    # Lane 0 uses fewer blocks, but its queue will need more than lane 1 holds.
+    loads = [load(used=10, queued=50), load(used=40)]
+    assert choose_lane(loads) == 1
+
+
+def test_kv_use_is_a_share_of_each_pool():
+    assert choose_lane([load(used=30, total=100), load(used=40, total=200)]) == 1
+
+
+def test_ties_go_to_fewer_running_then_the_first_lane():
+    assert choose_lane([load(used=10, running=3), load(used=10, running=1)]) == 1
+    assert choose_lane([load(used=10, running=2), load(used=10, running=2)]) == 0
+
+
+def test_a_lane_without_a_pool_is_the_last_choice():
+    assert choose_lane([load(total=0), load(used=99, total=100)]) == 1
+
+
+def test_no_lane_is_an_error():
+    with pytest.raises(ValueError):
+        choose_lane([])
+
+
+def test_lane_load_sees_cached_prefix_blocks_and_queued_demand():
+    geometry = make_geometry(block_size=4)
+    scheduler, worker = make_scheduler(geometry), FakeWorker(geometry)
+    prompt = list(range(10, 23))  # 13 tokens: 3 full blocks
+    scheduler.add(make_request("first", prompt), 0.0)
+    drive(scheduler, worker)
+    same_prefix = make_request("second", prompt[:12] + [99, 98])
+    assert scheduler.lane_load(same_prefix).num_cached_prefix_blocks == 3
+    assert scheduler.lane_load(make_request("other", [1, 2, 3, 4, 5])).num_cached_prefix_blocks == 0
+    scheduler.add(make_request("queued", 9), 1.0)  # 9 tokens: 3 blocks once admitted
+    view = scheduler.lane_load(same_prefix)
+    assert (view.num_kv_blocks_queued, view.num_running) == (3, 0)
+    assert view.num_kv_blocks_total == geometry.num_kv_blocks
