@@ -125,6 +125,23 @@ class _LiveStats(Collector):
                 f"Share of the last {BUSY_WINDOW_S:g} s the worker spent inside steps",
                 self._worker_busy.fraction(),
             ),
+            "pagoda_step_prefill_cap_tokens": (
+                "Prompt tokens the last planned step could carry (the token knobs, lowered "
+                "by the step budget when decodes were in it)",
+                stats.step_prefill_cap_tokens,
+            ),
+            "pagoda_step_cost_intercept_ms": (
+                "The step budget's model of a worker step: fixed milliseconds",
+                stats.step_cost_intercept_ms,
+            ),
+            "pagoda_step_cost_prefill_token_ms": (
+                "The step budget's model of a worker step: milliseconds per prompt token",
+                stats.step_cost_prefill_ms_per_token,
+            ),
+            "pagoda_step_cost_decode_seq_ms": (
+                "The step budget's model of a worker step: milliseconds per decoding sequence",
+                stats.step_cost_decode_ms_per_seq,
+            ),
         }
         for name, (documentation, value) in values.items():
             yield GaugeMetricFamily(name, documentation, value=value)

@@ -163,6 +163,10 @@ HELP: dict[str, str] = {
     "decode_first": "when prefill and decode cannot share a step, decode wins",
     "prefix_caching": "reuse KV blocks of identical prompt prefixes",
     "max_waiting_requests": "bound of the waiting queue (RESOURCE_EXHAUSTED beyond it)",
+    "target_step_ms": "a step with decodes in it carries only the prompt tokens that fit in "
+    "this many ms of worker time beside them, as learned from the worker's step times "
+    "(at least 32, never above the token knobs), so a long prompt does not stall the "
+    "streams; 0 or none: off (only the token knobs)",
 }
 
 

@@ -3,6 +3,7 @@ attached worker's geometry."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 ADMISSION_POLICIES = ("fifo", "pack", "priority")
@@ -10,6 +11,9 @@ ADMISSION_POLICIES = ("fifo", "pack", "priority")
 MAX_ADMISSION_LOOKAHEAD = 256
 # pack's forced FIFO rounds when force_fifo_every is unset: a long head waits a few rounds.
 PACK_FORCE_FIFO_EVERY = 4
+# The step budget's default target (docs/benchmarks.md, "Step budget"): on 2 CPU cores it
+# keeps the mixed burst's ITL p99 under 1 s at about the same throughput.
+DEFAULT_TARGET_STEP_MS = 500.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,15 @@ class SchedulerConfig:
     prefix_caching: bool = True
     # Bound of the waiting queue; add() beyond it raises QueueFullError.
     max_waiting_requests: int = 1024
+    # A step with decodes in it carries only the prompt tokens its learned cost model
+    # (step_budget.py) fits in this many milliseconds of worker time beside them (at least
+    # MIN_PREFILL_TOKENS), so a long prompt does not stall the streams; 0 or None: off.
+    target_step_ms: float | None = DEFAULT_TARGET_STEP_MS
+
+    @property
+    def step_budget_on(self) -> bool:
+        """Whether steps are sized by the learned cost model (target_step_ms set, not 0)."""
+        return bool(self.target_step_ms)
 
     @property
     def fifo_every(self) -> int:
@@ -82,6 +95,16 @@ class SchedulerConfig:
             value = getattr(self, name)
             if value is not None:
                 _at_least(name, value, 1, suffix=" (or unset for no cap)")
+        target = self.target_step_ms
+        if target is not None and (
+            isinstance(target, bool)
+            or not isinstance(target, int | float)
+            or not math.isfinite(target)
+            or target < 0
+        ):
+            raise ConfigError(
+                f"target_step_ms must be a number >= 0 (0 or unset: off), got {target!r}"
+            )
         if self.force_fifo_every is not None:
             _at_least("force_fifo_every", self.force_fifo_every, 0, suffix=" (0 or unset: never)")
         if self.admission_policy not in ADMISSION_POLICIES:

@@ -223,3 +223,11 @@ class SchedulerStats:
     num_generated_tokens: int
     num_prefix_queries_tokens: int  # prompt tokens looked up (first admissions only)
     num_prefix_hit_tokens: int
+    # Prompt tokens the last planned step could carry: the fixed knobs, lowered by the step
+    # budget when decodes were in it (target_step_ms).
+    step_prefill_cap_tokens: int = 0
+    # The step budget's cost model of the worker (0 while it is off or has not measured):
+    # step_ms ~ intercept + per prefill token * tokens + per decode sequence * sequences.
+    step_cost_intercept_ms: float = 0.0
+    step_cost_prefill_ms_per_token: float = 0.0
+    step_cost_decode_ms_per_seq: float = 0.0

@@ -214,11 +214,20 @@ class Planner:
 
     # -- planning --------------------------------------------------------------------------
 
-    def plan(self, step_id: int, now: float, only: Request | None = None) -> StepPlan:
+    def plan(
+        self,
+        step_id: int,
+        now: float,
+        only: Request | None = None,
+        max_prefill_tokens: int | None = None,
+    ) -> StepPlan:
         """The plan for step `step_id`; it may feed nothing (the caller then skips it).
 
         With `only`, the plan feeds that request alone (admitted, continued or decoded,
         within the same budgets) and preempts nobody else: the caller made room first.
+        `max_prefill_tokens` (the step budget's cap, step_budget.py) lowers the prompt
+        tokens of this step below the fixed knobs; without chunked prefill a prompt above
+        it still goes alone (admission's oversize head), so none waits forever.
         """
         config = self.config
         plan = StepPlan(step_id=step_id)
@@ -228,6 +237,8 @@ class Planner:
         self._num_preemptions_before = self.num_preemptions
         budget = config.max_num_batched_tokens
         step_prefill_tokens = min(budget, config.prefill_max_tokens or budget)
+        if max_prefill_tokens is not None:
+            step_prefill_tokens = min(step_prefill_tokens, max_prefill_tokens)
         if config.decode_first:
             num_decode = self._schedule_decodes(plan, budget)
             prefill_left = min(budget - num_decode, step_prefill_tokens)

@@ -16,6 +16,7 @@ schedule().
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from pagoda.scheduler_svc.core.config import SchedulerConfig, WorkerGeometry
@@ -46,6 +47,7 @@ from pagoda.scheduler_svc.core.request import (
     token_array,
     too_large_reason,
 )
+from pagoda.scheduler_svc.core.step_budget import StepBudget
 
 _WAITING = RequestState.WAITING
 _RUNNING = RequestState.RUNNING
@@ -71,6 +73,8 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._planner = Planner(config)
         self._isolation = Isolation(self._requests, self._planner)
+        # Sizes each step's prefill from the worker's measured step times (None: off).
+        self._step_budget = StepBudget(config.target_step_ms) if config.step_budget_on else None
         self._in_flight: list[_Flight] = []  # oldest first
         self._step_ids = itertools.count(1)
         self._last_now = 0.0  # for outputs of calls that carry no clock (attach_worker)
@@ -98,6 +102,8 @@ class Scheduler:
         # (fail_step) would kill this one too.
         self._isolation.stand_down()
         planner.attach_pool(geometry)
+        if self._step_budget is not None:
+            self._step_budget.reset()  # the new worker's costs are learned afresh
         outputs = []
         for request in list(planner.waiting):
             reason = too_large_reason(
@@ -275,7 +281,7 @@ class Scheduler:
             plan = None
         isolated = plan is not None
         if plan is None:
-            plan = planner.plan(step_id, now)
+            plan = planner.plan(step_id, now, max_prefill_tokens=self._prefill_cap())
         ahead = planner.take_ahead()
         if not plan.seq_ids:
             return None  # nothing could run (pending forgets wait for the next plan)
@@ -286,6 +292,22 @@ class Scheduler:
         self._in_flight.append(flight)
         self._num_steps += 1
         return plan
+
+    def _prefill_cap(self) -> int | None:
+        """The step budget's prompt-token cap for the next plan, from the sequences that
+        will decode in it (running, past their prompt; the decode cap applied)."""
+        if self._step_budget is None:
+            return None
+        planner = self._planner
+        num_decode_seqs = len(planner.running) - len(planner.prefilling)
+        if self.config.max_decode_batch_size is not None:
+            num_decode_seqs = min(num_decode_seqs, self.config.max_decode_batch_size)
+        return self._step_budget.max_prefill_tokens(num_decode_seqs)
+
+    @property
+    def step_budget(self) -> StepBudget | None:
+        """The step budget and its cost model (read only; None when target_step_ms is off)."""
+        return self._step_budget
 
     def _mark_ahead(self, flight: _Flight, ahead: list[tuple[Request, int]]) -> None:
         """The plan's rows that feed the token of the step in flight (those still in it:
@@ -315,6 +337,9 @@ class Scheduler:
             return step_outputs  # a late result of a step already failed or reset
         flight = self._in_flight.pop(0)
         plan, keyed = flight.plan, flight.keyed
+        step_ms = result.forward_ms + result.sample_ms
+        if self._step_budget is not None and not result.step_error and step_ms > 0:
+            self._step_budget.observe(plan.num_prefill_tokens, plan.num_decode_tokens, step_ms)
         outputs = step_outputs.outputs
         if result.step_error:
             outputs.extend(self._step_failed(plan, keyed, result.step_error, now))
@@ -487,7 +512,23 @@ class Scheduler:
             num_generated_tokens=self._num_generated_tokens,
             num_prefix_queries_tokens=queried,
             num_prefix_hit_tokens=planner.num_prefix_hit_tokens,
+            **self._step_budget_stats(),
         )
+
+    def _step_budget_stats(self) -> dict[str, float]:
+        config, budget = self.config, self._step_budget
+        cap = min(config.max_num_batched_tokens, config.prefill_max_tokens or math.inf)
+        if budget is None:
+            return {"step_prefill_cap_tokens": int(cap)}
+        model = budget.model
+        if budget.last_cap_tokens is not None:
+            cap = min(cap, budget.last_cap_tokens)
+        return {
+            "step_prefill_cap_tokens": int(cap),
+            "step_cost_intercept_ms": model.intercept_ms,
+            "step_cost_prefill_ms_per_token": model.prefill_ms_per_token,
+            "step_cost_decode_ms_per_seq": model.decode_ms_per_seq,
+        }
 
     # -- finishing ----------------------------------------------------------------------------
 

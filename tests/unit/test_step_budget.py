@@ -1,0 +1,303 @@
+"""The step budget: its online cost model, the cap it derives, and the planner and
+scheduler keeping to that cap (step_budget.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from pagoda.scheduler_svc.core import ConfigError, SchedulerConfig, step_budget
+from pagoda.scheduler_svc.core.step_budget import (
+    MIN_PREFILL_TOKENS,
+    StepBudget,
+    StepCostModel,
+    prefill_cap,
+)
+from pagoda.scheduler_svc.testing import FakeWorker
+
+from tests.unit.conftest import check_invariants, make_geometry, make_request, make_scheduler
+
+# The synthetic worker: step_ms = 20 + 0.7 * prefill tokens + 1.5 * decode sequences.
+TRUE_COSTS = (20.0, 0.7, 1.5)
+
+
+def true_step_ms(num_prefill_tokens: int, num_decode_seqs: int, factor: float = 1.0) -> float:
+    intercept, per_token, per_seq = TRUE_COSTS
+    return factor * (intercept + per_token * num_prefill_tokens + per_seq * num_decode_seqs)
+
+
+def random_shape(rng: random.Random) -> tuple[int, int]:
+    """Mostly decode-only steps, a quarter with a prompt chunk, as a server sees them."""
+    num_decode_seqs = rng.randint(0, 64)
+    num_prefill_tokens = rng.randint(1, 2048) if rng.random() < 0.25 else 0
+    if num_prefill_tokens + num_decode_seqs == 0:
+        num_decode_seqs = 1
+    return num_prefill_tokens, num_decode_seqs
+
+
+def feed(
+    model: StepCostModel,
+    rng: random.Random,
+    num_steps: int,
+    *,
+    noise: float,
+    outlier_rate: float,
+    factor: float = 1.0,
+) -> None:
+    for _ in range(num_steps):
+        shape = random_shape(rng)
+        step_ms = true_step_ms(*shape, factor) * rng.gauss(1.0, noise)
+        if rng.random() < outlier_rate:
+            step_ms *= 6.0  # a GC pause, another process on the cores
+        model.observe(*shape, step_ms)
+
+
+def assert_costs_near(model: StepCostModel, factor: float, tolerance: float) -> None:
+    intercept, per_token, per_seq = (factor * cost for cost in TRUE_COSTS)
+    assert model.prefill_ms_per_token == pytest.approx(per_token, rel=tolerance)
+    assert model.decode_ms_per_seq == pytest.approx(per_seq, rel=tolerance)
+    assert model.intercept_ms == pytest.approx(intercept, rel=2 * tolerance)
+
+
+# -- the cost model ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_model_converges_on_noisy_linear_costs_with_outliers(seed):
+    model = StepCostModel()
+    feed(model, random.Random(seed), 300, noise=0.1, outlier_rate=0.05)
+    assert_costs_near(model, factor=1.0, tolerance=0.2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_without_huber_weights_those_outliers_would_pull_the_model_up(seed, monkeypatch):
+    """The outliers of the test above matter: with no down-weighting the same data make a
+    decode step look a third dearer (caps too small, throughput lost for nothing)."""
+    monkeypatch.setattr(step_budget, "HUBER_K", 1e9)
+    monkeypatch.setattr(step_budget, "HUBER_MIN_RELATIVE", 1e9)
+    model = StepCostModel()
+    feed(model, random.Random(seed), 300, noise=0.1, outlier_rate=0.05)
+    assert model.predict_ms(0, 32) > 1.3 * true_step_ms(0, 32)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_model_follows_a_worker_that_becomes_twice_as_slow(seed):
+    rng = random.Random(seed)
+    model = StepCostModel()
+    feed(model, rng, 200, noise=0.05, outlier_rate=0.0)
+    assert_costs_near(model, factor=1.0, tolerance=0.1)
+    feed(model, rng, 150, noise=0.05, outlier_rate=0.0, factor=2.0)
+    assert_costs_near(model, factor=2.0, tolerance=0.15)
+
+
+def test_one_observation_of_a_prefill_step_gives_its_cost_per_token():
+    """The first step of a burst (a whole budget of prompt tokens) is enough to size the
+    next one: no warm-up period of uncapped steps."""
+    model = StepCostModel()
+    model.observe(2048, 0, true_step_ms(2048, 0))
+    assert model.prefill_ms_per_token == pytest.approx(TRUE_COSTS[1], rel=0.05)
+
+
+def test_a_prefill_after_many_decode_only_steps_is_learned_at_once_not_taken_for_an_outlier():
+    rng = random.Random(0)
+    model = StepCostModel()
+    for _ in range(100):
+        num_decode_seqs = rng.randint(1, 64)
+        model.observe(0, num_decode_seqs, true_step_ms(0, num_decode_seqs))
+    assert model.prefill_ms_per_token == 0.0  # nothing measured yet
+    model.observe(1024, 30, true_step_ms(1024, 30))
+    assert model.prefill_ms_per_token == pytest.approx(TRUE_COSTS[1], rel=0.05)
+    # ...and kept through a long run of decode-only steps (anchored, not forgotten).
+    for _ in range(300):
+        num_decode_seqs = rng.randint(1, 64)
+        model.observe(0, num_decode_seqs, true_step_ms(0, num_decode_seqs))
+    assert model.prefill_ms_per_token == pytest.approx(TRUE_COSTS[1], rel=0.05)
+
+
+def test_reset_forgets_and_bad_observations_are_ignored():
+    model = StepCostModel()
+    for bad in (float("nan"), float("inf"), -1.0):
+        model.observe(100, 4, bad)
+    model.observe(0, 0, 10.0)  # an empty step says nothing about costs
+    assert model.num_observations == 0
+    model.observe(512, 8, true_step_ms(512, 8))
+    assert model.prefill_ms_per_token > 0
+    model.reset()
+    assert model.num_observations == 0
+    assert model.predict_ms(512, 8) == 0.0
+
+
+def test_coefficients_are_never_negative():
+    model = StepCostModel()
+    # Steps that get cheaper the more they carry: a least-squares fit would go negative.
+    for num_decode_seqs, step_ms in ((1, 100.0), (32, 60.0), (64, 20.0)) * 5:
+        model.observe(0, num_decode_seqs, step_ms)
+    assert model.decode_ms_per_seq >= 0.0
+    assert model.intercept_ms >= 0.0
+
+
+# -- the cap ----------------------------------------------------------------------------------
+
+
+def trained_model() -> StepCostModel:
+    model = StepCostModel()
+    rng = random.Random(7)
+    for _ in range(200):
+        shape = random_shape(rng)
+        model.observe(*shape, true_step_ms(*shape))
+    return model
+
+
+def test_the_cap_is_what_fits_in_the_target_beside_the_decodes():
+    model = trained_model()
+    cap = prefill_cap(model, 500.0, 40, MIN_PREFILL_TOKENS)
+    # (500 - 20 - 1.5 * 40) / 0.7 = 600 tokens.
+    assert cap == pytest.approx(600, rel=0.03)
+    assert true_step_ms(cap, 40) == pytest.approx(500.0, rel=0.03)
+
+
+def test_the_cap_never_goes_below_the_floor():
+    model = trained_model()
+    # 400 decodes alone cost 620 ms, over the target: the prompt still moves.
+    assert prefill_cap(model, 500.0, 400, MIN_PREFILL_TOKENS) == MIN_PREFILL_TOKENS
+    assert prefill_cap(model, 30.0, 10, 16) == 16
+
+
+def test_no_cap_without_decodes_or_before_any_prefill_was_measured():
+    budget = StepBudget(target_step_ms=500.0)
+    assert budget.max_prefill_tokens(10) is None  # nothing measured: the fixed knobs
+    budget.observe(0, 10, 40.0)
+    assert budget.max_prefill_tokens(10) is None  # still no cost per prompt token
+    budget.observe(1000, 10, 735.0)
+    assert budget.max_prefill_tokens(10) is not None
+    assert budget.max_prefill_tokens(0) is None  # no stream waits on this step
+
+
+# -- the planner and the scheduler keep to it -------------------------------------------------
+
+
+def planned_prefill(scheduler, cap: int | None):
+    """Plan the next step with `cap` through the planner's parameter."""
+    core = scheduler.core
+    return core._planner.plan(next(core._step_ids), 0.0, max_prefill_tokens=cap)
+
+
+@pytest.mark.parametrize("cap", [1, 5, 16, 40])
+def test_the_planner_feeds_no_more_prompt_tokens_than_the_cap(cap):
+    geometry = make_geometry(num_kv_blocks=256, block_size=4)
+    scheduler = make_scheduler(geometry, max_num_batched_tokens=256, target_step_ms=0)
+    scheduler.add(make_request("long", 200), 0.0)
+    for index in range(3):
+        scheduler.add(make_request(f"short{index}", 3), 0.0)
+    plan = planned_prefill(scheduler, cap)
+    assert plan.num_prefill_tokens == cap
+    assert plan.num_tokens == cap
+
+
+def test_the_fixed_knobs_stay_the_ceiling_over_a_larger_cap():
+    geometry = make_geometry(num_kv_blocks=256, block_size=4)
+    scheduler = make_scheduler(
+        geometry, max_num_batched_tokens=256, prefill_max_tokens=64, target_step_ms=0
+    )
+    scheduler.add(make_request("long", 200), 0.0)
+    plan = planned_prefill(scheduler, 10_000)
+    assert plan.num_prefill_tokens == 64
+
+
+def test_without_chunked_prefill_a_prompt_over_the_cap_goes_alone_rather_than_wait():
+    geometry = make_geometry(num_kv_blocks=256, block_size=4)
+    scheduler = make_scheduler(
+        geometry, max_num_batched_tokens=256, chunked_prefill=False, target_step_ms=0
+    )
+    scheduler.add(make_request("short", 3), 0.0)
+    scheduler.add(make_request("long", 100), 0.0)
+    scheduler.add(make_request("after", 3), 0.0)
+    plan = planned_prefill(scheduler, 8)
+    assert plan.num_prefill_tokens == 3  # the short one fits; the long one is not split
+    plan = planned_prefill(scheduler, 8)
+    assert plan.num_prefill_tokens == 100  # whole and alone, over the cap
+    assert len(plan.new_sequences) == 1
+
+
+def test_the_scheduler_caps_steps_with_decodes_from_the_worker_times_it_learns():
+    """A worker that really costs TRUE_COSTS: once a prompt step was measured, every step
+    with a decode in it stays within the target (the floor aside), a long prompt arriving
+    mid-stream is spread over several steps, and everything finishes."""
+    target_step_ms = 100.0
+    geometry = make_geometry(num_kv_blocks=512, block_size=16, max_context_tokens=2048)
+    scheduler = make_scheduler(geometry, max_num_batched_tokens=1024, target_step_ms=target_step_ms)
+    worker = FakeWorker(geometry)
+    for index in range(8):
+        scheduler.add(make_request(f"short{index}", 24, max_new_tokens=40), 0.0)
+    finished: set[str] = set()
+    step_costs: list[tuple[int, int, float]] = []
+    for step_index in range(400):
+        if step_index == 3:
+            scheduler.add(make_request("long", 900, max_new_tokens=4), 0.0)
+        plan = scheduler.schedule(0.0)
+        if plan is None:
+            break
+        result = worker.step(plan)
+        step_ms = true_step_ms(plan.num_prefill_tokens, plan.num_decode_tokens)
+        result = dataclasses.replace(result, forward_ms=step_ms)
+        step_costs.append((plan.num_prefill_tokens, plan.num_decode_tokens, step_ms))
+        for output in scheduler.apply(result, 0.0):
+            if output.finish_reason is not None:
+                finished.add(output.request_id)
+        check_invariants(scheduler)
+    assert finished == {f"short{index}" for index in range(8)} | {"long"}
+    first_prompt_step = next(i for i, (p, _, _) in enumerate(step_costs) if p)
+    later = step_costs[first_prompt_step + 1 :]
+    mixed = [(p, d, ms) for p, d, ms in later if p and d]
+    assert len(mixed) >= 900 * TRUE_COSTS[1] // target_step_ms  # the long prompt was spread
+    # Within 10% while the first measurements settle, then on the target.
+    assert max(step_ms for _, _, step_ms in mixed) <= target_step_ms * 1.1
+    assert mixed[-1][2] == pytest.approx(target_step_ms, rel=0.02)
+    assert scheduler.stats.step_cost_prefill_ms_per_token == pytest.approx(0.7, rel=0.05)
+
+
+def test_off_the_fixed_knobs_alone_size_the_steps():
+    geometry = make_geometry(num_kv_blocks=256, block_size=4)
+    scheduler = make_scheduler(geometry, max_num_batched_tokens=256, target_step_ms=0)
+    assert scheduler.step_budget is None
+    scheduler = make_scheduler(geometry, max_num_batched_tokens=256, target_step_ms=None)
+    assert scheduler.step_budget is None
+    assert scheduler.stats.step_prefill_cap_tokens == 256
+
+
+def test_a_new_worker_is_learned_afresh():
+    geometry = make_geometry(num_kv_blocks=256, block_size=4)
+    scheduler = make_scheduler(geometry, target_step_ms=200.0)
+    budget = scheduler.step_budget
+    budget.observe(512, 4, 400.0)
+    assert budget.model.num_observations == 1
+    scheduler.attach_worker(geometry)
+    assert budget.model.num_observations == 0
+    assert budget.max_prefill_tokens(4) is None
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), "500", True])
+def test_target_step_ms_is_validated(value):
+    with pytest.raises(ConfigError, match="target_step_ms"):
+        SchedulerConfig(target_step_ms=value).validate()
+
+
+def test_metrics_show_the_cap_and_the_cost_model():
+    from pagoda.scheduler_svc.metrics import Metrics
+    from prometheus_client import generate_latest
+
+    geometry = make_geometry(num_kv_blocks=256, block_size=4)
+    scheduler = make_scheduler(geometry, max_num_batched_tokens=256, target_step_ms=100.0)
+    scheduler.step_budget.observe(200, 0, 160.0)
+    scheduler.add(make_request("long", 200), 0.0)
+    scheduler.step_budget.max_prefill_tokens(4)  # as schedule() asks before a plan
+    metrics = Metrics()
+    metrics.watch(lambda: scheduler.stats, lambda: True)
+    text = generate_latest(metrics.registry).decode()
+    cap = scheduler.step_budget.last_cap_tokens
+    assert 0 < cap < 256
+    assert f"pagoda_step_prefill_cap_tokens {float(cap)}" in text
+    per_token = scheduler.stats.step_cost_prefill_ms_per_token
+    assert per_token > 0
+    assert f"pagoda_step_cost_prefill_token_ms {per_token}" in text
