@@ -11,13 +11,24 @@ pagoda.gpu_worker.tensor_parallel). The prompts here are fixed, so a pass is rep
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 from pagoda.gpu_worker.server import EXIT_GROUP_LOST
 
-from tests.e2e.conftest import running_service, wait_until
+from tests.e2e.conftest import (
+    Service,
+    _spawn,
+    free_port,
+    running_service,
+    stop_process,
+    wait_serving,
+    wait_until,
+)
 from tests.e2e.test_generation import EXACT, MIXED_PROMPTS, NUM_NEW_TOKENS, concurrent_greedy
 
 pytestmark = pytest.mark.slow
@@ -29,8 +40,6 @@ TINY_PROMPTS = [[5 + i, 40 + 3 * i, 7, 300 - i, 11 * i + 1, 99][: 3 + i % 4] for
 def tiny_model(tmp_path_factory, tiny_model_factory) -> tuple[Path, object]:
     """The tiny llama (GQA: 4 heads over 2 KV heads) with weights that make each token
     depend on its context (tests.worker.conftest.diversify), saved with its tokenizer."""
-    import shutil
-
     import transformers
 
     from tests.worker.conftest import diversify
@@ -92,6 +101,49 @@ def test_a_dead_rank_takes_the_worker_down_with_a_restartable_exit(tmp_path, tin
         wait_until(
             lambda: not service.stats().worker_connected, 30, "the scheduler to see the loss"
         )
+
+
+def test_torchrun_ranks_join_and_serve_like_generate(tmp_path, tiny_model):
+    """Ranks started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK)
+    instead of spawned by the worker."""
+    directory, model = tiny_model
+    expected = [generate(model, ids, NUM_NEW_TOKENS) for ids in TINY_PROMPTS[:2]]
+    run_dir = Path(tempfile.mkdtemp(prefix="pagoda-torchrun-", dir="/tmp"))
+    endpoint = f"ipc://{run_dir}/worker.sock"
+    service = Service(
+        address=f"127.0.0.1:{free_port()}",
+        endpoint=endpoint,
+        worker=None,
+        scheduler=None,
+        log_dir=tmp_path,
+        worker_args=[],
+    )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    rendezvous = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    try:
+        service.scheduler = _spawn(
+            [
+                sys.executable, "-m", "pagoda.scheduler_svc", "--grpc-address", service.address,
+                "--zmq-endpoint", endpoint, "--model", str(directory),
+            ],
+            tmp_path / "scheduler.log",
+        )  # fmt: skip
+        service.worker = _spawn(
+            [
+                *torchrun, *rendezvous, "-m", "pagoda.gpu_worker", "--zmq-endpoint", endpoint,
+                "--model", str(directory), *EXACT, "--tensor-parallel-size", "2",
+            ],
+            tmp_path / "worker.log",
+        )  # fmt: skip
+        wait_serving(service.address, [service.scheduler, service.worker])
+        assert concurrent_greedy(service, TINY_PROMPTS[:2]) == expected
+    except BaseException:
+        print(service.logs())
+        raise
+    finally:
+        stop_process(service.worker)  # torchrun passes SIGTERM on to both ranks
+        stop_process(service.scheduler)
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def test_three_ranks_serve_the_default_model_like_generate(tmp_path, default_reference):
