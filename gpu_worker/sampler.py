@@ -89,7 +89,8 @@ def mask_min_new_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Te
     """-inf on the ending ids (EOS, stop ids) of rows that generated fewer than
     min_new_tokens tokens (positions [num_prompt_tokens, position)), as transformers'
     MinNewTokensLengthLogitsProcessor: the request cannot end before then. One pass over
-    the rows' numbers, and one scatter when some row is masked."""
+    the rows' numbers, and one scatter when some row is masked, in place: a copy of the
+    whole [rows, vocab] block would cost more than the argmax on a CPU."""
     masked = [
         i for i, r in enumerate(rows) if r.position - r.num_prompt_tokens < r.params.min_new_tokens
     ]
@@ -98,7 +99,7 @@ def mask_min_new_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Te
     row_index = [i for i in masked for _ in rows[i].params.min_tokens_banned_ids]
     tokens = [t for i in masked for t in rows[i].params.min_tokens_banned_ids]
     device = logits.device
-    return logits.index_put(
+    return logits.index_put_(
         (torch.tensor(row_index, dtype=torch.long, device=device),
          torch.tensor(tokens, dtype=torch.long, device=device)),
         torch.tensor(float("-inf"), dtype=logits.dtype, device=device),
@@ -151,7 +152,8 @@ def _draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
-    """logits [S, vocab] (one row per sampling sequence, same order as `rows`)."""
+    """logits [S, vocab] (one row per sampling sequence, same order as `rows`); consumed:
+    the min_new_tokens mask may be written into them."""
     logits = mask_min_new_tokens(apply_penalties(logits.float(), rows), rows)
     params = [r.params for r in rows]
     device = logits.device
