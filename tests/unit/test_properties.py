@@ -34,10 +34,14 @@ class Workload:
     knobs: dict
     geometry: WorkerGeometry
     cancels: dict[int, list[str]] = field(default_factory=dict)  # step -> request ids
-    # step -> "lost" (fail_step), "error" (the worker's step_error) or "restart" (new worker)
+    # step -> "lost" (fail_step), "error" (the worker's step_error), "restart" (new worker)
+    # or "refuse" (the worker refuses one sequence: the newest of the plan)
     failures: dict[int, str] = field(default_factory=dict)
     # Filled by run(): request id -> "error" steps it was alone in.
     failed_alone: Counter = field(default_factory=Counter)
+    refused: set[str] = field(default_factory=set)  # filled by run()
+    # The worker refuses every writer of blocks another sequence of its step reads.
+    refuse_shared_writers: bool = False
 
 
 @st.composite
@@ -94,7 +98,7 @@ def workloads(draw, with_cancels: bool = False, with_failures: bool = False) -> 
                 workload.cancels.setdefault(draw(st.integers(0, 40)), []).append(request.request_id)
     if with_failures:
         for step in draw(st.sets(st.integers(0, 40), max_size=3)):
-            workload.failures[step] = draw(st.sampled_from(["lost", "error", "restart"]))
+            workload.failures[step] = draw(st.sampled_from(["lost", "error", "restart", "refuse"]))
     return workload
 
 
@@ -108,6 +112,7 @@ def run(
     streams: dict[str, Stream] = defaultdict(Stream)
     failed_alone = workload.failed_alone
     failed_alone.clear()
+    workload.refused.clear()
     arrivals = list(workload.arrivals)
     state = scheduler.core._planner
     requests = scheduler.core._requests
@@ -125,6 +130,7 @@ def run(
             assert request_id not in requests
             if seq_id is not None:
                 assert seq_id in state.forget_seq_ids  # the next plan forgets it
+        num_preemptions = scheduler.stats.num_preemptions
         plan = scheduler.schedule(now)
         if plan is None:
             assert not scheduler.has_work()
@@ -134,8 +140,22 @@ def run(
         assert plan_within_budget(plan, scheduler.config)
         if not scheduler._isolation.active:  # isolation replans one suspect at a time
             assert caps_violated(plan, scheduler) is None, caps_violated(plan, scheduler)
+        # A step that admits never preempts (an admission waits rather than evict an
+        # older request); isolation's make_room preempts on purpose before its plan.
+        if plan.new_sequences and not scheduler._isolation.active:
+            assert scheduler.stats.num_preemptions == num_preemptions, "admitted and preempted"
         failure = workload.failures.get(step)
-        if failure is not None:
+        shared_writer = shared_block_writer(scheduler, plan)
+        if workload.refuse_shared_writers and shared_writer is not None:
+            failure = "refuse"
+            event("a writer of shared blocks refused")
+        if failure == "refuse":
+            seq_id = shared_writer if shared_writer is not None else plan.seq_ids[0]
+            workload.refused.add(state.running[seq_id].request_id)
+            for output in scheduler.apply(worker.step(plan, refuse={seq_id}), now + 0.5):
+                streams[output.request_id].take(output)
+            failure = "done"
+        elif failure is not None:
             # A lost worker counts as a failed step: either may convict a request alone.
             ids = {state.running[s].request_id for s in plan.seq_ids if s in state.running}
             if len(ids) == 1:
@@ -147,7 +167,7 @@ def run(
                 scheduler.detach_worker()
                 assert scheduler.attach_worker(geometry) == []
                 worker = FakeWorker(geometry)
-        else:
+        elif failure != "done":
             result = worker.fail(plan) if failure == "error" else worker.step(plan)
             for output in scheduler.apply(result, now + 0.5):
                 streams[output.request_id].take(output)
@@ -161,6 +181,20 @@ def run(
     raise AssertionError(f"not finished after {MAX_STEPS} steps")
 
 
+def shared_block_writer(scheduler: TextScheduler, plan) -> int | None:
+    """A sequence of `plan` that writes blocks another sequence of the step reads (a
+    same-step prefix hit), if any."""
+    running = scheduler.core._planner.running
+    (flight,) = [f for f in scheduler.core._in_flight if f.plan is plan]
+    writer_of = {block_id: seq_id for seq_id, block_id in flight.keyed}
+    for seq_id in plan.seq_ids:
+        for block_id in running[seq_id].block_ids:
+            writer = writer_of.get(block_id, seq_id)
+            if writer != seq_id:
+                return writer
+    return None
+
+
 def check_streams(workload: Workload, streams: dict[str, Stream]) -> None:
     cancelled = {rid for ids in workload.cancels.values() for rid in ids}
     for _, request in workload.arrivals:
@@ -169,8 +203,12 @@ def check_streams(workload: Workload, streams: dict[str, Stream]) -> None:
         assert stream.num_events_after_finish == 0
         token_ids, reason, text = expected_generation(request, workload.geometry)
         if stream.finish_reason is FinishReason.ERROR:
-            # Only a request that failed twice alone is taken for a poison request.
-            assert workload.failed_alone[request.request_id] >= 2
+            # Only a request that failed twice alone is taken for a poison request, or
+            # one the worker refused.
+            assert (
+                workload.failed_alone[request.request_id] >= 2
+                or request.request_id in workload.refused
+            )
             assert stream.token_ids == token_ids[: len(stream.token_ids)]
         elif stream.finish_reason is FinishReason.CANCELLED:
             assert request.request_id in cancelled
@@ -233,5 +271,16 @@ def test_preempted_requests_resume_with_the_output_of_an_unpressured_run(workloa
 @COMMON
 @given(workloads(with_cancels=True, with_failures=True))
 def test_cancels_and_worker_failures_lose_and_repeat_nothing(workload):
+    streams, _ = run(workload)
+    check_streams(workload, streams)
+
+
+@COMMON
+@given(workloads())
+def test_a_refused_writer_leaves_no_sequence_on_blocks_nobody_wrote(workload):
+    """Every writer of blocks that a same-step prefix hit shares is refused by the worker:
+    the readers recompute (the fake worker fails a plan that feeds one again, and gives
+    it a wrong token meanwhile), and only the refused requests end with ERROR."""
+    workload.refuse_shared_writers = True
     streams, _ = run(workload)
     check_streams(workload, streams)
