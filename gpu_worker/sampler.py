@@ -142,13 +142,24 @@ def _filtered_candidates(
 
 
 def _draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
-    """Inverse CDF: index i with cdf[i - 1] <= u * total < cdf[i]; never a zero-probability entry."""
+    """Inverse CDF: index i with cdf[i - 1] <= u * total < cdf[i]; never a zero-probability entry.
+
+    On CPU the cumsum adds exact zeros, so the cdf is flat over a zero-probability entry and
+    searchsorted never lands on one. A parallel scan (CUDA) may let it rise by an ulp there,
+    so a pick is moved to the next live entry at or after it (the last live one when none
+    follows, which also covers u * total rounding onto the last plateau).
+    """
     cdf = probs.cumsum(dim=-1)
     u = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device)[:, None]
-    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
-    # Rounding can push u * total onto the last plateau; fall back to the last live entry.
-    last_live = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
-    return torch.minimum(picked, last_live)
+    vocab_size = probs.shape[-1]
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab_size - 1)
+    live = probs > 0
+    positions = torch.arange(vocab_size, device=probs.device).expand_as(probs)
+    # next_live[i]: the first live index >= i (vocab_size when none): a reversed running min.
+    next_live = torch.where(live, positions, vocab_size).flip(-1).cummin(dim=-1).values.flip(-1)
+    moved = next_live.gather(1, picked)[:, 0]
+    last_live = vocab_size - 1 - live.flip(-1).int().argmax(dim=-1)
+    return torch.where(moved < vocab_size, moved, last_live)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:

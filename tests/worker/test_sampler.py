@@ -164,3 +164,24 @@ def test_seeded_draws_follow_the_distribution():
     counts = Counter(sample(logits.expand(num_draws, -1).clone(), rows).token_ids)
     for token, p in enumerate(probs.tolist()):
         assert counts[token] / num_draws == pytest.approx(p, abs=0.04)
+
+
+def test_draw_never_picks_a_zero_probability_entry_under_scan_error(monkeypatch):
+    """A parallel scan (CUDA) may let the cdf rise by an ulp over a zero-probability entry
+    (review gpu_path.md 1.4); a draw landing in that sliver must move to a live token."""
+    from pagoda.gpu_worker import sampler
+
+    probs = torch.tensor([[0.5, 0.0, 0.0, 0.5], [0.25, 0.25, 0.5, 0.0]])
+    real_cumsum = torch.Tensor.cumsum
+
+    def scan_with_error(self, *args, **kwargs):
+        cdf = real_cumsum(self, *args, **kwargs)
+        # Two ulps of 0.5 over every zero entry, as an unlucky parallel scan could add.
+        return cdf + real_cumsum((self == 0).to(cdf.dtype), -1) * 2.4e-7
+
+    monkeypatch.setattr(torch.Tensor, "cumsum", scan_with_error)
+    # u * total falls inside the first row's sliver over entry 1; the second row's u
+    # past its last live entry's cdf lands on the trailing zero.
+    picked = sampler._draw(probs, [0.5 + 1.2e-7, 1.0 - 1e-9]).tolist()
+    assert probs[0, picked[0]] > 0 and probs[1, picked[1]] > 0
+    assert picked == [3, 2]
