@@ -1,12 +1,16 @@
 """Worker micro-benchmark: the paged engine next to transformers' own forward with its
 DynamicCache, on the same shapes, in the same run.
 
-  .venv/bin/python -m benchmarks.worker_step [--model default] [--write-docs docs/benchmarks.md]
+  .venv/bin/python -m benchmarks.worker_step [--model default] [--device cpu|cuda]
+      [--quantization auto|none|int8] [--decode-batches 1,8] [--contexts 128,4096]
+      [--write-docs docs/benchmarks.md]
 
-Cases: decode steps at batch 1/8/32/64 with 128-token contexts; prefill of 128/512/2048
-tokens; one mixed step (a 512-token chunk + 32 decodes) against the two run separately.
-Decode contexts are set up as cached prefixes (the timing does not depend on the KV
-values), so no time goes into building them. Times are medians of a few repeats after
+Cases: decode steps at each batch x context (CPU: batch 1/8/32/64, context 128; CUDA:
+batch 1..256, contexts 128/1024/4096); prefill of 128/512/2048 tokens; one mixed step (a
+512-token chunk + 32 decodes) against the two run separately. Decode contexts are set up
+as cached prefixes (the timing does not depend on the KV values), so no time goes into
+building them. Both sides run the same weights, dtype and quantization on the same device;
+on CUDA every timed run ends with a synchronize. Times are medians of a few repeats after
 one warm-up. A benchmark, not a test: nothing here asserts a timing.
 """
 
@@ -27,11 +31,15 @@ import torch
 from pagoda.gpu_worker import codec
 from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
 from pagoda.gpu_worker.paged_engine import PagedEngine, pick_device
+from pagoda.gpu_worker.quantization import quantize, resolve_quantization
 from pagoda.protos import step_pb2
 
 BLOCK_SIZE = 16
-CONTEXT_TOKENS = 128
-DECODE_BATCHES = (1, 8, 32, 64)
+DECODE_BATCHES = {"cpu": (1, 8, 32, 64), "cuda": (1, 8, 32, 64, 128, 256)}
+DECODE_CONTEXTS = {"cpu": (128,), "cuda": (128, 1024, 4096)}
+# transformers' DynamicCache holds a second copy of every context: past this many cached
+# tokens in one case, its side is left out (n/a) rather than run out of memory.
+MAX_REFERENCE_CONTEXT_TOKENS = 1 << 18
 PREFILL_LENGTHS = (128, 512, 2048)
 MIXED_CHUNK_TOKENS = 512
 MIXED_DECODES = 32
@@ -55,16 +63,24 @@ class Row:
         return self.tokens / self.transformers_ms * 1e3
 
 
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def median_ms(*runs: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
-    """Median time of each run; the runs alternate, so background load hits all alike."""
+    """Median time of each run; the runs alternate, so background load hits all alike.
+    On CUDA each run is timed to its completion on the device, not to its last launch."""
     for _ in range(warmup):
         for run in runs:
             run()
     times: list[list[float]] = [[] for _ in runs]
     for _ in range(repeats):
         for run, samples in zip(runs, times, strict=True):
+            _synchronize()
             started_s = time.perf_counter()
             run()
+            _synchronize()
             samples.append((time.perf_counter() - started_s) * 1e3)
     return [statistics.median(samples) for samples in times]
 
@@ -76,6 +92,11 @@ class Plans:
         self.next_block = 0
         self.next_seq_id = 0
         self.tables: dict[int, list[int]] = {}
+
+    def reset_blocks(self) -> None:
+        """Every sequence was forgotten: blocks are free again."""
+        self.next_block = 0
+        self.tables.clear()
 
     def blocks(self, num_tokens: int) -> list[int]:
         count = -(-num_tokens // BLOCK_SIZE)
@@ -117,7 +138,14 @@ class Bench:
         self.plans = Plans()
         self.generator = torch.Generator().manual_seed(0)
         self.vocab_size = engine.facts.vocab_size
-        self.decode_ids: list[int] = []  # the last decode case's sequences, reused by mixed
+        self.device = engine.device
+        self.dtype = engine.pool.geometry.dtype
+
+    def forget_all(self) -> None:
+        """Forget every sequence (a plan with no entries), so the next case starts at block 0."""
+        plan = step_pb2.StepPlan(forget_seq_ids=list(self.plans.tables))
+        self._step(plan)
+        self.plans.reset_blocks()
 
     def _step(self, plan: step_pb2.StepPlan) -> step_pb2.StepResult:
         """One wire plan through the codec and the engine, as the worker's server runs it."""
@@ -125,23 +153,24 @@ class Bench:
         assert not result.step_error and not result.errors, (result.step_error, result.errors)
         return result
 
-    def decode_sequences(self, batch: int) -> list[int]:
-        """`batch` sequences with 127 cached tokens, ready to feed position 127."""
+    def decode_sequences(self, batch: int, context: int) -> list[int]:
+        """`batch` sequences with context - 1 cached tokens, ready to feed position context - 1."""
         plan = step_pb2.StepPlan()
         seq_ids = []
         for _ in range(batch):
-            cached = random_tokens(CONTEXT_TOKENS - 1, self.generator, self.vocab_size)
-            seq_id = self.plans.new_sequences(plan, cached, CONTEXT_TOKENS)
-            Plans.entry(plan, seq_id, CONTEXT_TOKENS - 1, [5], self.plans.tables[seq_id])
+            cached = random_tokens(context - 1, self.generator, self.vocab_size)
+            seq_id = self.plans.new_sequences(plan, cached, context)
+            Plans.entry(plan, seq_id, context - 1, [5], self.plans.tables[seq_id])
             seq_ids.append(seq_id)
         self._step(plan)  # registers them (and warms up)
         return seq_ids
 
-    def decode_plan(self, seq_ids: list[int]) -> step_pb2.StepPlan:
-        # Rewinding to position 127 every time keeps the context at exactly 128 tokens.
+    @staticmethod
+    def decode_plan(seq_ids: list[int], context: int) -> step_pb2.StepPlan:
+        # Rewinding to position context - 1 every time keeps the context fixed.
         plan = step_pb2.StepPlan()
         for seq_id in seq_ids:
-            Plans.entry(plan, seq_id, CONTEXT_TOKENS - 1, [5], [])
+            Plans.entry(plan, seq_id, context - 1, [5], [])
         return plan
 
     def prefill_plan(
@@ -157,28 +186,32 @@ class Bench:
         )
         return seq_id, plan
 
-    def decode(self, batch: int) -> Row:
-        self.decode_ids = self.decode_sequences(batch)
-        plan = self.decode_plan(self.decode_ids)
-        pagoda_ms, transformers_ms = median_ms(
-            lambda: self._step(plan), self._transformers_decode(batch), repeats=self.repeats
-        )
-        return Row(
-            f"decode, batch {batch}, context {CONTEXT_TOKENS}", pagoda_ms, transformers_ms, batch
-        )
+    def decode(self, batch: int, context: int) -> Row:
+        seq_ids = self.decode_sequences(batch, context)
+        plan = self.decode_plan(seq_ids, context)
+        runs = [lambda: self._step(plan)]
+        if batch * context <= MAX_REFERENCE_CONTEXT_TOKENS:
+            runs.append(self._transformers_decode(batch, context))
+        times = median_ms(*runs, repeats=self.repeats)
+        self.forget_all()
+        transformers_ms = times[1] if len(times) > 1 else None
+        return Row(f"decode, batch {batch}, context {context}", times[0], transformers_ms, batch)
 
-    def _transformers_decode(self, batch: int) -> Callable[[], None]:
+    def _transformers_decode(self, batch: int, context: int) -> Callable[[], None]:
         from transformers import DynamicCache
 
         geometry = self.engine.pool.geometry
+        device = self.device
         cache = DynamicCache(config=self.reference.config)
-        past = torch.zeros(batch, geometry.num_kv_heads, CONTEXT_TOKENS - 1, geometry.head_dim)
+        past_shape = (batch, geometry.num_kv_heads, context - 1, geometry.head_dim)
+        past = torch.zeros(past_shape, dtype=self.dtype, device=device)
         with torch.inference_mode():
             for layer in range(geometry.num_layers):
                 cache.update(past.clone(), past.clone(), layer)
-        input_ids = torch.full((batch, 1), 5)
-        mask = torch.ones(batch, CONTEXT_TOKENS, dtype=torch.long)
-        positions = torch.full((batch, 1), CONTEXT_TOKENS - 1)
+        del past
+        input_ids = torch.full((batch, 1), 5, device=device)
+        mask = torch.ones(batch, context, dtype=torch.long, device=device)
+        positions = torch.full((batch, 1), context - 1, device=device)
 
         @torch.inference_mode()
         def step() -> None:
@@ -198,7 +231,7 @@ class Bench:
         seq_id, first = self.prefill_plan(num_tokens)
         self._step(first)
         _, again = self.prefill_plan(num_tokens, seq_id)  # rewinds to position 0
-        input_ids = torch.tensor([list(again.token_ids)])
+        input_ids = torch.tensor([list(again.token_ids)], device=self.device)
 
         @torch.inference_mode()
         def transformers_prefill() -> None:
@@ -208,16 +241,15 @@ class Bench:
         pagoda_ms, transformers_ms = median_ms(
             lambda: self._step(again), transformers_prefill, repeats=repeats, warmup=0
         )
+        self.forget_all()
         return Row(f"prefill, {num_tokens} tokens", pagoda_ms, transformers_ms, num_tokens)
 
-    def mixed(self) -> list[Row]:
-        decode_ids = self.decode_ids[:MIXED_DECODES]
-        if len(decode_ids) < MIXED_DECODES:
-            decode_ids = self.decode_sequences(MIXED_DECODES)
+    def mixed(self, context: int) -> list[Row]:
+        decode_ids = self.decode_sequences(MIXED_DECODES, context)
         seq_id, first = self.prefill_plan(MIXED_CHUNK_TOKENS)
         self._step(first)
         _, chunk = self.prefill_plan(MIXED_CHUNK_TOKENS, seq_id)
-        decode = self.decode_plan(decode_ids)
+        decode = self.decode_plan(decode_ids, context)
         mixed = step_pb2.StepPlan()
         mixed.CopyFrom(decode)
         Plans.entry(mixed, seq_id, 0, list(chunk.token_ids), [])
@@ -227,6 +259,7 @@ class Bench:
             lambda: self._step(decode),
             repeats=self.repeats,
         )
+        self.forget_all()
         tokens = MIXED_CHUNK_TOKENS + MIXED_DECODES
         label = f"{MIXED_CHUNK_TOKENS}-token chunk + {MIXED_DECODES} decodes"
         return [
@@ -255,9 +288,10 @@ def render_table(rows: list[Row]) -> str:
 
 
 def write_docs(path: Path, section: str) -> None:
-    """Replace (or append) the '## Worker' section of `path`."""
+    """Replace (or append) the section of `path` whose heading is `section`'s first line."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## Worker\n.*?(?=^## |\Z)", re.S | re.M)
+    heading = section.split("\n", 1)[0]
+    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.S | re.M)
     if pattern.search(text):
         text = pattern.sub(lambda _: section, text)
     else:
@@ -265,28 +299,69 @@ def write_docs(path: Path, section: str) -> None:
     path.write_text(text)
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.worker_step", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--model", default="default", help="model spec, as for the worker")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", help="as the worker's --dtype")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=("auto", "none", "int8"),
+        help="as the worker's; applied to both sides (int8: the same int8 Linear layers)",
+    )
+    parser.add_argument(
+        "--decode-batches",
+        type=_ints,
+        help="comma-separated (default: 1,8,32,64 on CPU, to 256 on CUDA)",
+    )
+    parser.add_argument(
+        "--contexts",
+        type=_ints,
+        help="decode context tokens (default: 128 on CPU; 128,1024,4096 on CUDA)",
+    )
+    parser.add_argument(
+        "--prefill-lengths",
+        type=_ints,
+        default=PREFILL_LENGTHS,
+        help="comma-separated; empty: none",
+    )
+    parser.add_argument("--no-mixed", action="store_true", help="leave out the mixed step")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per case (median)")
     parser.add_argument(
-        "--write-docs", type=Path, help="replace the '## Worker' section of this file"
+        "--write-docs",
+        type=Path,
+        help="replace this file's '## Worker' ('## Worker on CUDA') section",
     )
     args = parser.parse_args(argv)
 
     device = pick_device(args.device)
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    batches = args.decode_batches or DECODE_BATCHES[kind]
+    contexts = args.contexts or DECODE_CONTEXTS[kind]
+    quantization = resolve_quantization(args.quantization, device, args.dtype)
     resolved = resolve_model_dir(args.model)
-    reference = load_model(resolved, device)
-    engine = PagedEngine(load_model(resolved, device), model_id=resolved.model_id,
-                         num_kv_blocks=1536, block_size=BLOCK_SIZE)  # fmt: skip
+    reference = load_model(resolved, device, args.dtype)
+    quantize(reference, quantization)
+    # Enough blocks for the largest case; every case forgets its sequences after it.
+    largest = max([b * c for b in batches for c in contexts] + [2 * max(PREFILL_LENGTHS)])
+    largest += MIXED_DECODES * max(contexts) + MIXED_CHUNK_TOKENS
+    num_kv_blocks = -(-largest // BLOCK_SIZE) + max(batches) + MIXED_DECODES + 8
+    engine = PagedEngine(load_model(resolved, device, args.dtype), model_id=resolved.model_id,
+                         num_kv_blocks=num_kv_blocks, block_size=BLOCK_SIZE,
+                         quantization=quantization)  # fmt: skip
     bench = Bench(engine, reference, args.repeats)
     started_s = time.monotonic()
-    rows = [bench.decode(batch) for batch in DECODE_BATCHES]
-    rows += [bench.prefill(num_tokens) for num_tokens in PREFILL_LENGTHS]
-    rows += bench.mixed()
+    rows = [bench.decode(batch, context) for context in contexts for batch in batches]
+    rows += [bench.prefill(num_tokens) for num_tokens in args.prefill_lengths]
+    if not args.no_mixed:
+        rows += bench.mixed(contexts[0])
     table = render_table(rows)
     machine = (
         f"{os.cpu_count()} cores {platform.machine()} CPU, torch {torch.__version__} "
@@ -295,18 +370,20 @@ def main(argv: list[str] | None = None) -> int:
         else torch.cuda.get_device_name()
     )
     summary = (
-        f"{resolved.model_id}, {engine.facts.dtype} on {device}; {machine}; "
+        f"{resolved.model_id}, {engine.facts.dtype} on {device}, quantization {quantization}, "
+        f"attention {engine.attention_backend.name}; {machine}; "
         f"block size {BLOCK_SIZE}; median of {args.repeats} repeats "
         f"(fewer for long prefills); run took {time.monotonic() - started_s:.0f} s."
     )
     print(summary)
     print(table)
     if args.write_docs:
-        section = (
-            "## Worker\n\n"
+        heading = "## Worker\n\n" if kind == "cpu" else "## Worker on CUDA\n\n"
+        section = heading + (
             f"`python -m benchmarks.worker_step`, {datetime.date.today().isoformat()}: {summary}\n\n"
             "transformers = the same model's own forward with its `DynamicCache` (sdpa), "
-            "same shapes, same run: decode as a padded `[B, 1]` batch over a 127-token cache; "
+            "same shapes, weights, dtype and quantization, same run: decode as a padded "
+            "`[B, 1]` batch over a (context - 1)-token cache; "
             "prefill with `logits_to_keep=1` as `generate()` does. A mixed step feeds "
             "both the chunk and the decodes in one forward; two steps is the sum of "
             "the chunk alone and the decodes alone.\n\n"
