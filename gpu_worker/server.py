@@ -7,7 +7,7 @@ RESULT; HEARTBEAT every second of silence; REHELLO sends HELLO again. Malformed 
 are logged and skipped. SIGTERM/SIGINT close the socket and exit 0. Imports no torch.
 
 Under tensor parallelism this is rank 0, and `group` (tensor_parallel.GroupLeader) hears of
-every plan (its protobuf bytes) and reset before the engine runs it; a lost group exits
+every plan (its frames) and reset before the engine runs it; a lost group exits
 EXIT_GROUP_LOST.
 """
 
@@ -184,7 +184,7 @@ class WorkerServer:
         if isinstance(message, step_pb2.StepPlan):
             plan = codec.decode_plan(message)
             if self.group is not None:
-                self.group.send_plan(frames[1])  # the bytes wire.decode just parsed
+                self.group.send_plan(frames)  # as wire.decode just parsed them
             try:
                 result = codec.encode_result(self.engine.step(plan))
             except Exception as exc:  # the engine reports its own failures; this is a backstop

@@ -20,8 +20,8 @@ parameters) the copies cost little. The KV pool of each rank holds its kv_heads 
 number of blocks the hello announces is the minimum over ranks.
 
 Rank 0 alone talks to the scheduler (pagoda.gpu_worker.server). Before it steps a plan it
-broadcasts the plan's protobuf bytes (a [kind, length] int64 tensor, then the bytes as a
-uint8 tensor; never pickle) and every rank runs the same engine step; only rank 0
+broadcasts the plan's wire frames (pagoda.common.wire: its kind byte and protobuf bytes)
+as a [kind, length] int64 tensor, then the bytes as a uint8 tensor (never pickle) and every rank runs the same engine step; only rank 0
 samples. A reset (a new scheduler) and a stop travel the same way, and an idle rank 0
 broadcasts a keepalive so no collective waits past the group timeout. A rank that dies
 (or a collective that fails) takes the group down: rank 0 exits EXIT_GROUP_LOST, which
@@ -56,7 +56,8 @@ from pagoda.gpu_worker.config import WorkerConfig
 from pagoda.gpu_worker.engine import Engine, one_line
 from pagoda.gpu_worker.kv_pool import TENSOR_PARALLEL_ATTRIBUTE
 from pagoda.gpu_worker.server import EXIT_GROUP_LOST, EXIT_OK, EXIT_REFUSED
-from pagoda.protos import step_pb2
+
+from pagoda.common import wire
 
 log = logging.getLogger("pagoda.worker.tensor_parallel")
 
@@ -378,8 +379,9 @@ class GroupLeader:
                 self.group.broadcast_message(kind, payload)
         self._last_sent_s = time.monotonic()
 
-    def send_plan(self, payload: bytes) -> None:
-        self._broadcast(PLAN, payload)
+    def send_plan(self, frames: list[bytes]) -> None:
+        """`frames`: the plan as received (wire.encode's kind byte and protobuf bytes)."""
+        self._broadcast(PLAN, b"".join(frames))
 
     def send_reset(self) -> None:
         self._broadcast(RESET)
@@ -464,9 +466,8 @@ def follow(engine: Engine, group: Group) -> int:
             log.error("rank %d: lost rank 0: %s", group.rank, one_line(exc))
             return EXIT_GROUP_LOST
         if kind == PLAN:
-            message = step_pb2.StepPlan()
-            message.ParseFromString(payload)
-            plan = codec.decode_plan(message)
+            # The frames rank 0 received (and wire checked there): kind byte, then the body.
+            plan = codec.decode_plan(wire.decode([payload[:1], payload[1:]]))
             try:
                 engine.step(plan)
             except Exception as exc:  # the same backstop as the server's

@@ -3,7 +3,7 @@ and greedy output of two gloo ranks on the CPU equal to one process's, token for
 
 The parity tests spawn two processes (one rank each) that load the same tiny model, shard
 it and build a paged engine; rank 0 drives the toy scheduler and broadcasts each plan's
-protobuf bytes exactly as the worker's server does, rank 1 runs tensor_parallel.follow.
+wire frames exactly as the worker's server does, rank 1 runs tensor_parallel.follow.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pagoda.gpu_worker.config import parse_config
 from pagoda.gpu_worker.kv_pool import KVGeometry
 from pagoda.gpu_worker.tensor_parallel import Rendezvous, TensorParallelError
 
+from pagoda.common import wire
 from tests.worker import toy_scheduler
 from tests.worker.conftest import NUM_NEW_TOKENS, TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, random_prompts
 
@@ -104,8 +105,8 @@ class FakeLeader:
         self.num_resets = 0
         self.problem: str | None = None
 
-    def send_plan(self, payload: bytes) -> None:
-        self.plans.append(payload)
+    def send_plan(self, frames: list[bytes]) -> None:
+        self.plans.append(frames)
 
     def send_reset(self) -> None:
         self.num_resets += 1
@@ -123,8 +124,6 @@ def test_the_server_forwards_plans_and_resets_and_exits_when_the_group_is_lost(t
     from pagoda.gpu_worker.server import EXIT_GROUP_LOST, WorkerServer
     from pagoda.protos import step_pb2
 
-    from pagoda.common import wire
-
     leader = FakeLeader()
     server = WorkerServer(DummyEngine(num_kv_blocks=8), f"ipc://{tmp_path}/w.sock", group=leader)
     server._socket = zmq.Context.instance().socket(zmq.DEALER)  # connected nowhere
@@ -138,7 +137,7 @@ def test_the_server_forwards_plans_and_resets_and_exits_when_the_group_is_lost(t
         plan = step_pb2.StepPlan(step_id=7)
         frames = wire.encode(plan)
         assert server._handle(frames) is None
-        assert leader.plans == [frames[1]]  # the protobuf bytes, as received
+        assert leader.plans == [frames]  # as received
         leader.problem = "rank 1 exited with -9"
         assert server._handle(wire.encode(step_pb2.StepPlan(step_id=8))) == EXIT_GROUP_LOST
     finally:
@@ -183,7 +182,7 @@ def _lead(engine, leader) -> list[dict]:
     plain_run_plan = toy_scheduler.run_plan
 
     def run_plan(engine, plan):
-        leader.send_plan(plan.SerializeToString())
+        leader.send_plan(wire.encode(plan))
         return plain_run_plan(engine, plan)
 
     toy_scheduler.run_plan = run_plan  # this process only
