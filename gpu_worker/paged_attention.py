@@ -19,18 +19,16 @@ from pagoda.gpu_worker.kv_pool import KVPool
 ATTENTION_NAME = "pagoda_paged"
 
 
-def _no_mask(*args, **kwargs) -> None:
-    """The paged attention builds its own masks; transformers must build none."""
-    return None
-
-
 def register() -> None:
-    """Make ATTENTION_NAME a valid `attn_implementation` (idempotent)."""
+    """Make ATTENTION_NAME a valid `attn_implementation` (idempotent).
+
+    No mask function is registered for it: transformers then builds no mask at all
+    (its early exit for custom attention), where a registered one that returns None
+    would still cost a packed-sequence check per forward, a host sync on CUDA.
+    """
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
 
 
 def number_attention_layers(model: torch.nn.Module) -> int:
