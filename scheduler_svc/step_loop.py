@@ -352,7 +352,8 @@ class StepLoop:
             return
         self._worker = None
         self._worker_lost_at_s = now
-        self._scheduler.detach_worker()
+        # Steps in flight are lost with it: a request that killed it may end here.
+        self._publish(self._scheduler.detach_worker(reason))
         self._on_worker_change(False)
         log.warning(
             "worker detached (%s); requests wait up to %g s for a new one",

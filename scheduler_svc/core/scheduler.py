@@ -93,18 +93,17 @@ class Scheduler:
 
         Returns the finishing outputs of waiting requests this worker can never hold (its
         context or pool is smaller than the last one's) or read (a token id outside its
-        vocabulary: the worker would refuse it, see apply()); usually empty.
+        vocabulary: the worker would refuse it, see apply()), and those of detach_worker()
+        if a worker was attached; usually empty.
         """
         planner = self._planner
-        if self.worker_attached:
-            self.detach_worker()
+        outputs = self.detach_worker("another worker said hello") if self.worker_attached else []
         # Suspects and their solo failures stay: a request that killed the last worker
         # (fail_step) would kill this one too.
         self._isolation.stand_down()
         planner.attach_pool(geometry)
         if self._step_budget is not None:
             self._step_budget.reset()  # the new worker's costs are learned afresh
-        outputs = []
         for request in list(planner.waiting):
             reason = too_large_reason(
                 request.num_prompt_tokens, request.stopping.max_new_tokens, geometry
@@ -113,10 +112,19 @@ class Scheduler:
                 outputs.append(self._finish_with_error(request, reason, self._last_now))
         return outputs
 
-    def detach_worker(self) -> None:
-        """The worker is lost: schedule() returns None until the next attach_worker()."""
+    def detach_worker(self, reason: str = "it went away") -> list[RequestOutput]:
+        """The worker is lost: schedule() returns None until the next attach_worker().
+
+        Steps still in flight were lost with it (the loss may be reported before their
+        results fail): they fail here as in fail_step, their requests isolated. Returns
+        the output of a request that loss convicts (usually none).
+        """
+        outputs = []
+        if self._in_flight:
+            outputs = self.fail_step(self._in_flight[0].plan, reason, self._last_now)
         self._in_flight.clear()
         self._planner.drop_pool()
+        return outputs
 
     # -- requests in and out -----------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 worker dies (os._exit, as a segfault) on any step that feeds a poison token, and a
 supervisor thread starts a new one after each death, as systemd's Restart= would. The
 poison request ends alone with INTERNAL after its second solo crash; the others finish
-with exactly their own tokens."""
+with exactly their own tokens. With overlapped steps the scheduler may hear of the
+detach before the lost step fails: both orders must count the loss."""
 
 from __future__ import annotations
 
@@ -79,5 +80,11 @@ def test_a_request_that_kills_the_worker_ends_internal_and_the_others_finish(tmp
         for prompt_ids, (tokens, finish) in zip(batch, results, strict=True):
             assert finish == generation_pb2.LENGTH
             assert tokens == dummy_continuation(prompt_ids, 24)
-        # Killed by the mixed step, then twice by the poison request alone.
-        assert supervisor.exit_codes == [DUMMY_CRASH_EXIT_CODE] * 3
+        # Killed twice by the poison request alone, after once by a step it shared with
+        # others unless it came first and ran alone from the start. Counted from the
+        # workers' logs: the supervisor may not have seen the last death yet.
+        deaths = sum(
+            log.read_text().count("fault injected") for log in service.log_dir.glob("worker-*.log")
+        )
+        assert deaths in (2, 3)
+        assert set(supervisor.exit_codes) <= {DUMMY_CRASH_EXIT_CODE}

@@ -10,11 +10,21 @@ plan that feeds POISON; every death is followed by a new worker's hello.
 from __future__ import annotations
 
 import asyncio
+from collections import defaultdict
 
+import pytest
 from pagoda.scheduler_svc.core import FinishReason
+from pagoda.scheduler_svc.testing import FakeWorker
 from pagoda.scheduler_svc.worker_link import WorkerLost
 
-from tests.unit.conftest import make_request
+from tests.unit.conftest import (
+    Stream,
+    check_invariants,
+    expected_generation,
+    make_geometry,
+    make_request,
+    make_scheduler,
+)
 from tests.unit.test_step_loop import (
     Harness,
     assert_exact,
@@ -91,3 +101,49 @@ def test_a_request_that_kills_the_worker_ends_alone_with_an_error_and_the_others
             assert_idle(h.loop)
 
     scenario(body)
+
+
+@pytest.mark.parametrize("detach_first", [False, True], ids=["lost-then-detach", "detach-first"])
+def test_the_core_convicts_a_worker_killer_whichever_the_loop_hears_first(detach_first):
+    """The loop may hear of the detach before the step's WorkerLost (overlapped steps:
+    a send fails while an earlier step is awaited): the lost steps count either way,
+    once."""
+    geometry = make_geometry(vocab_size=100)
+    scheduler = make_scheduler(geometry)
+    worker = FakeWorker(geometry)
+    good = [
+        make_request(f"good{i}", 6 + 3 * i, max_new_tokens=12, ignore_eos=True) for i in range(5)
+    ]
+    poison = make_request("poison", [5, 6, POISON, 7], max_new_tokens=12)
+    for request in (*good[:2], poison, *good[2:]):
+        scheduler.add(request, 0.0)
+    streams: dict[str, Stream] = defaultdict(Stream)
+    num_crashes = 0
+    for step in range(500):
+        plan = scheduler.schedule(float(step))
+        if plan is None:
+            break
+        if POISON in plan.token_ids:
+            num_crashes += 1
+            assert num_crashes <= MAX_CRASHES, "the poison request crashes worker after worker"
+            core = scheduler.core
+            if detach_first:
+                outputs = core.detach_worker("its connection closed")
+                outputs += core.fail_step(plan, "its connection closed", float(step))
+            else:
+                outputs = core.fail_step(plan, "its connection closed", float(step))
+                outputs += core.detach_worker("its connection closed")
+            outputs = scheduler.processor.process(outputs)
+            outputs += scheduler.attach_worker(geometry)
+            worker = FakeWorker(geometry)
+        else:
+            outputs = scheduler.apply(worker.step(plan), step + 0.5)
+        for output in outputs:
+            streams[output.request_id].take(output)
+        check_invariants(scheduler)
+    assert streams["poison"].finish_reason is FinishReason.ERROR
+    assert num_crashes == 3
+    for request in good:
+        tokens, reason, _ = expected_generation(request, geometry)
+        assert streams[request.request_id].token_ids == tokens
+        assert streams[request.request_id].finish_reason is reason
