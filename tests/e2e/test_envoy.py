@@ -18,7 +18,7 @@ import grpc
 import pytest
 import yaml
 from pagoda.protos import generation_pb2, generation_pb2_grpc
-from pagoda.scheduler_svc.api import SERVICE_NAME
+from pagoda.scheduler_svc.api import KEEPALIVE_OPTIONS, SERVICE_NAME
 
 from tests.e2e.conftest import (
     REPO_ROOT,
@@ -36,6 +36,11 @@ NUM_NEW_TOKENS = 8
 
 def load_config() -> dict:
     return yaml.safe_load(CONFIG_PATH.read_text())
+
+
+def seconds(duration: str) -> float:
+    assert duration.endswith("s"), duration
+    return float(duration[:-1])
 
 
 def parts(config: dict) -> tuple[dict, dict, dict]:
@@ -69,7 +74,10 @@ def test_the_config_health_checks_grpc_and_retries_only_before_a_response():
     http = cluster["typed_extension_protocol_options"][
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
     ]
-    assert "http2_protocol_options" in http["explicit_http_config"]
+    http2 = http["explicit_http_config"]["http2_protocol_options"]
+    # Envoy's pings no more often than the scheduler accepts (or it answers GOAWAY).
+    min_ping_interval_ms = dict(KEEPALIVE_OPTIONS)["grpc.http2.min_ping_interval_without_data_ms"]
+    assert seconds(http2["connection_keepalive"]["interval"]) * 1000 > min_ping_interval_ms
     # Retries: only failures that precede any response byte.
     action = route["route"]
     retry_on = set(action["retry_policy"]["retry_on"].split(","))
