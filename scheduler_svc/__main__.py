@@ -1,4 +1,5 @@
-"""`python -m pagoda.scheduler_svc` / `pagoda-scheduler`: the gRPC API in front of one worker."""
+"""`python -m pagoda.scheduler_svc` / `pagoda-scheduler`: the gRPC API in front of one worker,
+or of several (--max-workers, lanes.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pagoda.scheduler_svc.api import SERVICE_NAME, GenerationServicer, build_ser
 from pagoda.scheduler_svc.core import ConfigError, Scheduler
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
 from pagoda.scheduler_svc.gc_tuning import tune_gc
+from pagoda.scheduler_svc.lanes import Lanes
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.output_processor import OutputProcessor
 from pagoda.scheduler_svc.settings import ServiceConfig
@@ -71,8 +73,6 @@ async def serve(
     curve_settings: CurveSettings,
 ) -> int:
     metrics = Metrics()
-    scheduler = Scheduler(config.scheduler)
-    output_processor = OutputProcessor(scheduler, lambda: IncrementalDetokenizer(tokenizer))
     health_servicer = None
     background: set[asyncio.Task] = set()
 
@@ -83,23 +83,33 @@ async def serve(
             background.add(task)
             task.add_done_callback(background.discard)
 
-    link = WorkerLink(config.zmq_endpoint, *curve_settings)
-    loop = StepLoop(
-        scheduler,
-        link,
-        metrics,
-        output_processor=output_processor,
+    link = WorkerLink(config.zmq_endpoint, *curve_settings, max_workers=config.max_workers)
+    loop_options = dict(
         worker_timeout_s=config.worker_timeout_s,
         worker_grace_s=config.worker_grace_s,
         status_interval_s=config.status_interval_s,
         on_worker_change=on_worker_change,
         overlap_steps=config.overlap_steps,
     )
+    loop: StepLoop | Lanes
+    if config.max_workers > 1:
+        loop = Lanes(
+            config.scheduler,
+            link,
+            metrics,
+            detokenizer_factory=lambda: IncrementalDetokenizer(tokenizer),
+            **loop_options,
+        )
+    else:
+        scheduler = Scheduler(config.scheduler)
+        output_processor = OutputProcessor(scheduler, lambda: IncrementalDetokenizer(tokenizer))
+        loop = StepLoop(scheduler, link, metrics, output_processor=output_processor, **loop_options)
     servicer = GenerationServicer(loop, metrics, tokenizer, config, model_id)
     server, health_servicer = build_server(config, servicer)
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, _health_status("NOT_SERVING"))
-    metrics.watch(lambda: scheduler.stats, lambda: loop.worker is not None)
+    metrics.watch(lambda: loop.stats, lambda: loop.worker is not None)
+    metrics.watch_workers(loop.worker_stats)
     if config.metrics_address:
         metrics.serve(config.metrics_address)
         log.info("metrics on http://%s/metrics", config.metrics_address)

@@ -27,6 +27,7 @@ from pagoda.scheduler_svc.core import (
     RequestTooLargeError,
     ValidRequest,
 )
+from pagoda.scheduler_svc.lanes import Lanes
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.step_loop import StepLoop, Unavailable
@@ -152,7 +153,7 @@ def _generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(
         self,
-        loop: StepLoop,
+        loop: StepLoop | Lanes,
         metrics: Metrics,
         tokenizer: TextTokenizer,
         config: ServiceConfig,
@@ -357,6 +358,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             draining=self._loop.draining,
             worker_busy_fraction=self._metrics.worker_busy.fraction(),
             worker_busy_s=self._metrics.worker_busy.total_s,
+            workers=[
+                generation_pb2.WorkerStats(
+                    incarnation_id=each.incarnation_id,
+                    num_running=each.num_running,
+                    num_waiting=each.num_waiting,
+                    num_kv_blocks_used=each.num_kv_blocks_used,
+                    num_kv_blocks_total=each.num_kv_blocks_total,
+                    busy_fraction=each.busy_fraction,
+                    num_steps=each.num_steps,
+                    num_generated_tokens=each.num_generated_tokens,
+                )
+                for each in self._loop.worker_stats()
+            ],
         )
 
 

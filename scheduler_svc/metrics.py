@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable
 
 from pagoda.scheduler_svc.core import RequestOutput, SchedulerStats
+from pagoda.scheduler_svc.worker_stats import WorkerStats
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -147,6 +148,33 @@ class _LiveStats(Collector):
             yield GaugeMetricFamily(name, documentation, value=value)
 
 
+class _PerWorker(Collector):
+    """Gauges of each attached worker, labelled by its incarnation id (several workers,
+    lanes.py; one series with one worker)."""
+
+    def __init__(self, workers: Callable[[], list[WorkerStats]]) -> None:
+        self._workers = workers
+
+    def collect(self):
+        gauges = {
+            "num_running": ("pagoda_worker_requests_running", "Requests being computed"),
+            "num_waiting": ("pagoda_worker_requests_waiting", "Requests in its waiting queue"),
+            "num_kv_blocks_used": ("pagoda_worker_kv_blocks_used", "KV blocks owned by requests"),
+            "num_kv_blocks_total": ("pagoda_worker_kv_blocks_total", "KV blocks in its pool"),
+            "busy_fraction": (
+                "pagoda_worker_busy_fraction_by_worker",
+                f"Share of the last {BUSY_WINDOW_S:g} s it spent inside steps",
+            ),
+            "num_steps": ("pagoda_worker_steps", "Steps planned for it since it attached"),
+        }
+        workers = self._workers()
+        for field, (name, documentation) in gauges.items():
+            family = GaugeMetricFamily(name, documentation, labels=["worker"])
+            for worker in workers:
+                family.add_metric([worker.incarnation_id], getattr(worker, field))
+            yield family
+
+
 class Metrics:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = CollectorRegistry()
@@ -209,6 +237,9 @@ class Metrics:
         self, stats: Callable[[], SchedulerStats], worker_connected: Callable[[], bool]
     ) -> None:
         self.registry.register(_LiveStats(stats, worker_connected, self.worker_busy))
+
+    def watch_workers(self, workers: Callable[[], list[WorkerStats]]) -> None:
+        self.registry.register(_PerWorker(workers))
 
     def serve(self, address: str) -> None:
         host, _, port = address.rpartition(":")

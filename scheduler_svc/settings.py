@@ -60,6 +60,7 @@ class ServiceConfig:
     zmq_allow_insecure_tcp: bool = False
     log_level: str = "INFO"
     overlap_steps: bool = True
+    max_workers: int = 1
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> None:
@@ -75,6 +76,7 @@ class ServiceConfig:
             "max_connection_idle_s",
             "max_health_watchers",
             "status_interval_s",
+            "max_workers",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -148,6 +150,9 @@ HELP: dict[str, str] = {
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "overlap_steps": "plan and send step N+1 while the worker runs step N (for a worker that "
     "feeds its last sampled tokens; an older one gets one step at a time)",
+    "max_workers": "workers that may attach at once, each with its own KV pool, all serving "
+    "the same model (data parallel: each request is placed on one; a lost worker's requests "
+    "move to the others); 1: a new worker replaces the one attached",
     "max_num_batched_tokens": "tokens (prefill + decode) in one step",
     "prefill_max_tokens": "cap on prompt tokens admitted per step (unset: no extra cap)",
     "prefill_max_batch_size": "cap on requests admitted per step (unset: no cap)",

@@ -40,6 +40,7 @@ from pagoda.scheduler_svc.output_streams import (
     unread_message,
 )
 from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLost
+from pagoda.scheduler_svc.worker_stats import WorkerStats, worker_stats_of
 
 log = logging.getLogger("pagoda.step_loop")
 
@@ -96,7 +97,10 @@ class StepLoop:
         clock: Callable[[], float] = time.monotonic,
         idle_tick_s: float = IDLE_TICK_S,
         overlap_steps: bool = True,
+        streams: OutputStreams | None = None,
     ) -> None:
+        """`streams`: the output slots, when several loops (lanes.py, one per worker)
+        share them; by default the loop's own."""
         self._scheduler = scheduler
         # Plan step N+1 while N runs, when the worker substitutes last sampled tokens.
         self._overlap_steps = overlap_steps
@@ -108,11 +112,13 @@ class StepLoop:
         self._link = link
         self._metrics = metrics
         # A client that stops reading has its request ended, not its output piled up.
-        self._streams = OutputStreams(
-            on_overflow=lambda request_id: self.cancel(
-                request_id, FinishReason.ERROR, unread_message(MAX_UNREAD_TOKENS)
+        if streams is None:
+            streams = OutputStreams(
+                on_overflow=lambda request_id: self.cancel(
+                    request_id, FinishReason.ERROR, unread_message(MAX_UNREAD_TOKENS)
+                )
             )
-        )
+        self._streams = streams
         self._worker: WorkerInfo | None = None
         self._worker_timeout_s = worker_timeout_s
         self._worker_grace_s = worker_grace_s
@@ -143,6 +149,18 @@ class StepLoop:
     @property
     def stats(self) -> SchedulerStats:
         return self._scheduler.stats
+
+    def worker_stats(self) -> list[WorkerStats]:
+        """The attached worker's figures (none between a detach and the next attach)."""
+        worker = self._worker
+        if worker is None:
+            return []
+        busy_fraction = self._metrics.worker_busy.fraction()
+        return [worker_stats_of(worker.hello.incarnation_id, self.stats, busy_fraction)]
+
+    def wake(self) -> None:
+        """New work was queued in the scheduler from outside (lanes.py): plan now."""
+        self._wake.set()
 
     @property
     def draining(self) -> bool:

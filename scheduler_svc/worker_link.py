@@ -1,9 +1,13 @@
-"""The scheduler's end of the step protocol: a ZeroMQ ROUTER that one worker connects to.
+"""The scheduler's end of the step protocol: a ZeroMQ ROUTER that workers connect to.
 
 Owns the conversation of protos/step.proto (hello, ack, heartbeats, rehello) and
-turns it into three facts for the step loop: a worker attached (with its hello) and the
+turns it into three facts for the step loop: a worker attached (with its hello) and a
 worker is gone, reported to the WorkerEvents given to start(), and the result of a step,
 returned by run_step(). Called only from the event loop.
+
+One worker by default: a new one replaces the one attached. With max_workers above 1
+(data parallel, scheduler_svc/lanes.py), up to that many attach side by side, each by its
+own routing identity, all serving the same model; a detach then names its worker.
 """
 
 from __future__ import annotations
@@ -46,6 +50,16 @@ class WorkerInfo:
 _Pending = tuple[step_pb2.StepPlan, "asyncio.Future[step_pb2.StepResult]"]
 
 
+@dataclass(slots=True)
+class _Peer:
+    """An attached worker: when it was last heard, and its plans in flight (two with
+    overlapped steps) by step id (each worker's scheduler numbers its own steps)."""
+
+    info: WorkerInfo
+    last_seen_s: float
+    pending: dict[int, _Pending]
+
+
 class WorkerLost(Exception):
     """The worker went away (timeout, restart, unreachable) while a step was in flight."""
 
@@ -64,9 +78,11 @@ class WorkerLink:
         endpoint: str,
         curve_keys: curve.KeyPair | None = None,
         authorized_worker_keys: frozenset[bytes] = frozenset(),
+        max_workers: int = 1,
     ) -> None:
         """With `curve_keys`, only CurveZMQ workers whose public key (Z85) is in
-        `authorized_worker_keys` can connect; traffic is encrypted."""
+        `authorized_worker_keys` can connect; traffic is encrypted. With `max_workers`
+        above 1, that many workers may attach at once (a later one is refused)."""
         self.endpoint = endpoint
         self._curve_keys = curve_keys
         self._authorized_worker_keys = authorized_worker_keys
@@ -76,15 +92,18 @@ class WorkerLink:
         self._socket: zmq.asyncio.Socket | None = None
         self._zap: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
-        self._worker: WorkerInfo | None = None
-        self._last_seen_s = 0.0
-        # Plans in flight (two with overlapped steps) and the futures their results complete.
-        self._pending: dict[int, _Pending] = {}
+        self._max_workers = max_workers
+        self._peers: dict[bytes, _Peer] = {}  # by routing identity, in attach order
         self._tasks: list[asyncio.Task] = []
 
     @property
     def worker(self) -> WorkerInfo | None:
-        return self._worker
+        """The first worker attached (the only one with max_workers 1), or None."""
+        return next((peer.info for peer in self._peers.values()), None)
+
+    @property
+    def workers(self) -> list[WorkerInfo]:
+        return [peer.info for peer in self._peers.values()]
 
     async def start(self, events: WorkerEvents) -> None:
         """Bind and serve; from now on attaches and detaches are reported to `events`."""
@@ -140,15 +159,19 @@ class WorkerLink:
                 socket.close(linger=0)
         self._context.term()
 
-    async def run_step(self, plan: step_pb2.StepPlan, timeout_s: float) -> step_pb2.StepResult:
-        """Send one plan and await its result; WorkerLost if the worker does not answer.
-        Another plan may be in flight (overlapped steps): the worker answers in order, and
-        `timeout_s` counts from this send, so it covers the step before too."""
-        worker = self._worker
-        if worker is None or self._socket is None:
+    async def run_step(
+        self, plan: step_pb2.StepPlan, timeout_s: float, identity: bytes | None = None
+    ) -> step_pb2.StepResult:
+        """Send one plan to the worker of `identity` (None: the first attached) and await
+        its result; WorkerLost if that worker does not answer. Another plan may be in
+        flight (overlapped steps): the worker answers in order, and `timeout_s` counts
+        from this send, so it covers the step before too."""
+        peer = self._peer(identity)
+        if peer is None or self._socket is None:
             raise WorkerLost("no worker attached")
+        worker, pending = peer.info, peer.pending
         future: asyncio.Future[step_pb2.StepResult] = asyncio.get_running_loop().create_future()
-        self._pending[plan.step_id] = (plan, future)
+        pending[plan.step_id] = (plan, future)
         try:
             await self._send(worker.identity, plan)
             return await asyncio.wait_for(future, timeout_s)
@@ -158,10 +181,15 @@ class WorkerLink:
                 if isinstance(exc, TimeoutError)
                 else f"cannot reach the worker ({exc})"
             )
-            self._drop_worker(reason)
+            self._drop_worker_if(worker.identity, reason)
             raise WorkerLost(reason) from None
         finally:
-            self._pending.pop(plan.step_id, None)
+            pending.pop(plan.step_id, None)
+
+    def _peer(self, identity: bytes | None) -> _Peer | None:
+        if identity is None:
+            return next(iter(self._peers.values()), None)
+        return self._peers.get(identity)
 
     async def _answer_zap(self) -> None:
         """Admit a CURVE peer only by an authorized public key; log every refusal."""
@@ -220,16 +248,14 @@ class WorkerLink:
     def _refuse(self, identity: bytes, what: str) -> None:
         """One log line for a bad message; the worker is dropped if it sent it (it may say
         hello again), a stranger's message is only logged."""
-        current = self._worker
-        if current is not None and current.identity == identity:
-            self._drop_worker(f"it sent {what}")
+        if identity in self._peers:
+            self._drop_worker(identity, f"it sent {what}")
         else:
             log.warning("ignored %s from %s", what, identity.hex())
 
     def _drop_worker_if(self, identity: bytes, reason: str) -> None:
-        current = self._worker
-        if current is not None and current.identity == identity:
-            self._drop_worker(reason)
+        if identity in self._peers:
+            self._drop_worker(identity, reason)
 
     async def _watch_disconnects(self) -> None:
         assert self._monitor is not None
@@ -251,24 +277,25 @@ class WorkerLink:
             except zmq.Again:
                 return
             event = parse_monitor_message(frames)
-            worker = self._worker
-            if worker is not None and worker.fd is not None and event["value"] == worker.fd:
-                self._drop_worker("its connection closed")
+            for peer in list(self._peers.values()):
+                if peer.info.fd is not None and event["value"] == peer.info.fd:
+                    self._drop_worker(peer.info.identity, "its connection closed")
 
     async def _dispatch(self, identity: bytes, message, fd: int | None) -> None:
         if isinstance(message, step_pb2.Hello):
             await self._on_hello(identity, message, fd)
             return
-        current = self._worker
-        if current is None or current.identity != identity:
+        peer = self._peers.get(identity)
+        if peer is None:
             # A worker we have not acknowledged (we restarted, or it is a stray):
             # ask it to introduce itself.
             if isinstance(message, step_pb2.Heartbeat | step_pb2.StepResult):
                 await self._send(identity, step_pb2.Rehello(reason="unknown worker"))
             return
-        self._last_seen_s = time.monotonic()
+        current = peer.info
+        peer.last_seen_s = time.monotonic()
         if isinstance(message, step_pb2.StepResult):
-            pending = self._pending.get(message.step_id)
+            pending = peer.pending.get(message.step_id)
             if pending is None or pending[1].done():
                 log.warning("ignored a result for step %d that is not in flight", message.step_id)
                 return
@@ -287,25 +314,38 @@ class WorkerLink:
             log.error("refused worker %s: %s", hello.incarnation_id[:128] or identity.hex(), reason)
             await self._send(identity, step_pb2.HelloAck(accepted=False, reason=reason))
             return
-        current = self._worker
-        same = current is not None and current.identity == identity
-        if not (same and current.hello.incarnation_id == hello.incarnation_id):
-            if current is not None:
+        peer = self._peers.get(identity)
+        if peer is None or peer.info.hello.incarnation_id != hello.incarnation_id:
+            # The same connection with a new incarnation, or (one worker at a time) a new
+            # worker, replaces the one attached.
+            replaced = peer if peer is not None or self._max_workers > 1 else self._peer(None)
+            others = [p.info for p in self._peers.values() if p is not replaced]
+            reason = _fleet_problem(hello, others, self._max_workers)
+            if reason is not None:
+                log.error("refused worker %s: %s", hello.incarnation_id, reason)
+                await self._send(identity, step_pb2.HelloAck(accepted=False, reason=reason))
+                return
+            if replaced is not None:
                 self._drop_worker(
-                    f"worker {hello.incarnation_id} replaced {current.hello.incarnation_id}"
+                    replaced.info.identity,
+                    f"worker {hello.incarnation_id} replaced {replaced.info.hello.incarnation_id}",
                 )
-            self._worker = WorkerInfo(identity=identity, hello=hello, fd=fd)
+            peer = _Peer(WorkerInfo(identity=identity, hello=hello, fd=fd), 0.0, {})
+            self._peers[identity] = peer
             log.info(
-                "worker %s attached: model %s on %s, %d KV blocks of %d tokens",
+                "worker %s attached: model %s on %s, %d KV blocks of %d tokens%s",
                 hello.incarnation_id,
                 hello.model_id,
                 hello.device,
                 hello.num_kv_blocks,
                 hello.block_size,
+                f" ({len(self._peers)} of at most {self._max_workers} workers)"
+                if self._max_workers > 1
+                else "",
             )
             assert self._events is not None
-            self._events.worker_attached(self._worker)
-        self._last_seen_s = time.monotonic()
+            self._events.worker_attached(peer.info)
+        peer.last_seen_s = time.monotonic()
         await self._send(
             identity,
             step_pb2.HelloAck(
@@ -318,20 +358,25 @@ class WorkerLink:
     async def _watch_heartbeats(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_TIMEOUT_S / 5)
-            silent_s = time.monotonic() - self._last_seen_s
-            if self._worker is not None and not self._pending and silent_s > HEARTBEAT_TIMEOUT_S:
-                self._drop_worker(f"no heartbeat for {silent_s:.1f} s")
+            now_s = time.monotonic()
+            for peer in list(self._peers.values()):
+                silent_s = now_s - peer.last_seen_s
+                if not peer.pending and silent_s > HEARTBEAT_TIMEOUT_S:
+                    self._drop_worker(peer.info.identity, f"no heartbeat for {silent_s:.1f} s")
 
-    def _drop_worker(self, reason: str) -> None:
-        if self._worker is None:
+    def _drop_worker(self, identity: bytes, reason: str) -> None:
+        peer = self._peers.pop(identity, None)
+        if peer is None:
             return
-        log.warning("worker %s lost: %s", self._worker.hello.incarnation_id, reason)
-        self._worker = None
-        for _, future in self._pending.values():
+        log.warning("worker %s lost: %s", peer.info.hello.incarnation_id, reason)
+        for _, future in peer.pending.values():
             if not future.done():
                 future.set_exception(WorkerLost(reason))
         assert self._events is not None
-        self._events.worker_detached(reason)
+        if self._max_workers == 1:
+            self._events.worker_detached(reason)
+        else:  # the lanes need to know whose
+            self._events.worker_detached(reason, identity)
 
 
 def _source_fd(frame: zmq.Frame) -> int | None:
@@ -360,6 +405,27 @@ MAX_HELLO_STRING_BYTES: dict[str, int] = {
     "quantization": 32,
 }
 MAX_EOS_TOKEN_IDS = 256
+
+
+def _fleet_problem(hello: step_pb2.Hello, others: list[WorkerInfo], max_workers: int) -> str | None:
+    """Why a worker cannot join the `others` attached (a sentence for both logs), or None:
+    there is no room, or it serves another model than they do."""
+    if len(others) >= max_workers:
+        return (
+            f"this scheduler already serves {len(others)} workers, its --max-workers; stop "
+            "one or raise the limit"
+        )
+    for other in others:
+        mine = (hello.model_id, hello.vocab_size, sorted(hello.eos_token_ids))
+        theirs = (other.hello.model_id, other.hello.vocab_size, sorted(other.hello.eos_token_ids))
+        if mine != theirs:
+            return (
+                f"it serves model {hello.model_id!r} (vocabulary {hello.vocab_size}, eos "
+                f"{mine[2]}) but worker {other.hello.incarnation_id} serves "
+                f"{other.hello.model_id!r} (vocabulary {other.hello.vocab_size}, eos "
+                f"{theirs[2]}): all workers of one scheduler serve the same model"
+            )
+    return None
 
 
 def hello_problem(hello: step_pb2.Hello) -> str | None:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import itertools
 import math
+from array import array
 from dataclasses import dataclass
 
 from pagoda.scheduler_svc.core.config import SchedulerConfig, WorkerGeometry
 from pagoda.scheduler_svc.core.isolation import Isolation
-from pagoda.scheduler_svc.core.kv import cache_root_hash, extend_block_hashes
+from pagoda.scheduler_svc.core.kv import ROOT_HASH, cache_root_hash, extend_block_hashes
 from pagoda.scheduler_svc.core.outputs import (
     RequestOutput,
     SchedulerStats,
@@ -193,18 +194,17 @@ class Scheduler:
         """Whether `request_id` is unfinished here."""
         return request_id in self._requests
 
-    def lane_load(self, request: ValidRequest) -> LaneLoad:
-        """This scheduler's load as `request` sees it, for placement.choose_lane."""
+    def lane_load(self, token_ids: array[int], root_hash: int = ROOT_HASH) -> LaneLoad:
+        """This scheduler's load as a request of `token_ids` (token_array()) under
+        `root_hash` (kv.cache_root_hash of its salt) sees it, for placement.choose_lane."""
         planner = self._planner
         blocks = planner.blocks
         if blocks is None:
             return LaneLoad(0, 0, 0, 0, len(planner.running))
         block_size = blocks.block_size
-        token_ids = token_array(request.prompt_token_ids)
         max_blocks = (len(token_ids) - 1) // block_size  # as the planner's match
         block_hashes: list[int] = []
         if blocks.enabled:
-            root_hash = cache_root_hash(request.cache_salt)
             extend_block_hashes(token_ids, block_hashes, max_blocks, block_size, root_hash)
         num_queued_tokens = sum(len(waiting.token_ids) for waiting in planner.waiting)
         return LaneLoad(

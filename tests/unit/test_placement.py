@@ -4,7 +4,9 @@ counting queued demand, then fewer running; and the lane load a Scheduler report
 from __future__ import annotations
 
 import pytest
+from pagoda.scheduler_svc.core.kv import cache_root_hash
 from pagoda.scheduler_svc.core.placement import LaneLoad, choose_lane
+from pagoda.scheduler_svc.core.request import token_array
 from pagoda.scheduler_svc.testing import FakeWorker
 
 from tests.unit.conftest import drive, make_geometry, make_request, make_scheduler
@@ -54,9 +56,12 @@ def test_lane_load_sees_cached_prefix_blocks_and_queued_demand():
     prompt = list(range(10, 23))  # 13 tokens: 3 full blocks
     scheduler.add(make_request("first", prompt), 0.0)
     drive(scheduler, worker)
-    same_prefix = make_request("second", prompt[:12] + [99, 98])
+    same_prefix = token_array(prompt[:12] + [99, 98])
     assert scheduler.lane_load(same_prefix).num_cached_prefix_blocks == 3
-    assert scheduler.lane_load(make_request("other", [1, 2, 3, 4, 5])).num_cached_prefix_blocks == 0
+    assert scheduler.lane_load(token_array([1, 2, 3, 4, 5])).num_cached_prefix_blocks == 0
+    # Another tenant's salt shares no block.
+    salted = scheduler.lane_load(same_prefix, cache_root_hash("tenant"))
+    assert salted.num_cached_prefix_blocks == 0
     scheduler.add(make_request("queued", 9), 1.0)  # 9 tokens: 3 blocks once admitted
     view = scheduler.lane_load(same_prefix)
     assert (view.num_kv_blocks_queued, view.num_running) == (3, 0)

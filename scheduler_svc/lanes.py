@@ -1,0 +1,413 @@
+"""Data parallel: several workers under one scheduler, one lane each.
+
+A lane is one worker's Scheduler (its own KV pool, waiting queue and running set) turned
+by its own StepLoop, so each keeps one worker's semantics (overlapped steps, isolation,
+the grace period); the lanes' loops run concurrently as asyncio tasks over the one
+WorkerLink endpoint. They share the output slots and the output processor, so a
+request's stream and text state follow it from lane to lane. Lanes offers the servicer
+and the link what one StepLoop does:
+- a new request joins the lane placement.choose_lane picks (prefix-cache affinity, then
+  least KV use counting queued demand, then fewer running);
+- cancels, releases and stop strings reach the lane that holds the request;
+- an attaching worker gets the lane left without a worker if there is one, else a new
+  lane;
+- a lost worker's lane hands its requests over to the lanes that still have a worker,
+  with the tokens they streamed (nothing a client received is lost or repeated), and
+  closes; the last lane keeps them for the grace period and the next worker, as one
+  worker does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pagoda.protos import step_pb2
+from pagoda.scheduler_svc.core import (
+    FinishReason,
+    RequestOutput,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerStats,
+    ValidRequest,
+)
+from pagoda.scheduler_svc.core.kv import cache_root_hash
+from pagoda.scheduler_svc.core.placement import choose_lane
+from pagoda.scheduler_svc.core.request import Request, token_array
+from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
+from pagoda.scheduler_svc.metrics import Metrics, WorkerBusy
+from pagoda.scheduler_svc.output_processor import OutputProcessor
+from pagoda.scheduler_svc.output_streams import (
+    MAX_UNREAD_TOKENS,
+    OutputSlot,
+    OutputStreams,
+    unread_message,
+)
+from pagoda.scheduler_svc.step_loop import CANCEL_PUBLISH_S, IDLE_TICK_S, StepLoop, Unavailable
+from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLink, WorkerLost
+from pagoda.scheduler_svc.worker_stats import WorkerStats
+
+log = logging.getLogger("pagoda.lanes")
+
+# Counters of a closed lane that the totals keep (its gauges leave with it).
+_CUMULATIVE_STATS = (
+    "num_preemptions",
+    "num_steps",
+    "num_requests_finished",
+    "num_generated_tokens",
+    "num_prefix_queries_tokens",
+    "num_prefix_hit_tokens",
+)
+
+
+class _LaneMetrics:
+    """The shared Metrics, plus this lane's own worker busy time (its WorkerStats)."""
+
+    def __init__(self, metrics: Metrics, clock: Callable[[], float]) -> None:
+        self._metrics = metrics
+        self.worker_busy = WorkerBusy(clock=clock)
+
+    def observe_step(self, **step) -> None:
+        self.worker_busy.record(step["worker_s"])
+        self._metrics.observe_step(**step)
+
+    def observe_finish(self, output: RequestOutput) -> None:
+        self._metrics.observe_finish(output)
+
+
+@dataclass(slots=True, eq=False)
+class _Lane:
+    number: int  # for logs: lanes are numbered from 1 as they open
+    scheduler: Scheduler
+    loop: StepLoop
+    # The worker given to this lane (set at the link's attach, before its loop takes
+    # it): None once the link reported it lost.
+    identity: bytes | None = None
+    task: asyncio.Task | None = None
+
+
+class _LaneLink:
+    """A lane's view of the shared link: its steps go to its own worker."""
+
+    def __init__(self, link: WorkerLink, identity: Callable[[], bytes | None]) -> None:
+        self._link = link
+        self._identity = identity
+
+    async def run_step(self, plan: step_pb2.StepPlan, timeout_s: float) -> step_pb2.StepResult:
+        identity = self._identity()
+        if identity is None:
+            raise WorkerLost("the lane's worker is gone")
+        return await self._link.run_step(plan, timeout_s, identity)
+
+
+class _Router:
+    """The `scheduler` of the shared output processor: adds go to the lane chosen for
+    the request, stop strings end it in the lane that holds it."""
+
+    def __init__(self, lanes: Lanes) -> None:
+        self._lanes = lanes
+        self.target: Scheduler | None = None  # set by Lanes.submit before each add
+
+    def add(self, request: ValidRequest, now: float) -> None:
+        assert self.target is not None
+        self.target.add(request, now)
+
+    def stop(self, request_id: str, now: float) -> RequestOutput | None:
+        lane = self._lanes.holder(request_id)
+        return lane.scheduler.stop(request_id, now) if lane is not None else None
+
+
+class Lanes:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        link: WorkerLink,
+        metrics: Metrics,
+        *,
+        detokenizer_factory: Callable[[], IncrementalDetokenizer],
+        worker_timeout_s: float,
+        worker_grace_s: float,
+        status_interval_s: float,
+        on_worker_change: Callable[[bool], None] = lambda attached: None,
+        clock: Callable[[], float] = time.monotonic,
+        idle_tick_s: float = IDLE_TICK_S,
+        overlap_steps: bool = True,
+    ) -> None:
+        self._config = config
+        self._link = link
+        self._metrics = metrics
+        self._router = _Router(self)
+        self._output_processor = OutputProcessor(self._router, detokenizer_factory)  # type: ignore[arg-type]
+        self._streams = OutputStreams(
+            on_overflow=lambda request_id: self.cancel(
+                request_id, FinishReason.ERROR, unread_message(MAX_UNREAD_TOKENS)
+            )
+        )
+        self._loop_options = dict(
+            worker_timeout_s=worker_timeout_s,
+            worker_grace_s=worker_grace_s,
+            status_interval_s=status_interval_s,
+            clock=clock,
+            idle_tick_s=idle_tick_s,
+            overlap_steps=overlap_steps,
+        )
+        self._worker_grace_s = worker_grace_s
+        self._on_worker_change = on_worker_change
+        self._clock = clock
+        self._lanes: list[_Lane] = []
+        self._num_lanes_opened = 0
+        self._tasks: set[asyncio.Task] = set()  # every lane's loop, closed ones until done
+        self._changed = asyncio.Event()
+        self._no_streams = asyncio.Event()
+        self._no_streams.set()
+        # Cancels asked for and perhaps not yet taken by a lane's loop: sent again to the
+        # lane a handed-over request moves to.
+        self._cancels: dict[str, tuple[FinishReason, str | None]] = {}
+        self._closed_stats = dict.fromkeys(_CUMULATIVE_STATS, 0)
+        self._serving = False
+        self._ever_attached = False
+        self._lost_at_s: float | None = None
+        self._draining = False
+        self._stopped = False
+
+    # -- for the servicer (same event loop), as StepLoop ------------------------------------
+
+    @property
+    def worker(self) -> WorkerInfo | None:
+        """The first lane's worker, None while no lane has one."""
+        return next((lane.loop.worker for lane in self._lanes if lane.loop.worker), None)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The lanes' figures added up (closed lanes' counters included)."""
+        per_lane = [lane.scheduler.stats for lane in self._lanes]
+        totals: dict[str, float] = {}
+        for field in dataclasses.fields(SchedulerStats):
+            values = [getattr(stats, field.name) for stats in per_lane]
+            if field.type in (int, "int"):
+                totals[field.name] = sum(values) + self._closed_stats.get(field.name, 0)
+            else:  # rates and models: the first lane's (recomputed below for the cache)
+                totals[field.name] = values[0] if values else 0.0
+        queried = totals["num_prefix_queries_tokens"]
+        totals["prefix_cache_hit_rate"] = (
+            totals["num_prefix_hit_tokens"] / queried if queried else 0.0
+        )
+        return SchedulerStats(**totals)  # type: ignore[arg-type]
+
+    def worker_stats(self) -> list[WorkerStats]:
+        return [stats for lane in self._lanes for stats in lane.loop.worker_stats()]
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def submit(self, request: ValidRequest) -> OutputSlot:
+        """Place a validated request on a lane and open its output slot (StepLoop.submit)."""
+        self._check_available()
+        if request.request_id in self._streams:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        lane = self._place(token_array(request.prompt_token_ids), request.cache_salt)
+        self._router.target = lane.scheduler
+        self._output_processor.add(request, self._clock())
+        slot = self._streams.open(request.request_id)
+        self._no_streams.clear()
+        lane.loop.wake()
+        return slot
+
+    def release(self, slot: OutputSlot) -> None:
+        self._streams.close(slot.request_id)
+        if not slot.finished:
+            self.cancel(slot.request_id)
+        if not len(self._streams):
+            self._no_streams.set()
+
+    def cancel(
+        self,
+        request_id: str,
+        reason: FinishReason = FinishReason.CANCELLED,
+        message: str | None = None,
+    ) -> None:
+        lane = self.holder(request_id)
+        if lane is None:
+            return  # finished, or never here
+        if len(self._cancels) > 2 * len(self._streams) + 64:  # forget the finished ones
+            self._cancels = {r: c for r, c in self._cancels.items() if self.holder(r)}
+        self._cancels[request_id] = (reason, message)
+        lane.loop.cancel(request_id, reason, message)
+
+    def stop_accepting(self) -> None:
+        self._draining = True
+
+    async def drain(self, timeout_s: float) -> None:
+        """As StepLoop.drain, over every lane's streams."""
+        self.stop_accepting()
+        log.info("draining %d streams for up to %g s", len(self._streams), timeout_s)
+        if await self._until_no_streams(timeout_s):
+            return
+        log.warning(
+            "cancelling %d streams still running after the drain timeout", len(self._streams)
+        )
+        for request_id in self._streams.request_ids():
+            self.cancel(request_id)
+        await self._until_no_streams(CANCEL_PUBLISH_S)
+
+    def stop(self) -> None:
+        self._stopped = True
+        for lane in self._lanes:
+            lane.loop.stop()
+        self._changed.set()
+
+    def is_turning(self) -> bool:
+        return all(lane.loop.is_turning() for lane in self._lanes)
+
+    def holder(self, request_id: str) -> _Lane | None:
+        """The lane whose scheduler holds the unfinished request, if any."""
+        return next((lane for lane in self._lanes if lane.scheduler.holds(request_id)), None)
+
+    # -- for the worker link: WorkerEvents ------------------------------------------------
+
+    def worker_attached(self, info: WorkerInfo) -> None:
+        lane = next((lane for lane in self._lanes if lane.identity is None), None)
+        if lane is None:
+            lane = self._open_lane()
+        lane.identity = info.identity
+        log.info("worker %s serves lane %d", info.hello.incarnation_id, lane.number)
+        lane.loop.worker_attached(info)
+
+    def worker_detached(self, reason: str, identity: bytes | None = None) -> None:
+        for lane in self._lanes:
+            if lane.identity is not None and lane.identity == identity:
+                lane.identity = None
+                lane.loop.worker_detached(reason)
+                return
+
+    # -- the lanes ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Until stop(): the lanes' loops run as tasks; one that fails fails this."""
+        try:
+            while not self._stopped:
+                self._changed.clear()
+                changed = asyncio.create_task(self._changed.wait())
+                running = {lane.task for lane in self._lanes if lane.task is not None}
+                done, _ = await asyncio.wait(
+                    {changed, *running}, return_when=asyncio.FIRST_COMPLETED
+                )
+                changed.cancel()
+                for task in done - {changed}:
+                    if not task.cancelled() and task.exception() is not None:
+                        raise task.exception()  # type: ignore[misc]
+        finally:
+            for lane in self._lanes:
+                lane.loop.stop()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _open_lane(self) -> _Lane:
+        self._num_lanes_opened += 1
+        scheduler = Scheduler(self._config)
+        # `lane` is bound below, before the loop runs: the closures read it when called.
+        loop = StepLoop(
+            scheduler,
+            _LaneLink(self._link, lambda: lane.identity),
+            _LaneMetrics(self._metrics, self._clock),  # type: ignore[arg-type]
+            output_processor=self._output_processor,
+            streams=self._streams,
+            on_worker_change=lambda attached: self._lane_changed(lane, attached),
+            **self._loop_options,  # type: ignore[arg-type]
+        )
+        lane = _Lane(self._num_lanes_opened, scheduler, loop)
+        lane.task = asyncio.create_task(loop.run(), name=f"step-loop-{lane.number}")
+        self._tasks.add(lane.task)
+        lane.task.add_done_callback(self._tasks.discard)
+        self._lanes.append(lane)
+        self._changed.set()
+        return lane
+
+    def _lane_changed(self, lane: _Lane, attached: bool) -> None:
+        """A lane's loop took its worker's attach or loss (in that loop's turn)."""
+        if attached:
+            self._ever_attached = True
+            self._lost_at_s = None
+        elif lane.identity is None and self._live_lanes(besides=lane):
+            self._hand_over(lane)
+        serving = any(other.loop.worker is not None for other in self._lanes)
+        if not serving and self._serving:
+            self._lost_at_s = self._clock()
+        if serving != self._serving:
+            self._serving = serving
+            self._on_worker_change(serving)
+
+    def _live_lanes(self, besides: _Lane | None = None) -> list[_Lane]:
+        """Lanes with a worker given (their loops may not have taken it yet)."""
+        return [lane for lane in self._lanes if lane is not besides and lane.identity is not None]
+
+    def _hand_over(self, lost: _Lane) -> None:
+        """Move the lost lane's requests to the live lanes, each placed anew, and close it."""
+        requests, suspects = lost.scheduler.hand_over()
+        self._lanes.remove(lost)
+        lost.loop.stop()
+        lost_stats = lost.scheduler.stats
+        for name in _CUMULATIVE_STATS:
+            self._closed_stats[name] += getattr(lost_stats, name)
+        now = self._clock()
+        moved: dict[int, list[Request]] = {}
+        finished: list[RequestOutput] = []
+        # Placed one by one, so each sees the ones before in the lanes' queues; from the
+        # last, as each goes to the head of its new queue, to keep their order.
+        for request in reversed(requests):
+            lane = self._place(request.token_ids, root_hash=request.cache_root_hash)
+            moved.setdefault(id(lane), []).append(request)
+            finished += lane.scheduler.take_over([request], [], now)
+        for lane in self._live_lanes():
+            ids = {request.request_id for request in moved.get(id(lane), ())}
+            if not ids:
+                continue
+            lane.scheduler.take_over([], [s for s in suspects if s[0] in ids], now)
+            for request_id in ids & self._cancels.keys():
+                lane.loop.cancel(request_id, *self._cancels[request_id])
+            lane.loop.wake()
+        if finished:  # too large for every worker left
+            self._streams.publish(self._output_processor.process(finished))
+            for output in finished:
+                self._metrics.observe_finish(output)
+        log.warning(
+            "lane %d closed with its worker; %d requests moved to the %d lanes left",
+            lost.number,
+            len(requests),
+            len(self._live_lanes()),
+        )
+
+    def _place(self, token_ids, cache_salt: str = "", *, root_hash: int | None = None) -> _Lane:
+        """The lane a request of `token_ids` joins: among those with a worker given, by
+        placement.choose_lane; the lane waiting for a worker when none has one."""
+        lanes = self._live_lanes() or self._lanes
+        if root_hash is None:
+            root_hash = cache_root_hash(cache_salt)
+        loads = [lane.scheduler.lane_load(token_ids, root_hash) for lane in lanes]
+        return lanes[choose_lane(loads)]
+
+    def _check_available(self) -> None:
+        if self._stopped:
+            raise Unavailable("the server is shutting down")
+        if self._draining:
+            raise Unavailable("the server is draining for shutdown")
+        if self._live_lanes():
+            return
+        if not self._ever_attached or not self._lanes:
+            raise Unavailable("no worker is connected yet")
+        lost_at = self._lost_at_s
+        if lost_at is not None and self._clock() - lost_at > self._worker_grace_s:
+            raise Unavailable(f"no worker has been connected for over {self._worker_grace_s:g} s")
+
+    async def _until_no_streams(self, timeout_s: float) -> bool:
+        if self._no_streams.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._no_streams.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
