@@ -21,9 +21,11 @@ number of blocks the hello announces is the minimum over ranks.
 
 Rank 0 alone talks to the scheduler (pagoda.gpu_worker.server). Before it steps a plan it
 broadcasts the plan's wire frames (pagoda.common.wire: its kind byte and protobuf bytes)
-as a [kind, length] int64 tensor, then the bytes as a uint8 tensor (never pickle) and every rank runs the same engine step; only rank 0
-samples. A reset (a new scheduler) and a stop travel the same way, and an idle rank 0
-broadcasts a keepalive so no collective waits past the group timeout. A rank that dies
+as a [kind, length] int64 tensor, then the bytes as a uint8 tensor (never pickle), and
+every rank runs the same engine step. Only rank 0 samples; it broadcasts the sampled
+token ids, which the other ranks' sequence tables record as their own (join_engine). A
+reset (a new scheduler) and a stop travel the same way, and an idle rank 0 broadcasts a
+keepalive so no collective waits past the group timeout. A rank that dies
 (or a collective that fails) takes the group down: rank 0 exits EXIT_GROUP_LOST, which
 the scheduler sees as a lost worker and systemd restarts.
 
