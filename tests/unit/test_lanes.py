@@ -1,0 +1,154 @@
+"""Lanes in process: two fake workers behind one scheduler (data parallel).
+
+Plans cross the same codec and framing as in test_step_loop; each worker is a
+plan-checking FakeWorker. Every stream is compared with what the dummy model gives the
+request alone, so a token lost or repeated when a worker is lost fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from pagoda.protos import step_pb2
+from pagoda.scheduler_svc import step_codec
+from pagoda.scheduler_svc.core import SchedulerConfig
+from pagoda.scheduler_svc.lanes import Lanes
+from pagoda.scheduler_svc.metrics import Metrics
+from pagoda.scheduler_svc.testing import FakeWorker
+from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLost
+
+from tests.unit.conftest import LetterDetokenizer, expected_generation, make_hello, make_request
+from tests.unit.test_step_loop import (
+    HELLO_FIELDS,
+    contending_requests,
+    domain_plan_of,
+    geometry,
+    over_the_wire,
+    read_to_end,
+    result_of,
+    scenario,
+)
+
+
+class FleetLink:
+    """The link of several fake workers, by identity; one can be lost during a plan."""
+
+    def __init__(self) -> None:
+        self.workers: dict[bytes, FakeWorker] = {}
+        self.num_plans: dict[bytes, int] = {}
+        self.lose_during: tuple[bytes, int] | None = None
+        self.lanes: Lanes | None = None
+
+    def attach(self, name: str) -> None:
+        hello = make_hello(incarnation_id=name, **HELLO_FIELDS)
+        identity = name.encode()
+        self.workers[identity] = FakeWorker(step_codec.geometry_from_hello(hello))
+        self.num_plans[identity] = 0
+        self.lanes.worker_attached(WorkerInfo(identity=identity, hello=hello))
+
+    async def run_step(
+        self, plan: step_pb2.StepPlan, timeout_s: float, identity: bytes | None = None
+    ) -> step_pb2.StepResult:
+        await asyncio.sleep(0)
+        worker = self.workers.get(identity)
+        if worker is None:
+            raise WorkerLost("no worker attached")
+        self.num_plans[identity] += 1
+        result = over_the_wire(result_of(worker.step(domain_plan_of(over_the_wire(plan)))))
+        if self.lose_during == (identity, self.num_plans[identity]):
+            del self.workers[identity]  # as WorkerLink._drop_worker: detach, then fail
+            self.lanes.worker_detached("its connection closed", identity)
+            raise WorkerLost("its connection closed")
+        return result
+
+
+def make_lanes(link: FleetLink) -> Lanes:
+    lanes = Lanes(
+        SchedulerConfig(),
+        link,  # type: ignore[arg-type]
+        Metrics(),
+        detokenizer_factory=LetterDetokenizer,  # type: ignore[arg-type]
+        worker_timeout_s=10.0,
+        worker_grace_s=30.0,
+        status_interval_s=60.0,
+        idle_tick_s=0.01,
+    )
+    link.lanes = lanes
+    return lanes
+
+
+def many_requests():
+    requests = contending_requests()
+    return requests + [
+        make_request(f"more{i}", 12 + 5 * i, max_new_tokens=15 + 4 * i) for i in range(6)
+    ]
+
+
+async def until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.001)
+
+
+def test_requests_spread_over_two_workers_and_stream_as_alone():
+    async def body() -> None:
+        link = FleetLink()
+        lanes = make_lanes(link)
+        task = asyncio.create_task(lanes.run())
+        link.attach("a")
+        link.attach("b")
+        await until(lambda: len(lanes.worker_stats()) == 2)
+        requests = many_requests()
+        readers = [asyncio.create_task(read_to_end(lanes, lanes.submit(r))) for r in requests]
+        streams = await asyncio.gather(*readers)
+        for request, stream in zip(requests, streams, strict=True):
+            tokens, reason, text = expected_generation(request, geometry())
+            assert (stream.token_ids, stream.finish_reason, stream.text) == (tokens, reason, text)
+        assert all(n > 0 for n in link.num_plans.values()), link.num_plans
+        stats = lanes.stats
+        assert stats.num_steps == sum(w.num_steps for w in lanes.worker_stats())
+        assert stats.num_running == stats.num_waiting == stats.num_kv_blocks_used == 0
+        lanes.stop()
+        await task
+
+    scenario(body)
+
+
+def test_a_lost_worker_s_requests_finish_on_the_other_without_loss_or_repeat(caplog):
+    async def body() -> None:
+        link = FleetLink()
+        lanes = make_lanes(link)
+        task = asyncio.create_task(lanes.run())
+        link.attach("a")
+        link.attach("b")
+        await until(lambda: len(lanes.worker_stats()) == 2)
+        link.lose_during = (b"b", 4)  # mid-stream: b's requests have streamed tokens
+        requests = many_requests()
+        readers = [asyncio.create_task(read_to_end(lanes, lanes.submit(r))) for r in requests]
+        streams = await asyncio.gather(*readers)
+        for request, stream in zip(requests, streams, strict=True):
+            tokens, reason, text = expected_generation(request, geometry())
+            assert (stream.token_ids, stream.finish_reason, stream.text) == (tokens, reason, text)
+            assert stream.num_events_after_finish == 0
+        assert [w.incarnation_id for w in lanes.worker_stats()] == ["a"]
+        assert lanes.worker is not None and lanes.stats.num_kv_blocks_used == 0
+        lanes.stop()
+        await task
+
+    scenario(body)
+    (moved,) = [r.getMessage() for r in caplog.records if "requests moved" in r.getMessage()]
+    assert re.search(r"; [1-9]\d* requests moved", moved), moved
+
+
+def test_metrics_report_each_worker_by_label():
+    from pagoda.scheduler_svc.worker_stats import WorkerStats
+    from prometheus_client import generate_latest
+
+    metrics = Metrics()
+    metrics.watch_workers(
+        lambda: [WorkerStats("a", 1, 2, 3, 40, 0.5, 6, 7), WorkerStats("b", 0, 0, 0, 40, 0.0, 9, 1)]
+    )
+    text = generate_latest(metrics.registry).decode()
+    assert 'pagoda_worker_steps{worker="a"} 6.0' in text
+    assert 'pagoda_worker_steps{worker="b"} 9.0' in text
+    assert 'pagoda_worker_kv_blocks_used{worker="a"} 3.0' in text
