@@ -133,9 +133,12 @@ class DecodeGraphs:
         )
         self._query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self._rows = torch.arange(largest, dtype=torch.long, device=device)
-        # One pinned staging buffer per step: a single host-to-device copy per tensor.
-        self._host_longs = torch.zeros(3 * largest, dtype=torch.long).pin_memory()
-        self._host_ints = torch.zeros(largest * (1 + self.width), dtype=torch.int32).pin_memory()
+        # Staging buffers, pinned on CUDA: one host-to-device copy per dtype and step.
+        self._host_longs = torch.zeros(3 * largest, dtype=torch.long)
+        self._host_ints = torch.zeros(largest * (1 + self.width), dtype=torch.int32)
+        if device.type == "cuda":
+            self._host_longs = self._host_longs.pin_memory()
+            self._host_ints = self._host_ints.pin_memory()
         self._pool = None
 
     @property
@@ -191,7 +194,8 @@ class DecodeGraphs:
         self._graphs[bucket] = graph
 
     def run(self, chunks):
-        """The logits of a decode step that `fits`, one row per chunk in order."""
+        """The logits of a decode step that `fits`, one row per chunk in order. A bucket
+        not captured runs the same padded forward eagerly (how the CPU tests run it)."""
         bucket = bucket_for(len(chunks), self.buckets)
         padded = pad_decode(
             [chunk.token_ids[0] for chunk in chunks],
@@ -203,7 +207,10 @@ class DecodeGraphs:
             scratch_block=self.scratch_block,
         )
         self._stage(padded)
-        self._graphs[bucket].replay()
+        graph = self._graphs.get(bucket)
+        if graph is None:
+            return self._forward(bucket)[: len(chunks)]
+        graph.replay()
         return self._logits[bucket][: len(chunks)]
 
     def _stage(self, padded: PaddedDecode) -> None:
