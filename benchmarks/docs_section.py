@@ -8,10 +8,11 @@ and the hand-written prose around it stays:
     <!-- end generated: make bench --device cuda -->
 
 A section not there yet is appended at the end of the file. `make bench` writes its own
-with `--write-docs`; for any other tool, save its output and copy it in:
+with `--write-docs` (`make bench-worker --write-docs FILE` writes a `## Worker` section
+its own way); for any other tool, save its output and copy it in:
 
-    make bench-worker ARGS="--device cuda" | tee /tmp/worker.txt
-    .venv/bin/python -m benchmarks.docs_section "make bench-worker --device cuda" /tmp/worker.txt
+    make bench-scheduler | tee /tmp/scheduler.txt
+    .venv/bin/python -m benchmarks.docs_section "make bench-scheduler" /tmp/scheduler.txt
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def write_section(name: str, body: str, path: Path | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.docs_section", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("name", help='the section, e.g. "make bench-worker --device cuda"')
+    parser.add_argument("name", help='the section, e.g. "make bench-scheduler"')
     parser.add_argument("output", help="a file holding the tool's output, or - for stdin")
     parser.add_argument("--docs", type=Path, default=DOCS_PATH, help="the markdown file")
     args = parser.parse_args(argv)
