@@ -8,14 +8,18 @@ failed step.
 A step's token budget goes to decodes first (one token per running sequence, round-robin
 under a cap), then to prefill: partial prompts continue their chunks before new requests
 are admitted by the configured policy (admission.py). With decode_first off the order is
-reversed. Feeding a request advances its num_computed_tokens at once: the step in flight
-counts as computed (a failed step requeues its sequences). A request is never fed twice
-in one step.
+reversed, and admission then leaves one block to each decoder at a block boundary. A
+chunk that finds the pool empty feeds what its last block still holds. Feeding a request
+advances its num_computed_tokens at once: the step in flight counts as computed (a
+failed step requeues its sequences). A request is never fed twice in one step.
 
 Preemption is by recompute: a sequence that needs a block when none is available takes
 one from the most recently admitted (pick_victim), whose blocks are released (its full
 blocks stay in the prefix cache, so the recompute is mostly hits) and who goes back to
-the head of the waiting queue. A step that preempted admits nothing new.
+the head of the waiting queue. Under the priority policy the victim is the lowest
+priority, then the most recently admitted, even one already fed in the plan being built:
+its entry is taken out again (_unfeed), as vLLM v1 does. A step that preempted admits
+nothing new, so an admission never costs an older request its blocks.
 """
 
 from __future__ import annotations
