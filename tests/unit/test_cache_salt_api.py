@@ -74,3 +74,17 @@ def test_cache_salt_by_api_key_flag_env_and_toml(tmp_path):
     assert not settings.load([], {})[0].config.cache_salt_by_api_key
     with pytest.raises(ConfigError, match="cache_salt_by_api_key needs api_key_file"):
         settings.load(["--cache-salt-by-api-key"], {})
+
+
+def test_chat_requests_carry_their_cache_salt_too(default_model_dir):
+    from pagoda.scheduler_svc.tokenizer import load_tokenizer
+    from pagoda.scheduler_svc.validation import validate_chat
+
+    tokenizer = load_tokenizer(default_model_dir)
+    request = pb.ChatRequest(
+        messages=[pb.ChatMessage(role="user", content="hi")], cache_salt="tenant-c"
+    )
+    assert validate_chat(request, tokenizer, LIMITS).cache_salt == "tenant-c"
+    request.cache_salt = "x" * (MAX_CACHE_SALT_BYTES + 1)
+    with pytest.raises(ValidationError, match="cache_salt"):
+        validate_chat(request, tokenizer, LIMITS)
