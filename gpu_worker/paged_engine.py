@@ -24,6 +24,7 @@ from pagoda.gpu_worker.quantization import quantize, resolve_quantization
 from pagoda.gpu_worker.ragged_batch import build_ragged_batch
 from pagoda.gpu_worker.sampler import SampleRow, sample
 from pagoda.gpu_worker.sequence_table import ScheduledChunk
+from pagoda.gpu_worker.token_counts import TokenCounts, has_penalty
 
 log = logging.getLogger("pagoda.worker.engine")
 
@@ -89,6 +90,7 @@ class PagedEngine(Engine):
             quantization=quantization,
         )
         super().__init__(facts, fail_on_token_id=fail_on_token_id)
+        self.token_counts = TokenCounts(facts.vocab_size, self.device)  # for penalties
         self.decode_graphs: DecodeGraphs | None = None
         if graphs:  # captured by load_engine, before the hello
             self.decode_graphs = DecodeGraphs(
@@ -102,6 +104,7 @@ class PagedEngine(Engine):
     @torch.inference_mode()
     def compute(self, chunks: list[ScheduledChunk]) -> SampledTokens:
         started_s = time.perf_counter()
+        self.token_counts.update(chunks, self.table)
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(chunks):
             return self._sample(graphs.run(chunks), chunks, started_s)
@@ -128,7 +131,17 @@ class PagedEngine(Engine):
             SampleRow(c.seq.sampling, c.seq.token_ids, c.seq.num_prompt_tokens, c.end_position)
             for c in sample_chunks
         ]
-        output = sample(logits, rows) if rows and self.samples else None
+        counts = None
+        if any(has_penalty(c.seq.sampling) for c in sample_chunks):
+            token_counts = self.token_counts
+            counts = token_counts.gather(
+                [token_counts.row_of(c.seq) for c in sample_chunks],
+                with_counts=any(
+                    c.seq.sampling.presence_penalty or c.seq.sampling.frequency_penalty
+                    for c in sample_chunks
+                ),
+            )
+        output = sample(logits, rows, counts) if rows and self.samples else None
         sample_done_s = time.perf_counter()
         if output is None:
             return SampledTokens([], forward_ms=(forward_done_s - started_s) * 1e3)

@@ -19,6 +19,10 @@ from dataclasses import dataclass
 import torch
 from pagoda.gpu_worker.step import SamplingParams
 
+# (seen in prompt or output [S, vocab] bool, generated counts [S, vocab] int32, or None when
+# no row has a presence or frequency penalty)
+TokenCountRows = tuple[torch.Tensor, torch.Tensor | None]
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -53,35 +57,66 @@ class SampleOutput:
     top_logprobs: list[list[float]]
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Repetition (HF: over prompt + generated) then presence/frequency (generated only)."""
-    num_rows, vocab_size = logits.shape
-    device = logits.device
+def counts_from_histories(rows: list[SampleRow], vocab_size: int, device) -> TokenCountRows:
+    """(seen anywhere [S, vocab] bool, generated counts [S, vocab]) built from the rows'
+    token lists: the definition that pagoda.gpu_worker.token_counts keeps up to date."""
+    num_rows = len(rows)
+    row_index = [i for i, r in enumerate(rows) for _ in r.token_ids]
+    tokens = [t for r in rows for t in r.token_ids]
+    seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
+    seen[torch.tensor(row_index, device=device), torch.tensor(tokens, device=device)] = True
+    generated = [r.token_ids[r.num_prompt_tokens : r.position] for r in rows]
+    row_index = [i for i, g in enumerate(generated) for _ in g]
+    tokens = [t for g in generated for t in g]
+    counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=device)
+    counts.index_put_(
+        (torch.tensor(row_index, device=device, dtype=torch.long),
+         torch.tensor(tokens, device=device, dtype=torch.long)),
+        torch.ones(len(tokens), dtype=torch.int32, device=device),
+        accumulate=True,
+    )  # fmt: skip
+    return seen, counts
+
+
+def apply_penalties(
+    logits: torch.Tensor, rows: list[SampleRow], counts: TokenCountRows | None = None
+) -> torch.Tensor:
+    """Repetition (HF: over prompt + generated) then presence/frequency (generated only).
+
+    `counts`: the rows' (seen, generated counts) from the engine's device-resident
+    TokenCounts; None builds them from the rows' token lists (tests, tools).
+    """
     repetition = [r.params.repetition_penalty for r in rows]
-    if any(p != 1.0 for p in repetition):
-        row_index = [i for i, r in enumerate(rows) for _ in r.token_ids]
-        tokens = [t for r in rows for t in r.token_ids]
-        seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
-        seen[torch.tensor(row_index, device=device), torch.tensor(tokens, device=device)] = True
-        penalty = torch.tensor(repetition, dtype=logits.dtype, device=device)[:, None]
-        penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
-        logits = torch.where(seen, penalized, logits)
     presence = [r.params.presence_penalty for r in rows]
     frequency = [r.params.frequency_penalty for r in rows]
-    if any(presence) or any(frequency):
-        generated = [r.token_ids[r.num_prompt_tokens :] for r in rows]
-        row_index = [i for i, g in enumerate(generated) for _ in g]
-        tokens = [t for g in generated for t in g]
-        counts = torch.zeros(num_rows, vocab_size, dtype=logits.dtype, device=device)
-        counts.index_put_(
-            (torch.tensor(row_index, device=device, dtype=torch.long),
-             torch.tensor(tokens, device=device, dtype=torch.long)),
-            torch.ones(len(tokens), dtype=logits.dtype, device=device),
-            accumulate=True,
-        )  # fmt: skip
-        frequency_t = torch.tensor(frequency, dtype=logits.dtype, device=device)[:, None]
-        presence_t = torch.tensor(presence, dtype=logits.dtype, device=device)[:, None]
-        logits = logits - frequency_t * counts - presence_t * (counts > 0)
+    needs_repetition = any(p != 1.0 for p in repetition)
+    needs_counts = any(presence) or any(frequency)
+    if not needs_repetition and not needs_counts:
+        return logits
+    device = logits.device
+    seen, generated = counts or counts_from_histories(rows, logits.shape[-1], device)
+    # One host-to-device copy for the three per-row knobs.
+    knobs = torch.tensor([repetition, presence, frequency], dtype=logits.dtype)
+    repetition_t, presence_t, frequency_t = knobs.to(device, non_blocking=True)[:, :, None]
+    if needs_repetition:
+        # transformers' RepetitionPenaltyLogitsProcessor: x * p where x < 0, else x / p. For
+        # p >= 1 that is the smaller of the two, for p < 1 the larger: the same numbers,
+        # chosen without a branch on the logits' signs (such a where is slow on a CPU).
+        scaled_up, scaled_down = logits * repetition_t, logits / repetition_t
+        if all(p >= 1.0 for p in repetition):
+            penalized = torch.minimum(scaled_up, scaled_down)
+        elif all(p <= 1.0 for p in repetition):
+            penalized = torch.maximum(scaled_up, scaled_down)
+        else:
+            penalized = torch.where(
+                repetition_t >= 1.0,
+                torch.minimum(scaled_up, scaled_down),
+                torch.maximum(scaled_up, scaled_down),
+            )
+        logits = torch.where(seen, penalized, logits)
+    if needs_counts:
+        generated = generated.to(logits.dtype)
+        logits = logits - frequency_t * generated - presence_t * (generated > 0)
     return logits
 
 
@@ -162,10 +197,13 @@ def _draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     return torch.where(moved < vocab_size, moved, last_live)
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow], counts: TokenCountRows | None = None
+) -> SampleOutput:
     """logits [S, vocab] (one row per sampling sequence, same order as `rows`); consumed:
-    the min_new_tokens mask may be written into them."""
-    logits = mask_min_new_tokens(apply_penalties(logits.float(), rows), rows)
+    the min_new_tokens mask may be written into them. `counts`: see apply_penalties.
+    One device-to-host copy: the tokens, and the logprobs when asked, in one tensor."""
+    logits = mask_min_new_tokens(apply_penalties(logits.float(), rows, counts), rows)
     params = [r.params for r in rows]
     device = logits.device
     token_ids = logits.argmax(dim=-1)
@@ -190,13 +228,20 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
         uniforms = [seeded_uniform(rows[i].params.seed, rows[i].position) for i in sampled_rows]
         token_ids[index] = _draw(probs, uniforms)
 
-    output = SampleOutput(token_ids.tolist(), [], [], [])
-    if any(num_logprobs):
-        logprobs = torch.log_softmax(scaled, dim=-1)
-        chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
-        top_values, top_ids = logprobs.topk(max(num_logprobs), dim=-1)
-        output.logprobs = chosen.tolist()
-        top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
-        output.top_token_ids = [ids[:n] for ids, n in zip(top_ids_list, num_logprobs, strict=True)]
-        output.top_logprobs = [v[:n] for v, n in zip(top_values_list, num_logprobs, strict=True)]
+    if not any(num_logprobs):
+        return SampleOutput(token_ids.tolist(), [], [], [])
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None])
+    top_values, top_ids = logprobs.topk(max(num_logprobs), dim=-1)
+    # [S, 2 + 2k] in float64 (exact for any token id): one copy to the host.
+    packed = torch.cat(
+        [t.double() for t in (token_ids[:, None], chosen, top_ids, top_values)], dim=1
+    )
+    k = top_ids.shape[1]
+    output = SampleOutput([], [], [], [])
+    for row, n in zip(packed.tolist(), num_logprobs, strict=True):
+        output.token_ids.append(int(row[0]))
+        output.logprobs.append(row[1])
+        output.top_token_ids.append([int(t) for t in row[2 : 2 + n]])
+        output.top_logprobs.append(row[2 + k : 2 + k + n])
     return output
