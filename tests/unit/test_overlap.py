@@ -37,6 +37,7 @@ def drive_overlapped(scheduler, worker, streams=None, *, max_steps=10_000, on_pl
             plan = scheduler.schedule(now, ahead=bool(in_flight))
             if plan is not None:
                 num_ahead += bool(in_flight)
+                check_ahead_rows(plan, in_flight[0][0] if in_flight else None)
                 if on_plan is not None:
                     on_plan(plan, [p for p, _ in in_flight])
                 in_flight.append((plan, worker.step(plan)))
@@ -50,6 +51,30 @@ def drive_overlapped(scheduler, worker, streams=None, *, max_steps=10_000, on_pl
             streams[output.request_id].take(output)
         check_invariants(scheduler)
     raise AssertionError(f"not done after {max_steps} steps")
+
+
+def check_ahead_rows(plan: StepPlan, previous: StepPlan | None) -> None:
+    """A row fed ahead is a sequence that samples in the step in flight (a prefill chunk
+    that does not sample is never one), feeding one token at the position that sample
+    takes; no other row is."""
+    rows = plan.last_sampled_rows
+    if previous is None:
+        assert not rows
+        return
+    ends = {
+        seq_id: previous.start_positions[i]
+        + previous.token_offsets[i + 1]
+        - previous.token_offsets[i]
+        for i, seq_id in enumerate(previous.seq_ids)
+        if previous.sample[i]
+    }
+    for row in rows:
+        seq_id = plan.seq_ids[row]
+        assert plan.token_offsets[row + 1] - plan.token_offsets[row] == 1
+        assert ends.get(seq_id) == plan.start_positions[row], (seq_id, ends.get(seq_id))
+    for row, seq_id in enumerate(plan.seq_ids):
+        if row not in rows and seq_id in ends:  # sampled in flight, fed without its token
+            raise AssertionError(f"seq {seq_id} is fed ahead without a last_sampled row")
 
 
 def assert_exact(streams, requests, geometry):
