@@ -188,10 +188,10 @@ class Lanes:
         totals: dict[str, float] = {}
         for field in dataclasses.fields(SchedulerStats):
             values = [getattr(stats, field.name) for stats in per_lane]
-            if field.type in (int, "int"):
+            if field.type in (int, "int") and not field.name.startswith("step_"):
                 totals[field.name] = sum(values) + self._closed_stats.get(field.name, 0)
-            else:  # rates and models: the first lane's (recomputed below for the cache)
-                totals[field.name] = values[0] if values else 0.0
+            else:  # rates, the step budget's cap and model: the first lane's
+                totals[field.name] = values[0] if values else 0
         queried = totals["num_prefix_queries_tokens"]
         totals["prefix_cache_hit_rate"] = (
             totals["num_prefix_hit_tokens"] / queried if queried else 0.0
