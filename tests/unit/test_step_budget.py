@@ -16,7 +16,14 @@ from pagoda.scheduler_svc.core.step_budget import (
 )
 from pagoda.scheduler_svc.testing import FakeWorker
 
-from tests.unit.conftest import check_invariants, make_geometry, make_request, make_scheduler
+from tests.unit.conftest import (
+    check_invariants,
+    expected_generation,
+    make_geometry,
+    make_request,
+    make_scheduler,
+)
+from tests.unit.test_overlap import drive_overlapped
 
 # The synthetic worker: step_ms = 20 + 0.7 * prefill tokens + 1.5 * decode sequences.
 TRUE_COSTS = (20.0, 0.7, 1.5)
@@ -301,3 +308,46 @@ def test_metrics_show_the_cap_and_the_cost_model():
     per_token = scheduler.stats.step_cost_prefill_ms_per_token
     assert per_token > 0
     assert f"pagoda_step_cost_prefill_token_ms {per_token}" in text
+
+
+class CostedWorker:
+    """The plan-checking fake worker, reporting TRUE_COSTS as its forward time."""
+
+    def __init__(self, geometry) -> None:
+        self._worker = FakeWorker(geometry)
+
+    def step(self, plan):
+        step_ms = true_step_ms(plan.num_prefill_tokens, plan.num_decode_tokens)
+        return dataclasses.replace(self._worker.step(plan), forward_ms=step_ms)
+
+
+@pytest.mark.parametrize("chunked_prefill", [True, False])
+def test_capped_and_overlapped_steps_stream_what_each_request_gives_alone(chunked_prefill):
+    geometry = make_geometry(
+        num_kv_blocks=1024, block_size=4, max_context_tokens=1024, eos_token_ids=[2], vocab_size=100
+    )
+    requests = [
+        make_request(f"r{index}", 300 if index % 2 == 0 else 6, max_new_tokens=12)
+        for index in range(12)
+    ]
+    scheduler = make_scheduler(
+        geometry,
+        max_num_batched_tokens=512,
+        target_step_ms=60.0,
+        chunked_prefill=chunked_prefill,
+    )
+    for request in requests:
+        scheduler.add(request, 0.0)
+    prefills: list[int] = []
+    streams, num_ahead = drive_overlapped(
+        scheduler,
+        CostedWorker(geometry),
+        on_plan=lambda plan, _: prefills.append(plan.num_prefill_tokens),
+    )
+    assert num_ahead > 10
+    for request in requests:
+        token_ids, finish_reason, _ = expected_generation(request, geometry)
+        assert streams[request.request_id].token_ids == token_ids
+        assert streams[request.request_id].finish_reason == finish_reason
+    if chunked_prefill:  # the 300-token prompts went in pieces of the cap, about 40-60
+        assert 0 < max(prefills[3:]) < 100
