@@ -14,6 +14,7 @@ import time
 import torch
 from pagoda.gpu_worker import paged_attention
 from pagoda.gpu_worker.attention import create_backend
+from pagoda.gpu_worker.block_tables import BlockTables
 from pagoda.gpu_worker.config import WorkerConfig
 from pagoda.gpu_worker.cuda_graphs import DecodeGraphs, can_capture
 from pagoda.gpu_worker.engine import Engine, EngineFacts, SampledTokens
@@ -91,6 +92,8 @@ class PagedEngine(Engine):
         )
         super().__init__(facts, fail_on_token_id=fail_on_token_id)
         self.token_counts = TokenCounts(facts.vocab_size, self.device)  # for penalties
+        max_blocks_per_seq = -(-facts.max_context_tokens // block_size)
+        self.block_tables = BlockTables(max_blocks_per_seq, self.device)
         self.decode_graphs: DecodeGraphs | None = None
         if graphs:  # captured by load_engine, before the hello
             self.decode_graphs = DecodeGraphs(
@@ -108,7 +111,10 @@ class PagedEngine(Engine):
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(chunks):
             return self._sample(graphs.run(chunks), chunks, started_s)
-        batch = build_ragged_batch(chunks, self.block_size, self.device)
+        rows_of = self.block_tables.update(chunks, self.table)
+        batch = build_ragged_batch(
+            chunks, self.block_size, self.device, (self.block_tables.table, rows_of)
+        )
         logits = self.model(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,

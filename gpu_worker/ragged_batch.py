@@ -39,9 +39,17 @@ def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> t
 
 
 def build_ragged_batch(
-    chunks: list[ScheduledChunk], block_size: int, device: torch.device
+    chunks: list[ScheduledChunk],
+    block_size: int,
+    device: torch.device,
+    block_tables: tuple[torch.Tensor, dict[int, int]] | None = None,
 ) -> RaggedBatch:
-    """Pack `chunks` (validated: their block tables cover every fed position)."""
+    """Pack `chunks` (validated: their block tables cover every fed position).
+
+    block_tables: (the device table [rows, max_blocks], each sequence's row by seq_id) from
+    pagoda.gpu_worker.block_tables, up to date: the step's table is gathered on the device
+    from B row numbers. None: built from the sequences' lists on the host.
+    """
     decode = [c for c in chunks if len(c.token_ids) == 1]
     if len(decode) == len(chunks):
         ordered = chunks
@@ -73,18 +81,27 @@ def build_ragged_batch(
     num_tokens = len(input_ids)
     max_context_len = max(context_lens)
     width = -(-max_context_len // block_size)
-    table: list[int] = []
-    for chunk in ordered:
-        row = chunk.seq.block_ids[:width]
-        table.extend(row)
-        if len(row) < width:
-            table.extend([0] * (width - len(row)))
+    if block_tables is None:
+        table: list[int] = []
+        for chunk in ordered:
+            row = chunk.seq.block_ids[:width]
+            table.extend(row)
+            if len(row) < width:
+                table.extend([0] * (width - len(row)))
+    else:
+        device_table, rows_of = block_tables
+        table = [rows_of[chunk.seq.seq_id] for chunk in ordered]  # one row number each
     sample_chunks = [c for c in chunks if c.sample]
     sample_rows = [packed_end[id(c)] for c in sample_chunks]
 
     longs_host, longs = _to_device(input_ids + positions + slots + sample_rows, torch.long, device)
     ints_host, ints = _to_device(query_start_loc + context_lens + table, torch.int32, device)
     num_decode = len(decode)
+    if block_tables is None:
+        block_table = ints[2 * num_seqs + 1 :].view(num_seqs, width)
+    else:
+        # Only the columns this step's longest context uses.
+        block_table = device_table[:, :width].index_select(0, ints[2 * num_seqs + 1 :])
     attention = AttentionMetadata(
         num_tokens=num_tokens,
         num_seqs=num_seqs,
@@ -95,7 +112,7 @@ def build_ragged_batch(
         block_size=block_size,
         query_start_loc=ints[: num_seqs + 1],
         context_lens=ints[num_seqs + 1 : 2 * num_seqs + 1],
-        block_table=ints[2 * num_seqs + 1 :].view(num_seqs, width),
+        block_table=block_table,
         slot_mapping=longs[2 * num_tokens : 3 * num_tokens],
         query_start_loc_cpu=ints_host[: num_seqs + 1],
         context_lens_cpu=ints_host[num_seqs + 1 : 2 * num_seqs + 1],
