@@ -20,6 +20,7 @@ from pagoda.client.results import (
     Timings,
     TokenLogprob,
     Usage,
+    WorkerStats,
 )
 from pagoda.client.sync_client import ChunkStream, Client
 
@@ -43,5 +44,6 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "Usage",
+    "WorkerStats",
     "error_from_rpc",
 ]

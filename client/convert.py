@@ -22,6 +22,7 @@ from pagoda.client.results import (
     Timings,
     TokenLogprob,
     Usage,
+    WorkerStats,
     join_chunks,
 )
 from pagoda.protos import generation_pb2 as pb
@@ -171,7 +172,9 @@ def model_info_from_proto(message: pb.ModelInfo) -> ModelInfo:
 
 
 def server_stats_from_proto(message: pb.ServerStats) -> ServerStats:
-    return _dataclass_from_message(ServerStats, message)
+    stats = _dataclass_from_message(ServerStats, message)
+    workers = [_dataclass_from_message(WorkerStats, worker) for worker in message.workers]
+    return dataclasses.replace(stats, workers=workers)
 
 
 def _apply_options(request: pb.GenerateRequest | pb.ChatRequest, options: dict[str, Any]) -> None:

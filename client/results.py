@@ -155,3 +155,23 @@ class ServerStats:
     num_generated_tokens: int
     worker_incarnation_id: str
     draining: bool
+    # Share of the last 10 s the workers spent inside steps (their sum, at most 1), and
+    # their seconds inside steps since the scheduler started.
+    worker_busy_fraction: float
+    worker_busy_s: float
+    # Each attached worker (several with --max-workers); the fields above are totals.
+    workers: list[WorkerStats]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """One attached worker's figures (ServerStats.workers)."""
+
+    incarnation_id: str
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    busy_fraction: float  # of the last 10 s, in [0, 1]
+    num_steps: int
+    num_generated_tokens: int

@@ -196,8 +196,23 @@ def test_server_stats_covers_every_proto_field():
         num_generated_tokens=11,
         worker_incarnation_id="inc-12",
         draining=True,
+        worker_busy_fraction=0.25,
+        worker_busy_s=15.5,
+        workers=[
+            dict(
+                incarnation_id="inc-12",
+                num_running=1,
+                num_waiting=2,
+                num_kv_blocks_used=3,
+                num_kv_blocks_total=4,
+                busy_fraction=0.5,
+                num_steps=7,
+                num_generated_tokens=11,
+            )
+        ],
     )
     assert set(values) == set(pb.ServerStats.DESCRIPTOR.fields_by_name)
+    assert set(values["workers"][0]) == set(pb.WorkerStats.DESCRIPTOR.fields_by_name)
     assert dataclasses.asdict(server_stats_from_proto(pb.ServerStats(**values))) == values
 
 
