@@ -278,11 +278,13 @@ class Lanes:
         log.info("worker %s serves lane %d", info.hello.incarnation_id, lane.number)
         lane.loop.worker_attached(info)
 
-    def worker_detached(self, reason: str, identity: bytes | None = None) -> None:
+    def worker_detached(
+        self, reason: str, identity: bytes | None = None, *, suspect: bool = True
+    ) -> None:
         for lane in self._lanes:
             if lane.identity is not None and lane.identity == identity:
                 lane.identity = None
-                lane.loop.worker_detached(reason)
+                lane.loop.worker_detached(reason, suspect=suspect)
                 return
 
     # -- the lanes ---------------------------------------------------------------------

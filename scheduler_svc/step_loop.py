@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from pagoda.protos import step_pb2
 from pagoda.scheduler_svc import step_codec
@@ -47,6 +47,11 @@ log = logging.getLogger("pagoda.step_loop")
 IDLE_TICK_S = 0.5
 # After the drain timeout, how long cancelled streams get to see their last output.
 CANCEL_PUBLISH_S = 2.0
+
+
+class _Detach(NamedTuple):
+    reason: str
+    suspect: bool  # WorkerLost.suspect
 
 
 class Unavailable(Exception):
@@ -130,7 +135,7 @@ class StepLoop:
         self._no_streams = asyncio.Event()
         self._no_streams.set()
         self._cancels: list[_Cancel] = []
-        self._worker_events: list[WorkerInfo | str] = []
+        self._worker_events: list[WorkerInfo | _Detach] = []
         self._worker_lost_at_s: float | None = None
         self._ever_attached = False
         self._draining = False
@@ -229,8 +234,8 @@ class StepLoop:
         self._worker_events.append(info)
         self._wake.set()
 
-    def worker_detached(self, reason: str) -> None:
-        self._worker_events.append(reason)
+    def worker_detached(self, reason: str, *, suspect: bool = True) -> None:
+        self._worker_events.append(_Detach(reason, suspect))
         self._wake.set()
 
     # -- the loop --------------------------------------------------------------------
@@ -302,7 +307,9 @@ class StepLoop:
                 decision.step_id,
                 exc,
             )
-            self._publish(self._scheduler.fail_step(decision, str(exc), self._clock()))
+            self._publish(
+                self._scheduler.fail_step(decision, str(exc), self._clock(), suspect=exc.suspect)
+            )
             return
         self._flights.popleft()
         received_s = self._clock()
@@ -348,8 +355,8 @@ class StepLoop:
         self._wake.clear()
         events, self._worker_events = self._worker_events, []
         for event in events:
-            if isinstance(event, str):
-                self._detach(event, now)
+            if isinstance(event, _Detach):
+                self._detach(event.reason, now, suspect=event.suspect)
             else:
                 self._attach(event)
         cancels, self._cancels = self._cancels, []
@@ -365,13 +372,13 @@ class StepLoop:
         self._publish(self._scheduler.attach_worker(step_codec.geometry_from_hello(info.hello)))
         self._on_worker_change(True)
 
-    def _detach(self, reason: str, now: float) -> None:
+    def _detach(self, reason: str, now: float, *, suspect: bool = True) -> None:
         if self._worker is None:
             return
         self._worker = None
         self._worker_lost_at_s = now
         # Steps in flight are lost with it: a request that killed it may end here.
-        self._publish(self._scheduler.detach_worker(reason))
+        self._publish(self._scheduler.detach_worker(reason, suspect=suspect))
         self._on_worker_change(False)
         log.warning(
             "worker detached (%s); requests wait up to %g s for a new one",

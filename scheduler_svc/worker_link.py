@@ -61,7 +61,16 @@ class _Peer:
 
 
 class WorkerLost(Exception):
-    """The worker went away (timeout, restart, unreachable) while a step was in flight."""
+    """The worker went away (timeout, restart, unreachable) while a step was in flight.
+
+    `suspect`: whether the step's requests may have caused it. A crash, a hang or a closed
+    connection may be a poison request's doing; a worker dropped for a message that breaks
+    the protocol, or a plan that was never sent, says nothing about the requests.
+    """
+
+    def __init__(self, reason: str, *, suspect: bool = True) -> None:
+        super().__init__(reason)
+        self.suspect = suspect
 
 
 class WorkerEvents(Protocol):
@@ -69,7 +78,7 @@ class WorkerEvents(Protocol):
 
     def worker_attached(self, info: WorkerInfo) -> None: ...
 
-    def worker_detached(self, reason: str) -> None: ...
+    def worker_detached(self, reason: str, *, suspect: bool = True) -> None: ...
 
 
 class WorkerLink:
@@ -168,7 +177,7 @@ class WorkerLink:
         from this send, so it covers the step before too."""
         peer = self._peer(identity)
         if peer is None or self._socket is None:
-            raise WorkerLost("no worker attached")
+            raise WorkerLost("no worker attached", suspect=False)
         worker, pending = peer.info, peer.pending
         future: asyncio.Future[step_pb2.StepResult] = asyncio.get_running_loop().create_future()
         pending[plan.step_id] = (plan, future)
@@ -243,19 +252,19 @@ class WorkerLink:
                 log.warning("could not answer the worker %s: %s", identity.hex(), exc)
             except Exception:
                 log.exception("dropped a message from %s that could not be handled", identity.hex())
-                self._drop_worker_if(identity, "a message that could not be handled")
+                self._drop_worker_if(identity, "a message that could not be handled", suspect=False)
 
     def _refuse(self, identity: bytes, what: str) -> None:
         """One log line for a bad message; the worker is dropped if it sent it (it may say
         hello again), a stranger's message is only logged."""
         if identity in self._peers:
-            self._drop_worker(identity, f"it sent {what}")
+            self._drop_worker(identity, f"it sent {what}", suspect=False)
         else:
             log.warning("ignored %s from %s", what, identity.hex())
 
-    def _drop_worker_if(self, identity: bytes, reason: str) -> None:
+    def _drop_worker_if(self, identity: bytes, reason: str, *, suspect: bool = True) -> None:
         if identity in self._peers:
-            self._drop_worker(identity, reason)
+            self._drop_worker(identity, reason, suspect=suspect)
 
     async def _watch_disconnects(self) -> None:
         assert self._monitor is not None
@@ -364,19 +373,19 @@ class WorkerLink:
                 if not peer.pending and silent_s > HEARTBEAT_TIMEOUT_S:
                     self._drop_worker(peer.info.identity, f"no heartbeat for {silent_s:.1f} s")
 
-    def _drop_worker(self, identity: bytes, reason: str) -> None:
+    def _drop_worker(self, identity: bytes, reason: str, *, suspect: bool = True) -> None:
         peer = self._peers.pop(identity, None)
         if peer is None:
             return
         log.warning("worker %s lost: %s", peer.info.hello.incarnation_id, reason)
         for _, future in peer.pending.values():
             if not future.done():
-                future.set_exception(WorkerLost(reason))
+                future.set_exception(WorkerLost(reason, suspect=suspect))
         assert self._events is not None
         if self._max_workers == 1:
-            self._events.worker_detached(reason)
+            self._events.worker_detached(reason, suspect=suspect)
         else:  # the lanes need to know whose
-            self._events.worker_detached(reason, identity)
+            self._events.worker_detached(reason, identity, suspect=suspect)
 
 
 def _source_fd(frame: zmq.Frame) -> int | None:

@@ -113,16 +113,21 @@ class Scheduler:
                 outputs.append(self._finish_with_error(request, reason, self._last_now))
         return outputs
 
-    def detach_worker(self, reason: str = "it went away") -> list[RequestOutput]:
+    def detach_worker(
+        self, reason: str = "it went away", *, suspect: bool = True
+    ) -> list[RequestOutput]:
         """The worker is lost: schedule() returns None until the next attach_worker().
 
         Steps still in flight were lost with it (the loss may be reported before their
-        results fail): they fail here as in fail_step, their requests isolated. Returns
-        the output of a request that loss convicts (usually none).
+        results fail): they fail here as in fail_step, their requests isolated unless
+        `suspect` is False. Returns the output of a request that loss convicts (usually
+        none).
         """
         outputs = []
         if self._in_flight:
-            outputs = self.fail_step(self._in_flight[0].plan, reason, self._last_now)
+            outputs = self.fail_step(
+                self._in_flight[0].plan, reason, self._last_now, suspect=suspect
+            )
         self._in_flight.clear()
         self._planner.drop_pool()
         return outputs
@@ -465,12 +470,15 @@ class Scheduler:
             else:
                 outputs.append(self._finish(request, finish_reason, now, [token_id], logprobs))
 
-    def fail_step(self, plan: StepPlan, error: str, now: float) -> list[RequestOutput]:
+    def fail_step(
+        self, plan: StepPlan, error: str, now: float, *, suspect: bool = True
+    ) -> list[RequestOutput]:
         """The worker was lost or timed out during `plan`: its sequences, and those of the
         step after it if one is in flight, go back to the waiting queue for recompute;
         nothing streamed is lost or repeated. A worker that dies on a request is isolated
         as a failed step is: the requests become suspects, and one whose step alone lost
-        the worker twice ends with ERROR."""
+        the worker twice ends with ERROR. With `suspect` False (the worker broke the
+        protocol, or the plan was never sent) the requests are only requeued."""
         self._last_now = now
         step_ids = [flight.plan.step_id for flight in self._in_flight]
         if plan.step_id not in step_ids:
@@ -486,6 +494,8 @@ class Scheduler:
             )
         )
         self._fail_flights(start)
+        if not suspect:
+            return []
         return self._isolate(request_ids, f"the worker was lost on this request: {error}", now)
 
     def _fail_flights(self, start: int) -> None:

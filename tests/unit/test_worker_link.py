@@ -30,8 +30,8 @@ class EventLog:
     def worker_attached(self, info: WorkerInfo) -> None:
         self.events.append(f"attach {info.hello.incarnation_id}")
 
-    def worker_detached(self, reason: str) -> None:
-        self.events.append(f"detach: {reason}")
+    def worker_detached(self, reason: str, *, suspect: bool = True) -> None:
+        self.events.append(f"detach: {reason}" + ("" if suspect else " (not suspect)"))
 
 
 def say_hello(context: zmq.Context, endpoint: str, incarnation_id: str) -> zmq.Socket:

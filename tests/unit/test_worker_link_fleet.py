@@ -24,7 +24,7 @@ class FleetLog:
         self.names[info.identity] = info.hello.incarnation_id
         self.events.append(f"attach {info.hello.incarnation_id}")
 
-    def worker_detached(self, reason: str, identity: bytes) -> None:
+    def worker_detached(self, reason: str, identity: bytes, *, suspect: bool = True) -> None:
         self.events.append(f"detach {self.names[identity]}")
 
 

@@ -147,3 +147,39 @@ def test_the_core_convicts_a_worker_killer_whichever_the_loop_hears_first(detach
         tokens, reason, _ = expected_generation(request, geometry)
         assert streams[request.request_id].token_ids == tokens
         assert streams[request.request_id].finish_reason is reason
+
+
+@pytest.mark.parametrize("how", ["fail_step", "detach_worker"])
+def test_a_worker_dropped_for_breaking_the_protocol_convicts_no_request(how):
+    """A worker that answers a plan with a malformed result is dropped (WorkerLost with
+    suspect=False): its step's requests are recomputed, never counted towards isolation, so
+    a buggy worker cannot make a lone request end with an error however often it fails."""
+    geometry = make_geometry(vocab_size=100)
+    scheduler = make_scheduler(geometry)
+    request = make_request("alone", [5, 6, 7, 8], max_new_tokens=6, ignore_eos=True)
+    scheduler.add(request, 0.0)
+    stream = Stream()
+    worker = FakeWorker(geometry)
+    num_drops = 0
+    for step in range(100):
+        plan = scheduler.schedule(float(step))
+        if plan is None:
+            break
+        if num_drops < 4:  # the first four plans each get a malformed answer
+            num_drops += 1
+            core = scheduler.core
+            if how == "fail_step":
+                outputs = core.fail_step(plan, "it sent garbage", float(step), suspect=False)
+                outputs += core.detach_worker("it sent garbage", suspect=False)
+            else:
+                outputs = core.detach_worker("it sent garbage", suspect=False)
+            outputs = scheduler.processor.process(outputs)
+            outputs += scheduler.attach_worker(geometry)
+            worker = FakeWorker(geometry)
+        else:
+            outputs = scheduler.apply(worker.step(plan), step + 0.5)
+        for output in outputs:
+            stream.take(output)
+        check_invariants(scheduler)
+    tokens, reason, _ = expected_generation(request, geometry)
+    assert stream.token_ids == tokens and stream.finish_reason is reason
