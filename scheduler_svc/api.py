@@ -50,6 +50,8 @@ log = logging.getLogger("pagoda.api")
 # they cost less than a thread hop.
 OFF_LOOP_MIN_CHARS = 4096
 NUM_TOKENIZER_THREADS = 2
+# How long a stalled stream's status may wait to be sent before its handler gives up.
+STALLED_ABORT_TIMEOUT_S = 1.0
 # Bounds a Tokenize text before any worker said hello (the limit then follows its context).
 FALLBACK_MAX_CONTEXT_TOKENS = 32_768
 
@@ -241,10 +243,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await asyncio.wait_for(context.write(response), timeout_s)
         except TimeoutError:
             self._metrics.observe_error("DEADLINE_EXCEEDED")
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"the client took no message for {timeout_s:g} s; the stream was ended",
-            )
+            # The status queues behind the message the client does not take, so this
+            # abort can wait for good (and grpc.aio cannot reset one stream): bounded,
+            # then the handler ends as cancelled, giving back its request and its RPC
+            # slot; the HTTP/2 stream lasts until the client's connection closes.
+            try:
+                await asyncio.wait_for(
+                    context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"the client took no message for {timeout_s:g} s; the stream was ended",
+                    ),
+                    STALLED_ABORT_TIMEOUT_S,
+                )
+            except TimeoutError:
+                raise asyncio.CancelledError from None
 
     async def _admit(self, validate, request, context) -> ValidRequest:
         await self._reject_undecodable(request, context)
