@@ -99,7 +99,7 @@ def test_worker_sigkilled_under_greedy_streams_resumes_with_the_reference_tokens
     with running_service(tmp_path, model="default", worker_args=EXACT) as service:
 
         async def scenario():
-            async with AsyncClient(service.address, timeout_s=300) as client:
+            async with AsyncClient(service.address, timeout_s=540) as client:
                 tasks = [
                     asyncio.create_task(
                         client.complete(ids, max_new_tokens=num_new_tokens, ignore_eos=True)
