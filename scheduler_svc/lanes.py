@@ -47,7 +47,7 @@ from pagoda.scheduler_svc.output_streams import (
     OutputStreams,
     unread_message,
 )
-from pagoda.scheduler_svc.step_loop import CANCEL_PUBLISH_S, IDLE_TICK_S, StepLoop, Unavailable
+from pagoda.scheduler_svc.step_loop import IDLE_TICK_S, StepLoop, Unavailable, drain_streams
 from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLink, WorkerLost
 from pagoda.scheduler_svc.worker_stats import WorkerStats
 
@@ -162,8 +162,6 @@ class Lanes:
         self._num_lanes_opened = 0
         self._tasks: set[asyncio.Task] = set()  # every lane's loop, closed ones until done
         self._changed = asyncio.Event()
-        self._no_streams = asyncio.Event()
-        self._no_streams.set()
         # Cancels asked for and perhaps not yet taken by a lane's loop: sent again to the
         # lane a handed-over request moves to.
         self._cancels: dict[str, tuple[FinishReason, str | None]] = {}
@@ -214,7 +212,6 @@ class Lanes:
         self._router.target = lane.scheduler
         self._output_processor.add(request, self._clock())
         slot = self._streams.open(request.request_id)
-        self._no_streams.clear()
         lane.loop.wake()
         return slot
 
@@ -222,8 +219,6 @@ class Lanes:
         self._streams.close(slot.request_id)
         if not slot.finished:
             self.cancel(slot.request_id)
-        if not len(self._streams):
-            self._no_streams.set()
 
     def cancel(
         self,
@@ -245,15 +240,7 @@ class Lanes:
     async def drain(self, timeout_s: float) -> None:
         """As StepLoop.drain, over every lane's streams."""
         self.stop_accepting()
-        log.info("draining %d streams for up to %g s", len(self._streams), timeout_s)
-        if await self._until_no_streams(timeout_s):
-            return
-        log.warning(
-            "cancelling %d streams still running after the drain timeout", len(self._streams)
-        )
-        for request_id in self._streams.request_ids():
-            self.cancel(request_id)
-        await self._until_no_streams(CANCEL_PUBLISH_S)
+        await drain_streams(self._streams, self.cancel, timeout_s)
 
     def stop(self) -> None:
         self._stopped = True
@@ -404,12 +391,3 @@ class Lanes:
         lost_at = self._lost_at_s
         if lost_at is not None and self._clock() - lost_at > self._worker_grace_s:
             raise Unavailable(f"no worker has been connected for over {self._worker_grace_s:g} s")
-
-    async def _until_no_streams(self, timeout_s: float) -> bool:
-        if self._no_streams.is_set():
-            return True
-        try:
-            await asyncio.wait_for(self._no_streams.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True

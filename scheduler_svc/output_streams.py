@@ -151,6 +151,8 @@ class OutputStreams:
         self._slots: dict[str, OutputSlot] = {}
         self._max_unread_tokens = max_unread_tokens
         self._on_overflow = on_overflow
+        self._empty = asyncio.Event()  # set while no slot is open (a drain waits on it)
+        self._empty.set()
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._slots
@@ -163,6 +165,7 @@ class OutputStreams:
             request_id, max_unread_tokens=self._max_unread_tokens, on_overflow=self._on_overflow
         )
         self._slots[request_id] = slot
+        self._empty.clear()
         return slot
 
     def request_ids(self) -> list[str]:
@@ -175,6 +178,18 @@ class OutputStreams:
 
     def close(self, request_id: str) -> None:
         self._slots.pop(request_id, None)
+        if not self._slots:
+            self._empty.set()
+
+    async def wait_empty(self, timeout_s: float) -> bool:
+        """Whether every slot was closed within `timeout_s`."""
+        if self._empty.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._empty.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -54,6 +54,20 @@ class _Detach(NamedTuple):
     suspect: bool  # WorkerLost.suspect
 
 
+async def drain_streams(
+    streams: OutputStreams, cancel: Callable[[str], None], timeout_s: float
+) -> None:
+    """Let the open streams end for up to `timeout_s`, then `cancel` the rest and give
+    their cancellations CANCEL_PUBLISH_S to reach the readers."""
+    log.info("draining %d streams for up to %g s", len(streams), timeout_s)
+    if await streams.wait_empty(timeout_s):
+        return
+    log.warning("cancelling %d streams still running after the drain timeout", len(streams))
+    for request_id in streams.request_ids():
+        cancel(request_id)
+    await streams.wait_empty(CANCEL_PUBLISH_S)
+
+
 class Unavailable(Exception):
     """No worker can serve a new request now (none attached, or draining); a sentence."""
 
@@ -132,8 +146,6 @@ class StepLoop:
         self._clock = clock
         self._idle_tick_s = idle_tick_s
         self._wake = asyncio.Event()
-        self._no_streams = asyncio.Event()
-        self._no_streams.set()
         self._cancels: list[_Cancel] = []
         self._worker_events: list[WorkerInfo | _Detach] = []
         self._worker_lost_at_s: float | None = None
@@ -182,7 +194,6 @@ class StepLoop:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         self._output_processor.add(request, self._clock())
         slot = self._streams.open(request.request_id)
-        self._no_streams.clear()
         self._wake.set()
         return slot
 
@@ -193,8 +204,6 @@ class StepLoop:
         self._streams.close(slot.request_id)
         if not slot.finished:
             self.cancel(slot.request_id)
-        if not len(self._streams):
-            self._no_streams.set()
 
     def cancel(
         self,
@@ -214,15 +223,7 @@ class StepLoop:
         """Stop accepting, let the open streams end for up to `timeout_s`, then cancel the
         rest and give the loop CANCEL_PUBLISH_S to publish their cancellations."""
         self.stop_accepting()
-        log.info("draining %d streams for up to %g s", len(self._streams), timeout_s)
-        if await self._until_no_streams(timeout_s):
-            return
-        log.warning(
-            "cancelling %d streams still running after the drain timeout", len(self._streams)
-        )
-        for request_id in self._streams.request_ids():
-            self.cancel(request_id)
-        await self._until_no_streams(CANCEL_PUBLISH_S)
+        await drain_streams(self._streams, self.cancel, timeout_s)
 
     def stop(self) -> None:
         self._stopped = True
@@ -340,16 +341,6 @@ class StepLoop:
         except TimeoutError:
             pass
         self._wake.clear()
-
-    async def _until_no_streams(self, timeout_s: float) -> bool:
-        """Whether every stream was released within `timeout_s`."""
-        if self._no_streams.is_set():
-            return True
-        try:
-            await asyncio.wait_for(self._no_streams.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
 
     def _drain_inbox(self, now: float) -> None:
         self._wake.clear()
