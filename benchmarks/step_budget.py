@@ -31,11 +31,12 @@ from pagoda.scheduler_svc.core import (
     Scheduler,
     SchedulerConfig,
     ValidRequest,
-    ValidSampling,
     ValidStopping,
     WorkerGeometry,
 )
 from pagoda.scheduler_svc.testing import FakeWorker
+
+from benchmarks.scheduler_core import SAMPLING  # greedy, no penalties
 
 COST_PRESETS = {"int8": (18.0, 0.63, 1.4), "fp32": (60.0, 1.37, 2.2)}
 
@@ -82,17 +83,6 @@ def run(
     scheduler.attach_worker(geometry)
     worker = FakeWorker(geometry, check=False)
     rng = random.Random(seed)
-    sampling = ValidSampling(
-        temperature=0.0,
-        top_p=1.0,
-        top_k=0,
-        min_p=0.0,
-        repetition_penalty=1.0,
-        presence_penalty=0.0,
-        frequency_penalty=0.0,
-        seed=0,
-        num_logprobs=0,
-    )
     stopping = ValidStopping(
         max_new_tokens=workload.max_new_tokens,
         min_new_tokens=0,
@@ -120,7 +110,7 @@ def run(
                 ValidRequest(
                     request_id=request_id,
                     prompt_token_ids=tuple(prompt),
-                    sampling=sampling,
+                    sampling=SAMPLING,
                     stopping=stopping,
                     priority=0,
                 ),
