@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     worker_args = ("--dummy-step-ms", str(args.dummy_step_ms))
     print(f"dummy worker, {args.dummy_step_ms:g} ms steps, {args.streams} streams, "
           f"{args.duration_s:g} s per run")  # fmt: skip
-    print(f"{'scheduler args':<28} {'busy':>6} {'tok/s':>9} {'steps/s':>8}")
+    print(f"{'scheduler args':<28} {'busy':>6} {'tok/s':>9} {'steps/s':>8} {'tok/step':>9}")
     with LocalService(
         worker_model="dummy", device="cpu", model_dir=model_dir, worker_args=worker_args
     ) as service:
@@ -73,10 +73,15 @@ def main(argv: list[str] | None = None) -> int:
             after, ended_s = server_stats(service.address), time.monotonic()
             elapsed_s = ended_s - started_s
             fraction = (after.worker_busy_s - before.worker_busy_s) / elapsed_s
-            steps_per_s = (after.num_steps - before.num_steps) / elapsed_s
+            num_steps = after.num_steps - before.num_steps
+            tokens_per_step = (after.num_generated_tokens - before.num_generated_tokens) / max(
+                1, num_steps
+            )
             print(
                 f"{setting or '(defaults)':<28} {fraction:>6.1%} "
-                f"{report.completion_tokens_per_s:>9.0f} {steps_per_s:>8.1f}",
+                f"{report.completion_tokens_per_s:>9.0f} {num_steps / elapsed_s:>8.1f} "
+                f"{tokens_per_step:>9.1f}  TTFT p50 {report.ttft.p50_ms:.0f} ms, "
+                f"queue p50 {report.queue.p50_ms:.0f} ms",
                 flush=True,
             )
         service.cleanup()

@@ -240,7 +240,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         control full: it stopped reading) has its stream ended, so it holds no memory."""
         timeout_s = self._config.stream_write_timeout_s
         try:
-            await asyncio.wait_for(context.write(response), timeout_s)
+            # A timeout scope, not wait_for: no task per message on the hot path.
+            async with asyncio.timeout(timeout_s):
+                await context.write(response)
         except TimeoutError:
             self._metrics.observe_error("DEADLINE_EXCEEDED")
             # The status queues behind the message the client does not take, so this

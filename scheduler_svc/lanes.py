@@ -97,11 +97,15 @@ class _LaneLink:
         self._link = link
         self._identity = identity
 
-    async def run_step(self, plan: step_pb2.StepPlan, timeout_s: float) -> step_pb2.StepResult:
+    def start_step(
+        self, plan: step_pb2.StepPlan, timeout_s: float
+    ) -> asyncio.Future[step_pb2.StepResult]:
         identity = self._identity()
         if identity is None:
-            raise WorkerLost("the lane's worker is gone")
-        return await self._link.run_step(plan, timeout_s, identity)
+            gone = asyncio.get_running_loop().create_future()
+            gone.set_exception(WorkerLost("the lane's worker is gone"))
+            return gone
+        return self._link.start_step(plan, timeout_s, identity)
 
 
 class _Router:

@@ -28,6 +28,7 @@ from pagoda.scheduler_svc.core import (
     RequestOutput,
     Scheduler,
     SchedulerStats,
+    StepOutputs,
     StepPlan,
     ValidRequest,
 )
@@ -79,8 +80,11 @@ class StepLink(Protocol):
     WorkerEvents given to its start(), which the loop implements.
     """
 
-    async def run_step(self, plan: step_pb2.StepPlan, timeout_s: float) -> step_pb2.StepResult:
-        """Send one plan and await its result; WorkerLost if the worker does not answer."""
+    def start_step(
+        self, plan: step_pb2.StepPlan, timeout_s: float
+    ) -> asyncio.Future[step_pb2.StepResult]:
+        """Send one plan (now, if the link can) and give the future of its result, which
+        fails with WorkerLost if the worker does not answer."""
         ...
 
 
@@ -89,7 +93,7 @@ class _Flight:
     """A step sent to the worker; `result` completes with its answer or WorkerLost."""
 
     decision: StepPlan
-    result: asyncio.Task[step_pb2.StepResult]
+    result: asyncio.Future[step_pb2.StepResult]
     started_s: float  # when planning began
     encoded_s: float  # when it was ready to send
 
@@ -125,6 +129,9 @@ class StepLoop:
         self._overlap_steps = overlap_steps
         self._flights: deque[_Flight] = deque()  # oldest first, at most two
         self._last_received_s = 0.0
+        # The outputs of the step applied last, published once its successor is sent: the
+        # worker gets its next plan before the stream writers they wake take the loop.
+        self._unpublished: StepOutputs | None = None
         # Gives each step's outputs their text right after apply(), and ends stop-string
         # hits before the next schedule().
         self._output_processor = output_processor
@@ -251,6 +258,7 @@ class StepLoop:
         try:
             await self._run()
         finally:
+            self._publish_applied()
             for flight in self._flights:  # stopped with steps in flight: nobody awaits them
                 flight.result.cancel()
 
@@ -263,9 +271,8 @@ class StepLoop:
                 decision = self._scheduler.schedule(now, ahead=bool(self._flights))
                 if decision is not None:
                     self._send(decision, now)
-                    # Plan the next step at once, before awaiting this one's result.
-                    await asyncio.sleep(0)  # the send goes out first
-                    continue
+                    continue  # plan the next one too, if it may be planned ahead
+            self._publish_applied()
             if self._flights:
                 await self._finish_oldest()
                 self._log_status(self._clock())
@@ -290,13 +297,12 @@ class StepLoop:
     def _send(self, decision: StepPlan, started_s: float) -> None:
         plan = step_codec.encode_plan(decision)
         encoded_s = self._clock()
-        result = asyncio.create_task(
-            self._link.run_step(plan, self._worker_timeout_s), name=f"step-{decision.step_id}"
-        )
+        result = self._link.start_step(plan, self._worker_timeout_s)
         self._flights.append(_Flight(decision, result, started_s, encoded_s))
 
     async def _finish_oldest(self) -> None:
-        """Await the oldest step's result and apply it (or fail it with the worker)."""
+        """Await the oldest step's result and apply it (or fail it with the worker); its
+        outputs wait in _unpublished for the next turn to plan and send first."""
         flight = self._flights[0]
         decision = flight.decision
         try:
@@ -323,7 +329,7 @@ class StepLoop:
         events = self._output_processor.process_step(
             self._scheduler.apply(outcome, received_s), received_s
         )
-        self._streams.publish_step(events)
+        self._unpublished = events
         self._tokens_since_status += len(events.token_ids)
         self._observe(events.outputs)
         self._metrics.observe_step(
@@ -406,7 +412,13 @@ class StepLoop:
                 self._streams.set_error_code(request_id, "UNAVAILABLE")
                 self._publish([output])
 
+    def _publish_applied(self) -> None:
+        events, self._unpublished = self._unpublished, None
+        if events is not None:
+            self._streams.publish_step(events)
+
     def _publish(self, outputs: list[RequestOutput]) -> None:
+        self._publish_applied()  # a request's tokens go out before its end
         self._output_processor.process(outputs)
         self._streams.publish(outputs)
         self._observe(outputs)

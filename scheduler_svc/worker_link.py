@@ -3,7 +3,7 @@
 Owns the conversation of protos/step.proto (hello, ack, heartbeats, rehello) and
 turns it into three facts for the step loop: a worker attached (with its hello) and a
 worker is gone, reported to the WorkerEvents given to start(), and the result of a step,
-returned by run_step(). Called only from the event loop.
+the future start_step() returns. Called only from the event loop.
 
 One worker by default: a new one replaces the one attached. With max_workers above 1
 (data parallel, scheduler_svc/lanes.py), up to that many attach side by side, each by its
@@ -168,32 +168,60 @@ class WorkerLink:
                 socket.close(linger=0)
         self._context.term()
 
+    def start_step(
+        self, plan: step_pb2.StepPlan, timeout_s: float, identity: bytes | None = None
+    ) -> asyncio.Future[step_pb2.StepResult]:
+        """Send one plan to the worker of `identity` (None: the first attached) now, before
+        returning, and give the future of its result; it fails with WorkerLost if that
+        worker does not answer. Another plan may be in flight (overlapped steps): the
+        worker answers in order, and `timeout_s` counts from this send, so it covers the
+        step before too.
+
+        The send is not left to a task: the worker has its next plan before any stream
+        writer runs, and the result wakes its awaiter directly (no task between)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[step_pb2.StepResult] = loop.create_future()
+        peer = self._peer(identity)
+        if peer is None or self._socket is None:
+            future.set_exception(WorkerLost("no worker attached", suspect=False))
+            return future
+        worker, pending, step_id = peer.info, peer.pending, plan.step_id
+
+        def lose(reason: str) -> None:
+            self._drop_worker_if(worker.identity, reason)  # fails this future too
+            if not future.done():
+                future.set_exception(WorkerLost(reason))
+
+        def expire() -> None:
+            if not future.done():
+                lose(f"no result for step {step_id} within {timeout_s:g} s")
+
+        def sent(send: asyncio.Future) -> None:
+            if send.cancelled():
+                lose("the plan was never sent")
+            elif send.exception() is not None:
+                lose(f"cannot reach the worker ({send.exception()})")
+
+        def settled(_: asyncio.Future) -> None:
+            timer.cancel()
+            if pending.get(step_id, (None, None))[1] is future:
+                del pending[step_id]
+
+        pending[step_id] = (plan, future)
+        timer = loop.call_later(timeout_s, expire)
+        future.add_done_callback(settled)
+        send = self._socket.send_multipart([worker.identity, *wire.encode(plan)])
+        if send.done():  # the usual case: ZeroMQ took it at once
+            sent(send)
+        else:
+            send.add_done_callback(sent)
+        return future
+
     async def run_step(
         self, plan: step_pb2.StepPlan, timeout_s: float, identity: bytes | None = None
     ) -> step_pb2.StepResult:
-        """Send one plan to the worker of `identity` (None: the first attached) and await
-        its result; WorkerLost if that worker does not answer. Another plan may be in
-        flight (overlapped steps): the worker answers in order, and `timeout_s` counts
-        from this send, so it covers the step before too."""
-        peer = self._peer(identity)
-        if peer is None or self._socket is None:
-            raise WorkerLost("no worker attached", suspect=False)
-        worker, pending = peer.info, peer.pending
-        future: asyncio.Future[step_pb2.StepResult] = asyncio.get_running_loop().create_future()
-        pending[plan.step_id] = (plan, future)
-        try:
-            await self._send(worker.identity, plan)
-            return await asyncio.wait_for(future, timeout_s)
-        except (TimeoutError, zmq.ZMQError) as exc:
-            reason = (
-                f"no result for step {plan.step_id} within {timeout_s:g} s"
-                if isinstance(exc, TimeoutError)
-                else f"cannot reach the worker ({exc})"
-            )
-            self._drop_worker_if(worker.identity, reason)
-            raise WorkerLost(reason) from None
-        finally:
-            pending.pop(plan.step_id, None)
+        """start_step, awaited."""
+        return await self.start_step(plan, timeout_s, identity)
 
     def _peer(self, identity: bytes | None) -> _Peer | None:
         if identity is None:

@@ -47,6 +47,11 @@ class FleetLink:
         self.num_plans[identity] = 0
         self.lanes.worker_attached(WorkerInfo(identity=identity, hello=hello))
 
+    def start_step(
+        self, plan: step_pb2.StepPlan, timeout_s: float, identity: bytes | None = None
+    ) -> asyncio.Future:
+        return asyncio.ensure_future(self.run_step(plan, timeout_s, identity))
+
     async def run_step(
         self, plan: step_pb2.StepPlan, timeout_s: float, identity: bytes | None = None
     ) -> step_pb2.StepResult:

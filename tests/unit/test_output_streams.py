@@ -127,3 +127,104 @@ def test_a_reader_that_keeps_up_never_overflows_and_logprobs_count():
         assert final.finish_reason is FinishReason.ERROR and final.text == ""
 
     asyncio.run(scenario())
+
+
+def test_the_turnstile_wakes_readers_a_few_per_turn_in_the_order_their_output_came():
+    """Waking every reader of a step at once makes one long event-loop turn that the
+    worker's next result waits behind: at most `readers_per_turn` readers run per turn."""
+
+    async def scenario():
+        streams = OutputStreams(readers_per_turn=2)
+        slots = [streams.open(f"r{i}") for i in range(6)]
+        turns: list[list[str]] = []
+        turn = 0
+
+        async def reader(slot):
+            output = await slot.next()
+            while len(turns) <= turn:
+                turns.append([])
+            turns[turn].append(output.request_id)
+
+        readers = [asyncio.create_task(reader(slot)) for slot in slots]
+        await asyncio.sleep(0)  # every reader waits
+        # Published in the order r5, r4, ..., r0.
+        streams.publish([RequestOutput(f"r{i}", "x", [i], None) for i in reversed(range(6))])
+        while not all(reader.done() for reader in readers):
+            await asyncio.sleep(0)
+            turn += 1
+        assert [len(names) for names in turns if names] == [2, 2, 2]
+        assert [name for names in turns for name in names] == [f"r{i}" for i in reversed(range(6))]
+
+    asyncio.run(scenario())
+
+
+def test_a_reader_waiting_in_line_takes_everything_published_meanwhile_as_one_output():
+    async def scenario():
+        streams = OutputStreams(readers_per_turn=1)
+        first, second = streams.open("r1"), streams.open("r2")
+        streams.publish([RequestOutput("r1", "a", [1], None), RequestOutput("r2", "b", [2], None)])
+        streams.publish([RequestOutput("r2", "c", [3], None)])  # r2 is still in line
+        assert (await first.next()).token_ids == [1]
+        merged = await second.next()
+        assert (merged.text, merged.token_ids) == ("bc", [2, 3])
+
+    asyncio.run(scenario())
+
+
+def test_a_reader_that_leaves_gives_its_place_in_line_to_the_next():
+    """A client gone while its reader was woken, or while it waited in line, must not
+    keep the others waiting: the turnstile would stall every stream."""
+
+    async def scenario():
+        streams = OutputStreams(readers_per_turn=1)
+        woken, queued, last = (streams.open(name) for name in ("r1", "r2", "r3"))
+        streams.publish(
+            [RequestOutput(name, "x", [i], None) for i, name in enumerate(("r1", "r2", "r3"))]
+        )
+        streams.close("r1")  # woken, never took
+        streams.close("r2")  # waited in line
+        output = await asyncio.wait_for(last.next(), timeout=5)
+        assert output.token_ids == [2]
+        assert woken.has_pending and queued.has_pending  # dropped with their slots
+
+    asyncio.run(scenario())
+
+
+def test_a_reader_stuck_writing_holds_no_place_in_line():
+    """A client that stopped reading leaves its reader blocked in a write: with one
+    place, had its slot taken it, every other stream would wait for that write's timeout."""
+
+    async def scenario():
+        streams = OutputStreams(readers_per_turn=1)
+        stuck, other = streams.open("r1"), streams.open("r2")
+        streams.publish([RequestOutput("r1", "a", [1], None)])
+        assert (await stuck.next()).token_ids == [1]  # then blocks in its write, say
+        waiting = asyncio.create_task(other.next())
+        await asyncio.sleep(0)
+        streams.publish([RequestOutput("r1", "b", [2], None), RequestOutput("r2", "c", [3], None)])
+        assert (await asyncio.wait_for(waiting, timeout=5)).token_ids == [3]
+        assert (await stuck.next()).token_ids == [2]  # back from its write: it takes in turn
+
+    asyncio.run(scenario())
+
+
+def test_output_a_waiting_reader_has_not_taken_yet_is_not_counted_as_unread():
+    """Only what comes while the reader is away (writing to its client) counts toward the
+    unread cap: output waiting for the reader's turn is the server's lag, not the client's."""
+
+    async def scenario():
+        streams = OutputStreams(max_unread_tokens=3, readers_per_turn=1)
+        first, second = streams.open("r1"), streams.open("r2")
+        readers = [asyncio.create_task(slot.next()) for slot in (first, second)]
+        await asyncio.sleep(0)
+        for token_id in range(5):  # before either reader's turn
+            streams.publish([RequestOutput(name, "x", [token_id], None) for name in ("r1", "r2")])
+        outputs = await asyncio.gather(*readers)
+        assert [output.token_ids for output in outputs] == [[0, 1, 2, 3, 4]] * 2
+        assert not first.overflowed and not second.overflowed
+        # Away from next(), the same five overflow the cap.
+        for token_id in range(5):
+            streams.publish([RequestOutput("r2", "x", [token_id], None)])
+        assert second.overflowed
+
+    asyncio.run(scenario())

@@ -147,6 +147,9 @@ class FakeLink:
         """Plan `num_plans` runs on the worker but its result never comes back."""
         self._lose_during_plan = num_plans
 
+    def start_step(self, plan: step_pb2.StepPlan, timeout_s: float) -> asyncio.Future:
+        return asyncio.ensure_future(self.run_step(plan, timeout_s))
+
     async def run_step(self, plan: step_pb2.StepPlan, timeout_s: float) -> step_pb2.StepResult:
         # A real link awaits the worker's answer; other tasks (readers, cancels) run meanwhile.
         await asyncio.sleep(0)

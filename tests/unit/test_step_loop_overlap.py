@@ -56,3 +56,37 @@ def test_no_overlap_steps_or_an_older_worker_runs_one_step_at_a_time(overlapped,
 
     serial.scenario(body)
     assert overlapped and not any(overlapped)
+
+
+def test_the_worker_gets_its_next_plan_before_a_steps_outputs_wake_their_readers(overlapped):
+    """The readers share the event loop with the step loop: woken first, they would
+    hold back step N+2's plan while the worker, done with N+1, waits for it."""
+    events: list[str] = []
+
+    async def body() -> None:
+        async with serial.running() as h:
+            await h.attach("w1")
+            start_step, streams = h.link.start_step, h.loop._streams
+            publish_step = streams.publish_step
+
+            def recording_start_step(plan, timeout_s):
+                events.append("send")
+                return start_step(plan, timeout_s)
+
+            def recording_publish_step(step):
+                events.append("publish")
+                publish_step(step)
+
+            h.link.start_step = recording_start_step  # type: ignore[method-assign]
+            streams.publish_step = recording_publish_step  # type: ignore[method-assign]
+            requests = [serial.make_request("r", 4, max_new_tokens=12)]
+            serial.assert_all_exact(requests, await h.settle(*h.submit_all(requests)))
+
+    serial.scenario(body)
+    # A step's outputs (the i-th publish) wait until the step two after it is sent, but
+    # for the last two steps, which have none after them.
+    num_sends = events.count("send")
+    for index, _ in enumerate(publish for publish in events if publish == "publish"):
+        position = [i for i, event in enumerate(events) if event == "publish"][index]
+        sent_before = events[:position].count("send")
+        assert sent_before >= min(index + 3, num_sends), events

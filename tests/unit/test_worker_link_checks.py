@@ -181,3 +181,25 @@ def test_extra_frames_and_garbage_drop_the_worker_without_ending_the_link(tmp_pa
     assert events[0] == "attach w1" and "got 10001" in events[1]
     assert events[2] == "attach w2" and "malformed" in events[3]
     assert events[4:] == ["attach w4"]
+
+
+def test_start_step_sends_the_plan_before_it_returns_and_a_silent_worker_times_out(tmp_path):
+    """The plan leaves before any other task runs (stream writers must not delay it),
+    and a worker that never answers is dropped at the step's timeout."""
+    events: list[str] = []
+
+    async def scenario() -> None:
+        async with linked(tmp_path, events) as (link, context):
+            worker = say_hello(context, link.endpoint, "w1")
+            await until(attached(link, "w1"), "w1 is attached")
+            assert isinstance(wire.decode(worker.recv_multipart()), step_pb2.HelloAck)
+            result = link.start_step(make_plan(), timeout_s=0.2)
+            # No await since: the event loop has not turned, yet the plan is there.
+            assert worker.poll(timeout=5_000), "the plan was not sent by start_step"
+            assert isinstance(wire.decode(worker.recv_multipart()), step_pb2.StepPlan)
+            with pytest.raises(WorkerLost, match="no result for step"):
+                await result
+            assert link.worker is None
+            worker.close()
+
+    asyncio.run(scenario())
