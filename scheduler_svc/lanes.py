@@ -139,7 +139,7 @@ class Lanes:
         on_worker_change: Callable[[bool], None] = lambda attached: None,
         clock: Callable[[], float] = time.monotonic,
         idle_tick_s: float = IDLE_TICK_S,
-        overlap_steps: bool = True,
+        overlap_steps: bool | None = None,
     ) -> None:
         self._config = config
         self._link = link

@@ -59,7 +59,7 @@ class ServiceConfig:
     zmq_curve_authorized_keys: str | None = None
     zmq_allow_insecure_tcp: bool = False
     log_level: str = "INFO"
-    overlap_steps: bool = True
+    overlap_steps: bool | None = None
     max_workers: int = 1
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -149,7 +149,9 @@ HELP: dict[str, str] = {
     "unauthenticated: anyone reaching the port can pose as the worker); logged as a warning",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "overlap_steps": "plan and send step N+1 while the worker runs step N (for a worker that "
-    "feeds its last sampled tokens; an older one gets one step at a time)",
+    "feeds its last sampled tokens; an older one gets one step at a time); unset: on, except "
+    "for a CPU worker, whose steps are long enough that planning ahead saves nothing and a "
+    "new request would wait one step more",
     "max_workers": "workers that may attach at once, each with its own KV pool, all serving "
     "the same model (data parallel: each request is placed on one; a lost worker's requests "
     "move to the others); 1: a new worker replaces the one attached",

@@ -5,9 +5,11 @@ as exact, cancels, detaches and losses as clean. Plus what only overlap does."""
 from __future__ import annotations
 
 import pytest
+from pagoda.scheduler_svc.step_loop import overlaps
 from pagoda.scheduler_svc.testing import FakeWorker
 
 import tests.unit.test_step_loop as serial
+from tests.unit.conftest import make_hello
 
 SCENARIOS = sorted(name for name in dir(serial) if name.startswith("test_"))
 
@@ -90,3 +92,32 @@ def test_the_worker_gets_its_next_plan_before_a_steps_outputs_wake_their_readers
         position = [i for i, event in enumerate(events) if event == "publish"][index]
         sent_before = events[:position].count("send")
         assert sent_before >= min(index + 3, num_sends), events
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "feeds", "expected"),
+    [
+        (None, "cuda:0", True, True),
+        (None, "none", True, True),  # the dummy worker stands for a fast device
+        (None, "cpu", True, False),  # long steps: a new request would wait one more
+        (None, "cuda:0", False, False),  # an older worker cannot feed ahead
+        (True, "cpu", True, True),
+        (False, "cuda:0", True, False),
+    ],
+)
+def test_overlap_is_on_unless_set_off_or_the_worker_is_a_cpu_one(setting, device, feeds, expected):
+    hello = make_hello(device=device, feeds_last_sampled=feeds)
+    assert overlaps(setting, hello) is expected
+
+
+def test_by_default_a_cpu_worker_runs_one_step_at_a_time(overlapped, monkeypatch):
+    monkeypatch.setitem(serial.HELLO_FIELDS, "device", "cpu")
+
+    async def body() -> None:
+        async with serial.running() as h:
+            await h.attach("w1")
+            requests = serial.contending_requests()
+            serial.assert_all_exact(requests, await h.settle(*h.submit_all(requests)))
+
+    serial.scenario(body)
+    assert overlapped and not any(overlapped)
