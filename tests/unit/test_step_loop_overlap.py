@@ -47,8 +47,13 @@ def test_a_long_run_is_mostly_overlapped_and_exact(overlapped):
     assert sum(1 for n in overlapped if n) > len(overlapped) / 2
 
 
-def test_no_overlap_steps_or_an_older_worker_runs_one_step_at_a_time(overlapped, monkeypatch):
-    monkeypatch.setitem(serial.HELLO_FIELDS, "feeds_last_sampled", False)
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("feeds_last_sampled", False), ("device", "cpu")],
+    ids=["an older worker", "a cpu worker by default"],
+)
+def test_steps_run_one_at_a_time_on(field, value, overlapped, monkeypatch):
+    monkeypatch.setitem(serial.HELLO_FIELDS, field, value)
 
     async def body() -> None:
         async with serial.running() as h:
@@ -108,16 +113,3 @@ def test_the_worker_gets_its_next_plan_before_a_steps_outputs_wake_their_readers
 def test_overlap_is_on_unless_set_off_or_the_worker_is_a_cpu_one(setting, device, feeds, expected):
     hello = make_hello(device=device, feeds_last_sampled=feeds)
     assert overlaps(setting, hello) is expected
-
-
-def test_by_default_a_cpu_worker_runs_one_step_at_a_time(overlapped, monkeypatch):
-    monkeypatch.setitem(serial.HELLO_FIELDS, "device", "cpu")
-
-    async def body() -> None:
-        async with serial.running() as h:
-            await h.attach("w1")
-            requests = serial.contending_requests()
-            serial.assert_all_exact(requests, await h.settle(*h.submit_all(requests)))
-
-    serial.scenario(body)
-    assert overlapped and not any(overlapped)
