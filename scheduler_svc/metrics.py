@@ -143,6 +143,11 @@ class _LiveStats(Collector):
                 "The step budget's model of a worker step: milliseconds per decoding sequence",
                 stats.step_cost_decode_ms_per_seq,
             ),
+            "pagoda_step_cost_context_token_ms": (
+                "The step budget's model of a worker step: milliseconds per token of context "
+                "attended (each sequence's, summed)",
+                stats.step_cost_context_ms_per_token,
+            ),
         }
         for name, (documentation, value) in values.items():
             yield GaugeMetricFamily(name, documentation, value=value)

@@ -227,7 +227,9 @@ class SchedulerStats:
     # budget when decodes were in it (target_step_ms).
     step_prefill_cap_tokens: int = 0
     # The step budget's cost model of the worker (0 while it is off or has not measured):
-    # step_ms ~ intercept + per prefill token * tokens + per decode sequence * sequences.
+    # step_ms ~ intercept + per prefill token * tokens + per decode sequence * sequences
+    #           + per context token * the sequences' contexts summed.
     step_cost_intercept_ms: float = 0.0
     step_cost_prefill_ms_per_token: float = 0.0
     step_cost_decode_ms_per_seq: float = 0.0
+    step_cost_context_ms_per_token: float = 0.0

@@ -308,14 +308,38 @@ class Scheduler:
 
     def _prefill_cap(self) -> int | None:
         """The step budget's prompt-token cap for the next plan, from the sequences that
-        will decode in it (running, past their prompt; the decode cap applied)."""
+        will decode in it (running, past their prompt; the decode cap applied) and the
+        context the step will attend besides its prompt tokens: each decoder's after the
+        step (it feeds one token at num_computed_tokens), and the positions already
+        computed of the prompts in progress (the planner continues those first).
+
+        Under a decode cap the round-robin picks which decoders go: their contexts are
+        taken as the average decoder's (exact when contexts are alike). One pass over the
+        running set, no list built: this runs before every plan.
+        """
         if self._step_budget is None:
             return None
         planner = self._planner
-        num_decode_seqs = len(planner.running) - len(planner.prefilling)
-        if self.config.max_decode_batch_size is not None:
-            num_decode_seqs = min(num_decode_seqs, self.config.max_decode_batch_size)
-        return self._step_budget.max_prefill_tokens(num_decode_seqs)
+        running, prefilling = planner.running, planner.prefilling
+        num_decode_seqs = len(running) - len(prefilling)
+        if num_decode_seqs <= 0:
+            return self._step_budget.max_prefill_tokens(0)
+        num_decode_context_tokens = num_decode_seqs + sum(
+            request.num_computed_tokens for request in running.values()
+        )
+        num_prefill_context_tokens = 0
+        if prefilling:
+            num_prefill_context_tokens = sum(
+                request.num_computed_tokens for request in prefilling.values()
+            )
+            num_decode_context_tokens -= num_prefill_context_tokens
+        cap = self.config.max_decode_batch_size
+        if cap is not None and num_decode_seqs > cap:
+            num_decode_context_tokens = num_decode_context_tokens * cap // num_decode_seqs
+            num_decode_seqs = cap
+        return self._step_budget.max_prefill_tokens(
+            num_decode_seqs, num_decode_context_tokens + num_prefill_context_tokens
+        )
 
     @property
     def step_budget(self) -> StepBudget | None:
@@ -352,7 +376,11 @@ class Scheduler:
         plan, keyed = flight.plan, flight.keyed
         step_ms = result.forward_ms + result.sample_ms
         if self._step_budget is not None and not result.step_error and step_ms > 0:
-            self._step_budget.observe(plan.num_prefill_tokens, plan.num_decode_tokens, step_ms)
+            # Each sequence's context after the step: start position + tokens fed, summed.
+            num_context_tokens = sum(plan.start_positions) + plan.num_tokens
+            self._step_budget.observe(
+                plan.num_prefill_tokens, plan.num_decode_tokens, step_ms, num_context_tokens
+            )
         outputs = step_outputs.outputs
         if result.step_error:
             outputs.extend(self._step_failed(plan, keyed, result.step_error, now))
@@ -546,6 +574,7 @@ class Scheduler:
             "step_cost_intercept_ms": model.intercept_ms,
             "step_cost_prefill_ms_per_token": model.prefill_ms_per_token,
             "step_cost_decode_ms_per_seq": model.decode_ms_per_seq,
+            "step_cost_context_ms_per_token": model.context_ms_per_token,
         }
 
     # -- finishing ----------------------------------------------------------------------------

@@ -3,9 +3,13 @@ in it still get their next token within a target time (`target_step_ms`).
 
 A step's worker time (forward + sample) is modelled as
 
-    step_ms ~ a + b * num_prefill_tokens + c * num_decode_seqs
+    step_ms ~ a + b * num_prefill_tokens + c * num_decode_seqs + d * num_context_tokens
 
-and learned online from each StepResult (StepCostModel). A step's prefill cap is then what
+and learned online from each StepResult (StepCostModel). `num_context_tokens` is the KV the
+step's attention reads: each sequence's context after the step (start position + tokens
+fed), summed. A decode's cost grows with it (on a CPU the KV read of a 512-token context
+is about 0.8 MB per layer): without it, a step of the same decode count costs more as its
+sequences' contexts grow and the model learns that only late, one step behind. A step's prefill cap is then what
 fits in the target once its decodes are paid for, never below a floor (a long prompt always
 progresses) and never above the fixed token knobs (the planner takes the minimum). A step
 with no decode in it has no stream to keep waiting: it is not capped.
@@ -22,7 +26,8 @@ from dataclasses import dataclass, field
 # conditioned whatever the hardware's milliseconds are.
 PREFILL_SCALE_TOKENS = 256.0
 DECODE_SCALE_SEQS = 64.0
-NUM_FEATURES = 3  # intercept, prefill tokens, decode sequences
+CONTEXT_SCALE_TOKENS = 64.0 * 256.0  # 64 decodes at 256-token contexts
+NUM_FEATURES = 4  # intercept, prefill tokens, decode sequences, context tokens
 
 # Weight of an observation decays by this factor each step: an effective window of about
 # 1 / (1 - FORGETTING) = 25 steps, so a worker that slows down (another process took the
@@ -57,14 +62,15 @@ MIN_PREFILL_TOKENS = 32
 
 @dataclass(slots=True)
 class StepCostModel:
-    """step_ms ~ a + b * prefill tokens + c * decode sequences, by exponentially weighted
-    least squares with Huber weights, anchored to the previous estimate.
+    """step_ms ~ a + b * prefill tokens + c * decode sequences + d * context tokens, by
+    exponentially weighted least squares with Huber weights, anchored to the previous
+    estimate.
 
-    The weighted sums are kept (3x3 and 3) and the system is solved after each observation
+    The weighted sums are kept (4x4 and 4) and the system is solved after each observation
     (microseconds). Coefficients are clamped at zero: no work is free.
     """
 
-    # Decayed sums of w * x x^T (row-major 3x3), of w * x * y and of w.
+    # Decayed sums of w * x x^T (row-major 4x4), of w * x * y and of w.
     _xx: list[float] = field(default_factory=lambda: [0.0] * NUM_FEATURES * NUM_FEATURES)
     _xy: list[float] = field(default_factory=lambda: [0.0] * NUM_FEATURES)
     _weight: float = 0.0
@@ -95,14 +101,27 @@ class StepCostModel:
         return self._theta[2] / DECODE_SCALE_SEQS
 
     @property
+    def context_ms_per_token(self) -> float:
+        """Per token of context attended (each sequence's, summed over the step)."""
+        return self._theta[3] / CONTEXT_SCALE_TOKENS
+
+    @property
     def relative_error(self) -> float:
         """Mean relative error of recent predictions (0 before two observations)."""
         return self._scale
 
-    def predict_ms(self, num_prefill_tokens: int, num_decode_seqs: int) -> float:
-        return _dot(self._theta, _features(num_prefill_tokens, num_decode_seqs))
+    def predict_ms(
+        self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int = 0
+    ) -> float:
+        return _dot(self._theta, _features(num_prefill_tokens, num_decode_seqs, num_context_tokens))
 
-    def observe(self, num_prefill_tokens: int, num_decode_seqs: int, step_ms: float) -> None:
+    def observe(
+        self,
+        num_prefill_tokens: int,
+        num_decode_seqs: int,
+        step_ms: float,
+        num_context_tokens: int = 0,
+    ) -> None:
         """One step's worker time for its shape. Non-finite or negative times are ignored.
 
         Errors are relative (a 1.5 s prefill step is as noisy in percent as a 100 ms decode
@@ -111,7 +130,7 @@ class StepCostModel:
         """
         if not math.isfinite(step_ms) or step_ms < 0 or num_prefill_tokens + num_decode_seqs <= 0:
             return
-        x = _features(num_prefill_tokens, num_decode_seqs)
+        x = _features(num_prefill_tokens, num_decode_seqs, num_context_tokens)
         if self.num_observations:
             predicted_ms = max(_dot(self._theta, x), MIN_STEP_MS)
             relative_error = abs(step_ms - predicted_ms) / predicted_ms
@@ -178,38 +197,65 @@ class StepBudget:
         self.model.reset()
         self.last_cap_tokens = None
 
-    def max_prefill_tokens(self, num_decode_seqs: int) -> int | None:
-        """Prompt tokens a step with `num_decode_seqs` decodes may carry; None: no cap from
-        the budget (no decode waits on this step, or no prefill has been measured yet)."""
+    def max_prefill_tokens(self, num_decode_seqs: int, num_context_tokens: int = 0) -> int | None:
+        """Prompt tokens a step with `num_decode_seqs` decodes may carry when it attends
+        `num_context_tokens` besides its prompt tokens (the decoders' contexts, the earlier
+        positions of prompts it continues); None: no cap from the budget (no decode waits
+        on this step, or no prefill has been measured yet)."""
         cap = None
         if num_decode_seqs > 0:
             cap = prefill_cap(
-                self.model, self.target_step_ms, num_decode_seqs, self.min_prefill_tokens
+                self.model,
+                self.target_step_ms,
+                num_decode_seqs,
+                self.min_prefill_tokens,
+                num_context_tokens,
             )
         self.last_cap_tokens = cap
         return cap
 
-    def observe(self, num_prefill_tokens: int, num_decode_seqs: int, step_ms: float) -> None:
-        self.model.observe(num_prefill_tokens, num_decode_seqs, step_ms)
+    def observe(
+        self,
+        num_prefill_tokens: int,
+        num_decode_seqs: int,
+        step_ms: float,
+        num_context_tokens: int = 0,
+    ) -> None:
+        self.model.observe(num_prefill_tokens, num_decode_seqs, step_ms, num_context_tokens)
 
 
 def prefill_cap(
-    model: StepCostModel, target_step_ms: float, num_decode_seqs: int, min_prefill_tokens: int
+    model: StepCostModel,
+    target_step_ms: float,
+    num_decode_seqs: int,
+    min_prefill_tokens: int,
+    num_context_tokens: int = 0,
 ) -> int | None:
     """The prompt tokens that fit in `target_step_ms` beside `num_decode_seqs` decodes, at
-    least `min_prefill_tokens`; None while the model has no per-token cost."""
+    least `min_prefill_tokens`; None while the model has no per-token cost.
+    `num_context_tokens` is the context attended besides the prompt tokens; each prompt
+    token adds one more (its own position).
+    """
     per_token_ms = model.prefill_ms_per_token
     if per_token_ms < MIN_PREFILL_MS_PER_TOKEN:
         return None
-    left_ms = target_step_ms - model.predict_ms(0, num_decode_seqs)
+    left_ms = target_step_ms - model.predict_ms(0, num_decode_seqs, num_context_tokens)
     if left_ms <= 0:
         return min_prefill_tokens
+    per_token_ms += model.context_ms_per_token
     # The bound keeps the int conversion finite; the planner's knobs cap it far lower.
     return max(min_prefill_tokens, int(min(left_ms / per_token_ms, 1e9)))
 
 
-def _features(num_prefill_tokens: int, num_decode_seqs: int) -> list[float]:
-    return [1.0, num_prefill_tokens / PREFILL_SCALE_TOKENS, num_decode_seqs / DECODE_SCALE_SEQS]
+def _features(
+    num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int
+) -> list[float]:
+    return [
+        1.0,
+        num_prefill_tokens / PREFILL_SCALE_TOKENS,
+        num_decode_seqs / DECODE_SCALE_SEQS,
+        num_context_tokens / CONTEXT_SCALE_TOKENS,
+    ]
 
 
 def _dot(a: list[float], b: list[float]) -> float:
