@@ -7,7 +7,7 @@ import dataclasses
 import random
 
 import pytest
-from pagoda.scheduler_svc.core import ConfigError, SchedulerConfig, step_budget
+from pagoda.scheduler_svc.core import ConfigError, SchedulerConfig, StepPlan, step_budget
 from pagoda.scheduler_svc.core.step_budget import (
     MIN_PREFILL_TOKENS,
     StepBudget,
@@ -513,3 +513,19 @@ def test_steps_keep_the_target_when_long_contexts_join_the_decodes():
     # ...and the budget is used, not wasted: most mixed steps with a long prompt to feed
     # come near the target.
     assert sorted(mixed_ms)[len(mixed_ms) * 3 // 4] >= 0.9 * target_step_ms
+
+
+def test_the_replay_benchmark_runs_both_models_to_the_end():
+    """benchmarks.step_budget: each request streams all its tokens, with the context feature
+    and held at zero; the KV tokens read are padded to the longest decode or summed."""
+    from benchmarks.step_budget import COST_PRESETS, Workload, kv_tokens_read, run
+
+    workload = Workload("mix", 8, (200, 8), 8)
+    for blind in (False, True):
+        outcome = run(workload, 300.0, COST_PRESETS["fp32"], 0.1, 0.0, 0, blind=blind)
+        assert len(outcome.ttft_ms) == 8
+        assert len(outcome.itl_ms) == 8 * 7
+    plan = StepPlan(step_id=1, start_positions=[9, 99, 40], token_offsets=[0, 1, 2, 12])
+    plan.num_decode_tokens = 2
+    assert kv_tokens_read(plan, padded=True) == 2 * 100 + 50
+    assert kv_tokens_read(plan, padded=False) == 10 + 100 + 50
