@@ -40,6 +40,7 @@ from pagoda.scheduler_svc.validation import (
     validate_generate,
     validate_tokenize_text,
 )
+from pagoda.scheduler_svc.write_watch import StalledWrite, WriteWatch
 
 log = logging.getLogger("pagoda.api")
 
@@ -167,6 +168,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._config = config
         self._model_id = model_id
         self._last_hello = None
+        self._write_watch = WriteWatch(config.stream_write_timeout_s)
         self._tokenizer_threads = ThreadPoolExecutor(
             max_workers=NUM_TOKENIZER_THREADS, thread_name_prefix="pagoda-tokenize"
         )
@@ -238,12 +240,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _write(self, context, response: generation_pb2.GenerateResponse) -> None:
         """Write one message; a client that takes none for stream_write_timeout_s (flow
         control full: it stopped reading) has its stream ended, so it holds no memory."""
-        timeout_s = self._config.stream_write_timeout_s
         try:
-            # A timeout scope, not wait_for: no task per message on the hot path.
-            async with asyncio.timeout(timeout_s):
-                await context.write(response)
-        except TimeoutError:
+            await self._write_watch.write(context.write(response))
+        except StalledWrite:
+            timeout_s = self._write_watch.limit_s
             self._metrics.observe_error("DEADLINE_EXCEEDED")
             # The status queues behind the message the client does not take, so this
             # abort can wait for good (and grpc.aio cannot reset one stream): bounded,
