@@ -1,7 +1,7 @@
 """The reference paged-attention backend: gather + SDPA in plain torch (the CPU default).
 
-Decode rows attend in one padded SDPA call over their blocks gathered from the cache;
-each prefill chunk attends causally over its own keys: this step's K/V when it starts
+Decode rows attend in padded SDPA calls over their blocks gathered from the cache, one
+call per group of rows of similar context length (DecodeGroup); each prefill chunk attends causally over its own keys: this step's K/V when it starts
 at position 0, otherwise every earlier slot gathered through its block table. Its
 results define what every other backend must compute (tests compare against it).
 """
@@ -51,25 +51,71 @@ def attend(
     return torch.softmax(scores.float(), dim=-1).to(value.dtype) @ value
 
 
+# Decode rows are padded to the longest key count of their SDPA call, and on a CPU the
+# padded keys cost as much as real ones (gathered, then read): 9 rows at 553 keys beside 27
+# at 40 took 474 ms padded against 72 ms in two calls (30 layers, 1 thread). So rows are
+# grouped by length: each row is at least half as long (in blocks) as its group's longest,
+# so padding at most doubles a row's keys. Each extra call costs tens of microseconds a
+# layer, so rows stay in one call unless grouping saves at least this many key rows.
+MIN_SAVED_KEY_ROWS = 2048
+
+
+def decode_groups(context_lens: list[int], block_size: int) -> list[list[int]] | None:
+    """The decode rows' groups (row indices, longest first), or None for one call."""
+    order = sorted(range(len(context_lens)), key=context_lens.__getitem__, reverse=True)
+    groups: list[list[int]] = []
+    longest_blocks = 0
+    for row in order:
+        num_blocks = -(-context_lens[row] // block_size)
+        if groups and 2 * num_blocks > longest_blocks:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+            longest_blocks = num_blocks
+    if len(groups) == 1:
+        return None
+    padded = len(context_lens) * context_lens[order[0]]
+    grouped = sum(len(group) * context_lens[group[0]] for group in groups)
+    return groups if padded - grouped >= MIN_SAVED_KEY_ROWS else None
+
+
+class DecodeGroup:
+    """Decode rows attended in one call: their blocks, gathered whole, padded to num_keys."""
+
+    __slots__ = ("rows", "block_ids", "num_keys", "context_lens", "all_full")
+
+    def __init__(
+        self,
+        rows: torch.Tensor | None,
+        block_ids: torch.Tensor,
+        num_keys: int,
+        context_lens: torch.Tensor,
+        all_full: bool,
+    ) -> None:
+        self.rows = rows  # indices among the decode rows; None: all, in order
+        self.block_ids = block_ids
+        self.num_keys = num_keys
+        self.context_lens = context_lens  # [rows] on the device, for the padding mask
+        self.all_full = all_full  # every row sees all num_keys keys
+
+
 class _StepCache:
     """What the reference derives once per step from the metadata and every layer reuses."""
 
-    __slots__ = ("metadata", "decode_block_ids", "masks", "prefill", "_decode_lens")
+    __slots__ = ("metadata", "decode", "masks", "prefill")
 
     def __init__(self, metadata: AttentionMetadata) -> None:
         self.metadata = metadata
-        self.decode_block_ids: torch.Tensor | None = None
+        self.decode: list[DecodeGroup] = []
         self.masks: dict = {}  # (kind, index, window) -> mask or None
         # Per prefill sequence: (row start, row end, start position, key slots or None).
         self.prefill: list[tuple[int, int, int, torch.Tensor | None]] = []
         num_decode = metadata.num_decode_seqs
         block_size = metadata.block_size
-        if num_decode:
-            num_blocks = -(-metadata.max_decode_context_len // block_size)
-            table = metadata.block_table[:num_decode, :num_blocks]
-            self.decode_block_ids = table.reshape(-1)
-        starts = metadata.query_start_loc_cpu.tolist()
         context_lens = metadata.context_lens_cpu.tolist()
+        if num_decode:
+            self.decode = self._decode_groups(context_lens[:num_decode])
+        starts = metadata.query_start_loc_cpu.tolist()
         offsets = None
         for seq in range(num_decode, metadata.num_seqs):
             row_start, row_end = starts[seq], starts[seq + 1]
@@ -83,19 +129,41 @@ class _StepCache:
                 blocks = metadata.block_table[seq, :num_blocks].long()
                 key_slots = (blocks[:, None] * block_size + offsets).reshape(-1)[:end_position]
             self.prefill.append((row_start, row_end, start_position, key_slots))
-        self._decode_lens = context_lens[:num_decode]
 
-    def decode_mask(self, sliding_window: int | None) -> torch.Tensor | None:
-        """[B, 1, 1, L] bool (True: attend), or None when every row sees all L keys."""
-        key = ("decode", 0, sliding_window)
-        if key not in self.masks:
-            metadata = self.metadata
+    def _decode_groups(self, lens: list[int]) -> list[DecodeGroup]:
+        metadata = self.metadata
+        num_decode, block_size = len(lens), metadata.block_size
+        table, device_lens = metadata.block_table, metadata.context_lens
+        groups = decode_groups(lens, block_size)
+        if groups is None:
             num_keys = metadata.max_decode_context_len
+            num_blocks = -(-num_keys // block_size)
+            block_ids = table[:num_decode, :num_blocks].reshape(-1)
+            all_full = min(lens) == num_keys
+            return [DecodeGroup(None, block_ids, num_keys, device_lens[:num_decode], all_full)]
+        decode = []
+        for rows in groups:
+            num_keys = lens[rows[0]]
+            num_blocks = -(-num_keys // block_size)
+            indices = torch.tensor(rows, device=table.device)
+            block_ids = table.index_select(0, indices)[:, :num_blocks].reshape(-1)
+            all_full = lens[rows[-1]] == num_keys
+            group_lens = device_lens.index_select(0, indices)
+            decode.append(DecodeGroup(indices, block_ids, num_keys, group_lens, all_full))
+        return decode
+
+    def decode_mask(self, index: int, sliding_window: int | None) -> torch.Tensor | None:
+        """[B, 1, 1, L] bool (True: attend) of decode group `index`, or None when every row
+        sees all L keys."""
+        key = ("decode", index, sliding_window)
+        if key not in self.masks:
+            group = self.decode[index]
+            num_keys = group.num_keys
             windowed = sliding_window is not None and sliding_window < num_keys
-            if not windowed and min(self._decode_lens) == num_keys:
+            if not windowed and group.all_full:
                 self.masks[key] = None
             else:
-                lens = metadata.context_lens[: metadata.num_decode_seqs]
+                lens = group.context_lens
                 key_positions = torch.arange(num_keys, device=lens.device)[None, :]
                 mask = key_positions < lens[:, None]
                 if sliding_window is not None:
@@ -165,13 +233,12 @@ class ReferenceBackend:
     ) -> torch.Tensor:
         step = self._step_cache(metadata)
         num_decode = metadata.num_decode_seqs
+        decode_args = (key_cache, value_cache, step, scale, sliding_window, softcap)
         if num_decode == metadata.num_tokens:  # decode only: no copy into an output buffer
-            return self._decode(query, key_cache, value_cache, step, scale, sliding_window, softcap)
+            return self._decode(query, *decode_args)
         output = query.new_empty(query.shape)
         if num_decode:
-            output[:num_decode] = self._decode(
-                query[:num_decode], key_cache, value_cache, step, scale, sliding_window, softcap
-            )
+            output[:num_decode] = self._decode(query[:num_decode], *decode_args)
         flat = (-1, *key_cache.shape[2:])
         key_slots_all, value_slots_all = key_cache.view(flat), value_cache.view(flat)
         queries = query.transpose(0, 1)  # [heads, T, d]
@@ -195,8 +262,9 @@ class ReferenceBackend:
             output[row_start:row_end] = attended[0].transpose(0, 1)
         return output
 
-    @staticmethod
+    @classmethod
     def _decode(
+        cls,
         queries: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
@@ -205,7 +273,30 @@ class ReferenceBackend:
         sliding_window: int | None,
         softcap: float | None,
     ) -> torch.Tensor:
-        """All one-token rows at once: queries [B, heads, d] -> [B, heads, d].
+        """The one-token rows, queries [B, heads, d] -> [B, heads, d], a call per group."""
+        args = (key_cache, value_cache, step, scale, sliding_window, softcap)
+        if len(step.decode) == 1:
+            return cls._decode_group(queries, 0, *args)
+        output = queries.new_empty(queries.shape)
+        for index, group in enumerate(step.decode):
+            rows = group.rows
+            output.index_copy_(
+                0, rows, cls._decode_group(queries.index_select(0, rows), index, *args)
+            )
+        return output
+
+    @staticmethod
+    def _decode_group(
+        queries: torch.Tensor,
+        index: int,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        step: _StepCache,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """The rows of decode group `index` at once: queries [B, heads, d] -> [B, heads, d].
 
         Keys are gathered by whole blocks (index_select of blocks: several times faster
         than advanced indexing on CPU), then seen as [B, kv_heads, L, d] with a padding
@@ -216,8 +307,8 @@ class ReferenceBackend:
         """
         num_rows, num_heads, head_dim = queries.shape
         num_kv_heads = key_cache.shape[2]
-        num_keys = step.metadata.max_decode_context_len
-        block_ids = step.decode_block_ids
+        group = step.decode[index]
+        num_keys, block_ids = group.num_keys, group.block_ids
         gathered_shape = (num_rows, -1, num_kv_heads, head_dim)
         keys = key_cache.index_select(0, block_ids).view(gathered_shape)
         values = value_cache.index_select(0, block_ids).view(gathered_shape)
@@ -227,7 +318,7 @@ class ReferenceBackend:
             keys, values = keys.to(queries.dtype), values.to(queries.dtype)
         # [B, heads, d] -> [B, kv_heads, group, d]: a view (splitting one dimension).
         grouped = queries.view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        mask = step.decode_mask(sliding_window)  # [B, 1, 1, L]: over heads and group
+        mask = step.decode_mask(index, sliding_window)  # [B, 1, 1, L]: over heads and group
         attended = attend(
             grouped, keys.transpose(1, 2), values.transpose(1, 2), mask, scale, softcap
         )
