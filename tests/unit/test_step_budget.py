@@ -411,6 +411,16 @@ def drive_context_workload(target_step_ms: float) -> list[tuple[int, int, int, f
     return steps
 
 
+def context_cost_ms(num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int):
+    intercept, per_token, per_seq, per_context_token = CONTEXT_COSTS
+    return (
+        intercept
+        + per_token * num_prefill_tokens
+        + per_seq * num_decode_seqs
+        + per_context_token * num_context_tokens
+    )
+
+
 def test_the_model_learns_the_cost_per_context_token_through_noise_and_outliers():
     rng = random.Random(3)
     model = StepCostModel()
@@ -419,12 +429,8 @@ def test_the_model_learns_the_cost_per_context_token_through_noise_and_outliers(
         num_prefill_tokens, num_decode_seqs = random_shape(rng)
         # Contexts of 16 to 2,000 tokens, varied apart from the decode count.
         num_context_tokens = num_prefill_tokens + num_decode_seqs * rng.randint(16, 2000)
-        step_ms = (
-            intercept
-            + per_token * num_prefill_tokens
-            + per_seq * num_decode_seqs
-            + per_context_token * num_context_tokens
-        ) * rng.gauss(1.0, 0.1)
+        step_ms = context_cost_ms(num_prefill_tokens, num_decode_seqs, num_context_tokens)
+        step_ms *= rng.gauss(1.0, 0.1)
         if rng.random() < 0.05:
             step_ms *= 6.0
         model.observe(num_prefill_tokens, num_decode_seqs, step_ms, num_context_tokens)
@@ -443,12 +449,7 @@ def test_the_cap_pays_for_the_decoders_contexts_and_the_prompt_tokens_own():
     for _ in range(200):
         num_prefill_tokens, num_decode_seqs = random_shape(rng)
         num_context_tokens = num_prefill_tokens + num_decode_seqs * rng.randint(16, 2000)
-        step_ms = (
-            intercept
-            + per_token * num_prefill_tokens
-            + per_seq * num_decode_seqs
-            + per_context_token * num_context_tokens
-        )
+        step_ms = context_cost_ms(num_prefill_tokens, num_decode_seqs, num_context_tokens)
         model.observe(num_prefill_tokens, num_decode_seqs, step_ms, num_context_tokens)
     # 500 - 20 - 0.5 * 20 - 0.015 * 20 * 500 = 320 ms left, at 0.5 + 0.015 ms a token.
     cap = prefill_cap(model, 500.0, 20, MIN_PREFILL_TOKENS, 20 * 500)
