@@ -6,11 +6,12 @@ proportional to its own unread tokens and never slows the loop. That is bounded:
 holding more than MAX_UNREAD_TOKENS unread drops them and ends its request with
 RESOURCE_EXHAUSTED, a client that stopped reading (security review H1).
 
-Readers are woken through a Turnstile, a few per event-loop turn: the step loop shares its
-thread with every stream writer, and waking all of a step's readers at once makes one long
-turn that the worker's next result waits behind. Woken a few at a time, in order, the loop
-sees the worker between them, and a reader whose turn comes late takes several tokens as
-one message: under load messages grow, instead of the worker waiting for the writers.
+Readers are let through a Turnstile a few at a time: the step loop shares its thread with
+every stream writer, and waking all of a step's readers at once makes one long turn of the
+event loop that the worker's next result waits behind. A reader keeps its place from its
+take until it is back from writing (or the next step begins), in order, so the loop sees
+the worker between writes, and a reader whose turn comes late takes several tokens as one
+message: under load messages grow, instead of the worker waiting for the writers.
 """
 
 from __future__ import annotations
@@ -27,11 +28,10 @@ from pagoda.scheduler_svc.core import FinishReason, RequestOutput, StepOutputs, 
 # up holds one step's tokens; only one that stopped reading gets here.
 MAX_UNREAD_TOKENS = 2048
 UNREAD_ERROR_CODE = "RESOURCE_EXHAUSTED"
-# Readers a Turnstile wakes per event-loop turn. One: each turn is then one reader's take
-# and write (tens of microseconds), so the worker's result and new RPCs wait behind little.
-# A sweep with benchmarks.overlap (dummy 10 ms steps, 256 streams, one sitting, on a first
-# version whose readers held their place while writing) kept the worker 89, 88, 88, 81, 79
-# and 77% busy at widths 1, 2, 4, 16, 64 and unbounded.
+# Readers a Turnstile lets through at once (taking, then writing). One: a write is tens of
+# microseconds of the loop, so the worker's result and new RPCs wait behind little.
+# A sweep with benchmarks.overlap (dummy 10 ms steps, 256 streams, one sitting) kept the
+# worker 89, 88, 88, 81, 79 and 77% busy at widths 1, 2, 4, 16, 64 and unbounded.
 READERS_PER_TURN = 1
 
 
@@ -67,6 +67,8 @@ class OutputSlot:
     turnstile: Turnstile | None = None
     _waiting: bool = False
     _in_line: bool = False
+    # Took its output and is writing it, holding its place (see Turnstile.end_holds).
+    _holding: bool = False
     finished: bool = False
     # The gRPC code to end with when the final output carries an error
     # (None: INTERNAL, a failure of this request alone).
@@ -149,24 +151,33 @@ class OutputSlot:
 
     def leave(self) -> None:
         """The reader is gone: give up the slot's place in the turnstile's line."""
+        self._end_hold()
         if self._in_line:
             self._in_line = False
             if self._ready.is_set():  # woken, never taken: its pass ends here
                 assert self.turnstile is not None
                 self.turnstile.passed()
 
+    def _end_hold(self) -> None:
+        if self._holding:
+            self._holding = False
+            assert self.turnstile is not None
+            self.turnstile.passed()
+
     async def next(self) -> RequestOutput:
         """Wait for, and take, everything published since the last call, as one output."""
+        self._end_hold()  # back from writing the last output
         self._waiting = True
         try:
             await self._ready.wait()
         finally:
             self._waiting = False
         self._ready.clear()
-        if self._in_line:
+        if self._in_line:  # the place is kept while the output is written
             self._in_line = False
+            self._holding = True
             assert self.turnstile is not None
-            self.turnstile.passed()
+            self.turnstile.hold(self)
         assert self.has_pending
         final = self._final
         output = RequestOutput(
@@ -186,15 +197,16 @@ class OutputSlot:
 
 
 class Turnstile:
-    """Wakes the readers of slots with pending output, at most `width` between two
-    event-loop turns, in the order their output came: a reader woken in one turn takes in
-    the next, and only its taking lets the next one in line through."""
+    """Wakes the readers of slots with pending output in the order their output came, at
+    most `width` holding a place at once: from its wake until it is back for more (its
+    write done), or until end_holds (the next step) for one still writing."""
 
     def __init__(self, width: int = READERS_PER_TURN) -> None:
         if width < 1:
             raise ValueError("a turnstile lets at least one reader through")
         self._width = width
-        self._num_passing = 0  # woken, not yet taken
+        self._num_passing = 0  # woken and not back from writing what they took
+        self._holders: list[OutputSlot] = []
         self._line: deque[OutputSlot] = deque()
 
     def enter(self, slot: OutputSlot) -> None:
@@ -204,7 +216,7 @@ class Turnstile:
             self._line.append(slot)
 
     def passed(self) -> None:
-        """A woken reader took its output, or left: the next one in line goes through."""
+        """A reader is back from writing, lost its hold, or left: the next one goes through."""
         self._num_passing -= 1
         line = self._line
         while line and self._num_passing < self._width:
@@ -212,8 +224,20 @@ class Turnstile:
             if slot._in_line:  # else it left while waiting in line
                 self._wake(slot)
 
+    def hold(self, slot: OutputSlot) -> None:
+        self._holders.append(slot)
+
+    def end_holds(self) -> None:
+        """A new step's outputs: places held by readers still writing are given back. A
+        reader holds its place from its take until it is back for more, so writes go a few
+        at a time and messages grow under load; but one whose client stopped reading never
+        comes back, and must not keep the line waiting beyond this step."""
+        holders, self._holders = self._holders, []
+        for slot in holders:
+            slot._end_hold()
+
     def _wake(self, slot: OutputSlot) -> None:
-        if slot._waiting:  # it takes in the next turn, and passes then
+        if slot._waiting:  # it takes in the next turn and holds the place while it writes
             self._num_passing += 1
         else:  # busy writing: it takes when it is back, without a place
             slot._in_line = False
@@ -290,8 +314,14 @@ class OutputStreams:
             if slot is not None:
                 slot.publish(output)
 
+    def end_holds(self) -> None:
+        """Give back the places of readers still writing (Turnstile.end_holds): at each
+        step, and while the step loop idles (no step would come to do it)."""
+        self._turnstile.end_holds()
+
     def publish_step(self, step: StepOutputs) -> None:
         """A step's outputs: the token columns (texts filled in), then the whole outputs."""
+        self._turnstile.end_holds()
         slot_of = self._slots.get
         for request_id, text, token_id in zip(
             step.request_ids, step.texts, step.token_ids, strict=True

@@ -293,6 +293,7 @@ class StepLoop:
                 continue
             self._expire_without_worker(now)
             self._log_status(now)
+            self._streams.end_holds()  # no step comes to end a stalled writer's hold
             await self._idle()
 
     def _may_plan(self) -> bool:

@@ -144,6 +144,7 @@ def test_the_turnstile_wakes_readers_a_few_per_turn_in_the_order_their_output_ca
             while len(turns) <= turn:
                 turns.append([])
             turns[turn].append(output.request_id)
+            streams.close(slot.request_id)  # its stream ended: its place goes to the next
 
         readers = [asyncio.create_task(reader(slot)) for slot in slots]
         await asyncio.sleep(0)  # every reader waits
@@ -165,6 +166,7 @@ def test_a_reader_waiting_in_line_takes_everything_published_meanwhile_as_one_ou
         streams.publish([RequestOutput("r1", "a", [1], None), RequestOutput("r2", "b", [2], None)])
         streams.publish([RequestOutput("r2", "c", [3], None)])  # r2 is still in line
         assert (await first.next()).token_ids == [1]
+        streams.close("r1")
         merged = await second.next()
         assert (merged.text, merged.token_ids) == ("bc", [2, 3])
 
@@ -190,20 +192,30 @@ def test_a_reader_that_leaves_gives_its_place_in_line_to_the_next():
     asyncio.run(scenario())
 
 
-def test_a_reader_stuck_writing_holds_no_place_in_line():
-    """A client that stopped reading leaves its reader blocked in a write: with one
-    place, had its slot taken it, every other stream would wait for that write's timeout."""
+def test_a_reader_holds_its_place_while_writing_but_not_past_the_next_step():
+    """Writes go one at a time (messages grow under load), but a client that stopped
+    reading leaves its reader blocked in a write for good: had it kept its place, every
+    other stream would wait for that write's timeout. The next step takes the place back,
+    and a reader away writing takes none."""
 
     async def scenario():
         streams = OutputStreams(readers_per_turn=1)
         stuck, other = streams.open("r1"), streams.open("r2")
-        streams.publish([RequestOutput("r1", "a", [1], None)])
-        assert (await stuck.next()).token_ids == [1]  # then blocks in its write, say
+        taking = asyncio.create_task(stuck.next())
         waiting = asyncio.create_task(other.next())
+        await asyncio.sleep(0)  # both readers wait
+        streams.publish([RequestOutput("r1", "a", [1], None)])
+        assert (await taking).token_ids == [1]  # then blocks in its write, say
+        streams.publish([RequestOutput("r2", "b", [2], None)])
         await asyncio.sleep(0)
-        streams.publish([RequestOutput("r1", "b", [2], None), RequestOutput("r2", "c", [3], None)])
-        assert (await asyncio.wait_for(waiting, timeout=5)).token_ids == [3]
-        assert (await stuck.next()).token_ids == [2]  # back from its write: it takes in turn
+        await asyncio.sleep(0)
+        assert not waiting.done()  # the place is r1's while it writes
+        streams.publish_step(StepOutputs(["r1", "r2"], ["c", "d"], [3, 4]))
+        assert (await asyncio.wait_for(waiting, timeout=5)).token_ids == [2, 4]
+        back = asyncio.create_task(other.next())  # r2 back from its write: the place is free
+        # r1 back from its write too: its output came meanwhile, it takes in turn.
+        assert (await asyncio.wait_for(stuck.next(), timeout=5)).token_ids == [3]
+        back.cancel()
 
     asyncio.run(scenario())
 
@@ -215,7 +227,14 @@ def test_output_a_waiting_reader_has_not_taken_yet_is_not_counted_as_unread():
     async def scenario():
         streams = OutputStreams(max_unread_tokens=3, readers_per_turn=1)
         first, second = streams.open("r1"), streams.open("r2")
-        readers = [asyncio.create_task(slot.next()) for slot in (first, second)]
+
+        async def take_once(slot):
+            output = await slot.next()
+            if slot is first:
+                streams.close("r1")  # r1's stream ends; r2 is left away, writing
+            return output
+
+        readers = [asyncio.create_task(take_once(slot)) for slot in (first, second)]
         await asyncio.sleep(0)
         for token_id in range(5):  # before either reader's turn
             streams.publish([RequestOutput(name, "x", [token_id], None) for name in ("r1", "r2")])
