@@ -243,10 +243,6 @@ class Turnstile:
             slot._in_line = False
         slot._ready.set()
 
-    def __len__(self) -> int:
-        """Readers waiting in line (woken ones not counted)."""
-        return sum(slot._in_line for slot in self._line)
-
 
 class OutputStreams:
     """The slots of all live requests, by request id."""
@@ -321,7 +317,7 @@ class OutputStreams:
 
     def publish_step(self, step: StepOutputs) -> None:
         """A step's outputs: the token columns (texts filled in), then the whole outputs."""
-        self._turnstile.end_holds()
+        self.end_holds()
         slot_of = self._slots.get
         for request_id, text, token_id in zip(
             step.request_ids, step.texts, step.token_ids, strict=True

@@ -210,7 +210,7 @@ class WorkerLink:
         pending[step_id] = (plan, future)
         timer = loop.call_later(timeout_s, expire)
         future.add_done_callback(settled)
-        send = self._socket.send_multipart([worker.identity, *wire.encode(plan)])
+        send = self._send(worker.identity, plan)
         if send.done():  # the usual case: ZeroMQ took it at once
             sent(send)
         else:
@@ -249,9 +249,10 @@ class WorkerLink:
                 )
             await self._zap.send_multipart([version, request_id, status, text, b"", b""])
 
-    async def _send(self, identity: bytes, message) -> None:
+    def _send(self, identity: bytes, message) -> asyncio.Future:
+        """Hand one message to ZeroMQ now; the future completes once it is sent."""
         assert self._socket is not None
-        await self._socket.send_multipart([identity, *wire.encode(message)])
+        return self._socket.send_multipart([identity, *wire.encode(message)])
 
     async def _receive_forever(self) -> None:
         """Read, check and dispatch messages until closed. Nothing a peer sends ends this

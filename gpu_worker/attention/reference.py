@@ -8,6 +8,8 @@ results define what every other backend must compute (tests compare against it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from pagoda.gpu_worker.attention.backend import AttentionMetadata
@@ -79,24 +81,15 @@ def decode_groups(context_lens: list[int], block_size: int) -> list[list[int]] |
     return groups if padded - grouped >= MIN_SAVED_KEY_ROWS else None
 
 
+@dataclass(slots=True)
 class DecodeGroup:
     """Decode rows attended in one call: their blocks, gathered whole, padded to num_keys."""
 
-    __slots__ = ("rows", "block_ids", "num_keys", "context_lens", "all_full")
-
-    def __init__(
-        self,
-        rows: torch.Tensor | None,
-        block_ids: torch.Tensor,
-        num_keys: int,
-        context_lens: torch.Tensor,
-        all_full: bool,
-    ) -> None:
-        self.rows = rows  # indices among the decode rows; None: all, in order
-        self.block_ids = block_ids
-        self.num_keys = num_keys
-        self.context_lens = context_lens  # [rows] on the device, for the padding mask
-        self.all_full = all_full  # every row sees all num_keys keys
+    rows: torch.Tensor | None  # indices among the decode rows; None: all, in order
+    block_ids: torch.Tensor
+    num_keys: int
+    context_lens: torch.Tensor  # [rows] on the device, for the padding mask
+    all_full: bool  # every row sees all num_keys keys
 
 
 class _StepCache:
@@ -131,26 +124,28 @@ class _StepCache:
             self.prefill.append((row_start, row_end, start_position, key_slots))
 
     def _decode_groups(self, lens: list[int]) -> list[DecodeGroup]:
-        metadata = self.metadata
-        num_decode, block_size = len(lens), metadata.block_size
-        table, device_lens = metadata.block_table, metadata.context_lens
-        groups = decode_groups(lens, block_size)
+        groups = decode_groups(lens, self.metadata.block_size)
         if groups is None:
-            num_keys = metadata.max_decode_context_len
-            num_blocks = -(-num_keys // block_size)
-            block_ids = table[:num_decode, :num_blocks].reshape(-1)
-            all_full = min(lens) == num_keys
-            return [DecodeGroup(None, block_ids, num_keys, device_lens[:num_decode], all_full)]
-        decode = []
-        for rows in groups:
-            num_keys = lens[rows[0]]
-            num_blocks = -(-num_keys // block_size)
-            indices = torch.tensor(rows, device=table.device)
-            block_ids = table.index_select(0, indices)[:, :num_blocks].reshape(-1)
-            all_full = lens[rows[-1]] == num_keys
-            group_lens = device_lens.index_select(0, indices)
-            decode.append(DecodeGroup(indices, block_ids, num_keys, group_lens, all_full))
-        return decode
+            return [self._group(None, max(lens), min(lens))]
+        device = self.metadata.block_table.device
+        return [
+            self._group(torch.tensor(rows, device=device), lens[rows[0]], lens[rows[-1]])
+            for rows in groups
+        ]
+
+    def _group(self, rows: torch.Tensor | None, longest: int, shortest: int) -> DecodeGroup:
+        """The group of decode `rows` (None: all, in order) whose contexts span
+        shortest..longest keys."""
+        metadata = self.metadata
+        table, lens = metadata.block_table, metadata.context_lens
+        if rows is None:
+            num_decode = metadata.num_decode_seqs
+            table, lens = table[:num_decode], lens[:num_decode]
+        else:
+            table, lens = table.index_select(0, rows), lens.index_select(0, rows)
+        num_blocks = -(-longest // metadata.block_size)
+        block_ids = table[:, :num_blocks].reshape(-1)
+        return DecodeGroup(rows, block_ids, longest, lens, shortest == longest)
 
     def decode_mask(self, index: int, sliding_window: int | None) -> torch.Tensor | None:
         """[B, 1, 1, L] bool (True: attend) of decode group `index`, or None when every row
