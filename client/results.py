@@ -161,6 +161,9 @@ class ServerStats:
     worker_busy_s: float
     # Each attached worker (several with --max-workers); the fields above are totals.
     workers: list[WorkerStats]
+    # Steps that fed one suspect request alone, to find one that failed a step or lost
+    # the worker (not after a worker stopped on purpose).
+    num_isolated_steps: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,9 @@ Conversation (protos/step.proto): HELLO every second until a HELLO_ACK; a refusa
 exits with code 2; an ack from a scheduler incarnation we have not served before, or
 the ack that follows a REHELLO, resets the engine. Then each PLAN gets exactly one
 RESULT; HEARTBEAT every second of silence; REHELLO sends HELLO again. Malformed frames
-are logged and skipped. SIGTERM/SIGINT close the socket and exit 0. Imports no torch.
+are logged and skipped. SIGTERM/SIGINT let the plan being run finish and answer, send
+GOODBYE (the scheduler then recomputes the plans left unstarted without suspecting their
+requests), close the socket and exit 0. Imports no torch.
 
 Under tensor parallelism this is rank 0, and `group` (tensor_parallel.GroupLeader) hears of
 every plan (its frames) and reset before the engine runs it; a lost group exits
@@ -36,6 +38,8 @@ HELLO_INTERVAL_S = 1.0
 HEARTBEAT_INTERVAL_S = 1.0
 # Longest wait in poll, so a stop signal is noticed promptly.
 POLL_SLICE_MS = 100
+# How long a stopping worker's close waits for its last result and goodbye to leave.
+GOODBYE_LINGER_MS = 1000
 
 
 def prepare_endpoint(endpoint: str) -> None:
@@ -68,6 +72,7 @@ class WorkerServer:
         self._last_hello_s = float("-inf")
         self._last_sent_s = float("-inf")
         self._stop_requested = False
+        self._stop_reason = "stop requested"
         self._ready_notified = False
         self._watchdog_interval_s = watchdog_interval_s()
         self._last_watchdog_s = float("-inf")
@@ -93,6 +98,8 @@ class WorkerServer:
         )
 
     def request_stop(self, signum: int = 0, frame=None) -> None:
+        if signum:
+            self._stop_reason = signal.Signals(signum).name
         self._stop_requested = True
 
     def run(self) -> int:
@@ -119,10 +126,19 @@ class WorkerServer:
             self.engine.facts.num_kv_blocks,
             self.engine.facts.block_size,
         )
+        linger_ms = 0
         try:
-            return self._serve()
+            exit_code = self._serve()
+            if exit_code == EXIT_OK and self._acknowledged:
+                # Stopped on purpose: no request in the plans left unstarted is to blame.
+                goodbye = step_pb2.Goodbye(
+                    incarnation_id=self.incarnation_id, reason=self._stop_reason
+                )
+                if self._send(goodbye):
+                    linger_ms = GOODBYE_LINGER_MS
+            return exit_code
         finally:
-            socket.close(linger=0)
+            socket.close(linger=linger_ms)
             self._socket = None
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -143,7 +159,7 @@ class WorkerServer:
             exit_code = self._handle(frames)
             if exit_code is not None:
                 return exit_code
-        log.info("stop requested; closing")
+        log.info("%s; saying goodbye and closing", self._stop_reason)
         notify("STOPPING=1")
         return EXIT_OK
 

@@ -211,7 +211,7 @@ class ServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_kv_blocks_used", "num_kv_blocks_total", "prefix_cache_hit_rate", "num_preemptions", "num_steps", "worker_connected", "num_kv_blocks_cached", "num_requests_finished", "num_generated_tokens", "worker_incarnation_id", "draining", "worker_busy_fraction", "worker_busy_s", "workers")
+    __slots__ = ("num_waiting", "num_running", "num_kv_blocks_used", "num_kv_blocks_total", "prefix_cache_hit_rate", "num_preemptions", "num_steps", "worker_connected", "num_kv_blocks_cached", "num_requests_finished", "num_generated_tokens", "worker_incarnation_id", "draining", "worker_busy_fraction", "worker_busy_s", "workers", "num_isolated_steps")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +228,7 @@ class ServerStats(_message.Message):
     WORKER_BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     WORKER_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ISOLATED_STEPS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_kv_blocks_used: int
@@ -244,7 +245,8 @@ class ServerStats(_message.Message):
     worker_busy_fraction: float
     worker_busy_s: float
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., worker_connected: _Optional[bool] = ..., num_kv_blocks_cached: _Optional[int] = ..., num_requests_finished: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., worker_incarnation_id: _Optional[str] = ..., draining: _Optional[bool] = ..., worker_busy_fraction: _Optional[float] = ..., worker_busy_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ...) -> None: ...
+    num_isolated_steps: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., worker_connected: _Optional[bool] = ..., num_kv_blocks_cached: _Optional[int] = ..., num_requests_finished: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., worker_incarnation_id: _Optional[str] = ..., draining: _Optional[bool] = ..., worker_busy_fraction: _Optional[float] = ..., worker_busy_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., num_isolated_steps: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("incarnation_id", "num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_total", "busy_fraction", "num_steps", "num_generated_tokens")

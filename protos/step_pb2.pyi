@@ -16,6 +16,7 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESULT: _ClassVar[Kind]
     HEARTBEAT: _ClassVar[Kind]
     REHELLO: _ClassVar[Kind]
+    GOODBYE: _ClassVar[Kind]
 KIND_UNSPECIFIED: Kind
 HELLO: Kind
 HELLO_ACK: Kind
@@ -23,6 +24,7 @@ PLAN: Kind
 RESULT: Kind
 HEARTBEAT: Kind
 REHELLO: Kind
+GOODBYE: Kind
 
 class Hello(_message.Message):
     __slots__ = ("protocol_version", "incarnation_id", "model_id", "vocab_size", "eos_token_ids", "max_context_tokens", "block_size", "num_kv_blocks", "device", "dtype", "max_logprobs", "quantization", "feeds_last_sampled")
@@ -77,6 +79,14 @@ class Rehello(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Goodbye(_message.Message):
+    __slots__ = ("incarnation_id", "reason")
+    INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    incarnation_id: str
+    reason: str
+    def __init__(self, incarnation_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "num_logprobs", "min_new_tokens", "min_tokens_banned_ids")

@@ -365,6 +365,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
             num_preemptions=stats.num_preemptions,
             num_steps=stats.num_steps,
+            num_isolated_steps=stats.num_isolated_steps,
             num_requests_finished=stats.num_requests_finished,
             num_generated_tokens=stats.num_generated_tokens,
             worker_connected=worker is not None,

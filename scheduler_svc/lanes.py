@@ -57,6 +57,7 @@ log = logging.getLogger("pagoda.lanes")
 _CUMULATIVE_STATS = (
     "num_preemptions",
     "num_steps",
+    "num_isolated_steps",
     "num_requests_finished",
     "num_generated_tokens",
     "num_prefix_queries_tokens",

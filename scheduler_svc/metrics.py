@@ -118,6 +118,11 @@ class _LiveStats(Collector):
                 "Requests preempted for recompute since start",
                 stats.num_preemptions,
             ),
+            "pagoda_isolated_steps": (
+                "Steps that fed one suspect request alone, since start (after a failed or "
+                "lost step)",
+                stats.num_isolated_steps,
+            ),
             "pagoda_worker_connected": (
                 "1 when a worker is attached",
                 int(self._worker_connected()),

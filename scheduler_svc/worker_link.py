@@ -1,7 +1,7 @@
 """The scheduler's end of the step protocol: a ZeroMQ ROUTER that workers connect to.
 
-Owns the conversation of protos/step.proto (hello, ack, heartbeats, rehello) and
-turns it into three facts for the step loop: a worker attached (with its hello) and a
+Owns the conversation of protos/step.proto (hello, ack, heartbeats, rehello, goodbye)
+and turns it into three facts for the step loop: a worker attached (with its hello) and a
 worker is gone, reported to the WorkerEvents given to start(), and the result of a step,
 the future start_step() returns. Called only from the event loop.
 
@@ -332,6 +332,15 @@ class WorkerLink:
             return
         current = peer.info
         peer.last_seen_s = time.monotonic()
+        if isinstance(message, step_pb2.Goodbye):
+            if message.incarnation_id != current.hello.incarnation_id:
+                log.warning("ignored a goodbye that names another worker")
+                return
+            # It stopped on purpose after answering the plan it ran: the plans it left
+            # unstarted are recomputed, their requests not suspected.
+            reason = " ".join(message.reason[:64].split()) or "no reason given"
+            self._drop_worker(identity, f"it stopped ({reason})", suspect=False)
+            return
         if isinstance(message, step_pb2.StepResult):
             pending = peer.pending.get(message.step_id)
             if pending is None or pending[1].done():

@@ -23,6 +23,7 @@ MESSAGE_OF_KIND: dict[int, type[Message]] = {
     step_pb2.RESULT: step_pb2.StepResult,
     step_pb2.HEARTBEAT: step_pb2.Heartbeat,
     step_pb2.REHELLO: step_pb2.Rehello,
+    step_pb2.GOODBYE: step_pb2.Goodbye,
 }
 KIND_OF_MESSAGE: dict[type[Message], int] = {cls: kind for kind, cls in MESSAGE_OF_KIND.items()}
 

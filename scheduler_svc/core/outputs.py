@@ -223,6 +223,9 @@ class SchedulerStats:
     num_generated_tokens: int
     num_prefix_queries_tokens: int  # prompt tokens looked up (first admissions only)
     num_prefix_hit_tokens: int
+    # Steps that fed one suspect alone, to find the request that made a step fail or
+    # lost the worker (isolation.py).
+    num_isolated_steps: int = 0
     # Prompt tokens the last planned step could carry: the fixed knobs, lowered by the step
     # budget when decodes were in it (target_step_ms).
     step_prefill_cap_tokens: int = 0

@@ -80,6 +80,7 @@ class Scheduler:
         self._step_ids = itertools.count(1)
         self._last_now = 0.0  # for outputs of calls that carry no clock (attach_worker)
         self._num_steps = 0
+        self._num_isolated_steps = 0
         self._num_requests_finished = 0
         self._num_generated_tokens = 0
 
@@ -304,6 +305,7 @@ class Scheduler:
             self._mark_ahead(flight, ahead)
         self._in_flight.append(flight)
         self._num_steps += 1
+        self._num_isolated_steps += isolated
         return plan
 
     def _prefill_cap(self) -> int | None:
@@ -554,6 +556,7 @@ class Scheduler:
             prefix_cache_hit_rate=planner.num_prefix_hit_tokens / queried if queried else 0.0,
             num_preemptions=planner.num_preemptions,
             num_steps=self._num_steps,
+            num_isolated_steps=self._num_isolated_steps,
             num_requests_finished=self._num_requests_finished,
             num_generated_tokens=self._num_generated_tokens,
             num_prefix_queries_tokens=queried,

@@ -210,6 +210,7 @@ def test_server_stats_covers_every_proto_field():
                 num_generated_tokens=11,
             )
         ],
+        num_isolated_steps=17,
     )
     assert set(values) == set(pb.ServerStats.DESCRIPTOR.fields_by_name)
     assert set(values["workers"][0]) == set(pb.WorkerStats.DESCRIPTOR.fields_by_name)

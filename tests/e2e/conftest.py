@@ -63,11 +63,12 @@ class Service:
         )
         return self.worker
 
-    def replace_worker(self, timeout_s: float = 120) -> None:
-        """SIGKILL the worker, start a new one, return once the scheduler has attached it
-        (a new incarnation). Blocking: async tests call it through asyncio.to_thread."""
+    def replace_worker(self, timeout_s: float = 120, stop_signal=signal.SIGKILL) -> None:
+        """Stop the worker with `stop_signal`, start a new one, return once the scheduler
+        has attached it (a new incarnation). Blocking: async tests call it through
+        asyncio.to_thread."""
         old = self.stats().worker_incarnation_id
-        self.worker.send_signal(signal.SIGKILL)
+        self.worker.send_signal(stop_signal)
         self.worker.wait()
         self.start_worker()
         wait_until(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import grpc
 import pytest
@@ -102,9 +103,16 @@ def test_kv_pressure_preempts_without_losing_or_repeating_tokens(tmp_path):
         assert sum(usage.num_preemptions for _, _, usage in results) == num_preemptions
 
 
-def test_worker_killed_mid_stream_resumes_on_a_new_worker(tmp_path):
+@pytest.mark.parametrize("stop_signal", [signal.SIGKILL, signal.SIGTERM], ids=["kill", "term"])
+def test_worker_stopped_mid_stream_resumes_on_a_new_worker(tmp_path, stop_signal):
+    """Killed or stopped on purpose, the worker's requests resume exactly on the next one.
+    A kill makes the requests of the steps it lost suspects, run alone until each samples
+    (isolation); a worker stopped by SIGTERM says goodbye, so none is run alone."""
     with running_service(
-        tmp_path, model="dummy", scheduler_args=["--max-num-batched-tokens", "64"]
+        tmp_path,
+        model="dummy",
+        worker_args=["--dummy-step-ms", "5"],  # a step is in flight when the signal comes
+        scheduler_args=["--max-num-batched-tokens", "64"],
     ) as service:
         batch = prompts(4, length=30)
 
@@ -118,13 +126,18 @@ def test_worker_killed_mid_stream_resumes_on_a_new_worker(tmp_path):
                     60,
                     "tokens to flow",
                 )
-                await asyncio.to_thread(service.replace_worker, 60)
+                await asyncio.to_thread(service.replace_worker, 60, stop_signal)
                 return await asyncio.gather(*tasks)
 
         results = asyncio.run(scenario())
         for prompt_ids, (tokens, finish) in zip(batch, results, strict=True):
             assert finish == generation_pb2.LENGTH
             assert tokens == dummy_continuation(prompt_ids, 3000)
+        num_isolated_steps = service.stats().num_isolated_steps
+        if stop_signal == signal.SIGKILL:
+            assert num_isolated_steps >= len(batch)
+        else:
+            assert num_isolated_steps == 0
 
 
 def test_no_worker_gives_unavailable_and_health_follows(tmp_path):

@@ -49,6 +49,7 @@ def test_prometheus_metrics_are_scraped(tmp_path):
         "pagoda_prefix_cache_query_tokens",
         "pagoda_prefix_cache_hit_tokens",
         "pagoda_preemptions",
+        "pagoda_isolated_steps",
         'pagoda_step_seconds_count{part="forward"}',
         'pagoda_step_seconds_count{part="transport"}',
         'pagoda_step_seconds_count{part="schedule"}',

@@ -12,8 +12,10 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
+import pytest
 import zmq
-from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLink
+from pagoda.protos import step_pb2
+from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLink, WorkerLost
 
 from pagoda.common import wire
 from tests.unit.conftest import make_hello
@@ -105,3 +107,50 @@ def test_each_of_several_workers_on_one_fd_is_dropped_when_its_connection_closes
     asyncio.run(scenario())
     closed = "detach: its connection closed"
     assert events == ["attach a", closed, "attach b", closed, "attach c", closed]
+
+
+def test_a_goodbye_loses_the_steps_in_flight_without_suspecting_their_requests(tmp_path):
+    """A worker stopped on purpose answers the plan it was running, then says goodbye:
+    the plan it never started fails as not suspect, so its requests are only recomputed
+    (not run alone each); a goodbye that names another incarnation is ignored, and the
+    close that follows a goodbye is no second loss."""
+    events: list[str] = []
+
+    async def scenario() -> None:
+        async with linked(tmp_path, events) as (link, context):
+            worker = say_hello(context, link.endpoint, "w1")
+            await until(attached(link, "w1"), "w1 is attached")
+            plan = step_pb2.StepPlan(
+                step_id=1,
+                seq_ids=[7],
+                sample=[True],
+                start_positions=[0],
+                token_offsets=[0, 1],
+                token_ids=[1],
+                block_offsets=[0, 1],
+                block_ids=[0],
+            )
+            step = link.start_step(plan, timeout_s=30)
+            while not isinstance(
+                wire.decode(await asyncio.to_thread(worker.recv_multipart)), step_pb2.StepPlan
+            ):
+                pass  # the hello ack
+            (peer,) = link._peers.values()
+            seen_s = peer.last_seen_s
+            forged = step_pb2.Goodbye(incarnation_id="someone else", reason="SIGTERM")
+            worker.send_multipart(wire.encode(forged))
+            await until(lambda: peer.last_seen_s > seen_s, "the forged goodbye is read")
+            assert attached(link, "w1")() and not step.done()
+            goodbye = step_pb2.Goodbye(incarnation_id="w1", reason="SIGTERM")
+            worker.send_multipart(wire.encode(goodbye))
+            with pytest.raises(WorkerLost) as lost:
+                await step
+            assert not lost.value.suspect
+            worker.close()
+            # The next hello is attached only after the close's disconnect is acted on.
+            second = say_hello(context, link.endpoint, "w2")
+            await until(attached(link, "w2"), "w2 is attached")
+            second.close()
+
+    asyncio.run(scenario())
+    assert events == ["attach w1", "detach: it stopped (SIGTERM) (not suspect)", "attach w2"]
