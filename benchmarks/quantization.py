@@ -188,10 +188,13 @@ VARIANTS = {
     "fp32": Variant("fp32", lambda model: model),
     "quantize_dynamic": Variant("quantize_dynamic", plain_quantize_dynamic),
     "int8-unsmoothed": Variant(
-        "int8-unsmoothed", lambda model: quantize_int8(model, lm_head=False, smooth=False)
+        "int8-unsmoothed", lambda model: quantize_int8(model, head="float32", smooth=False)
     ),
-    "int8": Variant("int8", lambda model: quantize_int8(model, lm_head=False)),
-    "int8+head": Variant("int8+head", lambda model: quantize_int8(model, lm_head=True)),
+    "int8": Variant("int8", lambda model: quantize_int8(model, head="float32")),
+    "int8+head": Variant("int8+head", lambda model: quantize_int8(model, head="int8")),
+    "int8+rescored-head": Variant(
+        "int8+rescored-head", lambda model: quantize_int8(model, head="rescored")
+    ),
 }
 
 

@@ -6,7 +6,8 @@ for an Int8Linear: int8 weights with one scale per output channel, activations
 quantized per call to 7 bits with one scale per row (token), int32 accumulation, and
 SmoothQuant-style input-channel scales calibrated at load on one forward of random
 token ids (data-free; about a second). Embeddings, norms, attention and the KV pool stay
-float32, and so does the output head (QUANTIZED_LM_HEAD).
+float32. The output head (`head`, HEAD_MODE by default) is float32, int8, or `rescored`:
+int8 logits whose top RESCORED_TOP of each row are then recomputed in float32.
 
 `auto` is int8 on the CPU with float32 weights and none otherwise: the int8 kernels
 exist only for the CPU, so an explicit `int8` on CUDA is refused rather than ignored.
@@ -23,8 +24,13 @@ import warnings
 import torch
 from pagoda.gpu_worker.config import QUANTIZATIONS, QuantizationError
 
-# The output head stays float32: see docs/benchmarks.md "int8 forward" for the measurement.
-QUANTIZED_LM_HEAD = False
+# How the output head runs under int8; docs/benchmarks.md "int8 forward" has the figures.
+#   float32:  as loaded (the largest single read of a small model's decode step).
+#   int8:     an Int8Linear as the decoder's: faster, but fails the quality check.
+#   rescored: int8 logits, then each row's RESCORED_TOP best recomputed in float32.
+HEAD_MODES = ("float32", "int8", "rescored")
+HEAD_MODE = "rescored"
+RESCORED_TOP = 32
 
 
 def resolve_quantization(requested: str, device: str, dtype: str = "auto") -> str:
@@ -50,27 +56,31 @@ def resolve_quantization(requested: str, device: str, dtype: str = "auto") -> st
     return requested
 
 
-def quantize(model, quantization: str, *, lm_head: bool = QUANTIZED_LM_HEAD):
+def quantize(model, quantization: str, *, head: str = HEAD_MODE):
     """The model with `quantization` applied in place ('none': untouched); returns it."""
     if quantization == "none":
         return model
     if quantization != "int8":
         raise QuantizationError(f"cannot apply quantization {quantization!r}")
-    return quantize_int8(model, lm_head=lm_head)
+    return quantize_int8(model, head=head)
 
 
-def quantize_int8(model, *, lm_head: bool = QUANTIZED_LM_HEAD, smooth: bool = True):
-    """Every Linear of the decoder (and the head when `lm_head`) becomes an Int8Linear;
-    GPT-2's Conv1D (a Linear stored transposed) too. Call it before the engine switches
-    the model to the paged attention: `smooth` runs one calibration forward."""
+def quantize_int8(model, *, head: str = HEAD_MODE, smooth: bool = True):
+    """Every Linear of the decoder becomes an Int8Linear, GPT-2's Conv1D (a Linear stored
+    transposed) too, and the output head as `head` says (HEAD_MODES). Call it before the
+    engine switches the model to the paged attention: `smooth` runs one calibration
+    forward."""
+    if head not in HEAD_MODES:
+        raise ValueError(f"head must be one of {', '.join(HEAD_MODES)}, got {head!r}")
     if next(model.parameters()).device.type != "cpu":
         raise QuantizationError("int8 quantization needs the model on the CPU")
-    head = model.get_output_embeddings()
+    output = model.get_output_embeddings()
     targets = [
         (parent, name, child, weight)
         for parent in list(model.modules())
         for name, child in list(parent.named_children())
-        if (lm_head or child is not head) and (weight := _linear_weight(child)) is not None
+        if (head != "float32" or child is not output)
+        and (weight := _linear_weight(child)) is not None
     ]
     input_max = _calibrate(model, [child for _, _, child, _ in targets]) if smooth else {}
     with warnings.catch_warnings():
@@ -80,7 +90,10 @@ def quantize_int8(model, *, lm_head: bool = QUANTIZED_LM_HEAD, smooth: bool = Tr
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         for parent, name, child, weight in targets:
             scales = smoothing_scales(input_max[child], weight) if child in input_max else None
-            setattr(parent, name, Int8Linear(weight, child.bias, scales))
+            replacement = Int8Linear(weight, child.bias, scales)
+            if child is output and head == "rescored":
+                replacement = RescoredHead(replacement, weight, child.bias)
+            setattr(parent, name, replacement)
     return model
 
 
@@ -189,6 +202,47 @@ class Int8Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+class RescoredHead(torch.nn.Module):
+    """An output head whose logits come from `int8` (an Int8Linear of `weight`), except
+    each row's RESCORED_TOP highest, which are recomputed from the float32 `weight`.
+
+    The int8 head reads a quarter of the float32 one, but its rounding reorders near-tied
+    logits, and a greedy chain that takes another token never comes back. Recomputed,
+    the likely tokens carry float32 logits: the int8 rounding of the head cannot change
+    which of them is largest, only the tail's share of the probability (below the 32nd
+    token, small). `weight` is kept as given, so a head tied to the embeddings costs no
+    copy.
+    """
+
+    def __init__(
+        self,
+        int8: Int8Linear,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        num_rescored: int = RESCORED_TOP,
+    ) -> None:
+        super().__init__()
+        self.int8 = int8
+        self.out_features, self.in_features = int8.out_features, int8.in_features
+        self.weight = weight.detach()  # a plain attribute: no second parameter
+        self.bias = None if bias is None else bias.detach()
+        self.num_rescored = min(num_rescored, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.int8(x)
+        rows = x.reshape(-1, self.in_features).to(self.weight.dtype)
+        flat = logits.view(-1, self.out_features)
+        top = flat.topk(self.num_rescored, dim=1, sorted=False).indices
+        exact = torch.bmm(self.weight[top], rows.unsqueeze(2)).squeeze(2)
+        if self.bias is not None:
+            exact += self.bias[top]
+        flat.scatter_(1, top, exact.to(flat.dtype))
+        return logits
+
+    def extra_repr(self) -> str:
+        return f"int8 logits, the top {self.num_rescored} of each row in float32"
 
 
 def count_int8_linear(model) -> int:

@@ -92,13 +92,51 @@ def test_a_row_hardly_depends_on_its_batch_mates():
     assert (alone - exact).abs().max() < 0.05 * exact.abs().max()
 
 
-def test_lm_head_stays_float_unless_asked(llama_models):
-    from pagoda.gpu_worker.quantization import Int8Linear, quantize_int8
+def test_the_head_is_rescored_unless_asked_otherwise(llama_models):
+    import torch
+    from pagoda.gpu_worker.quantization import Int8Linear, RescoredHead, quantize_int8
 
-    kept = quantize_int8(copy.deepcopy(llama_models.reference))
-    assert not isinstance(kept.get_output_embeddings(), Int8Linear)
-    both = quantize_int8(copy.deepcopy(llama_models.reference), lm_head=True)
+    model = copy.deepcopy(llama_models.reference)
+    float_weight = model.get_output_embeddings().weight
+    head = quantize_int8(model).get_output_embeddings()
+    assert isinstance(head, RescoredHead)
+    # It rescores with the loaded weight (the embeddings', when tied), not a copy.
+    assert head.weight.data_ptr() == float_weight.data_ptr()
+    kept = quantize_int8(copy.deepcopy(llama_models.reference), head="float32")
+    assert isinstance(kept.get_output_embeddings(), torch.nn.Linear)
+    both = quantize_int8(copy.deepcopy(llama_models.reference), head="int8")
     assert isinstance(both.get_output_embeddings(), Int8Linear)
+    with pytest.raises(ValueError, match="head must be one of"):
+        quantize_int8(copy.deepcopy(llama_models.reference), head="fp8")
+
+
+def test_the_rescored_head_decides_on_float_logits_where_int8_flips_near_ties():
+    """Rows 0 and 1 of the head differ by a hair, so their logits nearly tie: the int8
+    head picks the wrong one for some inputs, the rescored head never does; its top
+    logits are the float head's, the rest the int8 head's."""
+    import torch
+    from pagoda.gpu_worker.quantization import Int8Linear, RescoredHead
+
+    generator = torch.Generator().manual_seed(0)
+    vocab, width, num_rescored = 512, 64, 16
+    weight = torch.randn(vocab, width, generator=generator)
+    weight[1] = weight[0] + 1e-3 * torch.randn(width, generator=generator)
+    weight[:2] *= 4  # the near-tied pair is the likeliest
+    bias = torch.randn(vocab, generator=generator) * 0.1
+    bias[1] = bias[0]
+    rows = torch.randn(400, width, generator=generator)
+    rows[:, :] += weight[0] / weight[0].norm()  # leaning towards the pair
+    int8 = Int8Linear(weight, bias)
+    head = RescoredHead(Int8Linear(weight, bias), weight, bias, num_rescored=num_rescored)
+    with torch.inference_mode():
+        exact = torch.nn.functional.linear(rows, weight, bias)
+        approx, got = int8(rows), head(rows)
+    assert (approx.argmax(1) != exact.argmax(1)).sum() > 0  # the flips this is about
+    assert torch.equal(got.argmax(1), exact.argmax(1))
+    top = approx.topk(num_rescored, dim=1).indices  # the rows the head recomputed
+    assert torch.allclose(got.gather(1, top), exact.gather(1, top), rtol=0, atol=1e-4)
+    tail = torch.ones_like(got, dtype=torch.bool).scatter_(1, top, False)
+    assert torch.equal(got[tail], approx[tail])
 
 
 def test_engine_facts_and_hello_carry_the_quantization(llama_models, tmp_path):
