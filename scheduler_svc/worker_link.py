@@ -103,6 +103,9 @@ class WorkerLink:
         self._monitor: zmq.asyncio.Socket | None = None
         self._max_workers = max_workers
         self._peers: dict[bytes, _Peer] = {}  # by routing identity, in attach order
+        # Workers found gone (a send failed, or their connection closed) while messages
+        # were still waiting to be read: dropped once those are read (_drop_when_read).
+        self._gone: dict[bytes, str] = {}
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -200,7 +203,9 @@ class WorkerLink:
             if send.cancelled():
                 lose("the plan was never sent")
             elif send.exception() is not None:
-                lose(f"cannot reach the worker ({send.exception()})")
+                self._drop_when_read(
+                    worker.identity, f"cannot reach the worker ({send.exception()})"
+                )
 
         def settled(_: asyncio.Future) -> None:
             timer.cancel()
@@ -282,6 +287,8 @@ class WorkerLink:
             except Exception:
                 log.exception("dropped a message from %s that could not be handled", identity.hex())
                 self._drop_worker_if(identity, "a message that could not be handled", suspect=False)
+            if self._gone and not socket.get(zmq.EVENTS) & zmq.POLLIN:
+                self._drop_gone()
 
     def _refuse(self, identity: bytes, what: str) -> None:
         """One log line for a bad message; the worker is dropped if it sent it (it may say
@@ -317,7 +324,24 @@ class WorkerLink:
             event = parse_monitor_message(frames)
             for peer in list(self._peers.values()):
                 if peer.info.fd is not None and event["value"] == peer.info.fd:
-                    self._drop_worker(peer.info.identity, "its connection closed")
+                    self._drop_when_read(peer.info.identity, "its connection closed")
+
+    def _drop_when_read(self, identity: bytes, reason: str) -> None:
+        """Drop a worker that is gone, but only after every message it sent before it went
+        has been read: its last one may be a goodbye, which clears its requests of
+        suspicion, or a result. Drops it now when nothing is waiting to be read."""
+        assert self._socket is not None
+        if identity not in self._peers:
+            return
+        if self._socket.get(zmq.EVENTS) & zmq.POLLIN:
+            self._gone.setdefault(identity, reason)  # _receive_forever drops it
+        else:
+            self._drop_worker(identity, reason)
+
+    def _drop_gone(self) -> None:
+        gone, self._gone = self._gone, {}
+        for identity, reason in gone.items():
+            self._drop_worker_if(identity, reason)
 
     async def _dispatch(self, identity: bytes, message, fd: int | None) -> None:
         if isinstance(message, step_pb2.Hello):
@@ -412,6 +436,7 @@ class WorkerLink:
                     self._drop_worker(peer.info.identity, f"no heartbeat for {silent_s:.1f} s")
 
     def _drop_worker(self, identity: bytes, reason: str, *, suspect: bool = True) -> None:
+        self._gone.pop(identity, None)
         peer = self._peers.pop(identity, None)
         if peer is None:
             return

@@ -154,3 +154,33 @@ def test_a_goodbye_loses_the_steps_in_flight_without_suspecting_their_requests(t
 
     asyncio.run(scenario())
     assert events == ["attach w1", "detach: it stopped (SIGTERM) (not suspect)", "attach w2"]
+
+
+def test_a_goodbye_read_after_its_connection_closed_still_clears_the_worker(tmp_path):
+    """The close that follows a goodbye may be noticed first (its disconnect event, or a
+    plan that cannot be sent): the worker is then dropped only once the messages waiting
+    to be read are read, so the goodbye still decides that its requests are not suspect."""
+    events: list[str] = []
+
+    async def scenario() -> None:
+        async with linked(tmp_path, events) as (link, context):
+            (watcher,) = [t for t in link._tasks if t.get_name() == "worker-link-disconnects"]
+            watcher.cancel()  # the test acts on the disconnect itself, at a chosen moment
+            worker = say_hello(context, link.endpoint, "w1")
+            await until(attached(link, "w1"), "w1 is attached")
+            worker.send_multipart(wire.encode(step_pb2.Goodbye(incarnation_id="w1")))
+            worker.close()
+            # Without yielding to the event loop, so the link has read neither yet:
+            deadline = time.monotonic() + DEADLINE_S
+            while not (
+                link._socket.get(zmq.EVENTS) & zmq.POLLIN
+                and link._monitor.get(zmq.EVENTS) & zmq.POLLIN
+            ):
+                assert time.monotonic() < deadline, "the goodbye and the close never arrived"
+                time.sleep(0.01)
+            link._take_disconnects()
+            assert attached(link, "w1")()  # not yet: a message is waiting
+            await until(lambda: link.worker is None, "w1 is dropped")
+
+    asyncio.run(scenario())
+    assert events == ["attach w1", "detach: it stopped (no reason given) (not suspect)"]
