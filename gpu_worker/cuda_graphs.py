@@ -97,6 +97,13 @@ def pad_decode(
     )
 
 
+def is_decode_only(chunks) -> bool:
+    """Every chunk feeds one token and samples after it: a step a graph replays. A
+    one-token chunk inside a prompt (the planner cuts one where blocks run short)
+    samples nothing, and the graph's logits hold a row for every chunk."""
+    return all(len(chunk.token_ids) == 1 and chunk.sample for chunk in chunks)
+
+
 def can_capture(backend_name: str, device_type: str) -> bool:
     """Graphs need CUDA and a backend whose forward launches kernels only (no host loop)."""
     return device_type == "cuda" and backend_name == "triton"
@@ -147,7 +154,7 @@ class DecodeGraphs:
 
     def fits(self, chunks) -> bool:
         """A decode-only step whose padded bucket was captured."""
-        if not all(len(chunk.token_ids) == 1 for chunk in chunks):
+        if not is_decode_only(chunks):
             return False
         bucket = bucket_for(len(chunks), self.buckets)
         return bucket is not None and bucket in self._graphs
@@ -159,16 +166,19 @@ class DecodeGraphs:
 
         started_s = time.monotonic()
         self._pool = torch.cuda.graph_pool_handle()
-        for bucket in sorted(self.buckets, reverse=True):
-            if time.monotonic() - started_s > budget_s:
-                log.warning(
-                    "CUDA graph capture stopped after %.1f s: %d buckets captured, "
-                    "batches above the rest run eagerly",
-                    time.monotonic() - started_s,
-                    len(self._graphs),
-                )
-                break
-            self._capture_one(bucket)
+        # Under inference mode, as compute() runs: with autograd on, every captured forward
+        # would keep its autograd graph, and the activations it saves, in the graph pool.
+        with torch.inference_mode():
+            for bucket in sorted(self.buckets, reverse=True):
+                if time.monotonic() - started_s > budget_s:
+                    log.warning(
+                        "CUDA graph capture stopped after %.1f s: %d buckets captured, "
+                        "batches above the rest run eagerly",
+                        time.monotonic() - started_s,
+                        len(self._graphs),
+                    )
+                    break
+                self._capture_one(bucket)
         log.info(
             "captured %d decode CUDA graphs (batch %s) in %.1f s",
             len(self._graphs),

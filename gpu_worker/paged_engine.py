@@ -73,7 +73,7 @@ class PagedEngine(Engine):
             # cuDNN attention builds and caches a plan per new shape (every step's context
             # length is new): tens of ms each, and host memory that is never given back.
             torch.backends.cuda.enable_cudnn_sdp(False)
-        self.attention_backend = create_backend(attention_backend, self.device.type)
+        self.attention_backend = create_backend(attention_backend, self.device.type, block_size)
         geometry = KVGeometry.from_model_config(model.config, block_size, parameter.dtype)
         graphs = cuda_graphs and can_capture(self.attention_backend.name, self.device.type)
         # With graphs, one block more than announced: padded rows' scratch (cuda_graphs.py).
@@ -237,7 +237,15 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
     )
     log.info("attention backend %s", engine.attention_backend.name)
     if engine.decode_graphs is not None:
-        engine.decode_graphs.capture()  # before the hello: no step waits on it
+        try:
+            engine.decode_graphs.capture()  # before the hello: no step waits on it
+        except Exception:
+            # Not retried eagerly: a failed capture can leave the CUDA context unusable.
+            log.error(
+                "CUDA graph capture failed; --no-cuda-graphs "
+                "(PAGODA_WORKER_CUDA_GRAPHS=false) runs the worker without graphs"
+            )
+            raise
     elif config.cuda_graphs and device.startswith("cuda"):
         log.info("no CUDA graphs: the %s backend loops on the host", engine.attention_backend.name)
     log.info("quantization %s; engine built in %.1f s", quantization, time.monotonic() - built_s)

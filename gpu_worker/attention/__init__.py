@@ -1,9 +1,10 @@
 """Paged-attention backends behind one interface (pagoda.gpu_worker.attention.backend).
 
-`create_backend(name, device)` picks one: "reference" (gather + SDPA in plain torch,
-the CPU default and the definition), "triton" (pagoda.gpu_worker.attention.triton_paged,
-class TritonBackend: one kernel launch per layer, CUDA), or "auto" (triton on CUDA when
-it imports, else reference). Importing this package imports no torch.
+`create_backend(name, device, block_size)` picks one: "reference" (gather + SDPA in plain
+torch, the CPU default and the definition), "triton" (pagoda.gpu_worker.attention.
+triton_paged, class TritonBackend: one kernel launch per layer, CUDA, blocks of 16, 32,
+64... tokens), or "auto" (triton on CUDA when it imports and takes the block size, else
+reference). Importing this package imports no torch.
 """
 
 from __future__ import annotations
@@ -25,23 +26,37 @@ class BackendUnavailableError(RuntimeError):
     """The named backend cannot run here; the message says why."""
 
 
-def create_backend(name: str, device_type: str):
-    """An AttentionBackend instance for `name` on a device of type `device_type` ("cpu", "cuda")."""
+def create_backend(name: str, device_type: str, block_size: int = 16):
+    """An AttentionBackend instance for `name` on a device of type `device_type` ("cpu",
+    "cuda") with KV blocks of `block_size` tokens."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention backend must be one of {', '.join(BACKEND_NAMES)}")
     if name == "auto":
         if device_type == "cuda":
             try:
-                return _instantiate("triton")
+                return _instantiate("triton", block_size)
             except BackendUnavailableError as exc:
                 log.warning("%s; using the reference attention backend", exc)
-        return _instantiate("reference")
+        return _instantiate("reference", block_size)
     if name == "triton" and device_type != "cuda":
         raise BackendUnavailableError("the triton attention backend runs only on CUDA")
-    return _instantiate(name)
+    return _instantiate(name, block_size)
 
 
-def _instantiate(name: str):
+def triton_block_size_problem(block_size: int) -> str | None:
+    """Why the triton backend cannot use blocks of `block_size` tokens, or None: one block
+    is one key tile of a compiled tl.dot (a power of two, at least 16)."""
+    if block_size < 16 or block_size & (block_size - 1):
+        return (
+            "the triton attention backend needs a power-of-two block size of 16 or more, "
+            f"not {block_size}"
+        )
+    return None
+
+
+def _instantiate(name: str, block_size: int):
+    if name == "triton" and (problem := triton_block_size_problem(block_size)) is not None:
+        raise BackendUnavailableError(problem)
     module_name, class_name = _BACKENDS[name]
     try:
         backend_class = getattr(importlib.import_module(module_name), class_name)

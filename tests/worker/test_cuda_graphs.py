@@ -3,12 +3,15 @@ not tested here)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from pagoda.gpu_worker.cuda_graphs import (
     DECODE_BUCKETS,
     PAD_TOKEN_ID,
     bucket_for,
     can_capture,
+    is_decode_only,
     pad_decode,
 )
 
@@ -79,3 +82,17 @@ def test_only_cuda_with_a_kernel_only_backend_is_captured():
     assert can_capture("triton", "cuda")
     assert not can_capture("reference", "cuda")  # its forward loops on the host
     assert not can_capture("triton", "cpu")
+
+
+def test_only_steps_whose_every_chunk_feeds_one_token_and_samples_are_replayed():
+    """A graph's logits hold a row for every chunk, and the engine samples each: a
+    one-token chunk inside a prompt (cut where blocks run short) samples nothing, so a
+    step holding one runs eagerly (it once took the graph and sampled one token too many,
+    which failed the step)."""
+
+    def chunk(token_ids, sample):
+        return SimpleNamespace(token_ids=token_ids, sample=sample)
+
+    assert is_decode_only([chunk([5], True), chunk([6], True)])
+    assert not is_decode_only([chunk([5], True), chunk([6], False)])
+    assert not is_decode_only([chunk([5, 6], True)])

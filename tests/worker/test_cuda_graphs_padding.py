@@ -20,7 +20,7 @@ def greedy_run(engine, prompts, num_new_tokens=12):
 
 @pytest.mark.parametrize("num_prompts", [3, 5])  # buckets 4 and 8: 1 and 3 padded rows
 def test_padded_decode_steps_give_the_eager_engines_tokens(llama_models, num_prompts):
-    from pagoda.gpu_worker.cuda_graphs import DecodeGraphs
+    from pagoda.gpu_worker.cuda_graphs import DecodeGraphs, is_decode_only
 
     prompts = random_prompts(num_prompts, seed=21)
     plain = greedy_run(llama_models.engine(), prompts)
@@ -32,7 +32,7 @@ def test_padded_decode_steps_give_the_eager_engines_tokens(llama_models, num_pro
     decode_steps = []
 
     def every_decode_step(chunks):
-        decode = all(len(chunk.token_ids) == 1 for chunk in chunks)
+        decode = is_decode_only(chunks)
         if decode:
             decode_steps.append(len(chunks))
         return decode
