@@ -123,7 +123,6 @@ class DecodeGraphs:
         self.width = engine.block_tables.max_blocks_per_seq  # rows are copied from there
         self.buckets = tuple(buckets)
         self._graphs: dict[int, object] = {}  # bucket -> torch.cuda.CUDAGraph
-        self._logits: dict[int, torch.Tensor] = {}  # bucket -> its static output
         device = engine.device
         largest = self.buckets[-1]
         self._input_ids = torch.zeros(1, largest, dtype=torch.long, device=device)
@@ -135,6 +134,12 @@ class DecodeGraphs:
         )
         self._query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self._rows = torch.arange(largest, dtype=torch.long, device=device)
+        # Every forward, replayed or not, copies its logits here (float32, as the sampler
+        # reads them): the graphs keep no output of their own alive in the shared pool,
+        # so a later capture may reuse what an earlier one's output took (35 outputs of
+        # [bucket, vocabulary] would hold 4,231 rows of logits for good).
+        vocab_size = engine.model.get_output_embeddings().out_features
+        self._logits = torch.zeros(largest, vocab_size, dtype=torch.float32, device=device)
         # Staging buffers, pinned on CUDA: one host-to-device copy per dtype and step.
         self._host_longs = torch.zeros(4 * largest, dtype=torch.long)
         self._host_ints = torch.zeros(largest, dtype=torch.int32)
@@ -195,7 +200,7 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._logits[bucket] = self._forward(bucket)
+            self._forward(bucket)
         self._graphs[bucket] = graph
 
     def run(self, chunks):
@@ -218,7 +223,7 @@ class DecodeGraphs:
         if graph is None:
             return self._forward(bucket)[: len(chunks)]
         graph.replay()
-        return self._logits[bucket][: len(chunks)]
+        return self._logits[: len(chunks)]
 
     def _stage(self, padded: PaddedDecode, table_rows: list[int] | None) -> None:
         """Copy a padded step into the static buffers (through pinned memory); the block
@@ -269,7 +274,7 @@ class DecodeGraphs:
             query_start_loc_cpu=self._query_start_loc[: bucket + 1],
             context_lens_cpu=self._context_lens[:bucket],
         )
-        return engine.model(
+        logits = engine.model(
             input_ids=self._input_ids[:, :bucket],
             position_ids=self._positions[:, :bucket],
             logits_to_keep=self._rows[:bucket],
@@ -278,3 +283,4 @@ class DecodeGraphs:
             kv_pool=engine.pool,
             attention_backend=engine.attention_backend,
         ).logits[0]
+        return self._logits[:bucket].copy_(logits)
