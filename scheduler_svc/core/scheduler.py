@@ -212,7 +212,7 @@ class Scheduler:
         block_hashes: list[int] = []
         if blocks.enabled:
             extend_block_hashes(token_ids, block_hashes, max_blocks, block_size, root_hash)
-        num_queued_tokens = sum(len(waiting.token_ids) for waiting in planner.waiting)
+        num_queued_tokens = planner.waiting.num_tokens
         return LaneLoad(
             num_cached_prefix_blocks=len(blocks.match(block_hashes, max_blocks)),
             num_kv_blocks_used=blocks.allocator.num_used_blocks,

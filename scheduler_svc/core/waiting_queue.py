@@ -24,14 +24,24 @@ _MIN_DEAD_TO_COMPACT = 64
 
 
 class _Entry:
-    __slots__ = ("request",)
+    __slots__ = ("request", "num_tokens")
 
     def __init__(self, request: Request) -> None:
         self.request: Request | None = request  # None once removed
+        self.num_tokens = len(request.token_ids)  # as counted into WaitingQueue.num_tokens
 
 
 class WaitingQueue:
-    __slots__ = ("_by_priority", "_keys", "_entries", "_arrivals", "_live", "_back", "_front")
+    __slots__ = (
+        "_by_priority",
+        "_keys",
+        "_entries",
+        "_arrivals",
+        "_live",
+        "_back",
+        "_front",
+        "num_tokens",
+    )
 
     def __init__(self, by_priority: bool = False) -> None:
         self._by_priority = by_priority
@@ -43,6 +53,10 @@ class WaitingQueue:
         self._live: dict[int, _Entry] = {}  # id(request) -> its entry, live ones only
         self._back = itertools.count(1)  # orders for arrivals: increasing
         self._front = itertools.count(-1, -1)  # orders for preempted: before every arrival
+        # The tokens (prompt and any streamed before a preemption) of the live requests, as
+        # each had when it joined (a waiting request does not grow): placement reads it
+        # for every new request, so it is kept rather than summed.
+        self.num_tokens = 0
 
     def __len__(self) -> int:
         return len(self._live)
@@ -80,6 +94,7 @@ class WaitingQueue:
         if entry is None:
             raise KeyError(request.request_id)
         entry.request = None
+        self.num_tokens -= entry.num_tokens
         num_dead = len(self._entries) - len(self._live)
         if num_dead > _MIN_DEAD_TO_COMPACT and num_dead * 4 > len(self._entries):
             self._compact()
@@ -109,6 +124,7 @@ class WaitingQueue:
         self._keys.insert(index, key)
         self._entries.insert(index, entry)
         self._live[id(request)] = entry
+        self.num_tokens += entry.num_tokens
         return entry
 
 

@@ -42,7 +42,9 @@ def test_removal_from_a_deep_queue_does_not_scan_it(by_priority):
     lines = []
     for depth in (10, 10_000):
         queue = WaitingQueue(by_priority=by_priority)
-        requests = [SimpleNamespace(request_id=str(i), priority=i % 3) for i in range(depth)]
+        requests = [
+            SimpleNamespace(request_id=str(i), priority=i % 3, token_ids=[1]) for i in range(depth)
+        ]
         for request in requests:
             queue.push_back(request)
         lines.append(_lines_run_by_remove(queue, requests[-2]))

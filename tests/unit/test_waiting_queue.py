@@ -6,8 +6,8 @@ import pytest
 from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
 
 
-def named(name: str, priority: int = 0):
-    return SimpleNamespace(request_id=name, priority=priority)
+def named(name: str, priority: int = 0, num_tokens: int = 0):
+    return SimpleNamespace(request_id=name, priority=priority, token_ids=[7] * num_tokens)
 
 
 def names(queue: WaitingQueue) -> list[str]:
@@ -42,3 +42,19 @@ def test_removal_by_identity_and_by_head_position():
     assert names(queue) == ["c"]
     with pytest.raises(KeyError):
         queue.remove(requests[0])
+
+
+def test_the_queued_token_count_follows_pushes_and_removals_through_compaction():
+    """Placement reads num_tokens for every new request (lane_load): it must equal the
+    live requests' tokens after any mix of arrivals, preemptions and lazy removals."""
+    queue = WaitingQueue(by_priority=True)
+    requests = [named(f"r{i}", priority=i % 3, num_tokens=i + 1) for i in range(300)]
+    for i, request in enumerate(requests):
+        (queue.push_front if i % 7 == 0 else queue.push_back)(request)
+    for request in requests[::2]:  # enough dead entries to compact more than once
+        queue.remove(request)
+    queue.remove_head_indices([0, 3])
+    assert queue.num_tokens == sum(len(r.token_ids) for r in queue)
+    for request in list(queue):
+        queue.remove(request)
+    assert queue.num_tokens == 0 and len(queue) == 0
