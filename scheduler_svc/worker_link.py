@@ -35,6 +35,10 @@ log = logging.getLogger("pagoda.worker_link")
 # A worker sends a heartbeat every second while idle; this much silence between
 # steps means it is gone.
 HEARTBEAT_TIMEOUT_S = 5.0
+# Messages read, at most, before a worker found gone is dropped (see _drop_when_read): the
+# ROUTER reads its peers in turn, so a gone worker's last few (a result, a goodbye) come
+# within a few reads per attached worker.
+GONE_READ_BUDGET = 256
 # Where libzmq asks who may connect (ZAP, ZeroMQ RFC 27), within this process's context.
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 
@@ -106,6 +110,7 @@ class WorkerLink:
         # Workers found gone (a send failed, or their connection closed) while messages
         # were still waiting to be read: dropped once those are read (_drop_when_read).
         self._gone: dict[bytes, str] = {}
+        self._reads_left_for_gone = 0  # then they are dropped even if more is waiting
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -287,8 +292,10 @@ class WorkerLink:
             except Exception:
                 log.exception("dropped a message from %s that could not be handled", identity.hex())
                 self._drop_worker_if(identity, "a message that could not be handled", suspect=False)
-            if self._gone and not socket.get(zmq.EVENTS) & zmq.POLLIN:
-                self._drop_gone()
+            if self._gone:
+                self._reads_left_for_gone -= 1
+                if self._reads_left_for_gone <= 0 or not socket.get(zmq.EVENTS) & zmq.POLLIN:
+                    self._drop_gone()
 
     def _refuse(self, identity: bytes, what: str) -> None:
         """One log line for a bad message; the worker is dropped if it sent it (it may say
@@ -334,7 +341,11 @@ class WorkerLink:
         if identity not in self._peers:
             return
         if self._socket.get(zmq.EVENTS) & zmq.POLLIN:
-            self._gone.setdefault(identity, reason)  # _receive_forever drops it
+            # _receive_forever drops it once nothing waits, or after GONE_READ_BUDGET
+            # messages: other workers' steady traffic must not keep it attached.
+            if not self._gone:
+                self._reads_left_for_gone = GONE_READ_BUDGET
+            self._gone.setdefault(identity, reason)
         else:
             self._drop_worker(identity, reason)
 

@@ -5,6 +5,7 @@ model is refused with a reason."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import zmq
 from pagoda.protos import step_pb2
@@ -73,3 +74,60 @@ def test_workers_attach_side_by_side_up_to_the_limit_and_of_one_model(tmp_path):
     assert log.events == ["attach a", "attach b", "detach a", "detach b"]
     assert not acks["c"].accepted and "--max-workers" in acks["c"].reason
     assert not acks["other"].accepted and "same model" in acks["other"].reason
+
+
+def test_a_gone_worker_is_dropped_within_a_read_budget_while_others_keep_talking(tmp_path):
+    """A worker found gone waits for the messages queued before it to be read (a goodbye
+    may be among them), but another worker's steady traffic, which keeps something
+    always waiting, must not keep it attached: it goes within GONE_READ_BUDGET reads."""
+    from pagoda.scheduler_svc.worker_link import GONE_READ_BUDGET
+
+    log = FleetLog()
+    reads_at_drop: list[int] = []
+
+    async def scenario() -> None:
+        link = WorkerLink(f"ipc://{tmp_path}/worker.sock", max_workers=2)
+        await link.start(log)
+        reads = 0
+        dispatch = link._dispatch
+
+        async def counting_dispatch(*args):
+            nonlocal reads
+            reads += 1
+            await dispatch(*args)
+
+        link._dispatch = counting_dispatch
+        detached = log.worker_detached
+
+        def note_drop(reason, identity, *, suspect=True):
+            reads_at_drop.append(reads)
+            detached(reason, identity, suspect=suspect)
+
+        log.worker_detached = note_drop
+        context = zmq.Context()
+        try:
+            a = hello_from(context, link.endpoint, incarnation_id="a")
+            await until(lambda: len(link.workers) == 1, "a is attached")
+            b = hello_from(context, link.endpoint, incarnation_id="b")
+            await until(lambda: len(link.workers) == 2, "b is attached beside a")
+            beat = wire.encode(step_pb2.Heartbeat(incarnation_id="b"))
+            for _ in range(4 * GONE_READ_BUDGET):  # queued without yielding: never drained
+                b.send_multipart(beat)
+            deadline = time.monotonic() + 10
+            while not link._socket.get(zmq.EVENTS) & zmq.POLLIN:  # without yielding: unread
+                assert time.monotonic() < deadline, "the heartbeats never arrived"
+                time.sleep(0.01)
+            counted = reads
+            (identity_a,) = [i for i, name in log.names.items() if name == "a"]
+            link._drop_when_read(identity_a, "its connection closed")
+            assert len(link.workers) == 2  # deferred: messages are waiting
+            await until(lambda: len(link.workers) == 1, "a is dropped")
+            assert reads_at_drop[0] - counted <= GONE_READ_BUDGET
+            a.close()
+            b.close()
+        finally:
+            await link.close()
+            context.destroy(linger=0)
+
+    asyncio.run(scenario())
+    assert log.events == ["attach a", "attach b", "detach a"]
