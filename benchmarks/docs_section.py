@@ -7,9 +7,9 @@ and the hand-written prose around it stays:
     ...
     <!-- end generated: make bench --device cuda -->
 
-A section not there yet is appended at the end of the file. `make bench` writes its own
-with `--write-docs` (`make bench-worker --write-docs FILE` writes a `## Worker` section
-its own way); for any other tool, save its output and copy it in:
+A section not there yet is appended at the end of the file. `make bench --write-docs` and
+`make bench-worker --write-docs FILE` write their own; for any other tool, save its output
+and copy it in:
 
     make bench-scheduler | tee /tmp/scheduler.txt
     .venv/bin/python -m benchmarks.docs_section "make bench-scheduler" /tmp/scheduler.txt

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import os
 import platform
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -33,6 +32,8 @@ from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
 from pagoda.gpu_worker.paged_engine import PagedEngine, pick_device
 from pagoda.gpu_worker.quantization import quantize, resolve_quantization
 from pagoda.protos import step_pb2
+
+from benchmarks import docs_section
 
 BLOCK_SIZE = 16
 DECODE_BATCHES = {"cpu": (1, 8, 32, 64), "cuda": (1, 8, 32, 64, 128, 256)}
@@ -287,16 +288,16 @@ def render_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def write_docs(path: Path, section: str) -> None:
-    """Replace (or append) the section of `path` whose heading is `section`'s first line."""
+def docs_section_name(kind: str) -> str:
+    """The generated section of docs/benchmarks.md that `--write-docs` replaces."""
+    return "make bench-worker" if kind == "cpu" else "make bench-worker --device cuda"
+
+
+def write_docs(path: Path, kind: str, body: str) -> None:
+    """Replace the generated worker section of `path` (appended when absent); the prose and
+    headings around it stay."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    heading = section.split("\n", 1)[0]
-    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    path.write_text(docs_section.replace_section(text, docs_section_name(kind), body))
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--write-docs",
         type=Path,
-        help="replace this file's '## Worker' ('## Worker on CUDA') section",
+        help="replace the generated 'make bench-worker' ('... --device cuda') section of this file",
     )
     args = parser.parse_args(argv)
 
@@ -378,8 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     print(summary)
     print(table)
     if args.write_docs:
-        heading = "## Worker\n\n" if kind == "cpu" else "## Worker on CUDA\n\n"
-        section = heading + (
+        heading = "" if kind == "cpu" else "### `make bench-worker --device cuda`\n\n"
+        body = heading + (
             f"`python -m benchmarks.worker_step`, {datetime.date.today().isoformat()}: {summary}\n\n"
             "transformers = the same model's own forward with its `DynamicCache` (sdpa), "
             "same shapes, weights, dtype and quantization, same run: decode as a padded "
@@ -389,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             "the chunk alone and the decodes alone.\n\n"
             f"{table}\n"
         )
-        write_docs(args.write_docs, section)
+        write_docs(args.write_docs, kind, body)
     return 0
 
 

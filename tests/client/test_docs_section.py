@@ -64,3 +64,38 @@ def test_the_suite_writes_what_it_printed_to_its_device_section(tmp_path, monkey
     assert markers("make bench-quick --device cpu")[0] in text
     assert "| table |" in text and "load average 0.50" in text
     assert "== prefix-caching" in capsys.readouterr().out  # the tee printed it too
+
+
+def test_the_worker_bench_replaces_its_table_and_keeps_the_notes_under_it(tmp_path):
+    """`make bench-worker --write-docs` once replaced everything from `## Worker` to the
+    next `## `, the hand-written `###` notes under it included."""
+    from benchmarks import worker_step
+
+    docs = tmp_path / "benchmarks.md"
+    begin, end = markers("make bench-worker")
+    docs.write_text(
+        f"{PROSE}\n## Worker\n\n{begin}\nold table\n{end}\n\nWhat the table shows.\n\n"
+        "### Small steps\n\nNotes kept.\n\n## Next\n\nTail.\n"
+    )
+    worker_step.write_docs(docs, "cpu", "new table")
+    worker_step.write_docs(docs, "cuda", "### cuda\n\ncuda table")
+    text = docs.read_text()
+    assert f"## Worker\n\n{begin}\nnew table\n{end}\n\nWhat the table shows." in text
+    assert "old table" not in text
+    assert "### Small steps\n\nNotes kept.\n\n## Next\n\nTail." in text
+    assert text.rstrip().endswith(markers("make bench-worker --device cuda")[1])  # appended
+
+
+def test_the_docs_hold_every_section_the_benches_write():
+    """A run writes in place, not at the file's end: each section's markers are there."""
+    from benchmarks import worker_step
+
+    text = docs_section.DOCS_PATH.read_text()
+    names = ["make bench --device cuda"] + [
+        worker_step.docs_section_name(kind) for kind in ("cpu", "cuda")
+    ]
+    for name in names:
+        begin, end = markers(name)
+        assert (
+            text.count(begin) == 1 and text.count(end) == 1 and text.index(begin) < text.index(end)
+        )
