@@ -78,7 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ModelNotFoundError, QuantizationError) as exc:
         log.error("cannot load the model: %s", exc)
         return EXIT_REFUSED
-    return WorkerServer(engine, config.zmq_endpoint, curve_client).run()
+    return WorkerServer(
+        engine, config.zmq_endpoint, curve_client, hang_timeout_s=config.hang_timeout_s
+    ).run()
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ class WorkerConfig:
     zmq_curve_server_key: str | None = None  # the scheduler's public .key file
     zmq_allow_insecure_tcp: bool = False  # a tcp:// endpoint without CurveZMQ keys
     log_level: str = "INFO"
+    hang_timeout_s: float = 300.0  # a step running longer is taken as hung (step_pulse.py)
     fail_on_token_id: int | None = None  # fault-injection hook for tests
     dummy_step_ms: float = 0.0  # --model dummy: the least wall time of each step's compute
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA + triton only)
@@ -109,6 +110,8 @@ class WorkerConfig:
         )
         if insecure is not None:
             problems.append(insecure)
+        if not self.hang_timeout_s >= 0:
+            problems.append("--hang-timeout-s must be >= 0")
         if not 0 <= self.dummy_step_ms <= 60_000:
             problems.append("--dummy-step-ms must be between 0 and 60000")
         if self.dummy_crash_on_token_id is not None and not self.is_dummy:
@@ -251,6 +254,15 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "whoever reaches the port can pose as the scheduler); logged as a warning",
     )
     add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
+    add(
+        "--hang-timeout-s",
+        type=float,
+        default=300.0,
+        help="while a step runs the worker sends a heartbeat (and a systemd watchdog "
+        "keep-alive) every second, so a step longer than the scheduler's --worker-timeout-s "
+        "is not a lost worker; past this many seconds the step counts as hung and the beats "
+        "stop, so the scheduler's timeout and WatchdogSec apply (0: no beats during a step)",
+    )
     add(
         "--fail-on-token-id",
         type=_optional_int,

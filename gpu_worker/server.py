@@ -3,8 +3,9 @@
 Conversation (protos/step.proto): HELLO every second until a HELLO_ACK; a refusal
 exits with code 2; an ack from a scheduler incarnation we have not served before, or
 the ack that follows a REHELLO, resets the engine. Then each PLAN gets exactly one
-RESULT; HEARTBEAT every second of silence; REHELLO sends HELLO again. Malformed frames
-are logged and skipped. SIGTERM/SIGINT let the plan being run finish and answer, send
+RESULT; HEARTBEAT every second of silence, and twice a second of a step for at most
+--hang-timeout-s (gpu_worker/step_pulse.py: a long step is not a lost worker, a hung one
+is); REHELLO sends HELLO again. Malformed frames are logged and skipped. SIGTERM/SIGINT let the plan being run finish and answer, send
 GOODBYE (the scheduler then recomputes the plans left unstarted without suspecting their
 requests), close the socket and exit 0. Imports no torch.
 
@@ -15,8 +16,10 @@ EXIT_GROUP_LOST.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -24,6 +27,7 @@ from pathlib import Path
 import zmq
 from pagoda.gpu_worker import codec
 from pagoda.gpu_worker.engine import Engine, one_line
+from pagoda.gpu_worker.step_pulse import StepPulse
 from pagoda.protos import step_pb2
 
 from pagoda.common import curve, transport, wire
@@ -36,6 +40,11 @@ EXIT_REFUSED = 2
 EXIT_GROUP_LOST = 3  # a tensor-parallel rank died: restartable (systemd), unlike 2
 HELLO_INTERVAL_S = 1.0
 HEARTBEAT_INTERVAL_S = 1.0
+# While a step runs: twice as often, so a scheduler's timeout of a second or more is never
+# a race with the next beat.
+STEP_HEARTBEAT_INTERVAL_S = 0.5
+# A step running longer than this is taken as hung (--hang-timeout-s).
+DEFAULT_HANG_TIMEOUT_S = 300.0
 # Longest wait in poll, so a stop signal is noticed promptly.
 POLL_SLICE_MS = 100
 # How long a stopping worker's close waits for its last result and goodbye to leave.
@@ -55,10 +64,12 @@ class WorkerServer:
         endpoint: str,
         curve_client: tuple[curve.KeyPair, bytes] | None = None,
         group=None,
+        hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
     ) -> None:
         """`curve_client`: this worker's CurveZMQ keys and the scheduler's public key;
         `group`: the tensor-parallel ranks to keep in step (send_plan, send_reset,
-        keepalive, lost), None for a single-process worker."""
+        keepalive, lost), None for a single-process worker; `hang_timeout_s`: how long
+        one step is vouched for by heartbeats (0: never)."""
         self.engine = engine
         self.group = group
         self.endpoint = endpoint
@@ -78,6 +89,11 @@ class WorkerServer:
         self._last_watchdog_s = float("-inf")
         self._context = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
+        self._hang_timeout_s = hang_timeout_s
+        # Held by this thread whenever it may use the socket; let go only while the engine
+        # computes, when the pulse may send (run() makes the pulse).
+        self._socket_lock = threading.Lock()
+        self._pulse: StepPulse | None = None
 
     def hello(self) -> step_pb2.Hello:
         facts = self.engine.facts
@@ -127,6 +143,10 @@ class WorkerServer:
             self.engine.facts.block_size,
         )
         linger_ms = 0
+        self._socket_lock.acquire()
+        self._pulse = StepPulse(
+            self._beat, self._socket_lock, self._hang_timeout_s, STEP_HEARTBEAT_INTERVAL_S
+        )
         try:
             exit_code = self._serve()
             if exit_code == EXIT_OK and self._acknowledged:
@@ -138,6 +158,9 @@ class WorkerServer:
                     linger_ms = GOODBYE_LINGER_MS
             return exit_code
         finally:
+            self._pulse.close()
+            self._pulse = None
+            self._socket_lock.release()
             socket.close(linger=linger_ms)
             self._socket = None
             for sig, handler in previous.items():
@@ -177,6 +200,15 @@ class WorkerServer:
         if self.group is not None:
             self.group.keepalive()
 
+    def _beat(self) -> None:
+        """The pulse's beat while a step runs (its thread, the socket lock held)."""
+        self._send(step_pb2.Heartbeat(incarnation_id=self.incarnation_id))
+        notify("WATCHDOG=1")
+
+    def _computing(self, step_id: int) -> contextlib.AbstractContextManager:
+        """Around the engine's work on a step: the pulse beats meanwhile (when serving)."""
+        return self._pulse.running(step_id) if self._pulse is not None else contextlib.nullcontext()
+
     def _group_lost(self) -> bool:
         problem = self.group.lost() if self.group is not None else None
         if problem is not None:
@@ -202,7 +234,8 @@ class WorkerServer:
             if self.group is not None:
                 self.group.send_plan(frames)  # as wire.decode just parsed them
             try:
-                result = codec.encode_result(self.engine.step(plan))
+                with self._computing(plan.step_id):
+                    result = codec.encode_result(self.engine.step(plan))
             except Exception as exc:  # the engine reports its own failures; this is a backstop
                 log.error("step %d: engine crashed: %s", plan.step_id, one_line(exc))
                 self.engine.table.forget(plan.named_seq_ids())

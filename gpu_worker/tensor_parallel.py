@@ -569,7 +569,13 @@ def _run_rank(
             exit_code = follow(engine, group)
             return exit_code
         join_engine(engine, group)
-        exit_code = WorkerServer(engine, config.zmq_endpoint, curve_client, group=leader).run()
+        exit_code = WorkerServer(
+            engine,
+            config.zmq_endpoint,
+            curve_client,
+            group=leader,
+            hang_timeout_s=config.hang_timeout_s,
+        ).run()
         return exit_code
     finally:
         if leader is not None:

@@ -108,6 +108,10 @@ class _LaneLink:
             return gone
         return self._link.start_step(plan, timeout_s, identity)
 
+    def heard_within(self, seconds: float) -> bool:
+        identity = self._identity()
+        return identity is not None and self._link.heard_within(seconds, identity)
+
 
 class _Router:
     """The `scheduler` of the shared output processor: adds go to the lane chosen for

@@ -120,7 +120,9 @@ HELP: dict[str, str] = {
     "model": "tokenizer and chat template source: default, a directory, a .gguf file or a hub id",
     "metrics_address": "host:port for Prometheus metrics over HTTP, unauthenticated (off when "
     "unset; a bare :PORT binds 127.0.0.1)",
-    "worker_timeout_s": "seconds to wait for a step result before the worker counts as lost",
+    "worker_timeout_s": "seconds a worker with a step in flight may send nothing (no result, "
+    "no heartbeat) before it counts as lost; a worker sends heartbeats while a long step "
+    "runs, up to its --hang-timeout-s",
     "worker_grace_s": "seconds waiting requests survive without a worker before UNAVAILABLE",
     "drain_timeout_s": "on SIGTERM, seconds in-flight streams may finish before being cancelled",
     "default_max_new_tokens": "max_new_tokens when a request leaves it 0 (clamped to the context)",

@@ -263,10 +263,13 @@ class StepLoop:
     # -- the loop --------------------------------------------------------------------
 
     def is_turning(self) -> bool:
-        """Whether the loop began a turn recently enough: an idle turn takes idle_tick_s and
-        a step at most the worker timeout, so a longer silence means the loop is stuck."""
+        """Whether the loop is not stuck: it began a turn recently enough (an idle turn
+        takes idle_tick_s), or it awaits a step whose worker spoke within the worker
+        timeout (a long step's worker sends heartbeats; a silent one is lost by then)."""
         limit_s = self._worker_timeout_s + 2 * self._idle_tick_s + 1.0
-        return self._clock() - self._last_turn_s <= limit_s
+        if self._clock() - self._last_turn_s <= limit_s:
+            return True
+        return bool(self._flights) and self._link.heard_within(limit_s)
 
     async def run(self) -> None:
         try:

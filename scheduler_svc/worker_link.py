@@ -183,7 +183,9 @@ class WorkerLink:
         returning, and give the future of its result; it fails with WorkerLost if that
         worker does not answer. Another plan may be in flight (overlapped steps): the
         worker answers in order, and `timeout_s` counts from this send, so it covers the
-        step before too.
+        step before too. It is a bound on silence, not on the step: a worker heard from
+        since (a result of the step before, or a heartbeat it sends while a long step
+        runs, see gpu_worker/step_pulse.py) has `timeout_s` from then.
 
         The send is not left to a task: the worker has its next plan before any stream
         writer runs, and the result wakes its awaiter directly (no task between)."""
@@ -201,8 +203,14 @@ class WorkerLink:
                 future.set_exception(WorkerLost(reason))
 
         def expire() -> None:
-            if not future.done():
-                lose(f"no result for step {step_id} within {timeout_s:g} s")
+            nonlocal timer
+            if future.done():
+                return
+            silent_s = time.monotonic() - peer.last_seen_s
+            if silent_s < timeout_s:  # it spoke after the send: still at work
+                timer = loop.call_later(timeout_s - silent_s, expire)
+                return
+            lose(f"no result for step {step_id} and no word for {timeout_s:g} s")
 
         def sent(send: asyncio.Future) -> None:
             if send.cancelled():
@@ -232,6 +240,12 @@ class WorkerLink:
     ) -> step_pb2.StepResult:
         """start_step, awaited."""
         return await self.start_step(plan, timeout_s, identity)
+
+    def heard_within(self, seconds: float, identity: bytes | None = None) -> bool:
+        """Whether the worker of `identity` (None: the first attached) sent anything in
+        the last `seconds`."""
+        peer = self._peer(identity)
+        return peer is not None and time.monotonic() - peer.last_seen_s <= seconds
 
     def _peer(self, identity: bytes | None) -> _Peer | None:
         if identity is None:

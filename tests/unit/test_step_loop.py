@@ -122,6 +122,10 @@ class FakeLink:
         self._events: WorkerEvents | None = None
         self._detach_after_plan: int | None = None
         self._lose_during_plan: int | None = None
+        # A long step: plans wait on this event; `heard` is what heard_within answers.
+        self.go_on: asyncio.Event | None = None
+        self.holding = asyncio.Event()
+        self.heard = False
 
     async def start(self, events: WorkerEvents) -> None:
         self._events = events
@@ -150,9 +154,15 @@ class FakeLink:
     def start_step(self, plan: step_pb2.StepPlan, timeout_s: float) -> asyncio.Future:
         return asyncio.ensure_future(self.run_step(plan, timeout_s))
 
+    def heard_within(self, seconds: float) -> bool:
+        return self.heard
+
     async def run_step(self, plan: step_pb2.StepPlan, timeout_s: float) -> step_pb2.StepResult:
         # A real link awaits the worker's answer; other tasks (readers, cancels) run meanwhile.
         await asyncio.sleep(0)
+        if self.go_on is not None:
+            self.holding.set()
+            await self.go_on.wait()
         if self.worker is None:
             raise WorkerLost("no worker attached")
         self.num_plans += 1
@@ -311,6 +321,28 @@ def contending_requests() -> list[ValidRequest]:
 
 
 # -- attach ------------------------------------------------------------------------------------
+
+
+def test_a_step_longer_than_the_worker_timeout_keeps_the_loop_turning_while_its_worker_speaks():
+    """The systemd watchdog's question (is_turning): a loop awaiting a step for longer than
+    the worker timeout is stuck only if the worker went quiet meanwhile."""
+
+    async def body() -> None:
+        async with running() as h:
+            await h.attach("w1")
+            h.link.go_on = asyncio.Event()
+            (reader,) = h.submit_all([long_request("long", max_new_tokens=2)])
+            await h.wait(h.link.holding.wait())
+            assert h.loop.is_turning()
+            h.clock.now_s += 60.0  # six worker timeouts into the step
+            h.link.heard = True  # its worker sends heartbeats
+            assert h.loop.is_turning()
+            h.link.heard = False  # it went quiet
+            assert not h.loop.is_turning()
+            h.link.go_on.set()
+            assert_exact(await h.wait(reader), long_request("long", max_new_tokens=2))
+
+    scenario(body)
 
 
 def test_before_any_worker_requests_are_refused_and_after_its_hello_they_are_served():

@@ -183,6 +183,36 @@ def test_extra_frames_and_garbage_drop_the_worker_without_ending_the_link(tmp_pa
     assert events[4:] == ["attach w4"]
 
 
+def test_a_step_outlives_its_timeout_while_the_worker_sends_heartbeats(tmp_path):
+    """The step timeout bounds the worker's silence, not the step: a worker whose long
+    step goes on saying it is alive (gpu_worker/step_pulse.py) is waited for, for six
+    timeouts here, and its result taken; then one that goes quiet is dropped."""
+    events: list[str] = []
+
+    async def scenario() -> None:
+        async with linked(tmp_path, events) as (link, context):
+            worker = say_hello(context, link.endpoint, "w1")
+            await until(attached(link, "w1"), "w1 is attached")
+            assert isinstance(wire.decode(worker.recv_multipart()), step_pb2.HelloAck)
+            heartbeat = wire.encode(step_pb2.Heartbeat(incarnation_id="w1"))
+            result = link.start_step(make_plan(), timeout_s=0.5)
+            assert isinstance(wire.decode(worker.recv_multipart()), step_pb2.StepPlan)
+            for _ in range(30):  # 3 s of a step, a heartbeat every 0.1 s
+                worker.send_multipart(heartbeat)
+                await asyncio.sleep(0.1)
+                assert not result.done()
+            assert link.heard_within(0.5)
+            worker.send_multipart(wire.encode(good_result()))
+            assert (await result).token_ids == [4, 5]
+            quiet = link.start_step(make_plan(), timeout_s=0.5)
+            with pytest.raises(WorkerLost, match="no result for step 5 and no word for 0.5 s"):
+                await quiet
+            assert link.worker is None and not link.heard_within(60)
+            worker.close()
+
+    asyncio.run(scenario())
+
+
 def test_start_step_sends_the_plan_before_it_returns_and_a_silent_worker_times_out(tmp_path):
     """The plan leaves before any other task runs (stream writers must not delay it),
     and a worker that never answers is dropped at the step's timeout."""
