@@ -23,6 +23,7 @@ import asyncio
 import http.client
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -129,6 +130,14 @@ class LlamaServerError(RuntimeError):
     """The server failed to start, died, or answered an error; the message says which."""
 
 
+# Weight repacking puts the weights in the CPU's extra buffer types: on an AMX CPU, AMX
+# tiles for this Q4_1 model (its only one here). A GGML_NATIVE build of llama.cpp 0.3.36
+# crashed in ggml_backend_amx_mul_mat on such a CPU (2026-11-25, SIGSEGV at the warm-up
+# before /health); without repacking it serves, from the plain AVX-512 kernels.
+NO_REPACK = "--no-repack"
+CRASH_SIGNALS = (-signal.SIGSEGV, -signal.SIGILL, -signal.SIGBUS)
+
+
 @dataclass(slots=True)
 class LlamaServer:
     """One llama-server process; `start()` returns once /health answers 200."""
@@ -139,7 +148,25 @@ class LlamaServer:
     log_path: Path | None = None
 
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> float:
-        """Start it and poll /health until 200; the seconds it took."""
+        """Start it and poll /health until 200; the seconds it took. A server that crashes
+        while loading is started once more without weight repacking (NO_REPACK), and says
+        so on stderr."""
+        try:
+            return self._start(timeout_s)
+        except LlamaServerError:
+            crashed = self.process is not None and self.process.returncode in CRASH_SIGNALS
+            if not crashed or NO_REPACK in self.argv:
+                raise
+        print(
+            f"  llama-server crashed while loading (exit {self.process.returncode}); "
+            f"starting it again with {NO_REPACK} (no AMX/repacked weights)",
+            file=sys.stderr,
+        )
+        self.cleanup()
+        self.argv = [*self.argv, NO_REPACK]
+        return self._start(timeout_s)
+
+    def _start(self, timeout_s: float) -> float:
         fd, name = tempfile.mkstemp(prefix="pagoda-llama-server-", suffix=".log")
         self.log_path = Path(name)
         with os.fdopen(fd, "w") as log:

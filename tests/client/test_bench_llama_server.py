@@ -222,6 +222,23 @@ def test_server_that_exits_is_reported_with_its_log(tmp_path):
         server.start(timeout_s=30)
 
 
+def test_a_server_that_crashes_while_loading_starts_again_without_repacking(fake_binary, capsys):
+    """As the AMX build did on this machine: SIGSEGV before /health unless --no-repack."""
+    install, _ = fake_binary
+    crashing = install.binary.with_name("llama-server-amx")
+    crashing.write_text(
+        '#!/bin/sh\ncase " $* " in *" --no-repack "*) ;; *) kill -SEGV $$ ;; esac\n'
+        f'exec {install.binary} "$@"\n'
+    )
+    crashing.chmod(install.binary.stat().st_mode)
+    port = free_port()
+    argv = server_argv(crashing, install.model, port, parallel=1, context_per_slot=256, threads=1)
+    with LlamaServer(argv, port) as server:
+        server.start(timeout_s=30)
+        assert server.argv[-1] == "--no-repack" and server.process.poll() is None
+    assert "crashed while loading (exit -11)" in capsys.readouterr().err
+
+
 def test_run_workload_streams_every_token_of_every_request(fake_binary):
     install, bodies = fake_binary
     config = BenchConfig(num_requests=4, max_new_tokens=5, ignore_eos=True)
