@@ -391,6 +391,9 @@ class StepLoop:
         # Steps in flight are lost with it: a request that killed it may end here.
         self._publish(self._scheduler.detach_worker(reason, suspect=suspect))
         self._on_worker_change(False)
+        if self._stopped:  # data parallel: the lane's requests went to the workers left
+            log.warning("worker detached (%s); its lane is closed", reason)
+            return
         log.warning(
             "worker detached (%s); requests wait up to %g s for a new one",
             reason,

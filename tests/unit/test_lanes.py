@@ -143,6 +143,9 @@ def test_a_lost_worker_s_requests_finish_on_the_other_without_loss_or_repeat(cap
     scenario(body)
     (moved,) = [r.getMessage() for r in caplog.records if "requests moved" in r.getMessage()]
     assert re.search(r"; [1-9]\d* requests moved", moved), moved
+    # The lost lane's loop does not say its requests wait for a new worker: they moved.
+    (detached,) = [r.getMessage() for r in caplog.records if "worker detached" in r.getMessage()]
+    assert detached.endswith("its lane is closed"), detached
 
 
 def test_metrics_report_each_worker_by_label():
