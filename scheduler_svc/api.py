@@ -29,6 +29,7 @@ from pagoda.scheduler_svc.core import (
 )
 from pagoda.scheduler_svc.lanes import Lanes
 from pagoda.scheduler_svc.metrics import Metrics
+from pagoda.scheduler_svc.rpc_limit import RpcLimit
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.step_loop import StepLoop, Unavailable
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
@@ -507,6 +508,10 @@ def build_server(
     interceptors = []
     if config.api_key_file:
         interceptors.append(BearerAuth(read_api_keys(config.api_key_file)))
+    # Beyond max_concurrent_rpcs (all connections together) running handlers, the next RPC
+    # gets RESOURCE_EXHAUSTED: counted by handler, not by grpc's maximum_concurrent_rpcs,
+    # whose count a stalled stream keeps for as long as its connection lives (rpc_limit).
+    interceptors.append(RpcLimit(config.max_concurrent_rpcs))
     options = [
         ("grpc.max_receive_message_length", config.max_grpc_message_bytes),
         ("grpc.max_send_message_length", config.max_grpc_message_bytes),
@@ -515,12 +520,7 @@ def build_server(
         *KEEPALIVE_OPTIONS,
         ("grpc.max_connection_idle_ms", int(config.max_connection_idle_s * 1000)),
     ]
-    # Beyond max_concurrent_rpcs (all connections together) grpc answers RESOURCE_EXHAUSTED.
-    server = grpc.aio.server(
-        interceptors=interceptors,
-        options=options,
-        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-    )
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     server.add_generic_rpc_handlers((_generation_handler(servicer),))
     health_servicer = BoundedHealthServicer(config.max_health_watchers)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

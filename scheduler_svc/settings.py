@@ -131,7 +131,8 @@ HELP: dict[str, str] = {
     "max_logprobs": "largest top-n logprobs a request may ask for (at most 20)",
     "max_grpc_message_bytes": "largest gRPC message accepted or sent",
     "max_concurrent_streams": "HTTP/2 concurrent streams per connection",
-    "max_concurrent_rpcs": "concurrent RPCs over all connections (RESOURCE_EXHAUSTED beyond)",
+    "max_concurrent_rpcs": "concurrent RPC handlers over all connections (RESOURCE_EXHAUSTED "
+    "beyond); a stream its client stopped reading counts until stream_write_timeout_s ends it",
     "stream_write_timeout_s": "a stream whose client takes no message for this long (it "
     "stopped reading) is ended with DEADLINE_EXCEEDED and its request cancelled",
     "max_connection_idle_s": "a connection with no call for this long is closed (GOAWAY)",

@@ -11,9 +11,10 @@ out, the server's next write for the stream waits for the client, for good. Then
   has no stream left to wait for;
 - a normal client is served in full meanwhile.
 What the server cannot do: reset the HTTP/2 stream. grpc.aio has no per-stream cancel and
-the status queues behind the data the client does not take, so the stream (and its place
-under --max-concurrent-rpcs) lasts until the client's connection closes; each connection
-holds at most --max-concurrent-streams of them.
+the status queues behind the data the client does not take, so the stream lasts until the
+client's connection closes; each connection holds at most --max-concurrent-streams of them.
+Its place under --max-concurrent-rpcs does not: that limit counts handlers
+(scheduler_svc/rpc_limit.py), so other clients are served once the stalled ones end.
 """
 
 from __future__ import annotations
@@ -223,3 +224,30 @@ def test_stalled_streams_end_and_hold_bounded_memory(tmp_path):
         finally:
             for connection in connections:
                 connection.close()
+
+
+def test_stalled_streams_give_back_their_rpc_places_once_their_handlers_end(tmp_path):
+    """A stalled stream outlives its handler (its status waits behind data its client
+    never takes), but not its place under --max-concurrent-rpcs: once the handlers end,
+    another client's RPCs are served, with the stalled connection still open."""
+    max_rpcs = 8
+    scheduler_args = ["--stream-write-timeout-s", "2", "--max-concurrent-rpcs", str(max_rpcs)]
+    with running_service(tmp_path, model="dummy", scheduler_args=scheduler_args) as service:
+        connection = StalledConnection(service.address)
+        try:
+            streams = [connection.open_generate(stalled_request(i)) for i in range(max_rpcs)]
+
+            def another_client_is_served() -> bool:
+                connection.pump(0.05)
+                try:
+                    (result,) = asyncio.run(concurrent_streams(service.address, [[5, 6]], 4))
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                    return False
+                return result[0] == dummy_continuation([5, 6], 4)
+
+            wait_until(another_client_is_served, 60, "the stalled streams' places to be free")
+            assert all(stream_id in connection.responded for stream_id in streams)
+            assert service.stats().num_running == 0
+        finally:
+            connection.close()
