@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.tensor_parallel_size > 1 or os.environ.get("WORLD_SIZE", "1") != "1":
         from pagoda.gpu_worker import tensor_parallel  # imports torch
 
-        return tensor_parallel.run(config, curve_client)
+        tensor_parallel.exit_process(tensor_parallel.run(config, curve_client))
     try:
         engine = build_engine(config)
     except (ModelNotFoundError, QuantizationError) as exc:
