@@ -237,6 +237,13 @@ def test_stalled_streams_give_back_their_rpc_places_once_their_handlers_end(tmp_
         try:
             streams = [connection.open_generate(stalled_request(i)) for i in range(max_rpcs)]
 
+            def every_stalled_handler_started() -> bool:
+                connection.pump(0.05)
+                return all(stream_id in connection.responded for stream_id in streams)
+
+            # Each stalled stream took a place (its handler answered) before anyone else asks.
+            wait_until(every_stalled_handler_started, 30, "the stalled streams' handlers")
+
             def another_client_is_served() -> bool:
                 connection.pump(0.05)
                 try:
@@ -247,7 +254,6 @@ def test_stalled_streams_give_back_their_rpc_places_once_their_handlers_end(tmp_
                 return result[0] == dummy_continuation([5, 6], 4)
 
             wait_until(another_client_is_served, 60, "the stalled streams' places to be free")
-            assert all(stream_id in connection.responded for stream_id in streams)
             assert service.stats().num_running == 0
         finally:
             connection.close()
