@@ -29,8 +29,9 @@ def test_steps_longer_than_the_worker_timeout_finish_without_a_loss(tmp_path):
     with running_service(
         tmp_path,
         model="dummy",
-        worker_args=["--dummy-step-ms", "2500"],  # every step, over twice the timeout
-        scheduler_args=["--worker-timeout-s", "1"],
+        # Every step twice the timeout; the worker's beats (0.5 s apart) leave 1.5 s spare.
+        worker_args=["--dummy-step-ms", "4000"],
+        scheduler_args=["--worker-timeout-s", "2"],
     ) as service:
         batch = prompts(2, length=8)
         results = asyncio.run(streams(service.address, batch, 3))
