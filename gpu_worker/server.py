@@ -3,7 +3,7 @@
 Conversation (protos/step.proto): HELLO every second until a HELLO_ACK; a refusal
 exits with code 2; an ack from a scheduler incarnation we have not served before, or
 the ack that follows a REHELLO, resets the engine. Then each PLAN gets exactly one
-RESULT; HEARTBEAT every second of silence, and twice a second of a step for at most
+RESULT; HEARTBEAT every second of silence, and every 0.5 s of a long step for at most
 --hang-timeout-s (gpu_worker/step_pulse.py: a long step is not a lost worker, a hung one
 is); REHELLO sends HELLO again. Malformed frames are logged and skipped. SIGTERM/SIGINT let the plan being run finish and answer, send
 GOODBYE (the scheduler then recomputes the plans left unstarted without suspecting their
@@ -40,8 +40,8 @@ EXIT_REFUSED = 2
 EXIT_GROUP_LOST = 3  # a tensor-parallel rank died: restartable (systemd), unlike 2
 HELLO_INTERVAL_S = 1.0
 HEARTBEAT_INTERVAL_S = 1.0
-# While a step runs: twice as often, so a scheduler's timeout of a second or more is never
-# a race with the next beat.
+# While a long step runs (step_pulse.py): a beat within 1 s of its start, then every 0.5 s,
+# so a scheduler timeout of 2 s or more is never a race with the next one.
 STEP_HEARTBEAT_INTERVAL_S = 0.5
 # A step running longer than this is taken as hung (--hang-timeout-s).
 DEFAULT_HANG_TIMEOUT_S = 300.0

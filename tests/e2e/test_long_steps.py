@@ -29,7 +29,8 @@ def test_steps_longer_than_the_worker_timeout_finish_without_a_loss(tmp_path):
     with running_service(
         tmp_path,
         model="dummy",
-        # Every step twice the timeout; the worker's beats (0.5 s apart) leave 1.5 s spare.
+        # Every step twice the timeout; the worker's first beat comes within 1 s of a step's
+        # start, then one every 0.5 s: 1 s spare.
         worker_args=["--dummy-step-ms", "4000"],
         scheduler_args=["--worker-timeout-s", "2"],
     ) as service:
