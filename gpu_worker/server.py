@@ -5,9 +5,10 @@ exits with code 2; an ack from a scheduler incarnation we have not served before
 the ack that follows a REHELLO, resets the engine. Then each PLAN gets exactly one
 RESULT; HEARTBEAT every second of silence, and every 0.5 s of a long step for at most
 --hang-timeout-s (gpu_worker/step_pulse.py: a long step is not a lost worker, a hung one
-is); REHELLO sends HELLO again. Malformed frames are logged and skipped. SIGTERM/SIGINT let the plan being run finish and answer, send
-GOODBYE (the scheduler then recomputes the plans left unstarted without suspecting their
-requests), close the socket and exit 0. Imports no torch.
+is); REHELLO sends HELLO again. Malformed frames are logged and skipped. SIGTERM/SIGINT
+let the plan being run finish and answer, send GOODBYE (the scheduler then recomputes
+the plans left unstarted without suspecting their requests), close the socket and exit
+0. Imports no torch.
 
 Under tensor parallelism this is rank 0, and `group` (tensor_parallel.GroupLeader) hears of
 every plan (its frames) and reset before the engine runs it; a lost group exits
