@@ -232,8 +232,9 @@ def close_group(destroy: bool = True) -> None:
 def exit_process(exit_code: int) -> NoReturn:
     """End a rank's process with `exit_code`, without the interpreter's finalization: gloo's
     threads torn down there can abort the process ("terminate called without an active
-    exception", SIGABRT), which replaced EXIT_GROUP_LOST (restartable) by a signal in 1 of
-    a few dozen runs of the dead-rank test, and killed finished ranks of the parity test."""
+    exception", SIGABRT), which replaced EXIT_GROUP_LOST (restartable) by a signal once in
+    about 15 full-suite runs of the dead-rank test, and killed finished ranks of the
+    parity test."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
