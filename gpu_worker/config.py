@@ -258,9 +258,9 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--hang-timeout-s",
         type=float,
         default=300.0,
-        help="while a step runs the worker sends a heartbeat (and a systemd watchdog "
-        "keep-alive) every second, so a step longer than the scheduler's --worker-timeout-s "
-        "is not a lost worker; past this many seconds the step counts as hung and the beats "
+        help="once a step has run half a second the worker sends a heartbeat (and a systemd "
+        "watchdog keep-alive) every half second, so a step longer than the scheduler's "
+        "--worker-timeout-s is not a lost worker; past this many seconds the step counts as hung and the beats "
         "stop, so the scheduler's timeout and WatchdogSec apply (0: no beats during a step)",
     )
     add(

@@ -63,6 +63,10 @@ class _Peer:
     last_seen_s: float
     pending: dict[int, _Pending]
 
+    def silent_s(self) -> float:
+        """Seconds since it last sent anything."""
+        return time.monotonic() - self.last_seen_s
+
 
 class WorkerLost(Exception):
     """The worker went away (timeout, restart, unreachable) while a step was in flight.
@@ -206,7 +210,7 @@ class WorkerLink:
             nonlocal timer
             if future.done():
                 return
-            silent_s = time.monotonic() - peer.last_seen_s
+            silent_s = peer.silent_s()
             if silent_s < timeout_s:  # it spoke after the send: still at work
                 timer = loop.call_later(timeout_s - silent_s, expire)
                 return
@@ -245,7 +249,7 @@ class WorkerLink:
         """Whether the worker of `identity` (None: the first attached) sent anything in
         the last `seconds`."""
         peer = self._peer(identity)
-        return peer is not None and time.monotonic() - peer.last_seen_s <= seconds
+        return peer is not None and peer.silent_s() <= seconds
 
     def _peer(self, identity: bytes | None) -> _Peer | None:
         if identity is None:
@@ -454,9 +458,8 @@ class WorkerLink:
     async def _watch_heartbeats(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_TIMEOUT_S / 5)
-            now_s = time.monotonic()
             for peer in list(self._peers.values()):
-                silent_s = now_s - peer.last_seen_s
+                silent_s = peer.silent_s()
                 if not peer.pending and silent_s > HEARTBEAT_TIMEOUT_S:
                     self._drop_worker(peer.info.identity, f"no heartbeat for {silent_s:.1f} s")
 

@@ -9,9 +9,7 @@ wire frames exactly as the worker's server does, rank 1 runs tensor_parallel.fol
 from __future__ import annotations
 
 import json
-import os
 import socket
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -183,9 +181,7 @@ def _rank_main(rank: int, model_dirs: list[str], port: int, out_path: str) -> No
     # without an active exception", after its work: a gloo thread torn down at exit is
     # suspected. The marker tells such an abort apart from one during the work.
     Path(f"{out_path}.rank{rank}.done").touch()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    tensor_parallel.exit_process(0)
 
 
 def _lead(engine, leader) -> list[dict]:
