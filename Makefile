@@ -10,7 +10,7 @@ ARGS ?=
 LLAMA_CPP_PYTHON_VERSION ?= 0.3.36
 
 .DEFAULT_GOAL := help
-.PHONY: help install protos check-protos lint test test-fast run bench bench-quick bench-worker bench-scheduler llama-server clean
+.PHONY: help install protos check-protos lint test test-fast run bench bench-quick bench-worker bench-scheduler llama-server gpu-check gpu-carry clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -62,6 +62,12 @@ bench-scheduler: $(STAMP) ## schedule() + apply() per step at 16..1024 running s
 
 llama-server: $(STAMP) ## build llama.cpp's llama-server + the Q4_1 model into ~/.cache (a make bench peer)
 	scripts/build_llama_server.sh $(PY) $(LLAMA_CPP_PYTHON_VERSION)
+
+gpu-check: ## on a lent GPU machine: CUDA tests, parity, kernel and step timings, the service (ARGS=--dry-run: on this CPU)
+	bash scripts/gpu_check.sh $(ARGS)
+
+gpu-carry: $(STAMP) ## fill .whl/ and .gpu-model/, what a device call carries for make gpu-check
+	scripts/gpu_check_carry.sh $(PY)
 
 clean: ## remove .venv and caches (the model cache in ~/.cache/pagoda stays)
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info

@@ -285,9 +285,10 @@ def _run_against_target(
         # Every column ran on the same server settings: there is no knob to compare.
         print(format_report_table(runs), flush=True)
     for workload in workloads:
-        results.peer_workloads[workload.name] = {
-            f"{PAGODA} ({TARGET_NOTE})": _bench(with_target(workload.workload, target))
-        }
+        runs = {f"{PAGODA} ({TARGET_NOTE})": _bench(with_target(workload.workload, target))}
+        results.peer_workloads[workload.name] = runs
+        print(f"\n## {workload.name}: {workload.title}")
+        print(format_report_table(runs), flush=True)
 
 
 def _run_llama_server(

@@ -317,4 +317,6 @@ class ReferenceBackend:
         attended = attend(
             grouped, keys.transpose(1, 2), values.transpose(1, 2), mask, scale, softcap
         )
-        return attended.view(num_rows, num_heads, head_dim)
+        # reshape, not view: CUDA's SDPA kernels may return [B, kv_heads, group, d] in
+        # another memory order (seen on an H200), which no view can regroup.
+        return attended.reshape(num_rows, num_heads, head_dim)

@@ -7,9 +7,17 @@ below zero is a padding row and is skipped, so a padded batch needs no host-side
 program owns one query tile of one sequence (BLOCK_Q consecutive rows) and one KV head.
 Its BLOCK_M = BLOCK_Q * GROUP_PAD matrix rows are (token, query head of that KV head's
 group) pairs, so the KV of a grouped-query head is read once for all its query heads.
-It walks the sequence's blocks through the block table, one cache block (block_size
-keys) per iteration, with an online softmax in fp32, and stops at the tile's last
-causal key (and starts at its first in-window key under a sliding window).
+It walks the sequence's keys TILE_N at a time, each key's cache block looked up through
+the block table (so the key tile and the cache block size are independent: any block
+size works, and a large block does not make a large tile), with an online softmax in
+fp32, and stops at the tile's last causal key (and starts at its first in-window key
+under a sliding window).
+
+Split-KV: when a decode-only step has too few (sequence, KV head) programs to fill the
+GPU, each one's keys are cut into NUM_SEGMENTS ranges run by programs of their own; each
+writes its partial softmax state (max, sum, weighted values) and `_reduce_segments_kernel`
+merges them. The segment count depends only on the batch size, never on the context
+lengths, so a captured CUDA graph replays the same launch for any context.
 
 The grid is fixed by (num_tokens, num_seqs) alone, not by the chunk lengths: sequence s
 owns the tiles [query_start[s] // BLOCK_Q + s, query_start[s + 1] // BLOCK_Q + s + 1),
@@ -89,12 +97,15 @@ def _write_kv_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_table_seq"])
 def _paged_attention_kernel(
     query_ptr,
     key_cache_ptr,
     value_cache_ptr,
     output_ptr,
+    segment_max_ptr,  # [num_tokens, heads, NUM_SEGMENTS] fp32 (split-KV only)
+    segment_sum_ptr,
+    segment_output_ptr,  # [num_tokens, heads, NUM_SEGMENTS, HEAD_DIM_PAD] fp32
     query_start_ptr,
     context_lens_ptr,
     block_table_ptr,
@@ -119,13 +130,16 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD matrix rows
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,  # keys per cache block = keys per iteration
+    BLOCK_SIZE: tl.constexpr,  # keys per cache block (any size)
+    TILE_N: tl.constexpr,  # keys per iteration (a power of two, 16 or more compiled)
+    NUM_SEGMENTS: tl.constexpr,  # key ranges per (tile, KV head); 1: no split
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
 
     # The sequence owning this tile: the number of s in [1, num_seqs] whose first tile
     # query_start[s] // BLOCK_Q + s is <= tile (first tiles strictly increase with s).
@@ -173,36 +187,42 @@ def _paged_attention_kernel(
     # window, from its first row's oldest visible key.
     last_row = tl.minimum((tile_in_seq + 1) * BLOCK_Q, query_len) - 1
     num_visible_keys = num_prior_keys + last_row + 1
-    num_blocks = (num_visible_keys + BLOCK_SIZE - 1) // BLOCK_SIZE
-    first_block = 0
+    num_key_tiles = (num_visible_keys + TILE_N - 1) // TILE_N
+    first_key_tile = 0
     if USE_WINDOW:
         first_visible = num_prior_keys + tile_in_seq * BLOCK_Q - sliding_window + 1
-        first_block = tl.maximum(first_visible, 0) // BLOCK_SIZE
+        first_key_tile = tl.maximum(first_visible, 0) // TILE_N
+    if NUM_SEGMENTS > 1:  # this program's share of the key tiles
+        per_segment = (num_key_tiles - first_key_tile + NUM_SEGMENTS - 1) // NUM_SEGMENTS
+        first_key_tile = first_key_tile + segment * per_segment
+        num_key_tiles = tl.minimum(num_key_tiles, first_key_tile + per_segment)
 
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     accumulator = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    offsets = tl.arange(0, BLOCK_SIZE)
+    offsets = tl.arange(0, TILE_N)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table_seq
-    # Within a block: K transposed [HEAD_DIM_PAD, BLOCK_SIZE] for q @ k, V [BLOCK_SIZE, HEAD_DIM_PAD].
-    key_in_block = offsets[None, :] * stride_kc_slot + kv_head * stride_kc_head + dims[:, None]
-    value_in_block = offsets[:, None] * stride_vc_slot + kv_head * stride_vc_head + dims[None, :]
     # Scores are kept in log2 units for exp2: scale * log2(e) folded into one multiplier.
     log2_scale = scale * 1.4426950408889634
 
-    for block_index in range(first_block, num_blocks):
-        block = tl.load(table_row + block_index).to(tl.int64)
-        key_position = block_index * BLOCK_SIZE + offsets
+    for key_tile in range(first_key_tile, num_key_tiles):
+        key_position = key_tile * TILE_N + offsets
         # Slots past the last visible key may hold anything (a reused block's old values):
         # they load as 0, so that 0 * garbage never reaches the sum as NaN.
         key_valid = key_position < num_visible_keys
+        block = tl.load(table_row + key_position // BLOCK_SIZE, mask=key_valid, other=0)
+        slot = block.to(tl.int64) * stride_kc_block + (key_position % BLOCK_SIZE) * stride_kc_slot
+        # K transposed [HEAD_DIM_PAD, TILE_N] for q @ k, V [TILE_N, HEAD_DIM_PAD].
         key = tl.load(
-            key_cache_ptr + block * stride_kc_block + key_in_block,
+            key_cache_ptr + slot[None, :] + kv_head * stride_kc_head + dims[:, None],
             mask=dim_valid[:, None] & key_valid[None, :],
             other=0.0,
         )
+        value_slot = (
+            block.to(tl.int64) * stride_vc_block + (key_position % BLOCK_SIZE) * stride_vc_slot
+        )
         value = tl.load(
-            value_cache_ptr + block * stride_vc_block + value_in_block,
+            value_cache_ptr + value_slot[:, None] + kv_head * stride_vc_head + dims[None, :],
             mask=key_valid[:, None] & dim_valid[None, :],
             other=0.0,
         )
@@ -231,6 +251,17 @@ def _paged_attention_kernel(
         ).to(tl.float32)
         running_max = block_max
 
+    if NUM_SEGMENTS > 1:  # the partial state, merged by _reduce_segments_kernel
+        state = (token[:, None] * (GROUP * tl.num_programs(1)) + query_head[:, None]) * NUM_SEGMENTS
+        state = state + segment
+        tl.store(segment_max_ptr + state, running_max[:, None], mask=row_valid[:, None])
+        tl.store(segment_sum_ptr + state, running_sum[:, None], mask=row_valid[:, None])
+        tl.store(
+            segment_output_ptr + state * HEAD_DIM_PAD + dims[None, :],
+            accumulator,
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
+        return
     output = accumulator / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
     tl.store(
         output_ptr
@@ -239,6 +270,40 @@ def _paged_attention_kernel(
         + dims[None, :],
         output.to(output_ptr.dtype.element_ty),
         mask=row_valid[:, None] & dim_valid[None, :],
+    )
+
+
+@triton.jit
+def _reduce_segments_kernel(
+    output_ptr,
+    segment_max_ptr,
+    segment_sum_ptr,
+    segment_output_ptr,
+    stride_output_token,
+    stride_output_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+):
+    """One (token, query head): the segments' softmax states merged into its output row."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    state = (token * NUM_HEADS + head) * NUM_SEGMENTS + tl.arange(0, NUM_SEGMENTS)
+    maxima = tl.load(segment_max_ptr + state)
+    overall = tl.max(maxima, axis=0)
+    # A segment that saw no key has max -inf and weight 0; all -inf cannot happen (a row
+    # always sees its own key), but shifting by 0 then keeps it NaN-free all the same.
+    shift = tl.where(overall == float("-inf"), 0.0, overall)
+    weights = tl.exp2(maxima - shift)
+    total = tl.sum(tl.load(segment_sum_ptr + state) * weights, axis=0)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    partial = tl.load(segment_output_ptr + state[:, None] * HEAD_DIM_PAD + dims[None, :])
+    merged = tl.sum(partial * weights[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        output_ptr + token * stride_output_token + head * stride_output_head + dims,
+        merged.to(output_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
     )
 
 
@@ -302,13 +367,15 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     output: torch.Tensor | None = None,
+    num_segments: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of query [num_tokens, heads, head_dim] -> same shape and dtype.
 
     Sequence s owns rows [query_start_loc[s], query_start_loc[s + 1]) at positions
     [context_lens[s] - query_len, context_lens[s]) and reads its keys [0, context_lens[s])
     through block_table[s] (their K/V already written). max_query_len only chooses the
-    tile (any upper bound is correct). See the module docstring for the work split.
+    tile (any upper bound is correct). num_segments (a power of two) overrides the split-KV
+    choice of split_kv_segments. See the module docstring for the work split.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -320,15 +387,32 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return output
     _check_last_dim_contiguous(query, output, key_cache, value_cache)
-    _check_tile_sizes(key_cache.shape[1], head_dim, compiled=query.device.type != "cpu")
+    _check_head_size(head_dim, compiled=query.device.type != "cpu")
     group = num_heads // num_kv_heads
     block_q, block_m = query_tile(max_query_len, group)
     num_tiles = num_tokens // block_q + num_seqs
-    _paged_attention_kernel[(num_tiles, num_kv_heads)](
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    segments = num_segments if num_segments is not None else split_kv_segments(
+        num_seqs, num_kv_heads, max_query_len, query.device
+    )  # fmt: skip
+    if segments > 1:
+        state_shape = (num_tokens, num_heads, segments)
+        segment_max = torch.empty(state_shape, dtype=torch.float32, device=query.device)
+        segment_sum = torch.empty(state_shape, dtype=torch.float32, device=query.device)
+        segment_output = torch.empty(
+            (*state_shape, head_dim_pad), dtype=torch.float32, device=query.device
+        )
+    else:  # never read: any fp32 tensor will do
+        segment_max = segment_sum = segment_output = output
+    tile_n = key_tile(head_dim, block_m)
+    _paged_attention_kernel[(num_tiles, num_kv_heads, segments)](
         query,
         key_cache,
         value_cache,
         output,
+        segment_max,
+        segment_sum,
+        segment_output,
         query_start_loc,
         context_lens,
         block_table,
@@ -352,25 +436,63 @@ def paged_attention(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=key_cache.shape[1],
+        TILE_N=tile_n,
+        NUM_SEGMENTS=segments,
         USE_SOFTCAP=softcap is not None,
         USE_WINDOW=sliding_window is not None,
         # fp32 stays fp32 (tl.dot's default is tf32 on CUDA); half types use the default.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=3 if block_m == 16 else 2,
     )
+    if segments > 1:
+        _reduce_segments_kernel[(num_tokens, num_heads)](
+            output,
+            segment_max,
+            segment_sum,
+            segment_output,
+            output.stride(0),
+            output.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            NUM_SEGMENTS=segments,
+        )
     return output
 
 
-def _check_tile_sizes(block_size: int, head_dim: int, compiled: bool) -> None:
-    """One cache block is one key tile, so tl.arange needs a power-of-two block size; a
-    compiled tl.dot needs 16 or more along every side (the interpreter, on CPU, does not)."""
-    if block_size & (block_size - 1):
-        raise ValueError(f"the triton backend needs a power-of-two block size, not {block_size}")
-    if compiled and min(block_size, triton.next_power_of_2(head_dim)) < 16:
+# Split-KV aims at this many programs: a few per streaming multiprocessor (132 on an H100).
+TARGET_PROGRAMS = 512
+MAX_SEGMENTS = 32
+
+
+def split_kv_segments(num_seqs: int, num_kv_heads: int, max_query_len: int, device) -> int:
+    """Key ranges per (sequence, KV head) for a step: more than one only for a decode-only
+    step whose sequences alone leave the GPU mostly idle (a batch of 1 at any context has
+    as many programs as KV heads). A power of two fixed by the batch, not the contexts."""
+    if max_query_len != 1 or device.type != "cuda":
+        return 1
+    programs = num_seqs * num_kv_heads
+    segments = 1
+    while segments < MAX_SEGMENTS and programs * segments * 2 <= TARGET_PROGRAMS:
+        segments *= 2
+    return segments
+
+
+def key_tile(head_dim: int, block_m: int) -> int:
+    """Keys per iteration: 64 while the K and V tiles stay within registers and shared
+    memory at this head size, 32 at a head size of 256 with 64 query rows."""
+    return 32 if triton.next_power_of_2(head_dim) * block_m > 128 * 64 else 64
+
+
+def _check_head_size(head_dim: int, compiled: bool) -> None:
+    """A compiled tl.dot needs 16 or more along every side (the interpreter does not); the
+    key tile is 32 or 64 whatever the block size, so only the head size can be too small."""
+    if compiled and triton.next_power_of_2(head_dim) < 16:
         raise ValueError(
-            f"the triton backend needs a block size and head size of 16 or more on a GPU, "
-            f"not {block_size} and {head_dim}"
+            f"the triton backend needs a head size of 16 or more on a GPU, not {head_dim}"
         )
 
 

@@ -106,6 +106,7 @@ def make_step(
     head_dim: int,
     seed: int = 0,
     query_gain: float = 1.0,
+    block_size: int = BLOCK_SIZE,
 ) -> Step:
     """Random K/V for every sequence's earlier keys, already in the cache at scattered blocks;
     random q/k/v for this step's rows."""
@@ -114,13 +115,13 @@ def make_step(
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator)
 
-    num_table_blocks = [math.ceil(s.context_len / BLOCK_SIZE) for s in sequences]
+    num_table_blocks = [math.ceil(s.context_len / block_size) for s in sequences]
     num_blocks = sum(num_table_blocks) + 3
     # Scattered physical ids (block 0 unused: a table's padding points there).
     free_ids = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
     token_shape = (num_kv_heads, head_dim)
-    key_cache = randn(num_blocks, BLOCK_SIZE, *token_shape)  # garbage where nothing is written
-    value_cache = randn(num_blocks, BLOCK_SIZE, *token_shape)
+    key_cache = randn(num_blocks, block_size, *token_shape)  # garbage where nothing is written
+    value_cache = randn(num_blocks, block_size, *token_shape)
     width = max(num_table_blocks) + 1
     block_table = torch.zeros(len(sequences), width, dtype=torch.int32)
     num_tokens = sum(s.query_len for s in sequences)
@@ -138,10 +139,10 @@ def make_step(
         tables.append(table)
         block_table[index, :num_seq_blocks] = torch.tensor(table, dtype=torch.int32)
         slots = [
-            table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+            table[p // block_size] * block_size + p % block_size
             for p in range(sequence.context_len)
         ]
-        num_shared_keys = num_shared_blocks * BLOCK_SIZE
+        num_shared_keys = num_shared_blocks * block_size
         assert num_shared_keys <= sequence.num_prior_keys, "a shared block is full and cached"
         prior = slots[num_shared_keys : sequence.num_prior_keys]
         flat = (-1, *token_shape)
@@ -208,6 +209,7 @@ def run_step(
     step: Step,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    num_segments: int | None = None,
 ) -> torch.Tensor:
     kernels.write_kv(step.key, step.value, step.key_cache, step.value_cache, step.slot_mapping)
     return kernels.paged_attention(
@@ -221,13 +223,18 @@ def run_step(
         scale=step.query.shape[-1] ** -0.5,
         sliding_window=sliding_window,
         softcap=softcap,
+        num_segments=num_segments,
     )
 
 
 def assert_matches(
-    kernels, step: Step, sliding_window: int | None = None, softcap: float | None = None
+    kernels,
+    step: Step,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    num_segments: int | None = None,
 ) -> None:
-    output = run_step(kernels, step, sliding_window, softcap)
+    output = run_step(kernels, step, sliding_window, softcap, num_segments)
     expected = dense_attention(step, step.query.shape[-1] ** -0.5, sliding_window, softcap)
     assert output.shape == step.query.shape and output.dtype == step.query.dtype
     torch.testing.assert_close(output.cpu(), expected, rtol=1e-4, atol=1e-5)
@@ -365,21 +372,47 @@ def test_backend_matches_the_reference_backend(kernels, sliding_window):
     torch.testing.assert_close(triton_output.cpu(), expected, rtol=1e-4, atol=1e-5)
 
 
-def test_tile_sizes_a_gpu_cannot_compile_are_refused(kernels):
+def test_head_sizes_a_gpu_cannot_compile_are_refused(kernels):
     # Checked before any launch, so meta tensors stand in for a GPU's.
-    def arguments(block_size: int, head_dim: int, device: str) -> list[torch.Tensor]:
-        cache = torch.empty(4, block_size, 1, head_dim, device=device)
-        query = torch.empty(3, 2, head_dim, device=device)
-        index = torch.zeros(2, dtype=torch.int32, device=device)
-        return [query, cache, cache, index, index[:1], index[None]]
+    cache = torch.empty(4, 16, 1, 8, device="meta")
+    query = torch.empty(3, 2, 8, device="meta")
+    index = torch.zeros(2, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="head size of 16 or more on a GPU"):
+        kernels.paged_attention(
+            query, cache, cache, index, index[:1], index[None], max_query_len=3, scale=1.0
+        )
 
-    for block_size, head_dim in ((8, 64), (16, 8)):
-        with pytest.raises(ValueError, match="16 or more on a GPU"):
-            kernels.paged_attention(
-                *arguments(block_size, head_dim, "meta"), max_query_len=3, scale=1.0
-            )
-    with pytest.raises(ValueError, match="power-of-two block size"):
-        kernels.paged_attention(*arguments(12, 64, "cpu"), max_query_len=3, scale=1.0)
+
+# The key tile (32 or 64 keys) is independent of the cache block: blocks smaller than a
+# tile (one tile spans several), equal, larger (a tile is part of a block), and sizes
+# that are no power of two. 256 made the old one-block-per-tile kernel exceed an H100's
+# shared memory (gpu_check on an H200).
+@pytest.mark.parametrize("block_size", [1, 5, 8, 24, 32, 64, 256])
+def test_any_block_size(kernels, block_size):
+    sequences = [*MIXED, Sequence(70, 1), Sequence(40, 30)]
+    assert_matches(kernels, make_step(sequences, 2, 2, 64, seed=7, block_size=block_size))
+
+
+# Split-KV: a decode step's keys cut into ranges whose partial softmax states are merged.
+# More segments than key tiles leaves some empty (their state is max -inf, weight 0).
+@pytest.mark.parametrize("num_segments", [2, 4, 16])
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_split_kv_decode(kernels, num_segments, sliding_window):
+    sequences = [Sequence(length - 1, 1) for length in (*EDGE_LENGTHS, 100, 200)]
+    step = make_step(sequences, 2, 4, 64, seed=8)
+    assert_matches(kernels, step, sliding_window=sliding_window, num_segments=num_segments)
+
+
+def test_split_kv_is_chosen_by_the_batch_alone():
+    # Fixed by (num_seqs, KV heads, decode-only): a captured graph replays it at any context.
+    from pagoda.gpu_worker.attention.triton_paged import split_kv_segments
+
+    cuda = torch.device("cuda")
+    assert split_kv_segments(1, 8, 1, cuda) == 32
+    assert split_kv_segments(8, 8, 1, cuda) == 8
+    assert split_kv_segments(64, 8, 1, cuda) == 1
+    assert split_kv_segments(1, 8, 2, cuda) == 1  # a prefill chunk: no split
+    assert split_kv_segments(1, 8, 1, torch.device("cpu")) == 1
 
 
 @pytest.mark.slow
@@ -422,7 +455,9 @@ from triton.compiler import ASTSource
 from pagoda.gpu_worker.attention import triton_paged as kernels
 
 INT_POINTERS = {"query_start_ptr": "*i32", "context_lens_ptr": "*i32",
-                "block_table_ptr": "*i32", "slot_mapping_ptr": "*i64"}
+                "block_table_ptr": "*i32", "slot_mapping_ptr": "*i64",
+                "segment_max_ptr": "*fp32", "segment_sum_ptr": "*fp32",
+                "segment_output_ptr": "*fp32"}
 
 def compile_kernel(fn, dtype, constants):
     signature = {}
@@ -437,12 +472,17 @@ def compile_kernel(fn, dtype, constants):
             signature[name] = "i32"
     triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32))
 
-def attention(dtype, group, head_dim, max_query_len, **constants):
+def attention(dtype, group, head_dim, max_query_len, block_size=16, segments=1, **constants):
     block_q, block_m = kernels.query_tile(max_query_len, group)
     constants = dict(GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=block_q,
-                     BLOCK_M=block_m, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16,
+                     BLOCK_M=block_m, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim,
+                     BLOCK_SIZE=block_size, TILE_N=kernels.key_tile(head_dim, block_m),
+                     NUM_SEGMENTS=segments,
                      DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", **constants)
     compile_kernel(kernels._paged_attention_kernel, dtype, constants)
+    if segments > 1:
+        compile_kernel(kernels._reduce_segments_kernel, dtype, dict(
+            NUM_HEADS=group * 8, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, NUM_SEGMENTS=segments))
 
 compile_kernel(kernels._write_kv_kernel, "bf16", dict(
     NUM_KV_HEADS=3, HEADS_PAD=4, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_SIZE=16))
@@ -451,6 +491,11 @@ compile_kernel(kernels._write_kv_kernel, "bf16", dict(
 attention("bf16", 1, 128, 1, USE_SOFTCAP=False, USE_WINDOW=False)
 attention("bf16", 3, 128, 64, USE_SOFTCAP=True, USE_WINDOW=True, num_seqs=1)
 attention("fp32", 8, 64, 64, USE_SOFTCAP=False, USE_WINDOW=False)
+# Split-KV decode; blocks of 256 (one tile per block needed more shared memory than an
+# H100 has) and of a size that is no power of two; head size 256 in a prefill tile.
+attention("bf16", 2, 128, 1, segments=32, USE_SOFTCAP=False, USE_WINDOW=False)
+attention("bf16", 4, 64, 64, block_size=256, USE_SOFTCAP=False, USE_WINDOW=False)
+attention("bf16", 2, 256, 64, block_size=24, USE_SOFTCAP=True, USE_WINDOW=True)
 print("compiled")
 """
 

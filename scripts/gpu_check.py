@@ -1,0 +1,1011 @@
+"""Pagoda's GPU check: what one short lease on an H100/H200 must prove (make gpu-check).
+
+scripts/gpu_check.sh runs each command below as its own step under its own timeout:
+
+  python3 scripts/gpu_check.py kernels              Triton kernels vs an fp32 reference, real shapes
+  python3 scripts/gpu_check.py engine               engine (triton + CUDA graphs) vs generate()
+  python3 scripts/gpu_check.py make-model ARCH DIR  random-weight model with a real configuration
+  python3 scripts/gpu_check.py startup-bench DIR    load_engine (KV sizing, capture), step timings
+  python3 scripts/gpu_check.py kbench               attention GB/s and TFLOP/s vs torch SDPA
+  python3 scripts/gpu_check.py service DIR          worker + scheduler processes, gRPC parity, bench
+
+Every line a check prints starts with PASS, FAIL, INFO or TIME; the shell greps them into the
+summary. --dry-run walks the same steps on the CPU at toy sizes (Triton under its interpreter,
+no graphs), so the suite runs this file and it cannot rot between leases.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import zlib
+
+import torch
+
+SMOKE = "--dry-run" in sys.argv
+ARGS = [a for a in sys.argv[1:] if a != "--dry-run"]
+DEV = "cpu" if SMOKE else "cuda"
+FAILS = 0
+
+
+def say(kind: str, msg: str) -> None:
+    global FAILS
+    FAILS += kind == "FAIL"
+    print(f"{kind} {msg}", flush=True)
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------- kernels
+def dense_reference(q, kc, vc, qsl, cls, bt, scale, window=None, softcap=None):
+    """fp32 per-sequence attention over keys gathered through the block table."""
+    bs = kc.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    starts, lens = qsl.tolist(), cls.tolist()
+    group = q.shape[1] // kc.shape[2]
+    for s, ctx in enumerate(lens):
+        r0, r1 = starts[s], starts[s + 1]
+        n = r1 - r0
+        nblk = -(-ctx // bs)
+        blocks = bt[s, :nblk].long()
+        k = kc[blocks].reshape(-1, kc.shape[2], kc.shape[3])[:ctx].float()
+        v = vc[blocks].reshape(-1, vc.shape[2], vc.shape[3])[:ctx].float()
+        k = k.repeat_interleave(group, 1).transpose(0, 1)  # [H, L, d]
+        v = v.repeat_interleave(group, 1).transpose(0, 1)
+        qq = q[r0:r1].float().transpose(0, 1)  # [H, n, d]
+        sc = qq @ k.transpose(1, 2) * scale
+        if softcap is not None:
+            sc = softcap * torch.tanh(sc / softcap)
+        qp = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        kp = torch.arange(ctx, device=q.device)[None, :]
+        vis = kp <= qp
+        if window is not None:
+            vis &= kp > qp - window
+        sc = sc.masked_fill(~vis, float("-inf"))
+        out[r0:r1] = (torch.softmax(sc, -1) @ v).transpose(0, 1)
+    return out
+
+
+def make_case(seqs, heads, kv_heads, hd, bs, dtype, seed=0):
+    """seqs: list of (num_prior_keys, query_len). Random caches (garbage everywhere, NOT
+    zeros), scattered block ids, NaN-poisoned output buffer."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    nblk = [-(-(p + n) // bs) for p, n in seqs]
+    total = sum(nblk) + 4
+    perm = (torch.randperm(total - 1, device="cpu") + 1).tolist()
+    kc = torch.randn(total, bs, kv_heads, hd, generator=g, device=DEV).to(dtype)
+    vc = torch.randn(total, bs, kv_heads, hd, generator=g, device=DEV).to(dtype)
+    width = max(nblk) + 2
+    bt = torch.zeros(len(seqs), width, dtype=torch.int32)
+    slots, starts = [], [0]
+    for i, ((p, n), nb) in enumerate(zip(seqs, nblk, strict=False)):
+        ids = [perm.pop() for _ in range(nb)]
+        bt[i, :nb] = torch.tensor(ids, dtype=torch.int32)
+        slots += [ids[t // bs] * bs + t % bs for t in range(p, p + n)]
+        starts.append(starts[-1] + n)
+    T = starts[-1]
+    q = torch.randn(T, heads, hd, generator=g, device=DEV).to(dtype)
+    k = torch.randn(T, kv_heads, hd, generator=g, device=DEV).to(dtype)
+    v = torch.randn(T, kv_heads, hd, generator=g, device=DEV).to(dtype)
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        kc=kc,
+        vc=vc,
+        bt=bt.to(DEV),
+        qsl=torch.tensor(starts, dtype=torch.int32, device=DEV),
+        cls=torch.tensor([p + n for p, n in seqs], dtype=torch.int32, device=DEV),
+        slots=torch.tensor(slots, dtype=torch.int64, device=DEV),
+        max_q=max(n for _, n in seqs),
+    )
+
+
+def kernels() -> None:
+    from pagoda.gpu_worker.attention import triton_paged as tp
+
+    bf = torch.float32 if SMOKE else torch.bfloat16
+    big = not SMOKE
+    geoms = {  # name: (heads, kv_heads, head_dim)
+        "qwen3-0.6b g2 d128": (16, 8, 128),
+        "llama3.2-1b g4 d64": (32, 8, 64),
+        "smollm2 g3 d64": (9, 3, 64),
+        "g7 d128 (non-pow2 group)": (28, 4, 128),
+        "g8 d128": (32, 4, 128),
+    }
+    mixes = {
+        # decode rows at block edges, long decode, a prefix+chunk, a fresh prompt
+        "mixed": [
+            (0, 1),
+            (15, 1),
+            (16, 1),
+            (4095 if big else 70, 1),
+            (300 if big else 20, 700 if big else 30),
+            (0, 1000 if big else 40),
+            (17, 1),
+        ],
+        "decode-only B=1 (num_seqs==1)": [(8191 if big else 90, 1)],
+        "prefill-only B=1": [(0, 2048 if big else 50)],
+        "decode-only B=64 ragged": [
+            ((i * 97) % (3000 if big else 60), 1) for i in range(64 if big else 9)
+        ],
+    }
+    if SMOKE:
+        geoms = dict(list(geoms.items())[:2])
+    for gname, (h, kvh, d) in geoms.items():
+        for bs in (16,) if SMOKE else (16, 32, 64):
+            for mname, seqs in mixes.items():
+                if bs != 16 and mname != "mixed":
+                    continue
+                _one(tp, f"{gname} bs{bs} {mname}", seqs, h, kvh, d, bs, bf)
+    # options on one geometry
+    seqs = mixes["mixed"]
+    _one(tp, "window=256", seqs, 16, 8, 128, 16, bf, window=256 if big else 8)
+    _one(tp, "softcap=30", seqs, 16, 8, 128, 16, bf, softcap=30.0)
+    _one(
+        tp,
+        "window+softcap hd256 (gemma-2 like)",
+        seqs,
+        8,
+        4,
+        256,
+        16,
+        bf,
+        window=4096 if big else 8,
+        softcap=50.0,
+    )
+    if big:
+        _one(tp, "fp16 cache", seqs, 16, 8, 128, 16, torch.float16)
+        _one(tp, "fp32 (ieee dot)", seqs, 16, 8, 128, 16, torch.float32)
+        # Large block sizes: predicted OutOfResources (shared memory) at 256, spills at 128.
+        for bs in (128, 256):
+            try:
+                _one(
+                    tp,
+                    f"bs{bs} prefill (predicted: 128 slow, 256 OutOfResources)",
+                    [(0, 512), (100, 1)],
+                    16,
+                    8,
+                    128,
+                    bs,
+                    bf,
+                )
+            except Exception as exc:  # noqa: BLE001
+                say("INFO", f"bs{bs}: {type(exc).__name__}: {str(exc)[:200]}")
+
+
+def _one(tp, name, seqs, h, kvh, d, bs, dtype, window=None, softcap=None):
+    c = make_case(seqs, h, kvh, d, bs, dtype, seed=zlib.crc32(name.encode()) % 1000)
+    tp.write_kv(c["k"], c["v"], c["kc"], c["vc"], c["slots"])
+    # write_kv check: every written slot equals the input row
+    flat_k = c["kc"].view(-1, kvh, d)
+    ok_write = torch.equal(flat_k[c["slots"]], c["k"])
+    out = torch.full_like(c["q"], float("nan"))
+    # the query as the model hands it: a strided [T, H, d] view of [H, T, d]
+    q = c["q"].transpose(0, 1).contiguous().transpose(0, 1)
+    tp.paged_attention(
+        q,
+        c["kc"],
+        c["vc"],
+        c["qsl"],
+        c["cls"],
+        c["bt"],
+        max_query_len=c["max_q"],
+        scale=d**-0.5,
+        sliding_window=window,
+        softcap=softcap,
+        output=out,
+    )
+    sync()
+    ref = dense_reference(
+        c["q"], c["kc"], c["vc"], c["qsl"], c["cls"], c["bt"], d**-0.5, window, softcap
+    )
+    nan = torch.isnan(out).any().item()
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    tol = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
+    good = ok_write and not nan and rel < tol
+    say(
+        "PASS" if good else "FAIL",
+        f"kernel {name}: rel_err={rel:.2e} (tol {tol:g}) nan/unwritten={nan} write_kv_ok={ok_write}",
+    )
+
+
+# --------------------------------------------------------------------------- plan driver
+class Driver:
+    """Hand-built StepPlans (dataclasses, no protobuf) with a bump block allocator."""
+
+    def __init__(self, engine):
+        from pagoda.gpu_worker.step import NewSequence, SamplingParams, StepPlan
+
+        self.NewSequence, self.SamplingParams, self.StepPlan = NewSequence, SamplingParams, StepPlan
+        self.engine = engine
+        self.bs = engine.block_size
+        self.next_block = 0
+        self.step_id = 0
+        self.blocks: dict[int, int] = {}
+
+    def reset(self, seq_ids):
+        self.run([], forget=list(seq_ids))
+        self.next_block = 0
+        self.blocks.clear()
+
+    def run(self, entries, new=(), forget=()):
+        """entries: (seq_id, start, tokens, sample). new: (seq_id, num_prompt, cached)."""
+        self.step_id += 1
+        plan = self.StepPlan(step_id=self.step_id, token_offsets=[0], block_offsets=[0])
+        for seq_id, num_prompt, cached in new:
+            plan.new_sequences.append(
+                self.NewSequence(seq_id, self.SamplingParams(), num_prompt, list(cached))
+            )
+            self.blocks[seq_id] = 0
+        for seq_id, start, toks, sample in entries:
+            need = -(-(start + len(toks)) // self.bs) - self.blocks[seq_id]
+            need = max(need, 0)
+            plan.seq_ids.append(seq_id)
+            plan.start_positions.append(start)
+            plan.sample.append(sample)
+            plan.token_ids.extend(toks)
+            plan.token_offsets.append(len(plan.token_ids))
+            plan.block_ids.extend(range(self.next_block, self.next_block + need))
+            plan.block_offsets.append(len(plan.block_ids))
+            self.next_block += need
+            self.blocks[seq_id] += need
+        plan.forget_seq_ids = list(forget)
+        result = self.engine.step(plan)
+        if result.step_error or result.errors:
+            raise RuntimeError(f"step failed: {result.step_error} {result.errors[:3]}")
+        return result
+
+
+def greedy_engine(engine, prompts, new_tokens, chunk=None, stagger=True):
+    """Greedy tokens per prompt through the engine: staggered admission, chunked prefill
+    (chunk tokens per step), decodes batched with prefills."""
+    d = Driver(engine)
+    state = {i: dict(pos=0, out=[], admitted=False) for i in range(len(prompts))}
+    step = 0
+    while any(len(s["out"]) < new_tokens for s in state.values()):
+        entries, new = [], []
+        for i, p in enumerate(prompts):
+            s = state[i]
+            if len(s["out"]) >= new_tokens or (stagger and i > step):
+                continue
+            if not s["admitted"]:
+                new.append((i, len(p), []))
+                s["admitted"] = True
+            if s["pos"] < len(p):
+                n = len(p) - s["pos"] if chunk is None else min(chunk, len(p) - s["pos"])
+                entries.append((i, s["pos"], p[s["pos"] : s["pos"] + n], s["pos"] + n == len(p)))
+                s["pos"] += n
+            else:
+                entries.append((i, s["pos"], [s["out"][-1]], True))
+                s["pos"] += 1
+        res = d.run(entries, new)
+        for sid, tok in zip(res.seq_ids, res.token_ids, strict=False):
+            state[sid]["out"].append(tok)
+        step += 1
+    d.reset(range(len(prompts)))
+    return [state[i]["out"][:new_tokens] for i in range(len(prompts))]
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt], device=DEV)
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def small_llama(dtype, seed=0, std=0.08):
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    m.generation_config.eos_token_id = None
+    return m.to(dtype).to(DEV).eval()
+
+
+def engine() -> None:
+    import copy
+
+    from pagoda.gpu_worker.paged_engine import PagedEngine
+
+    backend = "triton"
+    for dtype in (torch.float32,) if SMOKE else (torch.float32, torch.bfloat16):
+        ref = small_llama(dtype)
+        import random
+
+        rng = random.Random(3)
+        lens = [5, 16, 17, 33, 90, 300] if not SMOKE else [5, 17, 33]
+        prompts = [[rng.randrange(3, 1024) for _ in range(n)] for n in lens]
+        n_new = 24 if not SMOKE else 6
+        expected = [hf_greedy(ref, p, n_new) for p in prompts]
+        eng = PagedEngine(
+            copy.deepcopy(ref),
+            model_id="t",
+            num_kv_blocks=2048,
+            block_size=16,
+            attention_backend="reference" if SMOKE else backend,
+            cuda_graphs=not SMOKE,
+        )
+        if SMOKE:  # create_backend refuses triton on a CPU; the interpreter runs it anyway
+            from pagoda.gpu_worker.attention.triton_paged import TritonBackend
+
+            eng.attention_backend = TritonBackend()
+            if os.environ.get("SMOKE_GRAPHS"):  # uncaptured DecodeGraphs: padded forward, eager
+                from pagoda.gpu_worker.cuda_graphs import DecodeGraphs, bucket_for, is_decode_only
+
+                eng.decode_graphs = DecodeGraphs(eng, scratch_block=2047)
+                eng.decode_graphs.fits = lambda ch: (
+                    is_decode_only(ch) and bucket_for(len(ch)) is not None
+                )
+        if eng.decode_graphs is not None and not SMOKE:
+            t = time.time()
+            eng.decode_graphs.capture()
+            say(
+                "INFO",
+                f"[{dtype}] captured buckets {eng.decode_graphs.captured_buckets[:4]}.. "
+                f"({len(eng.decode_graphs.captured_buckets)}) in {time.time() - t:.1f}s",
+            )
+        elif not SMOKE:
+            say(
+                "FAIL",
+                f"[{dtype}] engine built no decode graphs (backend {eng.attention_backend.name})",
+            )
+        got = greedy_engine(eng, prompts, n_new, chunk=24)
+        exact = sum(g == e for g, e in zip(got, expected, strict=False))
+        first = sum(g[0] == e[0] for g, e in zip(got, expected, strict=False))
+        prefix = [
+            next((i for i, (a, b) in enumerate(zip(g, e, strict=False)) if a != b), n_new)
+            for g, e in zip(got, expected, strict=False)
+        ]
+        if dtype == torch.float32:
+            say(
+                "PASS" if exact == len(prompts) else "FAIL",
+                f"[fp32] engine(triton+graphs, chunked prefill 24, staggered) == HF generate: "
+                f"{exact}/{len(prompts)} sequences exact; first-divergence {prefix}",
+            )
+        else:
+            say(
+                "PASS" if first >= len(prompts) - 1 else "FAIL",
+                f"[bf16] engine vs HF bf16 generate: first token {first}/{len(prompts)}, "
+                f"exact {exact}/{len(prompts)}, first-divergence {prefix} (bf16: late divergence is OK)",
+            )
+        # graph replay vs eager: the same decode step both ways, logits compared.
+        if eng.decode_graphs is not None:
+            graph_vs_eager(eng, dtype)
+        if eng.decode_graphs is not None and (not SMOKE or os.environ.get("SMOKE_MANY")):
+            many_sequences(eng, dtype)
+        del eng
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+
+
+def graph_vs_eager(eng, dtype):
+    d = Driver(eng)
+    n = 5  # bucket 8: three padded rows
+    prompts = [[(7 * i + j) % 1000 + 3 for j in range(20 + 9 * i)] for i in range(n)]
+    d.run(
+        [(i, 0, p, True) for i, p in enumerate(prompts)],
+        new=[(i, len(p), []) for i, p in enumerate(prompts)],
+    )
+    stash = []
+    orig = eng._sample
+
+    def spy(logits, chunks, started):
+        stash.append(logits.float().clone())
+        return orig(logits, chunks, started)
+
+    eng._sample = spy
+    entries = [(i, len(p), [5], True) for i, p in enumerate(prompts)]  # rewinds: same step twice
+    d.run(entries)
+    graphs, eng.decode_graphs = eng.decode_graphs, None
+    d.run(entries)
+    eng.decode_graphs = graphs
+    d.run(entries)  # the graph again: replay must be deterministic
+    eng._sample = orig
+    g1, e, g2 = stash
+    diff = (g1 - e).abs().max().item()
+    scale = e.abs().max().item()
+    same_argmax = torch.equal(g1.argmax(-1), e.argmax(-1))
+    det = torch.equal(g1, g2)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    say(
+        "PASS" if diff <= tol * max(scale, 1) and same_argmax and det else "FAIL",
+        f"[{dtype}] graph replay vs eager logits (5 rows, bucket 8): max|diff|={diff:.2e} "
+        f"(|logit|max {scale:.1f}), argmax equal={same_argmax}, replay deterministic={det}",
+    )
+    d.reset(range(n))
+
+
+def many_sequences(eng, dtype):
+    """260 sequences: BlockTables grows past 64 rows twice, the batch exceeds the largest
+    bucket (eager) and then, at 130 + 130, fits graphs; tokens must agree."""
+    import random
+
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(3, 40))] for _ in range(260)]
+    all_at_once = greedy_engine(eng, prompts, 4, stagger=False)
+    halves = greedy_engine(eng, prompts[:130], 4, stagger=False) + greedy_engine(
+        eng, prompts[130:], 4, stagger=False
+    )
+    agree = sum(a == b for a, b in zip(all_at_once, halves, strict=False))
+    need = 260 if dtype == torch.float32 else 250
+    say(
+        "PASS" if agree >= need else "FAIL",
+        f"[{dtype}] 260 seqs eager (past bucket 256) vs 2x130 graphed: {agree}/260 sequences equal",
+    )
+
+
+# --------------------------------------------------------------------------- models
+ARCHS = {
+    "qwen3-0.6b": (
+        "Qwen3Config",
+        dict(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            tie_word_embeddings=True,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+        ),
+    ),
+    "llama-3.2-1b": (
+        "LlamaConfig",
+        dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            max_position_embeddings=131072,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=32.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+        ),
+    ),
+    "tiny": (
+        "LlamaConfig",
+        dict(
+            vocab_size=1024,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+        ),
+    ),
+}
+
+
+def make_model(arch: str, directory: str) -> None:
+    import transformers
+
+    cls, kw = ARCHS[arch]
+    if SMOKE:  # the same architecture, two layers and a small vocabulary
+        kw = {**kw, "num_hidden_layers": 2, "vocab_size": 4096, "intermediate_size": 512}
+    cfg = getattr(transformers, cls)(bos_token_id=1, eos_token_id=2, **kw)
+    t = time.time()
+    with torch.device(DEV):
+        m = transformers.AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.float32 if SMOKE else torch.bfloat16
+        )
+    m.save_pretrained(directory)
+    say(
+        "INFO",
+        f"made random {arch} ({sum(p.numel() for p in m.parameters()) / 1e6:.0f}M params) in "
+        f"{directory} in {time.time() - t:.1f}s",
+    )
+
+
+# --------------------------------------------------------------------------- startup + bench
+def startup_bench(directory: str) -> None:
+    import logging
+
+    from pagoda.gpu_worker.config import WorkerConfig
+    from pagoda.gpu_worker.paged_engine import load_engine
+
+    logging.basicConfig(
+        level=logging.INFO, format="INFO log %(name)s: %(message)s", stream=sys.stdout
+    )
+    cfg = WorkerConfig(
+        zmq_endpoint="ipc:///tmp/pagoda-gpu-check",
+        model=directory,
+        device="cpu" if SMOKE else "cuda",
+        max_context_tokens=None if not SMOKE else 512,
+        **({"num_kv_blocks": 256} if SMOKE else {}),
+    )
+    t = time.time()
+    eng = load_engine(cfg)
+    sync()
+    load_s = time.time() - t
+    if DEV == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        say(
+            "INFO",
+            f"load_engine {load_s:.1f}s; after capture: free {free / 2**30:.2f} GiB of {total / 2**30:.1f}; "
+            f"reserved {torch.cuda.memory_reserved() / 2**30:.2f} GiB; peak alloc "
+            f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; pool {eng.pool.num_bytes / 2**30:.2f} GiB "
+            f"({eng.facts.num_kv_blocks} blocks)",
+        )
+        say(
+            "PASS" if eng.attention_backend.name == "triton" else "FAIL",
+            f"backend {eng.attention_backend.name}",
+        )
+        g = eng.decode_graphs
+        say(
+            "PASS" if g is not None and len(g.captured_buckets) == 35 else "FAIL",
+            f"captured buckets: {None if g is None else len(g.captured_buckets)}/35",
+        )
+    bench(eng)
+
+
+def _timed_steps(d, entries, repeats):
+    times, fwd, smp = [], [], []
+    d.run(entries)  # warm-up (first compile of a new specialization lands here)
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        r = d.run(entries)
+        times.append((time.perf_counter() - t) * 1e3)
+        fwd.append(r.forward_ms)
+        smp.append(r.sample_ms)
+    return statistics.median(times), statistics.median(fwd), statistics.median(smp)
+
+
+def bench(eng) -> None:
+    d = Driver(eng)
+    vocab = eng.facts.vocab_size
+    cases = [(1, 128), (1, 1024), (1, 8192), (64, 1024), (256, 128), (256, 1024), (64, 4096)]
+    if SMOKE:
+        cases = [(1, 16), (4, 40)]
+    capacity = eng.facts.num_kv_blocks * eng.block_size
+    g = torch.Generator().manual_seed(0)
+    for batch, ctx in cases:
+        if batch * (ctx + 16) > capacity:
+            say("INFO", f"skip B={batch} ctx={ctx}: pool holds {capacity} tokens")
+            continue
+        new = [
+            (i, ctx, torch.randint(3, vocab, (ctx - 1,), generator=g).tolist())
+            for i in range(batch)
+        ]
+        entries = [(i, ctx - 1, [5], True) for i in range(batch)]
+        d.run(entries, new=new)
+        wall, fwd, smp = _timed_steps(d, entries, 5 if not SMOKE else 2)
+        gpu = replay_ms(eng, batch)
+        extra = (
+            ""
+            if gpu is None
+            else f"; graph replay alone {gpu:.2f} ms -> host+sync overhead {wall - gpu:.2f} ms"
+        )
+        roof = roofline_ms(eng, batch, ctx)
+        say(
+            "TIME",
+            f"decode B={batch:3d} ctx={ctx:5d}: step {wall:7.2f} ms (forward {fwd:.2f}, sample {smp:.2f})"
+            f" = {batch / wall * 1e3:8.0f} tok/s; roofline {roof:.2f} ms -> {wall / roof:.2f}x{extra}",
+        )
+        if (batch, ctx) == (64, 1024) and eng.decode_graphs is not None:
+            graphs, eng.decode_graphs = eng.decode_graphs, None
+            wall_e, fwd_e, _ = _timed_steps(d, entries, 3)
+            eng.decode_graphs = graphs
+            say(
+                "TIME",
+                f"decode B=64 ctx=1024 EAGER (no graph): step {wall_e:.2f} ms (forward {fwd_e:.2f})",
+            )
+            count_syncs_and_kernels(eng, d, entries)
+        d.reset(range(batch))
+    # prefill and mixed
+    for n in (512, 2048) if not SMOKE else (30,):
+        toks = torch.randint(3, vocab, (n,), generator=g).tolist()
+        d.run([(0, 0, toks, True)], new=[(0, n, [])])
+        wall, fwd, smp = _timed_steps(d, [(0, 0, toks, True)], 3)
+        say(
+            "TIME",
+            f"prefill {n} tokens (eager): step {wall:.2f} ms (forward {fwd:.2f}) = {n / wall * 1e3:.0f} tok/s",
+        )
+        d.reset([0])
+
+
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # the data sheets' figures (SXM)
+
+
+def hbm_bytes_per_s() -> float:
+    """The card's memory bandwidth: its data sheet's figure, else a measured copy."""
+    if DEV != "cuda":
+        return 20e9
+    name = torch.cuda.get_device_name()
+    for card, rate in HBM_BYTES_PER_S.items():
+        if card in name:
+            return rate
+    x = torch.empty(2**28, dtype=torch.uint8, device=DEV)
+    ms = timed_ms(lambda: x.clone(), warmup=5, rep=20)
+    return 2 * x.numel() / (ms / 1e3)
+
+
+def roofline_ms(eng, batch: int, ctx: int) -> float:
+    """A decode step's floor: every weight read once plus each sequence's K/V, at HBM speed."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+    kv_bytes = batch * ctx * eng.pool.geometry.bytes_per_block // eng.block_size
+    return (weight_bytes + kv_bytes) / hbm_bytes_per_s() * 1e3
+
+
+def replay_ms(eng, batch):
+    """GPU time of the bucket's graph replay alone (inputs as the last step staged)."""
+    g = eng.decode_graphs
+    if g is None or DEV != "cuda":
+        return None
+    from pagoda.gpu_worker.cuda_graphs import bucket_for
+
+    graph = g._graphs.get(bucket_for(batch, g.buckets))
+    if graph is None:
+        return None
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def count_syncs_and_kernels(eng, d, entries):
+    """Synchronizing calls per decode step (graph and eager) and kernels per eager step."""
+    import warnings
+
+    for label, use_graph in (("graph", True), ("eager", False)):
+        graphs = eng.decode_graphs
+        if not use_graph:
+            eng.decode_graphs = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1)
+            try:
+                d.run(entries)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                eng.decode_graphs = graphs
+        msgs = {}
+        for w in caught:
+            key = str(w.message).split("\n")[0][:90]
+            msgs[key] = msgs.get(key, 0) + 1
+        say(
+            "INFO",
+            f"sync-debug {label} decode step: {sum(msgs.values())} synchronizing calls: {json.dumps(msgs)[:600]}",
+        )
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, eng.decode_graphs = eng.decode_graphs, None
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        d.run(entries)
+        sync()
+    eng.decode_graphs = graphs
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    say(
+        "INFO",
+        f"eager decode step B=64: {len(kernels)} CUDA kernels/memcpys, "
+        f"triton attention {sum('paged_attention' in e.name for e in kernels)}, "
+        f"write_kv {sum('write_kv' in e.name for e in kernels)}",
+    )
+
+
+# --------------------------------------------------------------------------- kernel bench
+def timed_ms(fn, warmup: int, rep: int) -> float:
+    """Median milliseconds of fn: triton's do_bench on the GPU, a wall clock on the CPU."""
+    if DEV == "cuda":
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def kbench() -> None:
+    """The attention kernel alone: decode GB/s of K/V read and prefill TFLOP/s, beside dense
+    torch SDPA on the same shapes (a yardstick: contiguous K/V, no block table)."""
+    from functools import partial
+
+    from pagoda.gpu_worker.attention import triton_paged as tp
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    dtype = torch.float32 if SMOKE else torch.bfloat16
+    decode_cases = ((1, 4096), (1, 32768), (8, 8192), (64, 1024), (256, 1024), (64, 4096))
+    prefill_lengths = (2048, 8192)
+    if SMOKE:
+        decode_cases, prefill_lengths = ((1, 64), (4, 48)), (32,)
+    geometries = {"qwen3-0.6b": (16, 8, 128), "llama3.2-1b": (32, 8, 64)}
+    for name, (heads, kv_heads, head_dim) in geometries.items():
+        for batch, ctx in decode_cases:
+            case = make_case([(ctx - 1, 1)] * batch, heads, kv_heads, head_dim, 16, dtype)
+            args = (case["q"], case["kc"], case["vc"], case["qsl"], case["cls"], case["bt"])
+            attention = partial(tp.paged_attention, *args, max_query_len=1, scale=head_dim**-0.5)
+            ms = timed_ms(attention, warmup=25, rep=100)
+            unsplit_ms = timed_ms(partial(attention, num_segments=1), warmup=25, rep=100)
+            gbytes = batch * ctx * kv_heads * head_dim * 2 * 2 / 1e9
+            k = torch.randn(batch, kv_heads, ctx, head_dim, device=DEV, dtype=dtype)
+            q = torch.randn(batch, heads, 1, head_dim, device=DEV, dtype=dtype)
+            sdpa_ms = timed_ms(partial(sdpa, q, k, k, enable_gqa=True), warmup=25, rep=100)
+            say(
+                "TIME",
+                f"kbench decode {name} B={batch:3d} ctx={ctx:5d}: triton {ms * 1e3:8.1f} us "
+                f"({gbytes / ms * 1e3:5.0f} GB/s; unsplit {unsplit_ms * 1e3:8.1f} us) | dense SDPA "
+                f"{sdpa_ms * 1e3:8.1f} us ({gbytes / sdpa_ms * 1e3:5.0f} GB/s)",
+            )
+            del case, args, attention, k, q
+        for n in prefill_lengths:
+            case = make_case([(0, n)], heads, kv_heads, head_dim, 16, dtype)
+            args = (case["q"], case["kc"], case["vc"], case["qsl"], case["cls"], case["bt"])
+            ms = timed_ms(
+                partial(tp.paged_attention, *args, max_query_len=n, scale=head_dim**-0.5),
+                warmup=10,
+                rep=50,
+            )
+            flops = 2 * 2 * heads * head_dim * n * n / 2
+            q = torch.randn(1, heads, n, head_dim, device=DEV, dtype=dtype)
+            k = torch.randn(1, kv_heads, n, head_dim, device=DEV, dtype=dtype)
+            sdpa_ms = timed_ms(
+                partial(sdpa, q, k, k, is_causal=True, enable_gqa=True), warmup=10, rep=50
+            )
+            say(
+                "TIME",
+                f"kbench prefill {name} {n} tokens: triton {ms:.3f} ms ({flops / ms / 1e9:.0f} "
+                f"TFLOP/s) | SDPA causal {sdpa_ms:.3f} ms ({flops / sdpa_ms / 1e9:.0f} TFLOP/s)",
+            )
+            del case, args, q, k
+
+
+# --------------------------------------------------------------------------- the service
+def default_model_files() -> str:
+    """A folder with the default model's config.json and tokenizer: carried to the lent
+    machine in .gpu-model/ (scripts/gpu_check_carry.sh), else the local conversion."""
+    carried = os.path.join(os.getcwd(), ".gpu-model")
+    if os.path.exists(os.path.join(carried, "config.json")):
+        return carried
+    from pagoda.gpu_worker.model_loader import resolve_model_dir
+
+    return str(resolve_model_dir("default").path)
+
+
+def make_default_shaped(directory: str) -> None:
+    """Random weights in the default model's real configuration, with its real tokenizer."""
+    import shutil
+
+    import transformers
+
+    source = default_model_files()
+    cfg = transformers.AutoConfig.from_pretrained(source)
+    if SMOKE:
+        cfg.num_hidden_layers = 2
+    with torch.device(DEV):
+        m = transformers.AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.float32 if SMOKE else torch.bfloat16
+        )
+    m.save_pretrained(directory)
+    for name in os.listdir(source):
+        if name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+            shutil.copy(os.path.join(source, name), directory)
+
+
+def service(directory: str) -> None:
+    """Worker and scheduler as the operator runs them; greedy gRPC text vs generate() on the
+    same device and weights; then a short `make bench` workload against the running server."""
+    import socket
+    import subprocess
+    import tempfile
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from pagoda.protos import generation_pb2, generation_pb2_grpc
+
+    make_default_shaped(directory)
+    run_dir = tempfile.mkdtemp(prefix="pagoda-gpu-check-")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = f"ipc://{run_dir}/worker.sock"
+    logs = {  # closed in the finally below
+        name: open(os.path.join(run_dir, f"{name}.log"), "w")  # noqa: SIM115
+        for name in ("worker", "scheduler")
+    }
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pagoda.gpu_worker",
+            "--model",
+            directory,
+            "--zmq-endpoint",
+            endpoint,
+            "--device",
+            DEV,
+            # On the CPU the float path, which matches generate() exactly (int8 does not).
+            *(["--num-kv-blocks", "512", "--quantization", "none"] if SMOKE else []),
+        ],
+        stdout=logs["worker"],
+        stderr=subprocess.STDOUT,
+    )
+    scheduler = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pagoda.scheduler_svc",
+            "--model",
+            directory,
+            "--grpc-address",
+            address,
+            "--zmq-endpoint",
+            endpoint,
+        ],
+        stdout=logs["scheduler"],
+        stderr=subprocess.STDOUT,
+    )
+    t = time.time()
+    try:
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                for p in (worker, scheduler):
+                    if p.poll() is not None:
+                        raise RuntimeError(f"{p.args[2]} exited with {p.returncode}")
+                try:
+                    status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                if time.time() - t > 240:
+                    raise RuntimeError("the service did not report SERVING within 240 s")
+                time.sleep(0.2)
+            say(
+                "INFO",
+                f"service SERVING {time.time() - t:.1f}s after start (load, KV sizing, graph capture)",
+            )
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            info = stub.GetModelInfo(generation_pb2.ModelInfoRequest(), timeout=10)
+            say("INFO", f"model info: {str(info).replace(chr(10), '; ')[:400]}")
+            n_new = 16
+            prompt_ids, expected = reference_greedy(directory, "The capital of France is", n_new)
+            replies = list(
+                stub.Generate(
+                    generation_pb2.GenerateRequest(
+                        prompt_token_ids=generation_pb2.TokenIds(ids=prompt_ids),
+                        sampling=generation_pb2.SamplingParams(temperature=0),
+                        stopping=generation_pb2.StoppingCriteria(
+                            max_new_tokens=n_new, ignore_eos=True
+                        ),
+                    ),
+                    timeout=60,
+                )
+            )
+            got = [t for r in replies for t in r.token_ids]
+            first = next(
+                (i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), n_new
+            )
+            need = n_new if SMOKE else 1
+            say(
+                "PASS" if len(got) == n_new and first >= need else "FAIL",
+                f"service greedy over gRPC vs generate() on {DEV}: {len(got)} tokens, first divergence at "
+                f"{first} of {n_new}{'' if SMOKE else ' (bfloat16: a late divergence is expected)'}",
+            )
+        env = {**os.environ, "BENCH_TARGET": address}
+        bench = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.suite",
+                "--no-peers",
+                "--only",
+                "burst-short",
+                "--only",
+                "burst-512-mix",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=150 if not SMOKE else 240,
+        )
+        for line in bench.stdout.splitlines():
+            print(f"INFO bench | {line}", flush=True)
+        say(
+            "PASS" if bench.returncode == 0 else "FAIL",
+            f"make bench (burst-short, burst-512-mix) against the "
+            f"running service: rc={bench.returncode}",
+        )
+        if bench.returncode:
+            print(bench.stderr[-3000:], flush=True)
+    finally:
+        for p in (scheduler, worker):
+            p.terminate()
+        for p in (scheduler, worker):
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for name, f in logs.items():
+            f.close()
+            with open(os.path.join(run_dir, f"{name}.log")) as log_file:
+                tail = log_file.read()[-2500:]
+            print(f"INFO {name} log tail:\n{tail}", flush=True)
+
+
+def reference_greedy(directory: str, prompt: str, n_new: int) -> tuple[list[int], list[int]]:
+    """(prompt token ids, generate()'s greedy continuation), end-of-sequence ignored."""
+    import transformers
+
+    prompt_ids = transformers.AutoTokenizer.from_pretrained(directory)(prompt)["input_ids"]
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32 if SMOKE else torch.bfloat16
+        )
+        .to(DEV)
+        .eval()
+    )
+    model.generation_config.eos_token_id = None
+    continuation = hf_greedy(model, prompt_ids, n_new)
+    del model
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+    return prompt_ids, continuation
+
+
+if __name__ == "__main__":
+    cmd = ARGS[0]
+    {
+        "kernels": kernels,
+        "engine": engine,
+        "kbench": kbench,
+        "make-model": lambda: make_model(ARGS[1], ARGS[2]),
+        "startup-bench": lambda: startup_bench(ARGS[1]),
+        "service": lambda: service(ARGS[1]),
+    }[cmd]()
+    print(f"DONE {cmd} fails={FAILS}", flush=True)
+    sys.exit(1 if FAILS else 0)
