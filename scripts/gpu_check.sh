@@ -37,6 +37,7 @@ step() { # step NAME LIMIT_S CMD...: runs when selected, under min(LIMIT, time l
   local t0=$SECONDS
   timeout -k 5 "$limit" "$@"
   local rc=$?
+  echo # a step's output may end without a newline (pytest's dots under a timeout)
   echo "=== [$name] rc=$rc ($((SECONDS - t0))s)$([ $rc = 124 ] && echo ' TIMEOUT')"
 }
 
@@ -76,10 +77,11 @@ PYEOF
 CHECK="$PY scripts/gpu_check.py $DRY_RUN"
 
 # 1. The project's CUDA tests, natively (no "needs CUDA" skips on the lent machine).
-CUDA_TESTS=(tests/worker/test_triton_attention.py tests/worker/test_kv_sizing.py
-  tests/worker/test_attention_backends.py tests/worker/test_cuda_graphs.py
-  tests/worker/test_cuda_graphs_padding.py tests/worker/test_block_tables.py)
-step pytest-cuda 120 $PY -m pytest -q -p no:cacheprovider -rs --timeout 110 --durations=5 "${CUDA_TESTS[@]}"
+# The kernel file last: it compiles a Triton variant per shape and can take the longest.
+CUDA_TESTS=(tests/worker/test_kv_sizing.py tests/worker/test_attention_backends.py
+  tests/worker/test_cuda_graphs.py tests/worker/test_cuda_graphs_padding.py
+  tests/worker/test_block_tables.py tests/worker/test_triton_attention.py)
+step pytest-cuda 150 $PY -m pytest -q -p no:cacheprovider -rs --timeout 60 --durations=8 "${CUDA_TESTS[@]}"
 # 2. Engine (triton + captured graphs) vs generate(): fp32 exact, bf16 first tokens; graph
 #    replay vs eager logits; 260 sequences (past the largest bucket, block-table growth).
 step engine 100 $CHECK engine
