@@ -8,7 +8,7 @@ failed step.
 A step's token budget goes to decodes first (one token per running sequence, round-robin
 under a cap), then to prefill: partial prompts continue their chunks before new requests
 are admitted by the configured policy (admission.py). With decode_first off the order is
-reversed, and admission then leaves one block to each decoder at a block boundary. A
+reversed, and prefill then leaves one block to each older decoder at a block boundary. A
 chunk that finds the pool empty feeds what its last block still holds. Feeding a request
 advances its num_computed_tokens at once: the step in flight counts as computed (a
 failed step requeues its sequences). A request is never fed twice in one step.
@@ -466,9 +466,10 @@ class Planner:
             first_round = False
         return used
 
-    def _num_decode_growth_blocks(self, step_id: int) -> int:
+    def _num_decode_growth_blocks(self, step_id: int, before: int | None = None) -> int:
         """Blocks the decodes still to plan in this step need: one for each running
-        decoder at a block boundary. 0 when decodes were planned first (or under `only`)."""
+        decoder at a block boundary (admitted before admit order `before`, if given).
+        0 when decodes were planned first (or under `only`)."""
         if self.config.decode_first or self._only is not None:
             return 0
         block_size, prefilling = self.blocks.block_size, self.prefilling
@@ -478,6 +479,7 @@ class Planner:
             if request.num_computed_tokens % block_size == 0
             and seq_id not in prefilling
             and request.last_scheduled_step != step_id
+            and (before is None or request.admit_order < before)
         )
 
     def _price(self, request: Request) -> WaitingCost:
@@ -562,20 +564,30 @@ class Planner:
 
     def _fit_chunk(self, request: Request, num_tokens: int, step_id: int) -> int:
         """Blocks for the next `num_tokens` of a partial prefill; the chunk shrinks to the
-        blocks there are. 0 when the request had to preempt itself."""
+        blocks there are. 0 when the request had to preempt itself or older decoders need
+        the blocks."""
         blocks = self.blocks
         block_size = blocks.block_size
         start = request.num_computed_tokens
+        # Older decoders planned after it (decode_first off) keep their blocks, as in
+        # _admit; when even those are short, it is not fed, so it stays a victim for them.
+        num_reserved = self._num_decode_growth_blocks(step_id, request.admit_order)
+        available = blocks.num_available_blocks - num_reserved
+        if available < 0:
+            return 0
         num_new_blocks = -(-(start + num_tokens) // block_size) - len(request.block_ids)
         if num_new_blocks > 0:
-            if blocks.num_available_blocks == 0:
+            if available == 0:
                 room = len(request.block_ids) * block_size - start
                 if room > 0:
                     return min(num_tokens, room)  # what fits, rather than preempt for more
+                if num_reserved:
+                    return 0
                 if not self._grow(request, step_id):
                     return 0
                 num_new_blocks -= 1
-            num_taken = min(num_new_blocks, blocks.num_available_blocks)
+                available = blocks.num_available_blocks
+            num_taken = min(num_new_blocks, available)
             if num_taken:
                 request.block_ids.extend(blocks.allocate(num_taken))
         return min(num_tokens, len(request.block_ids) * block_size - start)
