@@ -189,27 +189,6 @@ class Planner:
         keyed, self._keyed_in_flight = self._keyed_in_flight, []
         return keyed
 
-    def unwritten_by(
-        self, failed_seq_ids: Iterable[int], keyed: list[tuple[int, int]], seq_ids: list[int]
-    ) -> set[int]:
-        """`failed_seq_ids` (sequences of a step whose K/V the worker did not write) and
-        every sequence of the step, `seq_ids`, that holds a block one of them keyed in it:
-        a same-step prefix hit read that block, so its own K/V is garbage too."""
-        unwritten = set(failed_seq_ids)
-        writer_of = {block_id: seq_id for seq_id, block_id in keyed}
-        running = self.running
-        grew = True
-        while grew:  # a reader comes after its writer in the plan: one pass, usually
-            grew = False
-            for seq_id in seq_ids:
-                request = running.get(seq_id)
-                if seq_id in unwritten or request is None:
-                    continue
-                if any(writer_of.get(block_id) in unwritten for block_id in request.block_ids):
-                    unwritten.add(seq_id)
-                    grew = True
-        return unwritten
-
     def unkey(self, keyed: Iterable[tuple[int, int]]) -> None:
         """Drop the prefix keys of blocks whose K/V a failed step never wrote."""
         assert self.blocks is not None

@@ -18,7 +18,8 @@ from __future__ import annotations
 import itertools
 import math
 from array import array
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from pagoda.scheduler_svc.core.config import SchedulerConfig, WorkerGeometry
 from pagoda.scheduler_svc.core.isolation import Isolation
@@ -65,6 +66,9 @@ class _Flight:
     # when the step before answers with the token.
     key_later: list[tuple[Request, int, int]]
     isolated: bool  # a step of the isolation of a failure: nothing runs beside it
+    # (writer, reader) seq ids: `reader`, new in this plan or the next, hits a block that
+    # `writer` keys in this plan, so it reads K/V this step has yet to write.
+    readers: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -304,6 +308,7 @@ class Scheduler:
         if ahead:
             self._mark_ahead(flight, ahead)
         self._in_flight.append(flight)
+        self._record_readers(plan)
         self._num_steps += 1
         self._num_isolated_steps += isolated
         return plan
@@ -366,6 +371,30 @@ class Scheduler:
                 if (position + 1) % block_size == 0
             ]
 
+    def _record_readers(self, plan: StepPlan) -> None:
+        """Edges from each block keyed by a step not yet answered (this plan or the one in
+        flight) to the new sequences of `plan` whose prefix hit reads it: a new sequence
+        sends its whole table, its cached blocks first."""
+        news = [new for new in plan.new_sequences if new.cached_token_ids]
+        if not news:
+            return
+        writers = {
+            block_id: (seq_id, flight)  # the latest key of a block wins
+            for flight in self._in_flight
+            for seq_id, block_id in flight.keyed
+        }
+        if not writers:
+            return
+        block_size = self._planner.blocks.block_size
+        row_of = {seq_id: row for row, seq_id in enumerate(plan.seq_ids)}
+        for new in news:
+            start = plan.block_offsets[row_of[new.seq_id]]
+            num_cached_blocks = len(new.cached_token_ids) // block_size
+            for block_id in plan.block_ids[start : start + num_cached_blocks]:
+                writer = writers.get(block_id)
+                if writer is not None:
+                    writer[1].readers.append((writer[0], new.seq_id))
+
     def apply(self, result: StepResult, now: float) -> StepOutputs:
         """Take the worker's sampled tokens: token-id stop rules (check_stop), outputs.
         Finished requests free their blocks now and are forgotten by the next plan."""
@@ -390,9 +419,10 @@ class Scheduler:
             return step_outputs
         errors = result.errors
         if errors:
-            # A refused sequence wrote nothing, so neither did any that read its blocks in
-            # this step: those recompute, and every key they made is dropped.
-            unwritten = planner.unwritten_by(errors, keyed, plan.seq_ids)
+            # A refused sequence wrote nothing, so neither did any that read its blocks
+            # before they were written: every key they made is dropped, running or not
+            # (one cancelled or preempted since keeps none), and the running recompute.
+            unwritten = _closure(errors.keys(), flight.readers)
             planner.unkey([(seq_id, block_id) for seq_id, block_id in keyed if seq_id in unwritten])
             planner.requeue(
                 [seq_id for seq_id in plan.seq_ids if seq_id in unwritten and seq_id not in errors],
@@ -623,6 +653,19 @@ class Scheduler:
                     self._finish_with_error(request, "the worker returned no token for it", now)
                 )
         return outputs
+
+
+def _closure(seq_ids: Iterable[int], edges: list[tuple[int, int]]) -> set[int]:
+    """`seq_ids` and every sequence reachable from them along (from, to) `edges`."""
+    reached = set(seq_ids)
+    grew = bool(edges)
+    while grew:  # a reader comes after its writer: one pass, usually
+        grew = False
+        for source, target in edges:
+            if source in reached and target not in reached:
+                reached.add(target)
+                grew = True
+    return reached
 
 
 def _outside_vocabulary(request: Request, vocab_size: int) -> str | None:
