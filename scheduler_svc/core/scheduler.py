@@ -66,6 +66,9 @@ class _Flight:
     # when the step before answers with the token.
     key_later: list[tuple[Request, int, int]]
     isolated: bool  # a step of the isolation of a failure: nothing runs beside it
+    # seq_id -> request, each the plan feeds: suspects if the step fails, even one
+    # preempted or ended since (those still unfinished are).
+    requests: dict[int, Request]
     # (writer, reader) seq ids: `reader`, new in this plan or the next, hits a block that
     # `writer` keys in this plan, so it reads K/V this step has yet to write.
     readers: list[tuple[int, int]] = field(default_factory=list)
@@ -304,7 +307,14 @@ class Scheduler:
         if not plan.seq_ids:
             return None  # nothing could run (pending forgets wait for the next plan)
         plan.forget_seq_ids = planner.take_forget_seq_ids()
-        flight = _Flight(plan, planner.take_keyed_in_flight(), [], isolated)
+        running = planner.running
+        flight = _Flight(
+            plan,
+            planner.take_keyed_in_flight(),
+            [],
+            isolated,
+            {seq_id: running[seq_id] for seq_id in plan.seq_ids},
+        )
         if ahead:
             self._mark_ahead(flight, ahead)
         self._in_flight.append(flight)
@@ -414,7 +424,7 @@ class Scheduler:
             )
         outputs = step_outputs.outputs
         if result.step_error:
-            outputs.extend(self._step_failed(plan, keyed, result.step_error, now))
+            outputs.extend(self._step_failed(flight, result.step_error, now))
             self._fail_flights(0)  # the worker forgot sequences the next step feeds
             return step_outputs
         errors = result.errors
@@ -462,18 +472,28 @@ class Scheduler:
                 flight.keyed.extend(planner.key_known(request, position))
         flight.key_later = []
 
-    def _step_failed(
-        self, plan: StepPlan, keyed: list[tuple[int, int]], error: str, now: float
-    ) -> list[RequestOutput]:
+    def _step_failed(self, flight: _Flight, error: str, now: float) -> list[RequestOutput]:
         """The worker forgot every sequence the plan named: all are recomputed, the requests
         of a failed group each first alone (isolation.py); one that keeps failing alone is
         the culprit and ends with ERROR, so a poison request harms no other."""
         planner = self._planner
-        planner.unkey(keyed)
-        running = planner.running
-        request_ids = [running[s].request_id for s in plan.seq_ids if s in running]
-        planner.requeue(plan.seq_ids, worker_knows=False)
+        planner.unkey(flight.keyed)
+        request_ids = self._suspects([flight])
+        planner.requeue(flight.plan.seq_ids, worker_knows=False)
         return self._isolate(request_ids, f"the worker failed on this request: {error}", now)
+
+    def _suspects(self, flights: list[_Flight]) -> list[str]:
+        """The unfinished requests the flights' plans fed, in plan order: one preempted
+        since (while the next step was planned) is one of them."""
+        requests = self._requests
+        return list(
+            dict.fromkeys(
+                request.request_id
+                for flight in flights
+                for request in flight.requests.values()
+                if requests.get(request.request_id) is request
+            )
+        )
 
     def _isolate(self, request_ids: list[str], message: str, now: float) -> list[RequestOutput]:
         """The requests of a failed or lost step (requeued) become suspects; one that
@@ -544,15 +564,7 @@ class Scheduler:
         if plan.step_id not in step_ids:
             return []
         start = step_ids.index(plan.step_id)
-        running = self._planner.running
-        request_ids = list(
-            dict.fromkeys(
-                running[s].request_id
-                for flight in self._in_flight[start:]
-                for s in flight.plan.seq_ids
-                if s in running
-            )
-        )
+        request_ids = self._suspects(self._in_flight[start:])
         self._fail_flights(start)
         if not suspect:
             return []
