@@ -445,20 +445,25 @@ class Planner:
             first_round = False
         return used
 
-    def _num_decode_growth_blocks(self, step_id: int, before: int | None = None) -> int:
+    def _num_decode_growth_blocks(self, step_id: int, before: Request | None = None) -> int:
         """Blocks the decodes still to plan in this step need: one for each running
-        decoder at a block boundary (admitted before admit order `before`, if given).
-        0 when decodes were planned first (or under `only`)."""
+        decoder at a block boundary (with `before`, those it would be preempted for:
+        earlier in feed order). 0 when decodes were planned first (or under `only`)."""
         if self.config.decode_first or self._only is not None:
             return 0
-        block_size, prefilling = self.blocks.block_size, self.prefilling
+        block_size, prefilling, feed_order = (
+            self.blocks.block_size,
+            self.prefilling,
+            self._feed_order,
+        )
+        rank = feed_order(before) if before is not None else None
         return sum(
             1
             for seq_id, request in self.running.items()
             if request.num_computed_tokens % block_size == 0
             and seq_id not in prefilling
             and request.last_scheduled_step != step_id
-            and (before is None or request.admit_order < before)
+            and (rank is None or feed_order(request) < rank)
         )
 
     def _price(self, request: Request) -> WaitingCost:
@@ -550,7 +555,7 @@ class Planner:
         start = request.num_computed_tokens
         # Older decoders planned after it (decode_first off) keep their blocks, as in
         # _admit; when even those are short, it is not fed, so it stays a victim for them.
-        num_reserved = self._num_decode_growth_blocks(step_id, request.admit_order)
+        num_reserved = self._num_decode_growth_blocks(step_id, request)
         available = blocks.num_available_blocks - num_reserved
         if available < 0:
             return 0
