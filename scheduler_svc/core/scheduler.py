@@ -5,8 +5,9 @@ At most two plans are in flight, answered in order. schedule() may plan step N+1
 step N runs when `can_plan_ahead` says so (overlapped steps): a sequence that samples in
 N and decodes in N+1 feeds the token N samples, which the worker substitutes
 (StepPlan.last_sampled_rows); when N's result ends that sequence, N+1's token for it is
-dropped, never streamed. A failure in N (a worker loss, a failed step, a refused
-sequence) also fails N+1, whose sequences recompute. Isolation steps run alone.
+dropped, never streamed. A failed step or a worker loss in N also fails N+1, whose
+sequences recompute; a sequence refused in N fails only the rows of N+1 that it taints
+(its own, and those that read what it or its readers keyed). Isolation steps run alone.
 add(), cancel() and stop() may be called at any time.
 Text (detokenization, stop strings) is not the core's: the service's output processor
 runs right after apply() and ends stop-string hits through stop() before the next
@@ -434,10 +435,10 @@ class Scheduler:
             # (one cancelled or preempted since keeps none), and the running recompute.
             unwritten = _closure(errors.keys(), flight.readers)
             planner.unkey([(seq_id, block_id) for seq_id, block_id in keyed if seq_id in unwritten])
-            planner.requeue(
-                [seq_id for seq_id in plan.seq_ids if seq_id in unwritten and seq_id not in errors],
-                worker_knows=True,
-            )
+            seq_ids = [s for s in plan.seq_ids if s in unwritten and s not in errors]
+            if self._in_flight:  # the step after it is sent: only its tainted rows go
+                seq_ids += self._drop_tainted(self._in_flight[0], unwritten, errors.keys())
+            planner.requeue(list(dict.fromkeys(seq_ids)), worker_knows=True)
             for seq_id, message in errors.items():
                 request = planner.running.get(seq_id)
                 if request is not None:
@@ -456,11 +457,23 @@ class Scheduler:
         if self._isolation.target is not None:
             self._isolation.cleared()
         if self._in_flight:
-            if errors:
-                self._fail_flights(0)  # it feeds sequences the worker refused or forgot
-            else:
-                self._key_known(self._in_flight[0])
+            self._key_known(self._in_flight[0])
         return step_outputs
+
+    def _drop_tainted(
+        self, flight: _Flight, unwritten: set[int], refused: Iterable[int]
+    ) -> list[int]:
+        """The step after a refusal, in flight: its rows of the sequences that wrote
+        nothing in the step before (`unwritten`), and of those that read what they keyed
+        in either step, are garbage. Their keys in it are dropped; returns their seq ids
+        to requeue (those `refused` excepted: they end). Its other rows stand, and its
+        result is taken as usual (the dropped rows' tokens with it)."""
+        tainted = _closure(unwritten, flight.readers)
+        if any(seq_id in tainted for seq_id, _ in flight.keyed):
+            self._planner.unkey([entry for entry in flight.keyed if entry[0] in tainted])
+            flight.keyed = [entry for entry in flight.keyed if entry[0] not in tainted]
+        refused = set(refused)
+        return [s for s in flight.plan.seq_ids if s in tainted and s not in refused]
 
     def _key_known(self, flight: _Flight) -> None:
         """The tokens of the step just applied are known: key the blocks `flight`'s ahead
