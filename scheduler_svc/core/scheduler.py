@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 from array import array
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from pagoda.scheduler_svc.core.config import SchedulerConfig, WorkerGeometry
@@ -425,8 +425,10 @@ class Scheduler:
             )
         outputs = step_outputs.outputs
         if result.step_error:
+            # The next step feeds sequences the worker forgot: it fails too, requeued first
+            # so that this step's requests (admitted earlier) go in front of its own.
+            self._fail_flights(0, forgotten=set(plan.seq_ids))
             outputs.extend(self._step_failed(flight, result.step_error, now))
-            self._fail_flights(0)  # the worker forgot sequences the next step feeds
             return step_outputs
         errors = result.errors
         if errors:
@@ -583,10 +585,11 @@ class Scheduler:
             return []
         return self._isolate(request_ids, f"the worker was lost on this request: {error}", now)
 
-    def _fail_flights(self, start: int) -> None:
+    def _fail_flights(self, start: int, forgotten: Collection[int] = ()) -> None:
         """Steps in flight from `start` on count as never run: their keys dropped, their
-        sequences requeued (the earliest step's at the head). A late result of one is
-        ignored (apply() no longer knows its step)."""
+        sequences requeued (the earliest step's at the head), but those `forgotten` by
+        the worker (the caller requeues them). A late result of one is ignored (apply()
+        no longer knows its step)."""
         planner = self._planner
         failed = self._in_flight[start:]
         del self._in_flight[start:]
@@ -595,7 +598,10 @@ class Scheduler:
             # The plan may never have arrived: send its forgets again (a worker ignores
             # forgets of sequences it does not hold).
             planner.forget_seq_ids.extend(flight.plan.forget_seq_ids)
-            planner.requeue(flight.plan.seq_ids, worker_knows=True)
+            planner.requeue(
+                [seq_id for seq_id in flight.plan.seq_ids if seq_id not in forgotten],
+                worker_knows=True,
+            )
 
     @property
     def stats(self) -> SchedulerStats:

@@ -329,3 +329,24 @@ def test_a_refusal_in_n_recomputes_only_the_tainted_rows_of_n_plus_1():
     drive_overlapped(scheduler, worker, streams)
     assert streams["Z"].finish_reason is FinishReason.ERROR
     assert_exact(streams, [*decoders, y], geometry)
+
+
+def test_after_a_failed_step_its_sequences_wait_in_front_of_the_next_steps_admissions():
+    """sched s3 smell 10: N fails whole while N+1, which admitted c, is in flight. N's
+    requests were admitted first: they go back to the head of the queue before c."""
+    geometry = make_geometry(block_size=4)
+    scheduler, worker = make_scheduler(geometry), FakeWorker(geometry)
+    for name in "ab":
+        scheduler.add(make_request(name, 5, max_new_tokens=8, ignore_eos=True), 0.0)
+    scheduler.apply(worker.step(scheduler.schedule(0.0)), 0.5)
+    failing = scheduler.schedule(1.0)
+    scheduler.add(make_request("c", 5, max_new_tokens=8, ignore_eos=True), 1.0)
+    ahead = scheduler.schedule(1.0, ahead=True)
+    assert len(ahead.new_sequences) == 1
+    scheduler.apply(worker.fail(failing, "CUDA error"), 2.0)
+    check_invariants(scheduler)
+    waiting = [request.request_id for request in scheduler.core._planner.waiting]
+    assert waiting == ["a", "b", "c"]
+    # The worker forgot a and b with the failed step: only c, which it still holds, is
+    # forgotten by the next plan.
+    assert scheduler.core._planner.forget_seq_ids == [ahead.new_sequences[0].seq_id]
