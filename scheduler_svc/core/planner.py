@@ -63,6 +63,8 @@ class Planner:
         # The running ones with tokens left to feed before their next sample.
         self.prefilling: dict[int, Request] = {}
         self.forget_seq_ids: list[int] = []  # for the next plan
+        # (seq_id, request) of each sequence preempted since the last take_victims().
+        self._victims: list[tuple[int, Request]] = []
         # (seq_id, block_id) keyed by the plan in flight: unkeyed if it fails.
         self._keyed_in_flight: list[tuple[int, int]] = []
         self._seq_ids = itertools.count(1)
@@ -142,6 +144,7 @@ class Planner:
 
     def preempt(self, request: Request, *, worker_knows: bool = True) -> None:
         """Recompute later: blocks released, back to the head of the queue."""
+        self._victims.append((request.seq_id, request))
         self.release(request, worker_knows=worker_knows)
         request.state = _WAITING
         request.num_preemptions += 1
@@ -172,6 +175,11 @@ class Planner:
     def take_forget_seq_ids(self) -> list[int]:
         forget, self.forget_seq_ids = self.forget_seq_ids, []
         return forget
+
+    def take_victims(self) -> list[tuple[int, Request]]:
+        """(seq_id, request) of the sequences preempted since the last call (planning)."""
+        victims, self._victims = self._victims, []
+        return victims
 
     def take_ahead(self) -> list[tuple[Request, int]]:
         """The decodes the last plan fed ahead of their token (see _schedule_decodes)."""

@@ -67,12 +67,11 @@ class _Flight:
     # when the step before answers with the token.
     key_later: list[tuple[Request, int, int]]
     isolated: bool  # a step of the isolation of a failure: nothing runs beside it
-    # seq_id -> request, each the plan feeds: suspects if the step fails, even one
-    # preempted or ended since (those still unfinished are).
-    requests: dict[int, Request]
     # (writer, reader) seq ids: `reader`, new in this plan or the next, hits a block that
     # `writer` keys in this plan, so it reads K/V this step has yet to write.
     readers: list[tuple[int, int]] = field(default_factory=list)
+    # Requests it feeds that planning the next step preempted: suspects if it fails.
+    preempted: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -305,17 +304,14 @@ class Scheduler:
         if plan is None:
             plan = planner.plan(step_id, now, max_prefill_tokens=self._prefill_cap())
         ahead = planner.take_ahead()
+        victims = planner.take_victims()
+        if victims and self._in_flight:
+            fed = self._in_flight[0].plan.seq_ids
+            self._in_flight[0].preempted += [r for seq_id, r in victims if seq_id in fed]
         if not plan.seq_ids:
             return None  # nothing could run (pending forgets wait for the next plan)
         plan.forget_seq_ids = planner.take_forget_seq_ids()
-        running = planner.running
-        flight = _Flight(
-            plan,
-            planner.take_keyed_in_flight(),
-            [],
-            isolated,
-            {seq_id: running[seq_id] for seq_id in plan.seq_ids},
-        )
+        flight = _Flight(plan, planner.take_keyed_in_flight(), [], isolated)
         if ahead:
             self._mark_ahead(flight, ahead)
         self._in_flight.append(flight)
@@ -498,17 +494,16 @@ class Scheduler:
         return self._isolate(request_ids, f"the worker failed on this request: {error}", now)
 
     def _suspects(self, flights: list[_Flight]) -> list[str]:
-        """The unfinished requests the flights' plans fed, in plan order: one preempted
-        since (while the next step was planned) is one of them."""
-        requests = self._requests
-        return list(
-            dict.fromkeys(
-                request.request_id
-                for flight in flights
-                for request in flight.requests.values()
-                if requests.get(request.request_id) is request
-            )
-        )
+        """The unfinished requests the flights' plans fed: those running, and those
+        preempted while the next step was planned (back in the queue)."""
+        running, requests = self._planner.running, self._requests
+        request_ids = []
+        for flight in flights:
+            request_ids += [running[s].request_id for s in flight.plan.seq_ids if s in running]
+            request_ids += [
+                r.request_id for r in flight.preempted if requests.get(r.request_id) is r
+            ]
+        return list(dict.fromkeys(request_ids))
 
     def _isolate(self, request_ids: list[str], message: str, now: float) -> list[RequestOutput]:
         """The requests of a failed or lost step (requeued) become suspects; one that
