@@ -15,10 +15,10 @@ A sequence feeding a token id outside the vocabulary, or named in `refuse`, is r
 the real worker refuses it (an entry in `errors`, nothing written, forgotten). A new
 sequence of the same step that points at blocks the refused one was to write reads
 garbage, as it would on a GPU: it samples a wrong token, and feeding it again is a
-PlanError (the scheduler must recompute it). Except in the very next step: an overlapped
-scheduler planned it before the result was known, so there a refused sequence is refused
-again (the real worker's "unknown sequence"), a garbage one stays garbage, and a new
-sequence reading the blocks left unwritten reads garbage too.
+PlanError (the scheduler must recompute it). With `overlapped`, except in the very next
+step: an overlapped scheduler planned it before the result was known, so there a refused
+sequence is refused again (the real worker's "unknown sequence"), a garbage one stays
+garbage, and a new sequence reading the blocks left unwritten reads garbage too.
 """
 
 from __future__ import annotations
@@ -49,9 +49,12 @@ class _Sequence:
 
 
 class FakeWorker:
-    def __init__(self, geometry: WorkerGeometry, *, check: bool = True) -> None:
+    def __init__(
+        self, geometry: WorkerGeometry, *, check: bool = True, overlapped: bool = False
+    ) -> None:
         self.geometry = geometry
         self.check = check
+        self.overlapped = overlapped  # the next plan may be made before a result is applied
         self._sequences: dict[int, _Sequence] = {}
         self._ever_seen: set[int] = set()
         # (block id, offset) -> content hash of the K/V written there (check mode only).
@@ -87,8 +90,11 @@ class FakeWorker:
         for new in plan.new_sequences:
             if new.cached_token_ids and max(new.cached_token_ids) >= vocab_size:
                 refused.add(new.seq_id)
-        self._refused_before, self._refused = self._refused, {}
-        self._unwritten_before, self._unwritten = self._unwritten, set()
+        if self.overlapped:
+            self._refused_before, self._refused = self._refused, {}
+            self._unwritten_before, self._unwritten = self._unwritten, set()
+        else:
+            self._unwritten.clear()
         for new in plan.new_sequences:
             if new.seq_id in self._ever_seen:
                 raise PlanError(f"seq {new.seq_id} announced as new twice")
@@ -123,7 +129,8 @@ class FakeWorker:
             fed = token_ids[offsets[index] : offsets[index + 1]]
             if seq_id in refused:
                 if self._sequences.pop(seq_id, None) is not None:
-                    self._refused[seq_id] = sequence
+                    if self.overlapped:
+                        self._refused[seq_id] = sequence
                     for block_id in sequence.block_ids:
                         self._holders[block_id].discard(seq_id)
                 table = sequence.block_ids = sequence.block_ids + new_block_ids
@@ -132,7 +139,9 @@ class FakeWorker:
                 self._unwritten.update(table[start // block_size : -(-end // block_size)])
                 result.errors[seq_id] = "refused: token id out of range or told to"
                 continue
-            if sequence.garbage and sequence.garbage_step != self.num_steps - 1:
+            if sequence.garbage and not (
+                self.overlapped and sequence.garbage_step == self.num_steps - 1
+            ):
                 raise PlanError(f"step {plan.step_id} feeds seq {seq_id}, whose K/V is garbage")
             self._append_blocks(seq_id, sequence, new_block_ids)
             if check and seq_id in cached_of:

@@ -76,7 +76,7 @@ def run(
         vocab_size=100,
     )
     scheduler = make_scheduler(geometry, **knobs)
-    worker = FakeWorker(geometry)
+    worker = FakeWorker(geometry, overlapped=overlap)
     prefixes = [[rng.randrange(3, 99) for _ in range(rng.choice([4, 8, 9, 12]))] for _ in range(4)]
     streams: dict[str, Stream] = defaultdict(Stream)
     valid_requests = {}
@@ -122,7 +122,7 @@ def run(
         if in_flight and rng.random() < p_loss:
             take(scheduler.processor.process(scheduler.core.detach_worker("lost")))
             in_flight.clear()
-            worker = FakeWorker(geometry)
+            worker = FakeWorker(geometry, overlapped=overlap)
             take(scheduler.attach_worker(geometry))
             counts["losses"] += 1
             check_invariants(scheduler)

@@ -293,7 +293,7 @@ def test_a_refusal_in_n_recomputes_only_the_tainted_rows_of_n_plus_1():
     ahead. N+1 must keep the rows of the others (their tokens stream when it answers);
     only Z's row and those that read Z's blocks (Y, a prefix hit on them in N+1) go."""
     geometry = make_geometry(num_kv_blocks=64, block_size=4, vocab_size=1000)
-    scheduler, worker = make_scheduler(geometry), FakeWorker(geometry)
+    scheduler, worker = make_scheduler(geometry), FakeWorker(geometry, overlapped=True)
     decoders = [make_request(f"d{i}", 5 + i, max_new_tokens=8, ignore_eos=True) for i in range(3)]
     for request in decoders:
         scheduler.add(request, 0.0)
