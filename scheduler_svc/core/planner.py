@@ -8,8 +8,9 @@ failed step.
 A step's token budget goes to decodes first (one token per running sequence, round-robin
 under a cap), then to prefill: partial prompts continue their chunks before new requests
 are admitted by the configured policy (admission.py). With decode_first off the order is
-reversed, and prefill then leaves one block to each older decoder at a block boundary. A
-chunk that finds the pool empty feeds what its last block still holds. Feeding a request
+reversed, and prefill then leaves one block to each decoder at a block boundary that it
+would be preempted for (for an admission, every one). A chunk that finds the pool empty
+feeds what its last block still holds. Feeding a request
 advances its num_computed_tokens at once: the step in flight counts as computed (a
 failed step requeues its sequences). A request is never fed twice in one step.
 
@@ -459,11 +460,8 @@ class Planner:
         earlier in feed order). 0 when decodes were planned first (or under `only`)."""
         if self.config.decode_first or self._only is not None:
             return 0
-        block_size, prefilling, feed_order = (
-            self.blocks.block_size,
-            self.prefilling,
-            self._feed_order,
-        )
+        block_size, prefilling = self.blocks.block_size, self.prefilling
+        feed_order = self._feed_order
         rank = feed_order(before) if before is not None else None
         return sum(
             1
@@ -561,8 +559,9 @@ class Planner:
         blocks = self.blocks
         block_size = blocks.block_size
         start = request.num_computed_tokens
-        # Older decoders planned after it (decode_first off) keep their blocks, as in
-        # _admit; when even those are short, it is not fed, so it stays a victim for them.
+        # Decoders it would be preempted for, planned after it (decode_first off), keep
+        # their blocks as in _admit; when even those are short it is not fed, so it stays
+        # their victim.
         num_reserved = self._num_decode_growth_blocks(step_id, request)
         available = blocks.num_available_blocks - num_reserved
         if available < 0:
