@@ -15,7 +15,10 @@ A sequence feeding a token id outside the vocabulary, or named in `refuse`, is r
 the real worker refuses it (an entry in `errors`, nothing written, forgotten). A new
 sequence of the same step that points at blocks the refused one was to write reads
 garbage, as it would on a GPU: it samples a wrong token, and feeding it again is a
-PlanError (the scheduler must recompute it).
+PlanError (the scheduler must recompute it). With `overlapped`, except in the very next
+step: an overlapped scheduler planned it before the result was known, so there a refused
+sequence is refused again (the real worker's "unknown sequence"), a garbage one stays
+garbage, and a new sequence reading the blocks left unwritten reads garbage too.
 """
 
 from __future__ import annotations
@@ -40,14 +43,18 @@ class _Sequence:
     num_positions: int = 0  # positions whose K/V this sequence has (fed or cached)
     prefix_hash: int = 0  # content hash of its K/V up to num_positions
     garbage: bool = False  # it read K/V that nobody wrote (a refused writer's)
+    garbage_step: int = 0  # the worker's step count when it became garbage
     # (token id, its position) of the last token sampled, for StepPlan.last_sampled_rows.
     last_sampled: tuple[int, int] | None = None
 
 
 class FakeWorker:
-    def __init__(self, geometry: WorkerGeometry, *, check: bool = True) -> None:
+    def __init__(
+        self, geometry: WorkerGeometry, *, check: bool = True, overlapped: bool = False
+    ) -> None:
         self.geometry = geometry
         self.check = check
+        self.overlapped = overlapped  # the next plan may be made before a result is applied
         self._sequences: dict[int, _Sequence] = {}
         self._ever_seen: set[int] = set()
         # (block id, offset) -> content hash of the K/V written there (check mode only).
@@ -55,6 +62,10 @@ class FakeWorker:
         self._holders: dict[int, set[int]] = {}  # block id -> live seq ids holding it
         # Blocks the step running was to write but does not: a refused (or garbage) writer's.
         self._unwritten: set[int] = set()
+        # The step before's refused sequences and unwritten blocks (see the docstring).
+        self._refused: dict[int, _Sequence] = {}
+        self._refused_before: dict[int, _Sequence] = {}
+        self._unwritten_before: set[int] = set()
         self.num_unknown_forgets = 0
         self.num_steps = 0
 
@@ -79,7 +90,11 @@ class FakeWorker:
         for new in plan.new_sequences:
             if new.cached_token_ids and max(new.cached_token_ids) >= vocab_size:
                 refused.add(new.seq_id)
-        self._unwritten.clear()
+        if self.overlapped:
+            self._refused_before, self._refused = self._refused, {}
+            self._unwritten_before, self._unwritten = self._unwritten, set()
+        else:
+            self._unwritten.clear()
         for new in plan.new_sequences:
             if new.seq_id in self._ever_seen:
                 raise PlanError(f"seq {new.seq_id} announced as new twice")
@@ -103,23 +118,30 @@ class FakeWorker:
         for index, seq_id in enumerate(plan.seq_ids):
             sequence = self._sequences.get(seq_id)
             if sequence is None:
-                raise PlanError(f"step {plan.step_id} feeds unknown seq {seq_id}")
+                sequence = self._refused_before.get(seq_id)
+                if sequence is None:
+                    raise PlanError(f"step {plan.step_id} feeds unknown seq {seq_id}")
+                refused.add(seq_id)
             new_block_ids = plan.block_ids[
                 plan.block_offsets[index] : plan.block_offsets[index + 1]
             ]
             start = plan.start_positions[index]
             fed = token_ids[offsets[index] : offsets[index + 1]]
             if seq_id in refused:
-                del self._sequences[seq_id]
-                for block_id in sequence.block_ids:
-                    self._holders[block_id].discard(seq_id)
-                table = sequence.block_ids + new_block_ids
+                if self._sequences.pop(seq_id, None) is not None:
+                    if self.overlapped:
+                        self._refused[seq_id] = sequence
+                    for block_id in sequence.block_ids:
+                        self._holders[block_id].discard(seq_id)
+                table = sequence.block_ids = sequence.block_ids + new_block_ids
                 block_size = self.geometry.block_size
                 end = start + len(fed)
                 self._unwritten.update(table[start // block_size : -(-end // block_size)])
                 result.errors[seq_id] = "refused: token id out of range or told to"
                 continue
-            if sequence.garbage:
+            if sequence.garbage and not (
+                self.overlapped and sequence.garbage_step == self.num_steps - 1
+            ):
                 raise PlanError(f"step {plan.step_id} feeds seq {seq_id}, whose K/V is garbage")
             self._append_blocks(seq_id, sequence, new_block_ids)
             if check and seq_id in cached_of:
@@ -178,6 +200,8 @@ class FakeWorker:
         for row in plan.last_sampled_rows:
             seq_id = plan.seq_ids[row]
             sequence = self._sequences.get(seq_id)
+            if sequence is None and seq_id in self._refused_before:
+                continue  # refused again below
             last = sequence.last_sampled if sequence is not None else None
             start, end = plan.token_offsets[row], plan.token_offsets[row + 1]
             if last is None or end - start != 1 or last[1] != plan.start_positions[row]:
@@ -247,8 +271,10 @@ class FakeWorker:
         for position, token_id in enumerate(cached_token_ids):
             prefix_hash = hash((prefix_hash, token_id))
             slot = (sequence.block_ids[position // block_size], position % block_size)
-            if slot[0] in self._unwritten and self._slots.get(slot) != prefix_hash:
-                sequence.garbage = True  # a writer of this step was refused
+            unwritten = slot[0] in self._unwritten or slot[0] in self._unwritten_before
+            if unwritten and self._slots.get(slot) != prefix_hash:
+                sequence.garbage = True  # a writer of this step (or the one before) was refused
+                sequence.garbage_step = self.num_steps
                 return
             if self._slots.get(slot) != prefix_hash:
                 raise PlanError(f"seq {seq_id}'s cached position {position} holds other K/V")

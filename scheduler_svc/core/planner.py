@@ -8,8 +8,9 @@ failed step.
 A step's token budget goes to decodes first (one token per running sequence, round-robin
 under a cap), then to prefill: partial prompts continue their chunks before new requests
 are admitted by the configured policy (admission.py). With decode_first off the order is
-reversed, and admission then leaves one block to each decoder at a block boundary. A
-chunk that finds the pool empty feeds what its last block still holds. Feeding a request
+reversed, and prefill then leaves one block to each decoder at a block boundary that it
+would be preempted for (for an admission, every one). A chunk that finds the pool empty
+feeds what its last block still holds. Feeding a request
 advances its num_computed_tokens at once: the step in flight counts as computed (a
 failed step requeues its sequences). A request is never fed twice in one step.
 
@@ -63,6 +64,8 @@ class Planner:
         # The running ones with tokens left to feed before their next sample.
         self.prefilling: dict[int, Request] = {}
         self.forget_seq_ids: list[int] = []  # for the next plan
+        # (seq_id, request) of each sequence preempted since the last take_victims().
+        self._victims: list[tuple[int, Request]] = []
         # (seq_id, block_id) keyed by the plan in flight: unkeyed if it fails.
         self._keyed_in_flight: list[tuple[int, int]] = []
         self._seq_ids = itertools.count(1)
@@ -142,6 +145,7 @@ class Planner:
 
     def preempt(self, request: Request, *, worker_knows: bool = True) -> None:
         """Recompute later: blocks released, back to the head of the queue."""
+        self._victims.append((request.seq_id, request))
         self.release(request, worker_knows=worker_knows)
         request.state = _WAITING
         request.num_preemptions += 1
@@ -173,6 +177,11 @@ class Planner:
         forget, self.forget_seq_ids = self.forget_seq_ids, []
         return forget
 
+    def take_victims(self) -> list[tuple[int, Request]]:
+        """(seq_id, request) of the sequences preempted since the last call (planning)."""
+        victims, self._victims = self._victims, []
+        return victims
+
     def take_ahead(self) -> list[tuple[Request, int]]:
         """The decodes the last plan fed ahead of their token (see _schedule_decodes)."""
         ahead, self._ahead = self._ahead, []
@@ -188,27 +197,6 @@ class Planner:
         """The blocks the plan in flight keyed; the plan is answered or failed."""
         keyed, self._keyed_in_flight = self._keyed_in_flight, []
         return keyed
-
-    def unwritten_by(
-        self, failed_seq_ids: Iterable[int], keyed: list[tuple[int, int]], seq_ids: list[int]
-    ) -> set[int]:
-        """`failed_seq_ids` (sequences of a step whose K/V the worker did not write) and
-        every sequence of the step, `seq_ids`, that holds a block one of them keyed in it:
-        a same-step prefix hit read that block, so its own K/V is garbage too."""
-        unwritten = set(failed_seq_ids)
-        writer_of = {block_id: seq_id for seq_id, block_id in keyed}
-        running = self.running
-        grew = True
-        while grew:  # a reader comes after its writer in the plan: one pass, usually
-            grew = False
-            for seq_id in seq_ids:
-                request = running.get(seq_id)
-                if seq_id in unwritten or request is None:
-                    continue
-                if any(writer_of.get(block_id) in unwritten for block_id in request.block_ids):
-                    unwritten.add(seq_id)
-                    grew = True
-        return unwritten
 
     def unkey(self, keyed: Iterable[tuple[int, int]]) -> None:
         """Drop the prefix keys of blocks whose K/V a failed step never wrote."""
@@ -466,18 +454,22 @@ class Planner:
             first_round = False
         return used
 
-    def _num_decode_growth_blocks(self, step_id: int) -> int:
+    def _num_decode_growth_blocks(self, step_id: int, before: Request | None = None) -> int:
         """Blocks the decodes still to plan in this step need: one for each running
-        decoder at a block boundary. 0 when decodes were planned first (or under `only`)."""
+        decoder at a block boundary (with `before`, those it would be preempted for:
+        earlier in feed order). 0 when decodes were planned first (or under `only`)."""
         if self.config.decode_first or self._only is not None:
             return 0
         block_size, prefilling = self.blocks.block_size, self.prefilling
+        feed_order = self._feed_order
+        rank = feed_order(before) if before is not None else None
         return sum(
             1
             for seq_id, request in self.running.items()
             if request.num_computed_tokens % block_size == 0
             and seq_id not in prefilling
             and request.last_scheduled_step != step_id
+            and (rank is None or feed_order(request) < rank)
         )
 
     def _price(self, request: Request) -> WaitingCost:
@@ -562,20 +554,31 @@ class Planner:
 
     def _fit_chunk(self, request: Request, num_tokens: int, step_id: int) -> int:
         """Blocks for the next `num_tokens` of a partial prefill; the chunk shrinks to the
-        blocks there are. 0 when the request had to preempt itself."""
+        blocks there are. 0 when the request had to preempt itself or older decoders need
+        the blocks."""
         blocks = self.blocks
         block_size = blocks.block_size
         start = request.num_computed_tokens
+        # Decoders it would be preempted for, planned after it (decode_first off), keep
+        # their blocks as in _admit; when even those are short it is not fed, so it stays
+        # their victim.
+        num_reserved = self._num_decode_growth_blocks(step_id, request)
+        available = blocks.num_available_blocks - num_reserved
+        if available < 0:
+            return 0
         num_new_blocks = -(-(start + num_tokens) // block_size) - len(request.block_ids)
         if num_new_blocks > 0:
-            if blocks.num_available_blocks == 0:
+            if available == 0:
                 room = len(request.block_ids) * block_size - start
                 if room > 0:
                     return min(num_tokens, room)  # what fits, rather than preempt for more
+                if num_reserved:
+                    return 0
                 if not self._grow(request, step_id):
                     return 0
                 num_new_blocks -= 1
-            num_taken = min(num_new_blocks, blocks.num_available_blocks)
+                available = blocks.num_available_blocks
+            num_taken = min(num_new_blocks, available)
             if num_taken:
                 request.block_ids.extend(blocks.allocate(num_taken))
         return min(num_tokens, len(request.block_ids) * block_size - start)

@@ -5,8 +5,9 @@ At most two plans are in flight, answered in order. schedule() may plan step N+1
 step N runs when `can_plan_ahead` says so (overlapped steps): a sequence that samples in
 N and decodes in N+1 feeds the token N samples, which the worker substitutes
 (StepPlan.last_sampled_rows); when N's result ends that sequence, N+1's token for it is
-dropped, never streamed. A failure in N (a worker loss, a failed step, a refused
-sequence) also fails N+1, whose sequences recompute. Isolation steps run alone.
+dropped, never streamed. A failed step or a worker loss in N also fails N+1, whose
+sequences recompute; a sequence refused in N fails only the rows of N+1 that it taints
+(its own, and those that read what it or its readers keyed). Isolation steps run alone.
 add(), cancel() and stop() may be called at any time.
 Text (detokenization, stop strings) is not the core's: the service's output processor
 runs right after apply() and ends stop-string hits through stop() before the next
@@ -18,7 +19,8 @@ from __future__ import annotations
 import itertools
 import math
 from array import array
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
 
 from pagoda.scheduler_svc.core.config import SchedulerConfig, WorkerGeometry
 from pagoda.scheduler_svc.core.isolation import Isolation
@@ -65,6 +67,11 @@ class _Flight:
     # when the step before answers with the token.
     key_later: list[tuple[Request, int, int]]
     isolated: bool  # a step of the isolation of a failure: nothing runs beside it
+    # (writer, reader) seq ids: `reader`, new in this plan or the next, hits a block that
+    # `writer` keys in this plan, so it reads K/V this step has yet to write.
+    readers: list[tuple[int, int]] = field(default_factory=list)
+    # Requests it feeds that planning the next step preempted: suspects if it fails.
+    preempted: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -241,7 +248,7 @@ class Scheduler:
     ) -> list[RequestOutput]:
         """Queue the requests another scheduler handed over, at the head (they were
         admitted before anything waiting here, and stream on from the tokens they have);
-        returns the finishing outputs of those this worker can never hold."""
+        returns the finishing outputs of those this worker can never hold or read."""
         self._last_now = now
         planner = self._planner
         outputs = []
@@ -255,7 +262,7 @@ class Scheduler:
         for request in requests if geometry is not None else ():
             reason = too_large_reason(
                 request.num_prompt_tokens, request.stopping.max_new_tokens, geometry
-            )
+            ) or _outside_vocabulary(request, geometry.vocab_size)
             if reason is not None:
                 outputs.append(self._finish_with_error(request, reason, now))
         return outputs
@@ -297,6 +304,10 @@ class Scheduler:
         if plan is None:
             plan = planner.plan(step_id, now, max_prefill_tokens=self._prefill_cap())
         ahead = planner.take_ahead()
+        victims = planner.take_victims()
+        if victims and self._in_flight:
+            fed = self._in_flight[0].plan.seq_ids
+            self._in_flight[0].preempted += [r for seq_id, r in victims if seq_id in fed]
         if not plan.seq_ids:
             return None  # nothing could run (pending forgets wait for the next plan)
         plan.forget_seq_ids = planner.take_forget_seq_ids()
@@ -304,6 +315,7 @@ class Scheduler:
         if ahead:
             self._mark_ahead(flight, ahead)
         self._in_flight.append(flight)
+        self._record_readers(plan)
         self._num_steps += 1
         self._num_isolated_steps += isolated
         return plan
@@ -366,6 +378,30 @@ class Scheduler:
                 if (position + 1) % block_size == 0
             ]
 
+    def _record_readers(self, plan: StepPlan) -> None:
+        """Edges from each block keyed by a step not yet answered (this plan or the one in
+        flight) to the new sequences of `plan` whose prefix hit reads it: a new sequence
+        sends its whole table, its cached blocks first."""
+        news = [new for new in plan.new_sequences if new.cached_token_ids]
+        if not news:
+            return
+        writers = {
+            block_id: (seq_id, flight)  # the latest key of a block wins
+            for flight in self._in_flight
+            for seq_id, block_id in flight.keyed
+        }
+        if not writers:
+            return
+        block_size = self._planner.blocks.block_size
+        row_of = {seq_id: row for row, seq_id in enumerate(plan.seq_ids)}
+        for new in news:
+            start = plan.block_offsets[row_of[new.seq_id]]
+            num_cached_blocks = len(new.cached_token_ids) // block_size
+            for block_id in plan.block_ids[start : start + num_cached_blocks]:
+                writer = writers.get(block_id)
+                if writer is not None:
+                    writer[1].readers.append((writer[0], new.seq_id))
+
     def apply(self, result: StepResult, now: float) -> StepOutputs:
         """Take the worker's sampled tokens: token-id stop rules (check_stop), outputs.
         Finished requests free their blocks now and are forgotten by the next plan."""
@@ -385,19 +421,22 @@ class Scheduler:
             )
         outputs = step_outputs.outputs
         if result.step_error:
-            outputs.extend(self._step_failed(plan, keyed, result.step_error, now))
-            self._fail_flights(0)  # the worker forgot sequences the next step feeds
+            # The next step feeds sequences the worker forgot: it fails too, requeued first
+            # so that this step's requests (admitted earlier) go in front of its own.
+            self._fail_flights(0, forgotten=set(plan.seq_ids))
+            outputs.extend(self._step_failed(flight, result.step_error, now))
             return step_outputs
         errors = result.errors
         if errors:
-            # A refused sequence wrote nothing, so neither did any that read its blocks in
-            # this step: those recompute, and every key they made is dropped.
-            unwritten = planner.unwritten_by(errors, keyed, plan.seq_ids)
+            # A refused sequence wrote nothing, so neither did any that read its blocks
+            # before they were written: every key they made is dropped, running or not
+            # (one cancelled or preempted since keeps none), and the running recompute.
+            unwritten = _closure(errors.keys(), flight.readers)
             planner.unkey([(seq_id, block_id) for seq_id, block_id in keyed if seq_id in unwritten])
-            planner.requeue(
-                [seq_id for seq_id in plan.seq_ids if seq_id in unwritten and seq_id not in errors],
-                worker_knows=True,
-            )
+            seq_ids = [s for s in plan.seq_ids if s in unwritten and s not in errors]
+            if self._in_flight:  # the step after it is sent: only its tainted rows go
+                seq_ids += self._drop_tainted(self._in_flight[0], unwritten, errors.keys())
+            planner.requeue(list(dict.fromkeys(seq_ids)), worker_knows=True)
             for seq_id, message in errors.items():
                 request = planner.running.get(seq_id)
                 if request is not None:
@@ -416,11 +455,23 @@ class Scheduler:
         if self._isolation.target is not None:
             self._isolation.cleared()
         if self._in_flight:
-            if errors:
-                self._fail_flights(0)  # it feeds sequences the worker refused or forgot
-            else:
-                self._key_known(self._in_flight[0])
+            self._key_known(self._in_flight[0])
         return step_outputs
+
+    def _drop_tainted(
+        self, flight: _Flight, unwritten: set[int], refused: Iterable[int]
+    ) -> list[int]:
+        """The step after a refusal, in flight: its rows of the sequences that wrote
+        nothing in the step before (`unwritten`), and of those that read what they keyed
+        in either step, are garbage. Their keys in it are dropped; returns their seq ids
+        to requeue (those `refused` excepted: they end). Its other rows stand, and its
+        result is taken as usual (the dropped rows' tokens with it)."""
+        tainted = _closure(unwritten, flight.readers)
+        if any(seq_id in tainted for seq_id, _ in flight.keyed):
+            self._planner.unkey([entry for entry in flight.keyed if entry[0] in tainted])
+            flight.keyed = [entry for entry in flight.keyed if entry[0] not in tainted]
+        refused = set(refused)
+        return [s for s in flight.plan.seq_ids if s in tainted and s not in refused]
 
     def _key_known(self, flight: _Flight) -> None:
         """The tokens of the step just applied are known: key the blocks `flight`'s ahead
@@ -432,18 +483,27 @@ class Scheduler:
                 flight.keyed.extend(planner.key_known(request, position))
         flight.key_later = []
 
-    def _step_failed(
-        self, plan: StepPlan, keyed: list[tuple[int, int]], error: str, now: float
-    ) -> list[RequestOutput]:
+    def _step_failed(self, flight: _Flight, error: str, now: float) -> list[RequestOutput]:
         """The worker forgot every sequence the plan named: all are recomputed, the requests
         of a failed group each first alone (isolation.py); one that keeps failing alone is
         the culprit and ends with ERROR, so a poison request harms no other."""
         planner = self._planner
-        planner.unkey(keyed)
-        running = planner.running
-        request_ids = [running[s].request_id for s in plan.seq_ids if s in running]
-        planner.requeue(plan.seq_ids, worker_knows=False)
+        planner.unkey(flight.keyed)
+        request_ids = self._suspects([flight])
+        planner.requeue(flight.plan.seq_ids, worker_knows=False)
         return self._isolate(request_ids, f"the worker failed on this request: {error}", now)
+
+    def _suspects(self, flights: list[_Flight]) -> list[str]:
+        """The unfinished requests the flights' plans fed: those running, and those
+        preempted while the next step was planned (back in the queue)."""
+        running, requests = self._planner.running, self._requests
+        request_ids = []
+        for flight in flights:
+            request_ids += [running[s].request_id for s in flight.plan.seq_ids if s in running]
+            request_ids += [
+                r.request_id for r in flight.preempted if requests.get(r.request_id) is r
+            ]
+        return list(dict.fromkeys(request_ids))
 
     def _isolate(self, request_ids: list[str], message: str, now: float) -> list[RequestOutput]:
         """The requests of a failed or lost step (requeued) become suspects; one that
@@ -514,24 +574,17 @@ class Scheduler:
         if plan.step_id not in step_ids:
             return []
         start = step_ids.index(plan.step_id)
-        running = self._planner.running
-        request_ids = list(
-            dict.fromkeys(
-                running[s].request_id
-                for flight in self._in_flight[start:]
-                for s in flight.plan.seq_ids
-                if s in running
-            )
-        )
+        request_ids = self._suspects(self._in_flight[start:])
         self._fail_flights(start)
         if not suspect:
             return []
         return self._isolate(request_ids, f"the worker was lost on this request: {error}", now)
 
-    def _fail_flights(self, start: int) -> None:
+    def _fail_flights(self, start: int, forgotten: Collection[int] = ()) -> None:
         """Steps in flight from `start` on count as never run: their keys dropped, their
-        sequences requeued (the earliest step's at the head). A late result of one is
-        ignored (apply() no longer knows its step)."""
+        sequences requeued (the earliest step's at the head), but those `forgotten` by
+        the worker (the caller requeues them). A late result of one is ignored (apply()
+        no longer knows its step)."""
         planner = self._planner
         failed = self._in_flight[start:]
         del self._in_flight[start:]
@@ -540,7 +593,10 @@ class Scheduler:
             # The plan may never have arrived: send its forgets again (a worker ignores
             # forgets of sequences it does not hold).
             planner.forget_seq_ids.extend(flight.plan.forget_seq_ids)
-            planner.requeue(flight.plan.seq_ids, worker_knows=True)
+            planner.requeue(
+                [seq_id for seq_id in flight.plan.seq_ids if seq_id not in forgotten],
+                worker_knows=True,
+            )
 
     @property
     def stats(self) -> SchedulerStats:
@@ -623,6 +679,19 @@ class Scheduler:
                     self._finish_with_error(request, "the worker returned no token for it", now)
                 )
         return outputs
+
+
+def _closure(seq_ids: Iterable[int], edges: list[tuple[int, int]]) -> set[int]:
+    """`seq_ids` and every sequence reachable from them along (from, to) `edges`."""
+    reached = set(seq_ids)
+    grew = bool(edges)
+    while grew:  # a reader comes after its writer: one pass, usually
+        grew = False
+        for source, target in edges:
+            if source in reached and target not in reached:
+                reached.add(target)
+                grew = True
+    return reached
 
 
 def _outside_vocabulary(request: Request, vocab_size: int) -> str | None:

@@ -43,6 +43,8 @@ ANCHOR_FRACTION = 0.01
 HUBER_K = 3.0
 HUBER_MIN_RELATIVE = 0.25
 MIN_STEP_MS = 1.0  # predictions below this are taken as this when weighting
+# Step times above this (about 3 hours) are a worker's bad report, not a cost: ignored.
+MAX_STEP_MS = 1e7
 # How fast the residual scale follows (per step), and how far one residual may push it: a
 # sustained change grows the scale geometrically, so the model adapts within a few steps.
 SCALE_RATE = 0.1
@@ -122,13 +124,14 @@ class StepCostModel:
         step_ms: float,
         num_context_tokens: int = 0,
     ) -> None:
-        """One step's worker time for its shape. Non-finite or negative times are ignored.
+        """One step's worker time for its shape. Times outside [0, MAX_STEP_MS] (NaN
+        included) are ignored: one absurd report must not poison the model or overflow.
 
         Errors are relative (a 1.5 s prefill step is as noisy in percent as a 100 ms decode
         step, not in milliseconds), so each observation is weighted by 1 / predicted^2: the
         few milliseconds a decode costs are not drowned by the noise of long steps.
         """
-        if not math.isfinite(step_ms) or step_ms < 0 or num_prefill_tokens + num_decode_seqs <= 0:
+        if not 0 <= step_ms <= MAX_STEP_MS or num_prefill_tokens + num_decode_seqs <= 0:
             return
         x = _features(num_prefill_tokens, num_decode_seqs, num_context_tokens)
         if self.num_observations:
@@ -144,7 +147,8 @@ class StepCostModel:
             else:
                 self._scale += SCALE_RATE * (clipped - self._scale)
         else:
-            weight = 1.0 / max(step_ms, MIN_STEP_MS) ** 2
+            first_ms = max(step_ms, MIN_STEP_MS)
+            weight = 1.0 / (first_ms * first_ms)
         xx, xy = self._xx, self._xy
         self._weight = FORGETTING * self._weight + weight
         for i in range(NUM_FEATURES):

@@ -80,6 +80,9 @@ class WaitingQueue:
             num_dead += 1
         if num_dead:
             del entries[:num_dead], keys[:num_dead]
+        arrivals = self._arrivals
+        while arrivals and arrivals[0].request is None:
+            arrivals.popleft()
         return _first_live(entries, num_requests)
 
     def oldest(self, num_requests: int) -> list[Request]:
@@ -95,8 +98,10 @@ class WaitingQueue:
             raise KeyError(request.request_id)
         entry.request = None
         self.num_tokens -= entry.num_tokens
-        num_dead = len(self._entries) - len(self._live)
-        if num_dead > _MIN_DEAD_TO_COMPACT and num_dead * 4 > len(self._entries):
+        # Either index may hold the dead: head() trims the sorted one, oldest() the other.
+        num_entries = max(len(self._entries), len(self._arrivals))
+        num_dead = num_entries - len(self._live)
+        if num_dead > _MIN_DEAD_TO_COMPACT and num_dead * 4 > num_entries:
             self._compact()
 
     def remove_head_indices(self, indices: list[int]) -> None:

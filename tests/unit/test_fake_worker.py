@@ -94,3 +94,19 @@ def test_a_failed_step_forgets_everything_it_named():
     worker.step(plan(1, [(1, 0, [1], [0], True)], new=[1]))
     outcome = worker.fail(plan(2, [(1, 1, [4], [], True), (2, 0, [1], [1], True)], new=[2]))
     assert outcome.step_error and worker.live_seq_ids == set()
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_the_step_after_a_refusal_may_feed_the_refused_only_when_overlapped(overlapped):
+    """An overlapped scheduler plans N+1 before N's refusal is known: a real worker then
+    refuses the forgotten sequence again. The step after that one may not feed it."""
+    worker = FakeWorker(make_geometry(block_size=4), overlapped=overlapped)
+    worker.step(plan(1, [(1, 0, [5, 6], [0], True)], new=[1]), refuse={1})
+    if not overlapped:
+        with pytest.raises(PlanError, match="unknown seq 1"):
+            worker.step(plan(2, [(1, 2, [7], [], True)]))
+        return
+    again = worker.step(plan(2, [(1, 2, [7], [], True)]))
+    assert 1 in again.errors and again.seq_ids == []
+    with pytest.raises(PlanError, match="unknown seq 1"):
+        worker.step(plan(3, [(1, 2, [7], [], True)]))

@@ -119,3 +119,18 @@ def test_a_request_the_other_worker_can_never_hold_ends_with_an_error():
     moved, suspects = lost.core.hand_over()
     (output,) = kept.core.take_over(moved, suspects, 1.0)
     assert output.finish_reason.name == "ERROR" and not kept.has_work()
+
+
+def test_a_request_outside_the_other_workers_vocabulary_ends_with_an_error():
+    """sched s3 smell 10: take_over checks the vocabulary as attach_worker does; else the
+    other worker refuses the request at every admission."""
+    lost = make_scheduler(make_geometry(vocab_size=1000))
+    kept = make_scheduler(make_geometry(vocab_size=500))
+    lost.add(make_request("wide", [1, 2, 900], max_new_tokens=4), 0.0)
+    lost.add(make_request("narrow", [1, 2, 3], max_new_tokens=4), 0.0)
+    lost.detach_worker()
+    moved, suspects = lost.core.hand_over()
+    (output,) = kept.core.take_over(moved, suspects, 1.0)
+    assert (output.request_id, output.finish_reason.name) == ("wide", "ERROR")
+    assert "outside the vocabulary" in output.error_message
+    assert kept.core.holds("narrow")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import pytest
 from pagoda.scheduler_svc.core import FinishReason
+from pagoda.scheduler_svc.core.request import RequestState
 from pagoda.scheduler_svc.testing import FakeWorker
 
 from tests.unit.conftest import (
@@ -80,3 +82,47 @@ def test_a_passing_fault_costs_nothing():
     streams, _ = run_with_poison(scheduler, worker)
     tokens, reason, _ = expected_generation(request, geometry)
     assert streams["once"].token_ids == tokens and streams["once"].finish_reason is reason
+
+
+@pytest.mark.parametrize("how", ["error", "lost"])
+def test_a_request_preempted_while_the_next_step_is_planned_stays_a_suspect(how):
+    """sched s3 R9: planning N+1 ahead preempts the poison request P (the newest) while N,
+    which fed it, runs; N then fails or loses the worker. P must be a suspect like the
+    others, or it crashes one more mixed batch once the isolation is over."""
+    geometry = make_geometry(num_kv_blocks=6, block_size=4, vocab_size=POISON + 1)
+    scheduler, worker = make_scheduler(geometry), FakeWorker(geometry)
+    scheduler.add(make_request("D", [7, 8, 9], max_new_tokens=12, ignore_eos=True), 0.0)
+    scheduler.apply(worker.step(scheduler.schedule(0.0)), 0.5)  # D decodes at position 3
+    scheduler.add(make_request("Z", list(range(10, 18)) + [99], max_new_tokens=3), 1.0)
+    scheduler.add(make_request("P", [POISON] * 9, max_new_tokens=3), 1.0)
+    step_n = scheduler.schedule(1.0)
+    poison = scheduler.core._requests["P"]
+    scheduler.schedule(1.0, ahead=True)  # D crosses into a new block: P is the victim
+    assert poison.state is RequestState.WAITING
+    streams: dict[str, Stream] = defaultdict(Stream)
+    if how == "error":
+        outputs = scheduler.apply(worker.fail(step_n, "RuntimeError: poisoned"), 1.5)
+    else:
+        outputs = scheduler.fail_step(step_n, "the worker died", 1.5)
+        worker = FakeWorker(geometry)
+        scheduler.core.detach_worker(suspect=False)
+        scheduler.attach_worker(geometry)
+    for output in outputs:
+        streams[output.request_id].take(output)
+    # From here on every plan that feeds P fails; none of them may feed anyone else.
+    for step in range(2, 200):
+        plan = scheduler.schedule(float(step))
+        if plan is None:
+            break
+        fed = {r.request_id for r in scheduler.core._requests.values() if r.seq_id in plan.seq_ids}
+        if POISON in plan.token_ids:
+            assert fed == {"P"}, f"step {step}: the poison ran beside {fed - {'P'}}"
+            result = worker.fail(plan, "RuntimeError: poisoned")
+        else:
+            result = worker.step(plan)
+        for output in scheduler.apply(result, step + 0.5):
+            streams[output.request_id].take(output)
+        check_invariants(scheduler)
+    assert streams["P"].finish_reason is FinishReason.ERROR
+    for request_id in ("D", "Z"):
+        assert streams[request_id].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)

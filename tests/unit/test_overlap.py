@@ -8,6 +8,7 @@ from collections import defaultdict, deque
 
 import pytest
 from pagoda.scheduler_svc.core import FinishReason, StepPlan
+from pagoda.scheduler_svc.core.request import RequestState
 from pagoda.scheduler_svc.testing import FakeWorker
 
 from pagoda.common.plan_check import PlanError
@@ -285,3 +286,67 @@ def test_a_failed_step_fails_the_one_after_it_and_isolation_runs_alone():
         streams[output.request_id].take(output)
     drive_overlapped(scheduler, worker, streams)
     assert_exact(streams, requests, geometry)
+
+
+def test_a_refusal_in_n_recomputes_only_the_tainted_rows_of_n_plus_1():
+    """sched s3 R8: the worker refuses Z in N while N+1, already sent, decodes everyone
+    ahead. N+1 must keep the rows of the others (their tokens stream when it answers);
+    only Z's row and those that read Z's blocks (Y, a prefix hit on them in N+1) go."""
+    geometry = make_geometry(num_kv_blocks=64, block_size=4, vocab_size=1000)
+    scheduler, worker = make_scheduler(geometry), FakeWorker(geometry, overlapped=True)
+    decoders = [make_request(f"d{i}", 5 + i, max_new_tokens=8, ignore_eos=True) for i in range(3)]
+    for request in decoders:
+        scheduler.add(request, 0.0)
+    streams: dict[str, Stream] = defaultdict(Stream)
+    for output in scheduler.apply(worker.step(scheduler.schedule(0.0)), 0.5):
+        streams[output.request_id].take(output)
+    prefix = list(range(10, 18))  # two full blocks, keyed by Z in N
+    z = make_request("Z", [*prefix, 99], max_new_tokens=4, ignore_eos=True)
+    y = make_request("Y", [*prefix, 77], max_new_tokens=4, ignore_eos=True)
+    scheduler.add(z, 1.0)
+    step_n = scheduler.schedule(1.0)
+    scheduler.add(y, 1.0)
+    step_n1 = scheduler.schedule(1.0, ahead=True)
+    requests = scheduler.core._requests
+    z_seq, y_seq = requests["Z"].seq_id, requests["Y"].seq_id
+    assert y_seq in step_n1.seq_ids and requests["Y"].num_cached_prompt_tokens == 8
+    decoder_seqs = {requests[r.request_id].seq_id for r in decoders}
+    assert decoder_seqs <= set(step_n1.seq_ids)
+    result_n = worker.step(step_n, refuse={z_seq})  # the worker runs both before N answers
+    result_n1 = worker.step(step_n1)
+    assert z_seq in result_n1.errors  # it forgot Z: refused again, as a real worker does
+    for output in scheduler.apply(result_n, 1.5):
+        streams[output.request_id].take(output)
+    check_invariants(scheduler)
+    assert scheduler.num_in_flight == 1, "N+1 was failed whole"
+    assert {requests[r.request_id].seq_id for r in decoders} == decoder_seqs
+    assert requests["Y"].state is RequestState.WAITING  # it read K/V Z never wrote
+    before = {r.request_id: len(streams[r.request_id].token_ids) for r in decoders}
+    for output in scheduler.apply(result_n1, 2.0):
+        streams[output.request_id].take(output)
+    check_invariants(scheduler)
+    assert all(len(streams[rid].token_ids) == n + 1 for rid, n in before.items())
+    drive_overlapped(scheduler, worker, streams)
+    assert streams["Z"].finish_reason is FinishReason.ERROR
+    assert_exact(streams, [*decoders, y], geometry)
+
+
+def test_after_a_failed_step_its_sequences_wait_in_front_of_the_next_steps_admissions():
+    """sched s3 smell 10: N fails whole while N+1, which admitted c, is in flight. N's
+    requests were admitted first: they go back to the head of the queue before c."""
+    geometry = make_geometry(block_size=4)
+    scheduler, worker = make_scheduler(geometry), FakeWorker(geometry)
+    for name in "ab":
+        scheduler.add(make_request(name, 5, max_new_tokens=8, ignore_eos=True), 0.0)
+    scheduler.apply(worker.step(scheduler.schedule(0.0)), 0.5)
+    failing = scheduler.schedule(1.0)
+    scheduler.add(make_request("c", 5, max_new_tokens=8, ignore_eos=True), 1.0)
+    ahead = scheduler.schedule(1.0, ahead=True)
+    assert len(ahead.new_sequences) == 1
+    scheduler.apply(worker.fail(failing, "CUDA error"), 2.0)
+    check_invariants(scheduler)
+    waiting = [request.request_id for request in scheduler.core._planner.waiting]
+    assert waiting == ["a", "b", "c"]
+    # The worker forgot a and b with the failed step: only c, which it still holds, is
+    # forgotten by the next plan.
+    assert scheduler.core._planner.forget_seq_ids == [ahead.new_sequences[0].seq_id]

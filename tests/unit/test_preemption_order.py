@@ -8,6 +8,7 @@ from pagoda.scheduler_svc.core import FinishReason
 from pagoda.scheduler_svc.testing import FakeWorker
 
 from tests.unit.conftest import (
+    Stream,
     check_invariants,
     drive,
     expected_generation,
@@ -129,3 +130,42 @@ def test_a_chunk_with_room_in_its_last_block_feeds_that_room_rather_than_preempt
     assert chunked.seq_id in plan.seq_ids and chunked.num_computed_tokens == 4
     scheduler.apply(worker.step(plan), 1.5)
     check_invariants(scheduler)
+
+
+def test_without_decode_first_a_continuing_chunk_never_costs_an_older_decoder_its_blocks():
+    """sched s3 R4: admission left the decoders' growth blocks alone, a continuing chunk
+    did not. r1 decodes at a block boundary while the newer r2 continues its prompt:
+    r2's chunk must shrink to the blocks the decodes leave, not make r1 the victim."""
+    geometry = make_geometry(num_kv_blocks=7, block_size=4)
+    scheduler = make_scheduler(
+        geometry, decode_first=False, max_num_batched_tokens=8, prefill_max_tokens=4
+    )
+    worker = FakeWorker(geometry)
+    arrivals = {
+        2: make_request("r0", 12, max_new_tokens=6, ignore_eos=True),
+        3: make_request("r1", 3, max_new_tokens=12, ignore_eos=True),
+        5: make_request("r2", 8, max_new_tokens=6, ignore_eos=True),
+    }
+    core = scheduler.core
+    planner = core._planner
+    streams = {}
+    for step in range(60):
+        if step in arrivals:
+            scheduler.add(arrivals[step], float(step))
+        admit_orders = {r.request_id: r.admit_order for r in planner.running.values()}
+        continuing = {r.seq_id: r.request_id for r in planner.prefilling.values()}
+        num_preemptions = planner.num_preemptions
+        plan = scheduler.schedule(float(step))
+        if plan is None:
+            if step > max(arrivals):
+                break
+            continue
+        if planner.num_preemptions > num_preemptions:
+            victims = [rid for rid in admit_orders if core._requests[rid].state.name == "WAITING"]
+            fed = [rid for seq_id, rid in continuing.items() if seq_id in plan.seq_ids]
+            newer_fed = [c for c in fed for v in victims if admit_orders[c] > admit_orders[v]]
+            assert not newer_fed, f"step {step}: {victims} preempted while {newer_fed} continued"
+        for output in scheduler.apply(worker.step(plan), step + 0.5):
+            streams.setdefault(output.request_id, Stream()).take(output)
+        check_invariants(scheduler)
+    assert_exact(streams, arrivals.values(), geometry)

@@ -125,3 +125,68 @@ def test_a_missing_sample_is_found_even_when_an_error_names_a_sequence_that_did_
     assert outputs["decoder"].finish_reason is FinishReason.ERROR
     assert "no token" in outputs["decoder"].error_message
     check_invariants(scheduler)
+
+
+# Overlapped mode (sched s3 R1): a same-step reader of a refused writer's blocks that is no
+# longer running when the result comes back (cancelled, or preempted while step N+1 was
+# planned) must lose its keys too: it computed its own blocks from K/V nobody wrote.
+
+TAIL = [50, 51, 52, 53, 54]  # the reader's own block after the prefix (+1 token)
+
+
+def add_writer_and_reader(scheduler, now: float = 0.0) -> None:
+    scheduler.add(make_request("Z", [*PREFIX[:8], 99], max_new_tokens=3), now)
+    scheduler.add(make_request("R", [*PREFIX[:8], *TAIL], max_new_tokens=3), now)
+
+
+def test_a_reader_cancelled_while_its_step_runs_keeps_no_key_of_a_refused_writer():
+    geometry = make_geometry(num_kv_blocks=64, block_size=4, vocab_size=1000)
+    scheduler, worker = make_scheduler(geometry), FakeWorker(geometry)
+    add_writer_and_reader(scheduler)
+    plan = scheduler.schedule(0.0)
+    requests = scheduler.core._requests
+    z, r = requests["Z"], requests["R"]
+    assert r.block_ids[:2] == z.block_ids[:2]  # R reads Z's blocks in the same step
+    r_own_block = r.block_ids[2]
+    scheduler.cancel("R", 0.1)  # the overlapped loop drains cancels while a step runs
+    scheduler.apply(worker.step(plan, refuse={z.seq_id}), 0.5)
+    check_invariants(scheduler)
+    assert scheduler.core._planner.blocks.block_hash(r_own_block) is None
+
+
+def test_no_later_prompt_is_served_the_block_a_cancelled_reader_computed_from_garbage():
+    geometry = make_geometry(num_kv_blocks=64, block_size=4, vocab_size=1000)
+    scheduler, worker = make_scheduler(geometry), FakeWorker(geometry)
+    add_writer_and_reader(scheduler)
+    plan = scheduler.schedule(0.0)
+    scheduler.cancel("R", 0.1)
+    scheduler.apply(worker.step(plan, refuse={scheduler.core._requests["Z"].seq_id}), 0.5)
+    # The shared prefix is computed again by another request, then R's prompt comes back:
+    # the checking worker raises PlanError if S is pointed at the garbage block.
+    scheduler.add(make_request("Q", [*PREFIX[:8], 77], max_new_tokens=1), 1.0)
+    drive(scheduler, worker)
+    s = make_request("S", [*PREFIX[:8], *TAIL], max_new_tokens=3)
+    scheduler.add(s, 3.0)
+    streams = drive(scheduler, worker)
+    tokens, reason, _ = expected_generation(s, geometry)
+    assert streams["S"].token_ids == tokens and streams["S"].finish_reason is reason
+
+
+def test_a_reader_preempted_while_the_next_step_is_planned_keeps_no_key_of_a_refused_writer():
+    """No cancel: planning N+1 ahead preempts the reader (the newest admission) while N,
+    whose writer the worker refuses, runs."""
+    geometry = make_geometry(num_kv_blocks=6, block_size=4, vocab_size=1000)
+    scheduler, worker = make_scheduler(geometry), FakeWorker(geometry)
+    scheduler.add(make_request("D", [7, 8, 9], max_new_tokens=12, ignore_eos=True), 0.0)
+    scheduler.apply(worker.step(scheduler.schedule(0.0)), 0.5)  # D decodes at position 3
+    add_writer_and_reader(scheduler, 1.0)
+    step_n = scheduler.schedule(1.0)  # D decodes, Z writes the prefix, R reads it
+    core = scheduler.core
+    z, r = core._requests["Z"], core._requests["R"]
+    r_own_block = r.block_ids[2]
+    assert core._planner.blocks.num_available_blocks == 0
+    scheduler.schedule(1.0, ahead=True)  # D crosses into a new block: R is the victim
+    assert r.state is RequestState.WAITING and core.stats.num_preemptions == 1
+    scheduler.apply(worker.step(step_n, refuse={z.seq_id}), 1.5)
+    check_invariants(scheduler)
+    assert core._planner.blocks.block_hash(r_own_block) is None

@@ -135,6 +135,31 @@ def test_reset_forgets_and_bad_observations_are_ignored():
     assert model.predict_ms(512, 8) == 0.0
 
 
+@pytest.mark.parametrize("absurd_ms", [1e200, 1e300, 1e8])
+def test_an_absurd_step_time_is_ignored_first_or_later(absurd_ms):
+    """A worker's forward_ms is a double on the wire: one finite but absurd value (squared,
+    it overflowed) must neither raise nor move the model."""
+    model = StepCostModel()
+    model.observe(100, 4, absurd_ms)
+    assert model.num_observations == 0
+    model.observe(512, 8, true_step_ms(512, 8))
+    before = model.predict_ms(512, 8)
+    model.observe(512, 8, absurd_ms)
+    assert model.num_observations == 1 and model.predict_ms(512, 8) == before
+
+
+@pytest.mark.parametrize("forward_ms", [1e200, float("nan"), -5.0])
+def test_the_scheduler_survives_an_absurd_step_time_from_the_worker(forward_ms):
+    geometry = make_geometry()
+    scheduler = make_scheduler(geometry, target_step_ms=500.0)
+    worker = FakeWorker(geometry)
+    scheduler.add(make_request("a", 6, max_new_tokens=4), 0.0)
+    result = worker.step(scheduler.schedule(0.0))
+    result.forward_ms = forward_ms
+    scheduler.apply(result, 0.5)
+    assert scheduler.core.step_budget.model.num_observations == 0
+
+
 def test_coefficients_are_never_negative():
     model = StepCostModel()
     # Steps that get cheaper the more they carry: a least-squares fit would go negative.

@@ -4,6 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
+from pagoda.scheduler_svc.testing import FakeWorker
+
+from tests.unit.conftest import drive, make_geometry, make_request, make_scheduler
 
 
 def named(name: str, priority: int = 0, num_tokens: int = 0):
@@ -58,3 +61,30 @@ def test_the_queued_token_count_follows_pushes_and_removals_through_compaction()
     for request in list(queue):
         queue.remove(request)
     assert queue.num_tokens == 0 and len(queue) == 0
+
+
+@pytest.mark.parametrize("by_priority", [False, True])
+def test_served_requests_leave_no_entry_behind(by_priority):
+    """Each request admitted through head() (FIFO and pack rounds, priority rounds that
+    are not forced) is removed lazily: neither index may keep its dead entry forever."""
+    queue = WaitingQueue(by_priority=by_priority)
+    for wave in range(50):
+        requests = [named(f"w{wave}-{i}", priority=i % 3) for i in range(40)]
+        for request in requests:
+            queue.push_back(request)
+        while queue:
+            queue.remove_head_indices([0])
+    assert len(queue) == 0
+    assert len(queue._arrivals) <= 4 * 64 and len(queue._entries) <= 4 * 64
+
+
+def test_the_scheduler_queue_does_not_grow_with_requests_served():
+    geometry = make_geometry(num_kv_blocks=256, block_size=4)
+    scheduler = make_scheduler(geometry)  # fifo
+    worker = FakeWorker(geometry, check=False)
+    for wave in range(50):
+        for i in range(40):
+            scheduler.add(make_request(f"x{wave}-{i}", 6, max_new_tokens=2), 0.0)
+        drive(scheduler, worker)
+    queue = scheduler.core._planner.waiting
+    assert len(queue) == 0 and len(queue._arrivals) <= 4 * 64
