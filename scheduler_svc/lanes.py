@@ -7,8 +7,9 @@ WorkerLink endpoint. They share the output slots and the text states (each lane 
 own output processor over them), so a request's stream and text follow it from lane to
 lane; a request id is refused while any lane holds it. Lanes offers the servicer
 and the link what one StepLoop does:
-- a new request joins the lane placement.choose_lane picks (prefix-cache affinity, then
-  least KV use counting queued demand, then fewer running);
+- a new request joins the lane placement.choose_lane picks (prefix-cache affinity among
+  the lanes whose KV use, counting queued demand, is within a gap of the least; then
+  least KV use; then fewer running);
 - cancels, releases and stop strings reach the lane that holds the request;
 - an attaching worker gets the lane left without a worker if there is one, else a new
   lane;
@@ -379,7 +380,7 @@ class Lanes:
         if root_hash is None:
             root_hash = cache_root_hash(cache_salt)
         loads = [lane.scheduler.lane_load(token_ids, root_hash) for lane in lanes]
-        return lanes[choose_lane(loads)]
+        return lanes[choose_lane(loads, self._config.affinity_max_kv_use_gap)]
 
     def _check_available(self) -> None:
         if self._stopped:

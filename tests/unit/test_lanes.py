@@ -22,6 +22,7 @@ from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLost
 from tests.unit.conftest import LetterDetokenizer, expected_generation, make_hello, make_request
 from tests.unit.test_step_loop import (
     HELLO_FIELDS,
+    assert_all_exact,
     assert_exact,
     contending_requests,
     domain_plan_of,
@@ -199,6 +200,40 @@ def test_a_cancel_of_an_ended_request_never_reaches_a_new_one_of_its_id_moved_by
         assert link.lose_during[0] not in link.workers
         lanes.stop()
         await task
+
+    scenario(body)
+
+
+def test_a_shared_system_prompt_does_not_pin_every_request_to_one_worker():
+    # Review s3 R3: affinity won whatever the load, so once lane 1 had keyed the system
+    # prompt every later request queued there (plans {a: 125, b: 0}).
+    async def body() -> None:
+        link = FleetLink()
+        lanes = make_lanes(link)
+        task = asyncio.create_task(lanes.run())
+        link.attach("a")
+        link.attach("b")
+        await until(lambda: len(lanes.worker_stats()) == 2)
+        system = list(range(10, 18))  # two blocks of 4 shared by every request
+        first = make_request("u0", [*system, 60], max_new_tokens=30, ignore_eos=True)
+        first_slot = lanes.submit(first)
+        first_stream = await first_output(first_slot)  # lane 1 has keyed the system prompt
+        requests = [
+            make_request(f"u{i}", [*system, 60 + i, 61], max_new_tokens=30, ignore_eos=True)
+            for i in range(1, 25)
+        ]
+        slots = [lanes.submit(request) for request in requests]
+        lanes_taken = [lanes.holder(request.request_id).number for request in requests]
+        streams = await asyncio.gather(
+            read_to_end(lanes, first_slot, first_stream),
+            *(read_to_end(lanes, slot) for slot in slots),
+        )
+        assert_all_exact([first, *requests], streams)
+        lanes.stop()
+        await task
+        # Affinity still counts: lane 1 takes more while its queue is within the gap.
+        assert 0 < lanes_taken.count(2) < lanes_taken.count(1), lanes_taken
+        assert min(link.num_plans.values()) > 0, link.num_plans
 
     scenario(body)
 
