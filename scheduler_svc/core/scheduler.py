@@ -242,7 +242,7 @@ class Scheduler:
     ) -> list[RequestOutput]:
         """Queue the requests another scheduler handed over, at the head (they were
         admitted before anything waiting here, and stream on from the tokens they have);
-        returns the finishing outputs of those this worker can never hold."""
+        returns the finishing outputs of those this worker can never hold or read."""
         self._last_now = now
         planner = self._planner
         outputs = []
@@ -256,7 +256,7 @@ class Scheduler:
         for request in requests if geometry is not None else ():
             reason = too_large_reason(
                 request.num_prompt_tokens, request.stopping.max_new_tokens, geometry
-            )
+            ) or _outside_vocabulary(request, geometry.vocab_size)
             if reason is not None:
                 outputs.append(self._finish_with_error(request, reason, now))
         return outputs

@@ -119,3 +119,17 @@ def test_a_request_the_other_worker_can_never_hold_ends_with_an_error():
     moved, suspects = lost.core.hand_over()
     (output,) = kept.core.take_over(moved, suspects, 1.0)
     assert output.finish_reason.name == "ERROR" and not kept.has_work()
+
+
+def test_a_request_outside_the_other_worker_s_vocabulary_ends_with_an_error():
+    # Review s3 smell 10: take_over checked the context, not the vocabulary (the worker
+    # would refuse the token id, as attach_worker knows).
+    lost = make_scheduler(make_geometry(block_size=4, vocab_size=1000))
+    kept = make_scheduler(make_geometry(block_size=4, vocab_size=100))
+    lost.add(make_request("wide", [5, 6, 700, 7], max_new_tokens=4), 0.0)
+    lost.add(make_request("narrow", [5, 6, 7], max_new_tokens=4), 0.0)
+    lost.detach_worker()
+    moved, suspects = lost.core.hand_over()
+    (output,) = kept.core.take_over(moved, suspects, 1.0)
+    assert (output.request_id, output.finish_reason.name) == ("wide", "ERROR")
+    assert "vocabulary" in output.error_message and kept.holds("narrow")
