@@ -3,11 +3,13 @@
 A lane is one worker's Scheduler (its own KV pool, waiting queue and running set) turned
 by its own StepLoop, so each keeps one worker's semantics (overlapped steps, isolation,
 the grace period); the lanes' loops run concurrently as asyncio tasks over the one
-WorkerLink endpoint. They share the output slots and the output processor, so a
-request's stream and text state follow it from lane to lane. Lanes offers the servicer
+WorkerLink endpoint. They share the output slots and the text states (each lane has its
+own output processor over them), so a request's stream and text follow it from lane to
+lane; a request id is refused while any lane holds it. Lanes offers the servicer
 and the link what one StepLoop does:
-- a new request joins the lane placement.choose_lane picks (prefix-cache affinity, then
-  least KV use counting queued demand, then fewer running);
+- a new request joins the lane placement.choose_lane picks (prefix-cache affinity among
+  the lanes whose KV use, counting queued demand, is within a gap of the least; then
+  least KV use; then fewer running);
 - cancels, releases and stop strings reach the lane that holds the request;
 - an attaching worker gets the lane left without a worker if there is one, else a new
   lane;
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 from pagoda.protos import step_pb2
 from pagoda.scheduler_svc.core import (
+    DuplicateRequestError,
     FinishReason,
     RequestOutput,
     Scheduler,
@@ -40,7 +43,7 @@ from pagoda.scheduler_svc.core.placement import choose_lane
 from pagoda.scheduler_svc.core.request import Request, token_array
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
 from pagoda.scheduler_svc.metrics import Metrics, WorkerBusy
-from pagoda.scheduler_svc.output_processor import OutputProcessor
+from pagoda.scheduler_svc.output_processor import OutputProcessor, TextState
 from pagoda.scheduler_svc.output_streams import (
     MAX_UNREAD_TOKENS,
     OutputSlot,
@@ -84,6 +87,8 @@ class _LaneMetrics:
 class _Lane:
     number: int  # for logs: lanes are numbered from 1 as they open
     scheduler: Scheduler
+    # Its own, for its own cursor over its steps' columns; the text states are shared.
+    output_processor: OutputProcessor
     loop: StepLoop
     # The worker given to this lane (set at the link's attach, before its loop takes
     # it): None once the link reported it lost.
@@ -113,23 +118,6 @@ class _LaneLink:
         return identity is not None and self._link.heard_within(seconds, identity)
 
 
-class _Router:
-    """The `scheduler` of the shared output processor: adds go to the lane chosen for
-    the request, stop strings end it in the lane that holds it."""
-
-    def __init__(self, lanes: Lanes) -> None:
-        self._lanes = lanes
-        self.target: Scheduler | None = None  # set by Lanes.submit before each add
-
-    def add(self, request: ValidRequest, now: float) -> None:
-        assert self.target is not None
-        self.target.add(request, now)
-
-    def stop(self, request_id: str, now: float) -> RequestOutput | None:
-        lane = self._lanes.holder(request_id)
-        return lane.scheduler.stop(request_id, now) if lane is not None else None
-
-
 class Lanes:
     def __init__(
         self,
@@ -149,8 +137,10 @@ class Lanes:
         self._config = config
         self._link = link
         self._metrics = metrics
-        self._router = _Router(self)
-        self._output_processor = OutputProcessor(self._router, detokenizer_factory)  # type: ignore[arg-type]
+        self._detokenizer_factory = detokenizer_factory
+        # Every unfinished request's text state, shared by the lanes' output processors so
+        # that it follows a request handed over from lane to lane.
+        self._texts: dict[str, TextState] = {}
         self._streams = OutputStreams(
             on_overflow=lambda request_id: self.cancel(
                 request_id, FinishReason.ERROR, unread_message(MAX_UNREAD_TOKENS)
@@ -215,12 +205,16 @@ class Lanes:
     def submit(self, request: ValidRequest) -> OutputSlot:
         """Place a validated request on a lane and open its output slot (StepLoop.submit)."""
         self._check_available()
-        if request.request_id in self._streams:
-            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        request_id = request.request_id
+        # Refused while any lane holds the id, as one scheduler refuses it (its slot may be
+        # closed with its cancel still to be taken): the text state and the slot are the
+        # id's, so the old request's end would be the new one's.
+        if request_id in self._streams or self.holder(request_id) is not None:
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
+        self._cancels.pop(request_id, None)  # the old request's: it ended
         lane = self._place(token_array(request.prompt_token_ids), request.cache_salt)
-        self._router.target = lane.scheduler
-        self._output_processor.add(request, self._clock())
-        slot = self._streams.open(request.request_id)
+        lane.output_processor.add(request, self._clock())
+        slot = self._streams.open(request_id)
         lane.loop.wake()
         return slot
 
@@ -307,17 +301,18 @@ class Lanes:
     def _open_lane(self) -> _Lane:
         self._num_lanes_opened += 1
         scheduler = Scheduler(self._config)
+        processor = OutputProcessor(scheduler, self._detokenizer_factory, texts=self._texts)
         # `lane` is bound below, before the loop runs: the closures read it when called.
         loop = StepLoop(
             scheduler,
             _LaneLink(self._link, lambda: lane.identity),
             _LaneMetrics(self._metrics, self._clock),  # type: ignore[arg-type]
-            output_processor=self._output_processor,
+            output_processor=processor,
             streams=self._streams,
             on_worker_change=lambda attached: self._lane_changed(lane, attached),
             **self._loop_options,  # type: ignore[arg-type]
         )
-        lane = _Lane(self._num_lanes_opened, scheduler, loop)
+        lane = _Lane(self._num_lanes_opened, scheduler, processor, loop)
         lane.task = asyncio.create_task(loop.run(), name=f"step-loop-{lane.number}")
         self._tasks.add(lane.task)
         lane.task.add_done_callback(self._tasks.discard)
@@ -353,13 +348,13 @@ class Lanes:
             self._closed_stats[name] += getattr(lost_stats, name)
         now = self._clock()
         moved: dict[int, list[Request]] = {}
-        finished: list[RequestOutput] = []
+        finished: list[tuple[_Lane, RequestOutput]] = []
         # Placed one by one, so each sees the ones before in the lanes' queues; from the
         # last, as each goes to the head of its new queue, to keep their order.
         for request in reversed(requests):
             lane = self._place(request.token_ids, root_hash=request.cache_root_hash)
             moved.setdefault(id(lane), []).append(request)
-            finished += lane.scheduler.take_over([request], [], now)
+            finished += [(lane, output) for output in lane.scheduler.take_over([request], [], now)]
         for lane in self._live_lanes():
             ids = {request.request_id for request in moved.get(id(lane), ())}
             if not ids:
@@ -368,10 +363,9 @@ class Lanes:
             for request_id in ids & self._cancels.keys():
                 lane.loop.cancel(request_id, *self._cancels[request_id])
             lane.loop.wake()
-        if finished:  # too large for every worker left
-            self._streams.publish(self._output_processor.process(finished))
-            for output in finished:
-                self._metrics.observe_finish(output)
+        for lane, output in finished:  # too large for the worker it was placed on
+            self._streams.publish(lane.output_processor.process([output]))
+            self._metrics.observe_finish(output)
         log.warning(
             "lane %d closed with its worker; %d requests moved to the %d lanes left",
             lost.number,
@@ -386,7 +380,7 @@ class Lanes:
         if root_hash is None:
             root_hash = cache_root_hash(cache_salt)
         loads = [lane.scheduler.lane_load(token_ids, root_hash) for lane in lanes]
-        return lanes[choose_lane(loads)]
+        return lanes[choose_lane(loads, self._config.affinity_max_kv_use_gap)]
 
     def _check_available(self) -> None:
         if self._stopped:

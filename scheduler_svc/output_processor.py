@@ -14,11 +14,14 @@ The core streams token ids and ends requests on their ids and lengths alone
 - a stop token id or EOS ended the request in the core: its text is not streamed.
 
 One OutputProcessor per scheduler, called from the step loop only; it owns the text state
-of every unfinished request, opened by `add` and dropped with the request's last output.
+of every unfinished request, opened by `add` and dropped with the request's last output
+(the lanes' processors share one dict of them). A token of a request with no text state
+breaks that invariant: the request ends with ERROR and the step goes on for the others.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from pagoda.scheduler_svc.core import (
@@ -30,7 +33,11 @@ from pagoda.scheduler_svc.core import (
 )
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
 
+log = logging.getLogger("pagoda.output_processor")
+
 _STOP = FinishReason.STOP
+_ERROR = FinishReason.ERROR
+_NO_TEXT_STATE = "internal error: the server lost this request's text state"
 # How far past the cursor a request is looked for before the dict: the requests that left
 # the running set between two steps at that point of the column.
 RESYNC_ENTRIES = 4
@@ -118,15 +125,22 @@ class StopStringMatcher:
         return held
 
 
+# A request's text state: its detokenizer, and its matcher (None without stop strings).
+TextState = tuple[IncrementalDetokenizer, StopStringMatcher | None]
+
+
 class OutputProcessor:
     def __init__(
-        self, scheduler: Scheduler, detokenizer_factory: Callable[[], IncrementalDetokenizer]
+        self,
+        scheduler: Scheduler,
+        detokenizer_factory: Callable[[], IncrementalDetokenizer],
+        texts: dict[str, TextState] | None = None,
     ) -> None:
         self._scheduler = scheduler
         self._new_detokenizer = detokenizer_factory
-        # The text state of each unfinished request, by request id: its detokenizer, and
-        # its matcher (None without stop strings).
-        self._texts: dict[str, tuple[IncrementalDetokenizer, StopStringMatcher | None]] = {}
+        # The text state of each unfinished request, by request id; `texts` when given:
+        # the lanes' processors share theirs, so it follows a request from lane to lane.
+        self._texts: dict[str, TextState] = texts if texts is not None else {}
         # The last step's column of request ids and their text states, in step: a step's
         # columns come in the running set's order, which only finishes, preemptions and
         # admissions change, so most requests are found by comparing a pointer with the
@@ -157,6 +171,7 @@ class OutputProcessor:
         reached a stop string (their blocks are free before this returns)."""
         texts = step.texts
         stopped: list[int] = []
+        orphans: list[int] = []  # entries with no text state (an invariant broke)
         last_ids, last_detokenizers, last_matchers = (
             self._last_ids,
             self._last_detokenizers,
@@ -173,6 +188,12 @@ class OutputProcessor:
                 cursor += 1
             else:
                 detokenizer, matcher, cursor = self._find(request_id, cursor)
+                if detokenizer is None:
+                    orphans.append(len(texts))
+                    detokenizers.append(None)  # type: ignore[arg-type]
+                    matchers.append(None)
+                    texts.append("")
+                    continue
             detokenizers.append(detokenizer)
             matchers.append(matcher)
             # An exception rather than a test for the rare case: a try costs nothing in 3.11.
@@ -191,6 +212,8 @@ class OutputProcessor:
             texts.append(text)
         for output in step.outputs:
             self._process(output, now)
+        if orphans:
+            stopped = sorted(stopped + orphans)
         if stopped:
             self._end_stopped(step, stopped, now)
             for index in reversed(stopped):
@@ -204,16 +227,20 @@ class OutputProcessor:
 
     def _find(
         self, request_id: str, cursor: int
-    ) -> tuple[IncrementalDetokenizer, StopStringMatcher | None, int]:
+    ) -> tuple[IncrementalDetokenizer | None, StopStringMatcher | None, int]:
         """The text state of a request not at the cursor, and the cursor after it: a few
         entries ahead when the ones between left the running set, else from the dict (a
-        request new to the columns; the cursor stays)."""
+        request new to the columns; the cursor stays). None for a request whose text state
+        is missing, which must not happen: it is ended (_end_stopped), the others go on."""
         last_ids = self._last_ids
         for ahead in range(cursor + 1, min(cursor + 1 + RESYNC_ENTRIES, len(last_ids))):
             if last_ids[ahead] is request_id:
                 return self._last_detokenizers[ahead], self._last_matchers[ahead], ahead + 1
-        detokenizer, matcher = self._texts[request_id]
-        return detokenizer, matcher, cursor
+        state = self._texts.get(request_id)
+        if state is None:
+            log.error("request %r sampled a token but has no text state; it ends", request_id)
+            return None, None, cursor
+        return state[0], state[1], cursor
 
     def process(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Fill in the text of outputs from outside a step (cancels, a new worker's
@@ -257,15 +284,19 @@ class OutputProcessor:
 
     def _end_stopped(self, step: StepOutputs, indices: list[int], now: float) -> None:
         """Move the column entries at `indices` to finishing outputs: STOP, with the text
-        before the stop string."""
+        before the stop string; ERROR for a request without a text state."""
         request_ids, token_ids, texts = step.request_ids, step.token_ids, step.texts
         for index in reversed(indices):
             request_id = request_ids[index]
-            output = self._scheduler.stop(request_id, now)
-            assert output is not None
-            output.text, output.token_ids = texts[index], [token_ids[index]]
-            step.outputs.append(output)
-            self._close(request_id)
+            if request_id in self._texts:
+                output = self._scheduler.stop(request_id, now)
+                assert output is not None
+                output.text, output.token_ids = texts[index], [token_ids[index]]
+                self._close(request_id)
+            else:
+                output = self._scheduler.cancel(request_id, now, _ERROR, _NO_TEXT_STATE)
+            if output is not None:
+                step.outputs.append(output)
             del request_ids[index], token_ids[index], texts[index]
 
     def _close(self, request_id: str) -> None:

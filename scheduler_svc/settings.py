@@ -177,6 +177,10 @@ HELP: dict[str, str] = {
     "this many ms of worker time beside them, as learned from the worker's step times "
     "(at least 32, never above the token knobs), so a long prompt does not stall the "
     "streams; 0 or none: off (only the token knobs)",
+    "affinity_max_kv_use_gap": "with several workers, one that caches a prefix of a new "
+    "request wins it only while its KV use (running and queued blocks, as a share of its "
+    "pool) is at most this much above the least-loaded worker's; else the least loaded "
+    "wins (0: load only, inf: cache affinity whatever the load)",
 }
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pagoda.scheduler_svc.core.placement import DEFAULT_AFFINITY_MAX_KV_USE_GAP
+
 ADMISSION_POLICIES = ("fifo", "pack", "priority")
 # pack re-prices its whole lookahead every admission round: a bound keeps a step's cost flat.
 MAX_ADMISSION_LOOKAHEAD = 256
@@ -67,6 +69,10 @@ class SchedulerConfig:
     # (step_budget.py) fits in this many milliseconds of worker time beside them (at least
     # MIN_PREFILL_TOKENS), so a long prompt does not stall the streams; 0 or None: off.
     target_step_ms: float | None = DEFAULT_TARGET_STEP_MS
+    # Several workers (placement.py): a worker that caches a prefix of a new request wins
+    # it while its KV use (running and queued blocks, a share of its pool) exceeds the
+    # least-loaded worker's by at most this much; 0: least load only; inf: always.
+    affinity_max_kv_use_gap: float = DEFAULT_AFFINITY_MAX_KV_USE_GAP
 
     @property
     def step_budget_on(self) -> bool:
@@ -76,6 +82,11 @@ class SchedulerConfig:
     @property
     def fifo_every(self) -> int:
         """The forced FIFO period in effect (0: never), `force_fifo_every` or its default."""
+        gap = self.affinity_max_kv_use_gap
+        if isinstance(gap, bool) or not isinstance(gap, int | float) or not gap >= 0:
+            raise ConfigError(
+                f"affinity_max_kv_use_gap must be a number >= 0 (inf: always), got {gap!r}"
+            )
         if self.force_fifo_every is not None:
             return self.force_fifo_every
         return PACK_FORCE_FIFO_EVERY if self.admission_policy == "pack" else 0
@@ -104,6 +115,11 @@ class SchedulerConfig:
         ):
             raise ConfigError(
                 f"target_step_ms must be a number >= 0 (0 or unset: off), got {target!r}"
+            )
+        gap = self.affinity_max_kv_use_gap
+        if isinstance(gap, bool) or not isinstance(gap, int | float) or not gap >= 0:
+            raise ConfigError(
+                f"affinity_max_kv_use_gap must be a number >= 0 (inf: always), got {gap!r}"
             )
         if self.force_fifo_every is not None:
             _at_least("force_fifo_every", self.force_fifo_every, 0, suffix=" (0 or unset: never)")

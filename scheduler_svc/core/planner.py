@@ -76,7 +76,8 @@ class Planner:
         self._num_admission_rounds = 0
         self._decode_cursor = 0  # admit_order of the last sequence decoded under a cap
         self._num_preemptions_before = 0  # the count when the step being planned began
-        self._only: Request | None = None  # the one request the step being planned may feed
+        # The only requests the step being planned may feed (by request id), or None: all.
+        self._only: dict[str, Request] | None = None
         self._plan: StepPlan | None = None  # the plan being built (None between plans)
         # Entries [start, end) of that plan are its decodes (an un-fed one is taken out).
         self._decode_entries = (0, 0)
@@ -162,15 +163,17 @@ class Planner:
                 self.waiting.push_front(request)
 
     def make_room(self, request: Request) -> None:
-        """Preempt the latest-admitted others until `request`'s whole sequence fits, so a
-        plan feeding it alone never has to preempt."""
+        """Preempt the latest-admitted others until `request`'s whole sequence fits (and
+        it may start under max_active_requests), so a plan feeding it alone never has to
+        preempt."""
         blocks = self.blocks
         assert blocks is not None
         needed = math.ceil((len(request.token_ids) + 1) / blocks.block_size) - len(
             request.block_ids
         )
         others = [r for r in self.running.values() if r is not request]
-        while blocks.num_available_blocks < needed and others:
+        max_others = self.config.max_active_requests - 1
+        while (blocks.num_available_blocks < needed or len(others) > max_others) and others:
             self.preempt(others.pop())
 
     def take_forget_seq_ids(self) -> list[int]:
@@ -210,20 +213,20 @@ class Planner:
         self,
         step_id: int,
         now: float,
-        only: Request | None = None,
+        only: Iterable[Request] | None = None,
         max_prefill_tokens: int | None = None,
     ) -> StepPlan:
         """The plan for step `step_id`; it may feed nothing (the caller then skips it).
 
-        With `only`, the plan feeds that request alone (admitted, continued or decoded,
-        within the same budgets) and preempts nobody else: the caller made room first.
+        With `only`, the plan feeds those requests alone (admitted, continued or decoded,
+        within the same budgets and caps) and preempts none but them (isolation.py).
         `max_prefill_tokens` (the step budget's cap, step_budget.py) lowers the prompt
         tokens of this step below the fixed knobs; without chunked prefill a prompt above
         it still goes alone (admission's oversize head), so none waits forever.
         """
         config = self.config
         plan = StepPlan(step_id=step_id)
-        self._only = only
+        self._only = {request.request_id: request for request in only} if only is not None else None
         self._plan = plan
         self._decode_entries = (0, 0)
         self._num_preemptions_before = self.num_preemptions
@@ -252,8 +255,11 @@ class Planner:
     def _decoders(self) -> list[Request]:
         only, prefilling = self._only, self.prefilling
         if only is not None:
-            alone = only.state is _RUNNING and only.seq_id not in prefilling
-            return [only] if alone else []
+            return [
+                request
+                for seq_id, request in self.running.items()
+                if seq_id not in prefilling and request.request_id in only
+            ]
         if prefilling:
             return [request for seq_id, request in self.running.items() if seq_id not in prefilling]
         return list(self.running.values())
@@ -360,10 +366,9 @@ class Planner:
         used = 0
         step_id = plan.step_id
         only = self._only
-        if only is None:
-            continuing = list(self.prefilling.values())
-        else:
-            continuing = [only] if only.seq_id in self.prefilling else []
+        continuing = list(self.prefilling.values())
+        if only is not None:
+            continuing = [request for request in continuing if request.request_id in only]
         for request in continuing:
             if used >= num_tokens:
                 break
@@ -382,8 +387,8 @@ class Planner:
 
     def _admit(self, plan: StepPlan, num_tokens: int, step_prefill_tokens: int, now: float) -> int:
         """Admission rounds until one admits nothing: a later round sees the prefix blocks
-        an earlier one keyed, so identical prompts are computed once. Under `only` the
-        one request is admitted as if nothing else ran."""
+        an earlier one keyed, so identical prompts are computed once. Under `only` only
+        those requests are admitted."""
         config, blocks, waiting, only = self.config, self.blocks, self.waiting, self._only
         batch_cap = config.prefill_max_batch_size or config.max_active_requests
         used = num_admitted = 0
@@ -391,8 +396,8 @@ class Planner:
         # Decodes come after admission (decode_first off): the blocks they will need are
         # theirs, so an admission never makes an older request preempt in its own step.
         num_reserved_blocks = -1  # counted on first need
-        while only.state is _WAITING if only is not None else waiting:
-            num_running = len(self.running) if only is None else 0
+        while self._waiting_only() if only is not None else waiting:
+            num_running = len(self.running)
             num_requests = min(batch_cap - num_admitted, config.max_active_requests - num_running)
             tokens_left = num_tokens - used
             # Without chunked prefill an oversize head may still go alone on 0 tokens left.
@@ -414,7 +419,8 @@ class Planner:
             if reserved is not None and reserved.state is not _WAITING:
                 reserved = self._reserved_head = None  # it started, or ended while waiting
             if only is not None:
-                window = [only]
+                lookahead = config.admission_lookahead if policy == "pack" else num_requests
+                window = self._waiting_only()[:lookahead]
             elif reserved is not None:
                 # A forced round could not fit it: nothing starts past it until it fits.
                 policy, window = "fifo", [reserved]
@@ -453,6 +459,10 @@ class Planner:
             num_admitted += len(admitted)
             first_round = False
         return used
+
+    def _waiting_only(self) -> list[Request]:
+        """The requests of `only` still waiting, in the order given."""
+        return [request for request in self._only.values() if request.state is _WAITING]
 
     def _num_decode_growth_blocks(self, step_id: int, before: Request | None = None) -> int:
         """Blocks the decodes still to plan in this step need: one for each running
@@ -589,7 +599,9 @@ class Planner:
         blocks = self.blocks
         while blocks.num_available_blocks == 0:
             if self._only is not None:
-                victim = pick_victim([self._only], step_id, self.by_priority)
+                only = self._only
+                running = [r for r in self.running.values() if r.request_id in only]
+                victim = pick_victim(reversed(running), step_id, self.by_priority)
             else:
                 # Under the priority policy a lower priority goes first even if fed in this
                 # step (as vLLM v1): its entry is taken out of the plan being built.

@@ -7,7 +7,8 @@ N and decodes in N+1 feeds the token N samples, which the worker substitutes
 (StepPlan.last_sampled_rows); when N's result ends that sequence, N+1's token for it is
 dropped, never streamed. A failed step or a worker loss in N also fails N+1, whose
 sequences recompute; a sequence refused in N fails only the rows of N+1 that it taints
-(its own, and those that read what it or its readers keyed). Isolation steps run alone.
+(its own, and those that read what it or its readers keyed). Isolation steps run alone,
+every other step.
 add(), cancel() and stop() may be called at any time.
 Text (detokenization, stop strings) is not the core's: the service's output processor
 runs right after apply() and ends stop-string hits through stop() before the next
@@ -296,12 +297,10 @@ class Scheduler:
                 "apply() or fail_step() it first"
             )
         step_id = next(self._step_ids)
-        plan = self._isolation.plan(step_id, now) if self._isolation.active else None
-        if plan is not None and not plan.seq_ids:
-            self._isolation.stand_down()
-            plan = None
-        isolated = plan is not None
-        if plan is None:
+        isolated = False
+        if self._isolation.active:  # group steps and ordinary ones in turn
+            plan, isolated = self._isolation.plan(step_id, now, self._prefill_cap())
+        else:
             plan = planner.plan(step_id, now, max_prefill_tokens=self._prefill_cap())
         ahead = planner.take_ahead()
         victims = planner.take_victims()
@@ -485,7 +484,7 @@ class Scheduler:
 
     def _step_failed(self, flight: _Flight, error: str, now: float) -> list[RequestOutput]:
         """The worker forgot every sequence the plan named: all are recomputed, the requests
-        of a failed group each first alone (isolation.py); one that keeps failing alone is
+        of a failed group first in halves (isolation.py); one that keeps failing alone is
         the culprit and ends with ERROR, so a poison request harms no other."""
         planner = self._planner
         planner.unkey(flight.keyed)
@@ -508,12 +507,10 @@ class Scheduler:
     def _isolate(self, request_ids: list[str], message: str, now: float) -> list[RequestOutput]:
         """The requests of a failed or lost step (requeued) become suspects; one that
         failed alone again is the culprit and ends with ERROR and `message`."""
-        if len(request_ids) != 1:
-            self._isolation.suspect(request_ids)
+        convicted = self._isolation.failed(request_ids)
+        if convicted is None:
             return []
-        if not self._isolation.failed_alone(request_ids[0]):
-            return []
-        return [self._finish_with_error(self._requests[request_ids[0]], message, now)]
+        return [self._finish_with_error(self._requests[convicted], message, now)]
 
     def _take_tokens(self, result: StepResult, now: float, step_outputs: StepOutputs) -> None:
         """The hot loop of apply(): one sampled token per running request, no logprobs."""

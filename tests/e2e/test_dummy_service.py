@@ -106,8 +106,8 @@ def test_kv_pressure_preempts_without_losing_or_repeating_tokens(tmp_path):
 @pytest.mark.parametrize("stop_signal", [signal.SIGKILL, signal.SIGTERM], ids=["kill", "term"])
 def test_worker_stopped_mid_stream_resumes_on_a_new_worker(tmp_path, stop_signal):
     """Killed or stopped on purpose, the worker's requests resume exactly on the next one.
-    A kill makes the requests of the steps it lost suspects, run alone until each samples
-    (isolation); a worker stopped by SIGTERM says goodbye, so none is run alone."""
+    A kill makes the requests of the steps it lost suspects, run in halves until each
+    samples (isolation); a worker stopped by SIGTERM says goodbye, so none is isolated."""
     with running_service(
         tmp_path,
         model="dummy",
@@ -135,7 +135,7 @@ def test_worker_stopped_mid_stream_resumes_on_a_new_worker(tmp_path, stop_signal
             assert tokens == dummy_continuation(prompt_ids, 3000)
         num_isolated_steps = service.stats().num_isolated_steps
         if stop_signal == signal.SIGKILL:
-            assert num_isolated_steps >= len(batch)
+            assert num_isolated_steps >= 2  # the two halves of the 4 suspects
         else:
             assert num_isolated_steps == 0
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import re
 
+import pytest
 from pagoda.protos import step_pb2
 from pagoda.scheduler_svc import step_codec
-from pagoda.scheduler_svc.core import SchedulerConfig
+from pagoda.scheduler_svc.core import DuplicateRequestError, FinishReason, SchedulerConfig
 from pagoda.scheduler_svc.lanes import Lanes
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.testing import FakeWorker
@@ -21,8 +22,11 @@ from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLost
 from tests.unit.conftest import LetterDetokenizer, expected_generation, make_hello, make_request
 from tests.unit.test_step_loop import (
     HELLO_FIELDS,
+    assert_all_exact,
+    assert_exact,
     contending_requests,
     domain_plan_of,
+    first_output,
     geometry,
     over_the_wire,
     read_to_end,
@@ -146,6 +150,92 @@ def test_a_lost_worker_s_requests_finish_on_the_other_without_loss_or_repeat(cap
     # The lost lane's loop does not say its requests wait for a new worker: they moved.
     (detached,) = [r.getMessage() for r in caplog.records if "worker detached" in r.getMessage()]
     assert detached.endswith("its lane is closed"), detached
+
+
+def test_an_id_a_lane_still_holds_is_refused_until_its_cancel_is_taken():
+    # Review s3 R2: "job-1" left by its client (its cancel waits for lane 1's turn) and a
+    # new "job-1" placed on lane 2 shared the id's text state and stream slot: the old
+    # CANCELLED end reached the new client and lane 2's next step killed the lanes task.
+    async def body() -> None:
+        link = FleetLink()
+        lanes = make_lanes(link)
+        task = asyncio.create_task(lanes.run())
+        link.attach("a")
+        link.attach("b")
+        await until(lambda: len(lanes.worker_stats()) == 2)
+        old = make_request("job-1", 8, max_new_tokens=40, ignore_eos=True)
+        slot = lanes.submit(old)
+        await first_output(slot)
+        lanes.release(slot)  # the client left; the cancel waits for its lane's turn
+        new = make_request("job-1", [5, 6, 7], max_new_tokens=6, ignore_eos=True)
+        with pytest.raises(DuplicateRequestError, match="already in flight"):
+            lanes.submit(new)
+        await until(lambda: lanes.holder("job-1") is None)
+        stream = await read_to_end(lanes, lanes.submit(new))  # the id is free again
+        assert_exact(stream, new)
+        assert not task.done()
+        lanes.stop()
+        await task
+
+    scenario(body)
+
+
+def test_a_cancel_of_an_ended_request_never_reaches_a_new_one_of_its_id_moved_by_a_loss():
+    async def body() -> None:
+        link = FleetLink()
+        lanes = make_lanes(link)
+        task = asyncio.create_task(lanes.run())
+        link.attach("a")
+        link.attach("b")
+        await until(lambda: len(lanes.worker_stats()) == 2)
+        slot = lanes.submit(make_request("job-1", 8, max_new_tokens=40, ignore_eos=True))
+        await first_output(slot)
+        lanes.cancel("job-1")
+        assert (await read_to_end(lanes, slot)).finish_reason is FinishReason.CANCELLED
+        new = make_request("job-1", 9, max_new_tokens=30, ignore_eos=True)
+        slot = lanes.submit(new)
+        identity = lanes.holder("job-1").identity
+        link.lose_during = (identity, link.num_plans[identity] + 2)
+        assert_exact(await read_to_end(lanes, slot), new)  # moved, not cancelled again
+        assert link.lose_during[0] not in link.workers
+        lanes.stop()
+        await task
+
+    scenario(body)
+
+
+def test_a_shared_system_prompt_does_not_pin_every_request_to_one_worker():
+    # Review s3 R3: affinity won whatever the load, so once lane 1 had keyed the system
+    # prompt every later request queued there (plans {a: 125, b: 0}).
+    async def body() -> None:
+        link = FleetLink()
+        lanes = make_lanes(link)
+        task = asyncio.create_task(lanes.run())
+        link.attach("a")
+        link.attach("b")
+        await until(lambda: len(lanes.worker_stats()) == 2)
+        system = list(range(10, 18))  # two blocks of 4 shared by every request
+        first = make_request("u0", [*system, 60], max_new_tokens=30, ignore_eos=True)
+        first_slot = lanes.submit(first)
+        first_stream = await first_output(first_slot)  # lane 1 has keyed the system prompt
+        requests = [
+            make_request(f"u{i}", [*system, 60 + i, 61], max_new_tokens=30, ignore_eos=True)
+            for i in range(1, 25)
+        ]
+        slots = [lanes.submit(request) for request in requests]
+        lanes_taken = [lanes.holder(request.request_id).number for request in requests]
+        streams = await asyncio.gather(
+            read_to_end(lanes, first_slot, first_stream),
+            *(read_to_end(lanes, slot) for slot in slots),
+        )
+        assert_all_exact([first, *requests], streams)
+        lanes.stop()
+        await task
+        # Affinity still counts: lane 1 takes more while its queue is within the gap.
+        assert 0 < lanes_taken.count(2) < lanes_taken.count(1), lanes_taken
+        assert min(link.num_plans.values()) > 0, link.num_plans
+
+    scenario(body)
 
 
 def test_metrics_report_each_worker_by_label():

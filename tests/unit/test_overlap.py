@@ -279,9 +279,9 @@ def test_a_failed_step_fails_the_one_after_it_and_isolation_runs_alone():
         worker.step(ahead)
     assert not scheduler.apply(failed, 2.0)
     assert scheduler.num_in_flight == 0  # ahead counts as failed too
-    # Isolation: each suspect alone, one step at a time.
+    # Isolation: the 3 suspects in halves (2, then 1), one step at a time.
     plan = scheduler.schedule(3.0)
-    assert len(plan.seq_ids) == 1 and not scheduler.can_plan_ahead
+    assert len(plan.seq_ids) == 2 and not scheduler.can_plan_ahead
     for output in scheduler.apply(worker.step(plan), 3.0):
         streams[output.request_id].take(output)
     drive_overlapped(scheduler, worker, streams)

@@ -138,8 +138,7 @@ def run(
                 return streams, scheduler
             continue
         assert plan_within_budget(plan, scheduler.config)
-        if not scheduler._isolation.active:  # isolation replans one suspect at a time
-            assert caps_violated(plan, scheduler) is None, caps_violated(plan, scheduler)
+        assert caps_violated(plan, scheduler) is None, caps_violated(plan, scheduler)
         # A step that admits never preempts (an admission waits rather than evict an
         # older request); isolation's make_room preempts on purpose before its plan.
         if plan.new_sequences and not scheduler._isolation.active:

@@ -35,7 +35,7 @@ from tests.unit.test_step_loop import (
 )
 
 POISON = 62  # inside the vocabulary (a hello does not refuse it); no good request feeds it
-MAX_CRASHES = 8  # far above the 3 isolation needs: a crash loop fails the test at once
+MAX_CRASHES = 8  # far above the 4 isolation needs: a crash loop fails the test at once
 
 
 class CrashingWorkers:
@@ -95,9 +95,9 @@ def test_a_request_that_kills_the_worker_ends_alone_with_an_error_and_the_others
             assert slot.error_code is None  # a failure of this request alone: INTERNAL
             for request in good:
                 assert_exact(by_id[request.request_id][1], request)
-            # The mixed step, then the poison request alone twice: the second solo loss
-            # convicts it.
-            assert (crashes.num_crashes, crashes.solo_crashes) == (3, 2)
+            # The mixed step of 6, the half of 3 holding it, then the poison request alone
+            # twice: the second solo loss convicts it.
+            assert (crashes.num_crashes, crashes.solo_crashes) == (4, 2)
             assert_idle(h.loop)
 
     scenario(body)
@@ -142,7 +142,7 @@ def test_the_core_convicts_a_worker_killer_whichever_the_loop_hears_first(detach
             streams[output.request_id].take(output)
         check_invariants(scheduler)
     assert streams["poison"].finish_reason is FinishReason.ERROR
-    assert num_crashes == 3
+    assert num_crashes == 4  # 6 together, 3, then 1 twice
     for request in good:
         tokens, reason, _ = expected_generation(request, geometry)
         assert streams[request.request_id].token_ids == tokens
