@@ -1,5 +1,5 @@
 """deploy/envoy/envoy.yaml: two replicas behind Envoy (docs/operations.md, "Replicas behind
-Envoy").
+a load balancer").
 
 The config's promises are checked always (YAML; pyyaml comes with transformers). Where an
 `envoy` binary is on PATH, two dummy replicas (scheduler + worker each) run behind a copy of
