@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
+import time
 from pathlib import Path
 
 import uvicorn
@@ -17,7 +19,7 @@ from pagoda.common.systemd import notify, watchdog_interval_s
 
 log = logging.getLogger("pagoda.openai")
 EXIT_CONFIG = 2  # as the other services: a configuration error; restarting cannot fix it
-READY_POLL_S = 0.05
+TICK_S = 0.05  # how often the supervising loop looks at uvicorn's state
 
 
 def uvicorn_config(config: FrontConfig, app: object) -> uvicorn.Config:
@@ -38,21 +40,29 @@ def uvicorn_config(config: FrontConfig, app: object) -> uvicorn.Config:
 
 async def serve(server: uvicorn.Server, config: FrontConfig) -> int:
     """Run uvicorn (it handles SIGTERM and SIGINT: stop accepting, let requests finish for
-    drain_timeout_s); tell systemd when it listens, and keep its watchdog fed meanwhile."""
+    drain_timeout_s); tell systemd when it listens and when it stops, and keep its watchdog
+    fed while the event loop turns."""
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
-        await asyncio.sleep(READY_POLL_S)
+        await asyncio.sleep(TICK_S)
     if server.started:
         scheme = "https" if config.tls_cert else "http"
         log.info("serving the OpenAI API on %s://%s for %s", scheme, config.listen, config.target)
         notify("READY=1", f"STATUS=serving on {config.listen}")
-    while not task.done():
-        if not server.should_exit:
+    next_keepalive_s = 0.0
+    while not task.done() and not server.should_exit:
+        if time.monotonic() >= next_keepalive_s:
             notify("WATCHDOG=1")
-        await asyncio.wait({task}, timeout=watchdog_interval_s())
+            next_keepalive_s = time.monotonic() + watchdog_interval_s()
+        await asyncio.wait({task}, timeout=TICK_S)
     notify("STOPPING=1")
     await task
     return 0 if server.started else 1
+
+
+def _handled_by_uvicorn(signum: int, frame: object) -> None:
+    """uvicorn drains on SIGTERM/SIGINT, then raises the signal again on its way out; by
+    then the work is done, so this process ends with status 0 instead of dying by it."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_CONFIG
     app = build_app(config, Upstream(config.target, root_cert))
     server = uvicorn.Server(uvicorn_config(config, app))
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _handled_by_uvicorn)
     return asyncio.run(serve(server, config))
 
 
