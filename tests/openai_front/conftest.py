@@ -3,6 +3,7 @@ subprocess on a free loopback port, ready once its /health says the scheduler se
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -50,10 +51,16 @@ class Front:
 
 
 def start_front(
-    target: str, log_path: Path, *args: str, serving: bool = True
+    target: str,
+    log_path: Path,
+    *args: str,
+    serving: bool = True,
+    scheme: str = "http",
+    verify: ssl.SSLContext | bool = True,
 ) -> tuple[subprocess.Popen, str]:
     """pagoda-openai for `target` on a free port; returns once /health answers (200 when
-    `serving`, else any answer: a front whose scheduler is away still listens)."""
+    `serving`, else any answer: a front whose scheduler is away still listens). `verify`:
+    the CA file an https front is checked against."""
     address = f"127.0.0.1:{free_port()}"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
@@ -61,13 +68,13 @@ def start_front(
              "--target", target, *args],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
         )  # fmt: skip
-    url = f"http://{address}"
+    url = f"{scheme}://{address}"
 
     def ready() -> bool:
         if process.poll() is not None:
             raise AssertionError(f"pagoda-openai exited with {process.returncode}")
         try:
-            status = httpx.get(f"{url}/health", timeout=1).status_code
+            status = httpx.get(f"{url}/health", timeout=1, verify=verify).status_code
         except httpx.HTTPError:
             return False
         return status == 200 or not serving
