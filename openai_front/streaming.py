@@ -38,6 +38,16 @@ async def fan_out(
 ) -> AsyncIterator[tuple[Call, Chunk]]:
     """(call, chunk) pairs of all `streams` in arrival order; a failed call raises its
     FrontError. Closing the generator (or cancelling its reader) cancels every call."""
+    if len(streams) == 1:  # the common case: no task, no queue
+        call, stream = streams[0]
+        try:
+            async for chunk in stream:
+                yield call, chunk
+        except PagodaError as exc:
+            raise from_pagoda(exc) from None
+        finally:
+            stream.cancel()
+        return
     queue: asyncio.Queue[tuple[Call, Chunk | BaseException | None]] = asyncio.Queue(QUEUE_CHUNKS)
 
     async def pump(call: Call, stream: AsyncChunkStream) -> None:

@@ -103,8 +103,9 @@ def test_fan_out_interleaves_all_streams_to_their_end():
     assert sorted(indexes) == [0, 0, 1, 1, 1]
 
 
-def test_a_disconnect_cancels_every_call_of_the_fan_out():
-    streams = [(call(0), FakeStream(1000, 0.01)), (call(1), FakeStream(1000, 0.01))]
+@pytest.mark.parametrize("num_calls", [1, 3])
+def test_a_disconnect_cancels_every_call_of_the_fan_out(num_calls):
+    streams = [(call(i), FakeStream(1000, 0.01)) for i in range(num_calls)]
 
     async def main() -> None:
         disconnect = asyncio.Event()
