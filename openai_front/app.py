@@ -69,9 +69,13 @@ def build_app(config: FrontConfig, upstream: Upstream) -> Any:
             return info.model_id
         # The scheduler may have restarted with another model since the cached answer.
         info = await upstream.model_info(metadata, fresh=True)
-        if requested != info.model_id:
-            raise model_not_found(requested)
-        return info.model_id
+        if requested == info.model_id:
+            return info.model_id
+        if not info.worker_connected:
+            # Before its first worker the scheduler knows no model id: not a 404; the call
+            # itself gets the scheduler's answer (UNAVAILABLE, or it waits for a worker).
+            return requested
+        raise model_not_found(requested)
 
     @app.get("/health")
     async def health() -> Response:
