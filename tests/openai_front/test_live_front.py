@@ -240,6 +240,9 @@ def test_errors_have_openai_shape_and_status(front, sdk, model):
         assert (missing.status_code, missing.json()["error"]["param"]) == (400, "prompt")
         too_big = http.post("/v1/completions", content=b"x" * (9 * 1024 * 1024))
         assert too_big.status_code == 413
+        # A chunked body could grow without bound before it is parsed: a length is required.
+        chunked = http.post("/v1/completions", content=iter([b'{"prompt": "hi"}']))
+        assert chunked.status_code == 411
 
 
 def wait_idle(front) -> None:
