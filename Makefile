@@ -45,7 +45,7 @@ test: $(STAMP) ## run the whole test suite (unit, worker, end-to-end)
 test-fast: $(STAMP) ## unit tests only (seconds)
 	$(PY) -m pytest -q tests/unit $(ARGS)
 
-run: $(STAMP) ## provision the default model, start worker + scheduler on 127.0.0.1:50051
+run: $(STAMP) ## provision the default model, start worker + scheduler on 127.0.0.1:50051 and the OpenAI API on 127.0.0.1:8000
 	$(PY) scripts/run_local.py --model $(MODEL) --grpc-address $(GRPC_ADDRESS) $(ARGS)
 
 bench: $(STAMP) ## the benchmark suite on the default model (about 8 minutes on 2 cores)

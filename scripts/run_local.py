@@ -1,7 +1,9 @@
-"""`make run`: start a worker and a scheduler on this machine, wait until they serve, stay up.
+"""`make run`: start a worker, a scheduler and the OpenAI-compatible front on this machine,
+wait until they serve, stay up.
 
-The two talk over a private ipc:// socket in a fresh 0700 directory; the gRPC API
-listens on --grpc-address (127.0.0.1:50051). Ctrl-C stops both cleanly.
+The worker and the scheduler talk over a private ipc:// socket in a fresh 0700 directory; the
+gRPC API listens on --grpc-address (127.0.0.1:50051) and pagoda-openai, its client, on
+--openai-address (127.0.0.1:8000; "none" leaves it out). Ctrl-C stops all three cleanly.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -37,6 +41,22 @@ def wait_serving(address: str, processes: list[subprocess.Popen], timeout_s: flo
     return False
 
 
+def wait_http_ok(url: str, processes: list[subprocess.Popen], timeout_s: float) -> bool:
+    """Poll `url` until it answers 200 (pagoda-openai's /health: its scheduler serves)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in processes):
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as reply:
+                if reply.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    return False
+
+
 def stop(processes: list[subprocess.Popen]) -> None:
     for process in processes:
         if process.poll() is None:
@@ -46,6 +66,34 @@ def stop(processes: list[subprocess.Popen]) -> None:
             process.wait(timeout=40)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def banner(
+    grpc_address: str,
+    worker: subprocess.Popen,
+    scheduler: subprocess.Popen,
+    front: subprocess.Popen | None,
+    openai_url: str | None,
+) -> str:
+    lines = [
+        f"\npagoda: serving on {grpc_address} (worker pid {worker.pid}, scheduler pid "
+        f"{scheduler.pid})"
+    ]
+    if front is not None:
+        lines.append(f"  OpenAI-compatible API: {openai_url} (pagoda-openai pid {front.pid})")
+    lines += [
+        "  in another terminal:",
+        '    .venv/bin/pagoda generate "Write a haiku about the sea"',
+        "    .venv/bin/pagoda chat",
+        "    .venv/bin/pagoda stats",
+    ]
+    if front is not None:
+        lines += [
+            f"    curl -s {openai_url}/chat/completions -H 'Content-Type: application/json' \\",
+            """      -d '{"messages": [{"role": "user", "content": "Write a haiku about the sea"}]}'""",
+        ]
+    lines.append("  Ctrl-C stops them all.\n")
+    return "\n".join(lines)
 
 
 def _interrupt(signum, frame) -> None:
@@ -61,6 +109,11 @@ def main() -> int:
     )
     parser.add_argument("--grpc-address", default="127.0.0.1:50051")
     parser.add_argument("--device", default="auto", help="worker device: auto, cpu or cuda")
+    parser.add_argument(
+        "--openai-address",
+        default="127.0.0.1:8000",
+        help='HOST:PORT of the OpenAI-compatible front (pagoda-openai); "none": do not start it',
+    )
     args, scheduler_flags = parser.parse_known_args()
 
     runtime_dir = tempfile.mkdtemp(prefix="pagoda-run-")
@@ -104,18 +157,26 @@ def main() -> int:
             print("pagoda: the service did not become ready; see the logs above", file=sys.stderr)
             stop(processes)
             return 1
-        print(
-            f"\npagoda: serving on {args.grpc_address} (worker pid {worker.pid}, scheduler pid {scheduler.pid})\n"
-            "  in another terminal:\n"
-            '    .venv/bin/pagoda generate "Write a haiku about the sea"\n'
-            "    .venv/bin/pagoda chat\n"
-            "    .venv/bin/pagoda stats\n"
-            "  Ctrl-C stops both.\n",
-            flush=True,
-        )
+        front = openai_url = None
+        if args.openai_address != "none":
+            front = subprocess.Popen(
+                [
+                    sys.executable, "-m", "pagoda.openai_front",
+                    "--listen", args.openai_address,
+                    "--target", args.grpc_address,
+                    "--log-level", "WARNING",
+                ]
+            )  # fmt: skip
+            processes.append(front)
+            openai_url = f"http://{args.openai_address}/v1"
+            if not wait_http_ok(f"http://{args.openai_address}/health", processes, 60):
+                print("pagoda: the OpenAI front did not become ready", file=sys.stderr)
+                stop(processes)
+                return 1
+        print(banner(args.grpc_address, worker, scheduler, front, openai_url), flush=True)
         while all(p.poll() is None for p in processes):
             time.sleep(0.5)
-        print("pagoda: a process exited; stopping the other", file=sys.stderr)
+        print("pagoda: a process exited; stopping the others", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\npagoda: stopping", file=sys.stderr)

@@ -1,0 +1,245 @@
+"""The HTTP routes: /v1/models, /v1/completions, /v1/chat/completions and /health.
+
+Each request is translated (translation.py), sent as gRPC calls with the caller's bearer
+key (upstream.py) and answered in OpenAI's shapes (responses.py), whole or as server-sent
+events (streaming.py). A streamed response begins only once every call has produced its
+first chunk, so a request the scheduler refuses gets its HTTP status, not a 200 stream.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pagoda.client.errors import PagodaError
+from pagoda.client.results import Chunk
+from pagoda.openai_front import responses
+from pagoda.openai_front.body_limit import BodyLimit
+from pagoda.openai_front.config import FrontConfig
+from pagoda.openai_front.errors import FrontError, from_pagoda, invalid, model_not_found
+from pagoda.openai_front.responses import Choice, Header
+from pagoda.openai_front.schemas import ChatCompletionRequest, CompletionRequest, Endpoint
+from pagoda.openai_front.streaming import (
+    DONE_EVENT,
+    ClientGone,
+    error_event,
+    fan_out,
+    sse,
+    until_disconnected,
+)
+from pagoda.openai_front.translation import Call, Plan, plan_chat, plan_completion
+from pagoda.openai_front.upstream import Upstream, call_metadata
+from starlette.exceptions import HTTPException
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer; never read
+
+Events = AsyncIterator[tuple[Call, Chunk]]
+
+
+def build_app(config: FrontConfig, upstream: Upstream) -> Any:
+    """The ASGI application: FastAPI behind the body-size guard."""
+    started_s = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        upstream.open()
+        try:
+            yield
+        finally:
+            await upstream.close()
+
+    app = FastAPI(
+        title="Pagoda OpenAI-compatible API",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    _install_error_handlers(app)
+
+    async def served_model(requested: str | None, metadata: tuple) -> str:
+        info = await upstream.model_info(metadata)
+        if requested is None or requested == info.model_id:
+            return info.model_id
+        # The scheduler may have restarted with another model since the cached answer.
+        info = await upstream.model_info(metadata, fresh=True)
+        if requested == info.model_id:
+            return info.model_id
+        if not info.worker_connected:
+            # Before its first worker the scheduler knows no model id: not a 404; the call
+            # itself gets the scheduler's answer (UNAVAILABLE, or it waits for a worker).
+            return requested
+        raise model_not_found(requested)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if await upstream.serving():
+            return JSONResponse({"status": "serving", "target": upstream.target})
+        error = FrontError(
+            503,
+            f"the scheduler at {upstream.target} is not serving",
+            "server_error",
+            code="service_unavailable",
+        )
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict[str, Any]:
+        metadata = call_metadata(request.headers.get("authorization"))
+        info = await upstream.model_info(metadata, fresh=True)
+        return {"object": "list", "data": [_model_card(info, started_s)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+        metadata = call_metadata(request.headers.get("authorization"))
+        info = await upstream.model_info(metadata, fresh=True)
+        if model_id != info.model_id:
+            raise model_not_found(model_id)
+        return _model_card(info, started_s)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        return await serve(request, body, "completions", request_id)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        return await serve(request, body, "chat", request_id)
+
+    async def serve(
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        endpoint: Endpoint,
+        request_id: str,
+    ) -> Response:
+        metadata = call_metadata(request.headers.get("authorization"))
+        if isinstance(body, ChatCompletionRequest):
+            plan = plan_chat(body, request_id, config.max_n)
+        else:
+            plan = plan_completion(body, request_id, config.max_n)
+        model = await served_model(body.model, metadata)
+        header = Header(request_id, int(time.time()), model, endpoint)
+        streams = []
+        try:
+            for call in plan.calls:
+                streams.append((call, upstream.stream(call, metadata)))
+        except BaseException:
+            for _, stream in streams:
+                stream.cancel()
+            raise
+        events = fan_out(streams)
+        if not body.stream:
+            choices = await until_disconnected(request.receive, _collect(events, plan))
+            return JSONResponse(responses.whole_response(header, choices, plan.num_top_logprobs))
+        first = await until_disconnected(request.receive, _first_chunks(events, plan))
+        return StreamingResponse(
+            _event_stream(header, plan, first, events),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    return BodyLimit(app, config.max_body_bytes)
+
+
+def _model_card(info: Any, created_s: int) -> dict[str, Any]:
+    return {
+        "id": info.model_id,
+        "object": "model",
+        "created": created_s,
+        "owned_by": "pagoda",
+        "max_model_len": info.max_context_tokens,
+    }
+
+
+async def _collect(events: Events, plan: Plan) -> list[Choice]:
+    choices = {call.choice_index: Choice(call) for call in plan.calls}
+    async with aclosing(events):
+        async for call, chunk in events:
+            choices[call.choice_index].add(chunk)
+    return list(choices.values())
+
+
+async def _first_chunks(events: Events, plan: Plan) -> list[tuple[Call, Chunk]]:
+    """Read until every call has sent a chunk (a refused call raises its error here)."""
+    waiting = {call.choice_index for call in plan.calls}
+    first: list[tuple[Call, Chunk]] = []
+    while waiting:
+        try:
+            call, chunk = await anext(events)
+        except StopAsyncIteration:
+            break
+        first.append((call, chunk))
+        waiting.discard(call.choice_index)
+    return first
+
+
+async def _event_stream(
+    header: Header, plan: Plan, first: list[tuple[Call, Chunk]], events: Events
+) -> AsyncIterator[str]:
+    choices = {call.choice_index: Choice(call) for call in plan.calls}
+    started: set[int] = set()
+
+    async def all_events() -> Events:
+        for item in first:
+            yield item
+        async for item in events:
+            yield item
+
+    async with aclosing(events):
+        try:
+            async for call, chunk in all_events():
+                index = call.choice_index
+                if header.endpoint == "chat" and index not in started:
+                    started.add(index)
+                    yield sse(responses.role_event(header, index, plan.include_usage))
+                choices[index].add(chunk)
+                yield sse(
+                    responses.chunk_event(
+                        header, call, chunk, plan.num_top_logprobs, plan.include_usage
+                    )
+                )
+            if plan.include_usage:
+                yield sse(responses.usage_event(header, choices.values()))
+        except FrontError as error:
+            yield error_event(error)
+        yield DONE_EVENT
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def reply(error: FrontError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(FrontError)
+    async def front_error(_: Request, error: FrontError) -> JSONResponse:
+        return reply(error)
+
+    @app.exception_handler(PagodaError)
+    async def pagoda_error(_: Request, error: PagodaError) -> JSONResponse:
+        return reply(from_pagoda(error))
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_: Request, error: RequestValidationError) -> JSONResponse:
+        problem = error.errors()[0] if error.errors() else {}
+        location = [str(part) for part in problem.get("loc", ()) if part != "body"]
+        param = ".".join(location) or None
+        message = problem.get("msg", "the request body is not valid")
+        if problem.get("type") in ("json_invalid", "model_attributes_type"):
+            message = "the request body must be a JSON object"
+        where = f"{param}: " if param else ""
+        return reply(invalid(f"{where}{message}", param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+        return reply(FrontError(error.status_code, str(error.detail), kind))

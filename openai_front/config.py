@@ -1,0 +1,205 @@
+"""The front's configuration: flags > PAGODA_OPENAI_* environment > TOML file > defaults.
+
+Built once in `__main__` into a frozen `FrontConfig`, validated, then passed down. This is
+the only module of the front that reads the environment; the layering itself is
+pagoda.common.settings, shared with the scheduler and the worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from pagoda.common.settings import DEFAULT_GRPC_ADDRESS, SettingError, resolve, settings_lines
+
+ENV_PREFIX = "PAGODA_OPENAI_"
+DEFAULT_LISTEN = "127.0.0.1:8000"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+MAX_N = 128  # a sanity bound on the --max-n setting itself
+
+
+@dataclass(frozen=True, slots=True)
+class FrontConfig:
+    listen: str = DEFAULT_LISTEN
+    target: str = DEFAULT_GRPC_ADDRESS
+    # PEM roots that signed the scheduler's certificate; set: the gRPC channel uses TLS.
+    tls_root_cert: str | None = None
+    # HTTPS on the front's own listener (both or neither).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    # Largest `n` (choices per prompt, times the prompts of one /v1/completions call): each is
+    # its own gRPC request until the gRPC API has `n`.
+    max_n: int = 16
+    max_body_bytes: int = 8 * 1024 * 1024
+    # HTTP requests in flight before uvicorn answers 503 (uvicorn's limit_concurrency).
+    max_concurrent_requests: int = 1024
+    # On SIGTERM, seconds in-flight requests may finish before their connections are closed.
+    drain_timeout_s: float = 30.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("listen", "target"):
+            try:
+                split_host_port(getattr(self, name))
+            except ValueError as exc:
+                problems.append(f"--{name}: {exc}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            problems.append("--tls-cert and --tls-key go together")
+        if not 1 <= self.max_n <= MAX_N:
+            problems.append(f"--max-n must be between 1 and {MAX_N}")
+        if self.max_body_bytes < 1024:
+            problems.append("--max-body-bytes must be at least 1024")
+        if self.max_concurrent_requests < 1:
+            problems.append("--max-concurrent-requests must be at least 1")
+        if not self.drain_timeout_s >= 0:
+            problems.append("--drain-timeout-s must be >= 0")
+        if self.log_level not in LOG_LEVELS:
+            problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def listen_host(self) -> str:
+        return split_host_port(self.listen)[0]
+
+    @property
+    def listen_port(self) -> int:
+        return split_host_port(self.listen)[1]
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """("::1", 8000) from "[::1]:8000"; ("127.0.0.1", 8000) from "127.0.0.1:8000"."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{address!r} is not HOST:PORT")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagoda-openai",
+        description=(
+            "Pagoda's OpenAI-compatible HTTP front: serves /v1/models, /v1/completions and "
+            "/v1/chat/completions as a client of the scheduler's gRPC API. Every flag may "
+            f"also be set through the environment as {ENV_PREFIX}<FLAG> (e.g. "
+            f"{ENV_PREFIX}TARGET=10.0.0.5:50051) or a key of the --config TOML file; flags "
+            "win over the environment, which wins over the file."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--listen", default=DEFAULT_LISTEN, help="HOST:PORT the HTTP API listens on")
+    add(
+        "--target",
+        default=DEFAULT_GRPC_ADDRESS,
+        help="HOST:PORT of the scheduler's gRPC API; each call carries the HTTP caller's "
+        "Authorization: Bearer key as its gRPC metadata",
+    )
+    add(
+        "--tls-root-cert",
+        type=_optional_str,
+        default=None,
+        help="PEM root certificates of the scheduler's TLS certificate; set: TLS to the target",
+    )
+    add("--tls-cert", type=_optional_str, default=None, help="PEM certificate chain for HTTPS")
+    add("--tls-key", type=_optional_str, default=None, help="PEM private key for HTTPS")
+    add(
+        "--max-n",
+        type=int,
+        default=16,
+        help="largest n (choices per prompt, times the prompts of one completions call); "
+        "each choice is one gRPC request",
+    )
+    add(
+        "--max-body-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        help="largest HTTP request body (413 beyond)",
+    )
+    add(
+        "--max-concurrent-requests",
+        type=int,
+        default=1024,
+        help="HTTP requests in flight before new ones are answered 503",
+    )
+    add(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests may finish before they are cut",
+    )
+    add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
+    add(
+        "--config",
+        default=environ.get(ENV_PREFIX + "CONFIG"),
+        help=f"TOML file of settings, keys as the flags with underscores; also {ENV_PREFIX}CONFIG",
+    )
+    add(
+        "--print-config",
+        action="store_true",
+        help="print the resolved settings and where each came from, then exit",
+    )
+    return parser
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedConfig:
+    config: FrontConfig
+    sources: dict[str, str]  # setting -> "flag", "env PAGODA_OPENAI_X", "toml FILE", "default"
+    print_config: bool
+
+
+def load_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> LoadedConfig:
+    """Flags > environment > TOML file > defaults, validated; a bad value or an unknown
+    TOML key exits 2 with a sentence (argparse's usage error)."""
+    environ = os.environ if environ is None else environ
+    parser = build_parser(environ)
+    args = parser.parse_args(argv)
+    settings = _settings(parser)
+
+    def parse(name: str, value: object, origin: str) -> object:
+        action = settings[name]
+        try:
+            return action.type(str(value)) if action.type else str(value)
+        except ValueError:
+            raise SettingError(f"{origin}: {value!r} is not a valid value for {name}") from None
+
+    # Which settings the command line itself gave: a parser whose defaults are all absent.
+    explicit = build_parser(environ)
+    for action in _settings(explicit).values():
+        action.default = argparse.SUPPRESS
+    given = vars(explicit.parse_args(argv)).keys() & settings.keys()
+    try:
+        resolved = resolve(
+            {name: action.default for name, action in settings.items()},
+            flags={name: getattr(args, name) for name in given},
+            environ=environ,
+            env_prefix=ENV_PREFIX,
+            config_path=args.config,
+            from_toml=lambda name, value, path: parse(name, value, f"{name} in {path}"),
+            from_env=parse,
+        )
+        config = FrontConfig(**resolved.values)
+    except ValueError as exc:  # SettingError, or FrontConfig's own checks
+        parser.error(str(exc))
+    return LoadedConfig(config, resolved.sources, args.print_config)
+
+
+def describe(loaded: LoadedConfig) -> str:
+    """One line per setting, `name = value  # source`, as the other services print them."""
+    values = {f.name: getattr(loaded.config, f.name) for f in fields(FrontConfig)}
+    return settings_lines(values, loaded.sources)
+
+
+def _settings(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    names = {f.name for f in fields(FrontConfig)}
+    return {a.dest: a for a in parser._actions if a.dest in names}
+
+
+def _optional_str(text: str) -> str | None:
+    return None if text.strip().lower() in ("", "none") else text

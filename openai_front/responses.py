@@ -1,0 +1,206 @@
+"""The client's chunks -> OpenAI's JSON: whole responses, stream events, logprobs and usage.
+
+Pure: no I/O. The gRPC API reports token ids, not token strings, so a token is written
+`token_id:<id>` (the form of vLLM's --return-tokens-as-token-ids) and `bytes` is null.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.client.results import Chunk, TokenLogprob, Usage
+from pagoda.openai_front.errors import FrontError
+from pagoda.openai_front.schemas import Endpoint
+from pagoda.openai_front.translation import Call
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """What every object of one response repeats."""
+
+    id: str
+    created_s: int
+    model: str
+    endpoint: Endpoint
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.endpoint == "chat" else "text_completion"
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
+
+    def fields(self, object_name: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created_s,
+            "model": self.model,
+        }
+
+
+@dataclass(slots=True)
+class Choice:
+    """One call's chunks joined."""
+
+    call: Call
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self.texts.append(chunk.text)
+        self.logprobs.extend(chunk.logprobs or ())
+        if chunk.finish_reason is not None:
+            self.finish_reason = finish_reason(chunk.finish_reason)
+            self.usage = chunk.usage
+
+
+def finish_reason(grpc_reason: str) -> str:
+    """OpenAI's finish_reason for the gRPC one; a server-side cancel is an error here."""
+    if grpc_reason in ("stop", "length"):
+        return grpc_reason
+    if grpc_reason == "cancelled":
+        raise FrontError(
+            503,
+            "the server cancelled the request (it is shutting down); retry",
+            "server_error",
+            None,
+            "service_unavailable",
+        )
+    raise FrontError(500, f"the request ended with {grpc_reason!r}", "server_error")
+
+
+def token_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def logprobs_json(
+    endpoint: Endpoint, entries: Iterable[TokenLogprob], num_top: int
+) -> dict[str, Any]:
+    """OpenAI's logprobs object for these tokens, keeping `num_top` alternatives each."""
+    entries = list(entries)
+    if endpoint == "chat":
+        return {"content": [_chat_token(entry, num_top) for entry in entries]}
+    return {
+        "tokens": [token_name(e.token_id) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [
+            {
+                token_name(t): lp
+                for t, lp in zip(e.top_token_ids[:num_top], e.top_logprobs[:num_top], strict=True)
+            }
+            for e in entries
+        ],
+        "text_offset": None,  # needs token strings, which the gRPC API does not send
+    }
+
+
+def _chat_token(entry: TokenLogprob, num_top: int) -> dict[str, Any]:
+    top = zip(entry.top_token_ids[:num_top], entry.top_logprobs[:num_top], strict=True)
+    return {
+        "token": token_name(entry.token_id),
+        "logprob": entry.logprob,
+        "bytes": None,
+        "top_logprobs": [{"token": token_name(t), "logprob": lp, "bytes": None} for t, lp in top],
+    }
+
+
+def usage_json(choices: Iterable[Choice]) -> dict[str, Any]:
+    """Usage over all choices: each prompt counted once, every choice's completion tokens."""
+    prompt_tokens = cached_tokens = completion_tokens = 0
+    counted_prompts: set[int] = set()
+    for choice in choices:
+        usage = choice.usage
+        if usage is None:
+            continue
+        completion_tokens += usage.completion_tokens
+        if choice.call.prompt_index not in counted_prompts:
+            counted_prompts.add(choice.call.prompt_index)
+            prompt_tokens += usage.prompt_tokens
+            cached_tokens += usage.cached_prompt_tokens
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def whole_response(
+    header: Header, choices: list[Choice], num_top_logprobs: int | None
+) -> dict[str, Any]:
+    """The non-streamed response of finished choices, in index order."""
+    body = header.fields(header.object)
+    body["choices"] = [
+        _whole_choice(header.endpoint, c, num_top_logprobs)
+        for c in sorted(choices, key=lambda c: c.call.choice_index)
+    ]
+    body["usage"] = usage_json(choices)
+    return body
+
+
+def _whole_choice(endpoint: Endpoint, choice: Choice, num_top: int | None) -> dict[str, Any]:
+    text = "".join(choice.texts)
+    logprobs = None if num_top is None else logprobs_json(endpoint, choice.logprobs, num_top)
+    out: dict[str, Any] = {"index": choice.call.choice_index}
+    if endpoint == "chat":
+        out["message"] = {"role": "assistant", "content": text}
+    else:
+        out["text"] = text
+    out["logprobs"] = logprobs
+    out["finish_reason"] = choice.finish_reason
+    return out
+
+
+def role_event(header: Header, index: int, include_usage: bool) -> dict[str, Any]:
+    """The first chat event of a choice: the assistant's role, no text yet."""
+    choice = {
+        "index": index,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    return _event(header, choice, include_usage)
+
+
+def chunk_event(
+    header: Header,
+    call: Call,
+    chunk: Chunk,
+    num_top_logprobs: int | None,
+    include_usage: bool,
+) -> dict[str, Any]:
+    """The stream event of one chunk (its finish_reason set on the last)."""
+    reason = None if chunk.finish_reason is None else finish_reason(chunk.finish_reason)
+    logprobs = None
+    if num_top_logprobs is not None and chunk.logprobs:
+        logprobs = logprobs_json(header.endpoint, chunk.logprobs, num_top_logprobs)
+    choice: dict[str, Any] = {"index": call.choice_index}
+    if header.endpoint == "chat":
+        choice["delta"] = {"content": chunk.text} if chunk.text or reason is None else {}
+    else:
+        choice["text"] = chunk.text
+    choice["logprobs"] = logprobs
+    choice["finish_reason"] = reason
+    return _event(header, choice, include_usage)
+
+
+def usage_event(header: Header, choices: Iterable[Choice]) -> dict[str, Any]:
+    """The last event under stream_options.include_usage: no choices, the usage."""
+    body = header.fields(header.chunk_object)
+    body["choices"] = []
+    body["usage"] = usage_json(choices)
+    return body
+
+
+def _event(header: Header, choice: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+    body = header.fields(header.chunk_object)
+    body["choices"] = [choice]
+    if include_usage:
+        body["usage"] = None
+    return body

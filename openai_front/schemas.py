@@ -1,0 +1,87 @@
+"""The request bodies of the OpenAI API that the front accepts, as pydantic models.
+
+Field names and defaults are OpenAI's (temperature 1, top_p 1, n 1); the extensions that
+vLLM and SGLang also take (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+cache_salt) sit beside them. Unknown fields are ignored, as vLLM does, so clients that send
+newer fields keep working; fields the gRPC API cannot honour yet are refused in
+`translation`, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Stop = str | list[str] | None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Stop = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
+    user: str | None = None  # accepted; the gRPC API has no use for it
+    # Extensions shared with vLLM and SGLang.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[TextPart] | None = None
+    tool_calls: list[Any] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+
+
+Endpoint = Literal["completions", "chat"]

@@ -1,0 +1,168 @@
+"""An OpenAI request body -> the gRPC calls that serve it, one per choice.
+
+Pure: no I/O. `n` choices of each prompt are `n` Generate (or Chat) calls, the i-th with
+seed + i when a seed is given, until the gRPC API has `n` itself. Every value is passed on
+as given and the scheduler validates it (its INVALID_ARGUMENT sentence becomes the 400);
+only what the gRPC API cannot express is refused here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pagoda.client.convert import GenerationOptions
+from pagoda.openai_front.errors import FrontError, invalid, unsupported
+from pagoda.openai_front.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+# OpenAI's default temperature; the gRPC API's own default (0) is greedy.
+OPENAI_DEFAULT_TEMPERATURE = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One gRPC request: Chat when `messages` is set, else Generate of `prompt`."""
+
+    choice_index: int
+    prompt_index: int
+    prompt: str | list[int] | None
+    messages: list[dict[str, str]] | None
+    options: GenerationOptions
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    calls: list[Call]
+    # Top alternatives per token to report; None: no logprobs at all.
+    num_top_logprobs: int | None
+    include_usage: bool
+
+
+def plan_completion(body: CompletionRequest, request_id: str, max_n: int) -> Plan:
+    _refuse_common(body)
+    if body.echo:
+        raise unsupported("echo", "(returning the prompt with its logprobs)")
+    if body.suffix:
+        raise unsupported("suffix", "(insertion)")
+    if body.best_of is not None and body.best_of != body.n:
+        raise unsupported("best_of", "other than n")
+    prompts = _prompts(body.prompt)
+    _check_fan_out(len(prompts) * body.n, max_n)
+    options = _options(body, max_tokens=body.max_tokens, num_logprobs=body.logprobs)
+    calls = [
+        Call(
+            choice_index=prompt_index * body.n + i,
+            prompt_index=prompt_index,
+            prompt=prompt,
+            messages=None,
+            options=_seeded(options, body.seed, i, f"{request_id}-{prompt_index * body.n + i}"),
+        )
+        for prompt_index, prompt in enumerate(prompts)
+        for i in range(body.n)
+    ]
+    return Plan(calls, body.logprobs, _include_usage(body))
+
+
+def plan_chat(body: ChatCompletionRequest, request_id: str, max_n: int) -> Plan:
+    _refuse_common(body)
+    if body.tools or body.functions or body.tool_choice not in (None, "none"):
+        raise unsupported("tools", "(tool calling)")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+    _check_fan_out(body.n, max_n)
+    num_top = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    options = _options(body, max_tokens=max_tokens, num_logprobs=num_top)
+    messages = [_message(index, m) for index, m in enumerate(body.messages)]
+    calls = [
+        Call(i, 0, None, messages, _seeded(options, body.seed, i, f"{request_id}-{i}"))
+        for i in range(body.n)
+    ]
+    return Plan(calls, num_top, _include_usage(body))
+
+
+def _refuse_common(body: SamplingFields) -> None:
+    if body.logit_bias:
+        raise unsupported("logit_bias", "(per-token logit bias)")
+    kind = (body.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise unsupported("response_format", f"of type {kind!r} (structured output)")
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+
+
+def _check_fan_out(num_calls: int, max_n: int) -> None:
+    if num_calls > max_n:
+        raise FrontError(
+            400,
+            f"n times the number of prompts is {num_calls}, above this server's limit of "
+            f"{max_n} (--max-n)",
+            param="n",
+        )
+
+
+def _include_usage(body: SamplingFields) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def _options(
+    body: SamplingFields, *, max_tokens: int | None, num_logprobs: int | None
+) -> GenerationOptions:
+    temperature = body.temperature
+    options: dict[str, Any] = {
+        "temperature": OPENAI_DEFAULT_TEMPERATURE if temperature is None else temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "repetition_penalty": body.repetition_penalty,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "max_new_tokens": max_tokens,
+        "min_new_tokens": body.min_tokens,
+        "stop": body.stop,
+        "stop_token_ids": body.stop_token_ids,
+        "ignore_eos": body.ignore_eos,
+        "cache_salt": body.cache_salt,
+        # The gRPC API reports logprobs only when asked for at least one alternative; the
+        # response keeps the first num_logprobs of them (none for OpenAI's 0).
+        "logprobs": None if num_logprobs is None else max(num_logprobs, 1),
+    }
+    return {name: value for name, value in options.items() if value is not None}  # type: ignore[return-value]
+
+
+def _seeded(options: GenerationOptions, seed: int | None, offset: int, call_id: str) -> Any:
+    """The options of one call: its own request id, and seed + offset when seeded."""
+    seeded = dict(options, request_id=call_id)
+    if seed is not None:
+        seeded["seed"] = (seed + offset) % 2**64
+    return seeded
+
+
+def _prompts(prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list:
+    """One prompt (text or token ids) or a batch of them, as a list."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise invalid("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return [p if isinstance(p, str) else list(p) for p in prompt]
+
+
+def _message(index: int, message: Any) -> dict[str, str]:
+    if message.tool_calls:
+        raise unsupported(f"messages[{index}].tool_calls", "(tool calling)")
+    content = message.content
+    if content is None:
+        raise invalid(f"messages[{index}].content must be given", f"messages[{index}].content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise unsupported(
+                    f"messages[{index}].content", f"with a part of type {part.type!r}"
+                )
+            parts.append(part.text)
+        content = "".join(parts)
+    return {"role": message.role, "content": content}

@@ -1,0 +1,50 @@
+"""Each gRPC status the scheduler returns has one HTTP status and OpenAI error type."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from pagoda.client.errors import error_for_code
+from pagoda.openai_front.errors import from_pagoda, model_not_found, unsupported
+from pagoda.openai_front.upstream import call_metadata
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "kind"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
+        (grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error"),
+        (grpc.StatusCode.PERMISSION_DENIED, 403, "invalid_request_error"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
+        (grpc.StatusCode.UNAVAILABLE, 503, "server_error"),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "server_error"),
+        (grpc.StatusCode.INTERNAL, 500, "server_error"),
+        (grpc.StatusCode.UNKNOWN, 500, "server_error"),
+    ],
+)
+def test_grpc_status_to_http(code, status, kind):
+    error = from_pagoda(error_for_code(code, "the sentence"))
+    assert (error.status, error.type) == (status, kind)
+    assert error.body() == {
+        "error": {"message": "the sentence", "type": kind, "param": None, "code": error.code}
+    }
+
+
+def test_unknown_model_and_unsupported_fields_name_their_param():
+    assert (model_not_found("m").status, model_not_found("m").param) == (404, "model")
+    refusal = unsupported("logit_bias", "(bias)")
+    assert (refusal.status, refusal.param, refusal.code) == (
+        400,
+        "logit_bias",
+        "unsupported_parameter",
+    )
+
+
+def test_the_bearer_key_is_passed_on_as_grpc_metadata():
+    assert call_metadata("Bearer k1") == (("authorization", "Bearer k1"),)
+    assert call_metadata("bearer  k1 ") == (("authorization", "Bearer k1"),)
+    assert call_metadata(None) == ()
+    assert call_metadata("Basic abc") == ()
+    with pytest.raises(Exception) as caught:
+        call_metadata("Bearer kéy")
+    assert caught.value.status == 401

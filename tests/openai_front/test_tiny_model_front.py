@@ -1,0 +1,93 @@
+"""Through the front and straight over gRPC, a real (tiny, random-weight) model gives the same
+text: greedy on both endpoints, and seeded sampling where choice i is seed + i."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from pagoda.protos import generation_pb2, generation_pb2_grpc
+
+from tests.e2e.conftest import running_service, stop_process
+from tests.openai_front.conftest import start_front
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Paris is the capital of"}]
+NUM_TOKENS = 10
+KEEP_GOING = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_factory, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("tiny-front")
+    with running_service(tmp_path, model=str(tiny_model_factory("llama"))) as service:
+        process, url = start_front(service.address, tmp_path / "openai-front.log")
+        try:
+            sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            yield service, sdk, sdk.models.list().data[0].id
+        finally:
+            stop_process(process)
+
+
+def grpc_text(service, rpc: str, request) -> str:
+    with service.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        return "".join(r.text for r in getattr(stub, rpc)(request, timeout=120))
+
+
+def stopping() -> generation_pb2.StoppingCriteria:
+    return generation_pb2.StoppingCriteria(max_new_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+def test_greedy_completion_equals_the_generate_stream(stack):
+    service, sdk, model = stack
+    expected = grpc_text(
+        service, "Generate", generation_pb2.GenerateRequest(prompt="The quick", stopping=stopping())
+    )
+    whole = sdk.completions.create(
+        model=model, prompt="The quick", max_tokens=NUM_TOKENS, temperature=0, extra_body=KEEP_GOING
+    )
+    streamed = sdk.completions.create(
+        model=model,
+        prompt="The quick",
+        max_tokens=NUM_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body=KEEP_GOING,
+    )
+    assert expected
+    assert whole.choices[0].text == expected
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_greedy_chat_equals_the_chat_stream(stack):
+    service, sdk, model = stack
+    request = generation_pb2.ChatRequest(
+        messages=[generation_pb2.ChatMessage(**m) for m in MESSAGES], stopping=stopping()
+    )
+    expected = grpc_text(service, "Chat", request)
+    chat = sdk.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=NUM_TOKENS, temperature=0, extra_body=KEEP_GOING
+    )
+    assert chat.choices[0].message.content == expected
+
+
+def test_seeded_choices_are_the_grpc_samples_of_seed_plus_index(stack):
+    service, sdk, model = stack
+    expected = [
+        grpc_text(
+            service,
+            "Generate",
+            generation_pb2.GenerateRequest(
+                prompt="The quick",
+                sampling=generation_pb2.SamplingParams(temperature=1.0, seed=100 + i),
+                stopping=stopping(),
+            ),
+        )
+        for i in range(3)
+    ]
+    completion = sdk.completions.create(
+        model=model, prompt="The quick", max_tokens=NUM_TOKENS, n=3, seed=100, extra_body=KEEP_GOING
+    )
+    assert [c.text for c in completion.choices] == expected
+    assert len(set(expected)) > 1  # a random tiny model: the seeds really differ

@@ -1,0 +1,148 @@
+"""OpenAI bodies -> gRPC calls, without processes: defaults, fan-out, seeds, refusals."""
+
+from __future__ import annotations
+
+import pytest
+from pagoda.openai_front.errors import FrontError
+from pagoda.openai_front.schemas import ChatCompletionRequest, CompletionRequest
+from pagoda.openai_front.translation import plan_chat, plan_completion
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=MESSAGES, **fields)
+
+
+def completion(**fields) -> CompletionRequest:
+    return CompletionRequest(**{"prompt": "hi", **fields})
+
+
+def test_openai_defaults_sample_at_temperature_one_and_leave_the_rest_to_the_server():
+    (call,) = plan_chat(chat(), "chatcmpl-x", max_n=4).calls
+    assert call.options == {"temperature": 1.0, "request_id": "chatcmpl-x-0"}
+    assert call.messages == MESSAGES and call.prompt is None
+
+
+def test_every_sampling_field_is_passed_on_as_given():
+    body = chat(
+        temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.5,
+        frequency_penalty=-0.5, repetition_penalty=1.2, seed=3, stop=["\n"],
+        max_completion_tokens=7, min_tokens=2, ignore_eos=True, stop_token_ids=[5],
+        cache_salt="tenant", user="someone",
+    )  # fmt: skip
+    (call,) = plan_chat(body, "id", max_n=4).calls
+    assert call.options == {
+        "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
+        "seed": 3, "stop": ["\n"], "max_new_tokens": 7, "min_new_tokens": 2,
+        "ignore_eos": True, "stop_token_ids": [5], "cache_salt": "tenant", "request_id": "id-0",
+    }  # fmt: skip
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    (call,) = plan_chat(chat(max_tokens=9, max_completion_tokens=4), "id", 4).calls
+    assert call.options["max_new_tokens"] == 4
+    (call,) = plan_chat(chat(max_tokens=9), "id", 4).calls
+    assert call.options["max_new_tokens"] == 9
+
+
+def test_n_fans_out_with_seed_plus_index():
+    calls = plan_chat(chat(n=3, seed=10), "id", max_n=4).calls
+    assert [c.choice_index for c in calls] == [0, 1, 2]
+    assert [c.options["seed"] for c in calls] == [10, 11, 12]
+    assert [c.options["request_id"] for c in calls] == ["id-0", "id-1", "id-2"]
+    unseeded = plan_chat(chat(n=2), "id", max_n=4).calls
+    assert all("seed" not in c.options for c in unseeded)
+
+
+def test_seed_wraps_at_uint64():
+    calls = plan_chat(chat(n=2, seed=2**64 - 1), "id", max_n=4).calls
+    assert [c.options["seed"] for c in calls] == [2**64 - 1, 0]
+
+
+def test_a_batch_of_prompts_times_n_indexes_choices_prompt_major():
+    calls = plan_completion(completion(prompt=["a", "b"], n=2, seed=1), "id", max_n=4).calls
+    assert [(c.choice_index, c.prompt_index, c.prompt) for c in calls] == [
+        (0, 0, "a"), (1, 0, "a"), (2, 1, "b"), (3, 1, "b")
+    ]  # fmt: skip
+    assert [c.options["seed"] for c in calls] == [1, 2, 1, 2]
+    assert [c.options["request_id"] for c in calls] == ["id-0", "id-1", "id-2", "id-3"]
+    token_batches = plan_completion(completion(prompt=[[5, 6], [7]]), "id", max_n=4).calls
+    assert [c.prompt for c in token_batches] == [[5, 6], [7]]
+    (single,) = plan_completion(completion(prompt=[1, 2, 3]), "id", max_n=4).calls
+    assert single.prompt == [1, 2, 3]
+
+
+def test_fan_out_beyond_max_n_is_refused():
+    with pytest.raises(FrontError) as caught:
+        plan_completion(completion(prompt=["a", "b", "c"], n=2), "id", max_n=4)
+    assert (caught.value.status, caught.value.param) == (400, "n")
+
+
+@pytest.mark.parametrize(
+    ("logprobs", "top_logprobs", "asked", "kept"),
+    [(False, None, None, None), (True, None, 1, 0), (True, 0, 1, 0), (True, 5, 5, 5)],
+)
+def test_chat_logprobs_ask_for_at_least_one_alternative(logprobs, top_logprobs, asked, kept):
+    plan = plan_chat(chat(logprobs=logprobs, top_logprobs=top_logprobs), "id", 4)
+    assert plan.calls[0].options.get("logprobs") == asked
+    assert plan.num_top_logprobs == kept
+
+
+def test_top_logprobs_without_logprobs_is_refused():
+    with pytest.raises(FrontError) as caught:
+        plan_chat(chat(top_logprobs=2), "id", 4)
+    assert caught.value.param == "top_logprobs"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tool_choice": "required"}, "tools"),
+    ],
+)
+def test_what_the_grpc_api_lacks_is_refused_by_name(fields, param):
+    with pytest.raises(FrontError) as caught:
+        plan_chat(chat(**fields), "id", 4)
+    assert (caught.value.status, caught.value.param) == (400, param)
+    assert caught.value.code == "unsupported_parameter"
+
+
+def test_text_response_format_and_empty_logit_bias_are_fine():
+    plan_chat(chat(response_format={"type": "text"}, logit_bias={}), "id", 4)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of")],
+)
+def test_completion_fields_without_grpc_support_are_refused(fields, param):
+    with pytest.raises(FrontError) as caught:
+        plan_completion(completion(**fields), "id", 4)
+    assert caught.value.param == param
+
+
+def test_content_parts_are_joined_and_other_parts_refused():
+    body = ChatCompletionRequest(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                               {"type": "text", "text": "b"}]}]
+    )  # fmt: skip
+    assert plan_chat(body, "id", 4).calls[0].messages == [{"role": "user", "content": "ab"}]
+    image = ChatCompletionRequest(
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]
+    )
+    with pytest.raises(FrontError):
+        plan_chat(image, "id", 4)
+
+
+def test_stream_options_need_stream():
+    with pytest.raises(FrontError):
+        plan_chat(chat(stream_options={"include_usage": True}), "id", 4)
+    assert plan_chat(
+        chat(stream=True, stream_options={"include_usage": True}), "id", 4
+    ).include_usage
