@@ -15,7 +15,7 @@ from pagoda.scheduler_svc import settings
 from pagoda.scheduler_svc.api import SERVICE_NAME, GenerationServicer, build_server
 from pagoda.scheduler_svc.core import ConfigError, Scheduler
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
-from pagoda.scheduler_svc.gc_tuning import tune_gc
+from pagoda.scheduler_svc.gc_tuning import collect_young_when_quiet, tune_gc
 from pagoda.scheduler_svc.lanes import Lanes
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.output_processor import OutputProcessor
@@ -124,6 +124,7 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     watchdog = asyncio.create_task(_watchdog(loop_task, loop.is_turning))
+    collector = asyncio.create_task(collect_young_when_quiet(), name="gc-young")
     done, _ = await asyncio.wait(
         {asyncio.create_task(stop.wait()), loop_task}, return_when=asyncio.FIRST_COMPLETED
     )
@@ -137,6 +138,7 @@ async def serve(
     await health_servicer.enter_graceful_shutdown()
     await loop.drain(config.drain_timeout_s)
     watchdog.cancel()
+    collector.cancel()
     loop.stop()
     await server.stop(grace=1.0)
     await asyncio.gather(loop_task, return_exceptions=True)

@@ -44,7 +44,10 @@ class ServiceConfig:
     max_stop_strings: int = 16
     max_stop_string_bytes: int = 256
     max_logprobs: int = 20
-    max_grpc_message_bytes: int = 4 * 1024 * 1024
+    # 1 MiB holds a prompt as long as a 128k context: 131,072 token ids of 3 bytes each
+    # (ids below 2**21) or about 4.5 bytes of text per token. Larger only when configured:
+    # every request in flight, authenticated or not yet, is held whole (review N1).
+    max_grpc_message_bytes: int = 1024 * 1024
     max_concurrent_streams: int = 1024
     max_concurrent_rpcs: int = 4096
     stream_write_timeout_s: float = 60.0
@@ -129,7 +132,9 @@ HELP: dict[str, str] = {
     "max_stop_strings": "most stop strings one request may carry",
     "max_stop_string_bytes": "longest stop string in UTF-8 bytes",
     "max_logprobs": "largest top-n logprobs a request may ask for (at most 20)",
-    "max_grpc_message_bytes": "largest gRPC message accepted or sent",
+    "max_grpc_message_bytes": "largest gRPC request accepted, in bytes (refused before "
+    "authentication beyond it; the default holds a prompt of a 128k-token context; replies "
+    "may be up to 64 MiB or this, whichever is larger)",
     "max_concurrent_streams": "HTTP/2 concurrent streams per connection",
     "max_concurrent_rpcs": "concurrent RPC handlers over all connections (RESOURCE_EXHAUSTED "
     "beyond); a stream its client stopped reading counts until stream_write_timeout_s ends it",
