@@ -467,6 +467,10 @@ KEEPALIVE_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
     ("grpc.http2.max_ping_strikes", 2),
 ]
+# A connection that has not finished its TLS and HTTP/2 handshake by then is closed (grpc's
+# default is 120 s): silent connections cost a descriptor each, before authentication
+# (security review N2).
+SERVER_HANDSHAKE_TIMEOUT_MS = 10_000
 
 # The one RPC open without the token: a load balancer's or orchestrator's probe. Watch
 # is a stream a client keeps open, so it is authenticated like the API.
@@ -592,6 +596,7 @@ def build_server(
         ("grpc.max_concurrent_streams", config.max_concurrent_streams),
         ("grpc.so_reuseport", 0),
         *KEEPALIVE_OPTIONS,
+        ("grpc.server_handshake_timeout_ms", SERVER_HANDSHAKE_TIMEOUT_MS),
         ("grpc.max_connection_idle_ms", int(config.max_connection_idle_s * 1000)),
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
