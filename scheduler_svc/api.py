@@ -354,17 +354,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _checked_tokenize(self, request) -> generation_pb2.TokenizeResponse:
         self._reject_undecodable(request)
-        limits = self._limits()
+        limits = self._limits() or self._fallback_limits()
         try:
-            validate_tokenize_text(request.text, limits or self._fallback_limits())
+            validate_tokenize_text(request.text, limits)
+            return await self._off_loop_if_big(
+                len(request.text), self._tokenize, request, limits.max_context_tokens
+            )
         except ValidationError as exc:
             sentence = str(exc)
-        else:
-            return await self._off_loop_if_big(len(request.text), self._tokenize, request)
         raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, sentence)
 
-    def _tokenize(self, request) -> generation_pb2.TokenizeResponse:
+    def _tokenize(self, request, max_tokens: int) -> generation_pb2.TokenizeResponse:
+        """Encode, then build the pieces only for a text within the context: a piece costs
+        a Python call holding the GIL, and 262k of them stalled every stream for seconds
+        (security review N6)."""
         ids = self._tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        if len(ids) > max_tokens:
+            raise ValidationError(
+                f"text has {len(ids)} tokens, more than the context of {max_tokens}"
+            )
         return generation_pb2.TokenizeResponse(
             token_ids=ids, tokens=[self._tokenizer.id_to_piece(i) for i in ids]
         )

@@ -146,9 +146,13 @@ def test_tokenize_text_is_bounded_by_the_context_before_encoding():
     assert tokenizer.encode_threads == []
 
 
-def test_a_stream_whose_writes_stall_is_ended_and_its_request_released():
+@pytest.mark.parametrize("status_refused", [False, True])
+def test_a_stream_whose_writes_stall_is_ended_and_its_request_released(status_refused):
     """A client that stops reading blocks the write (flow control); past
-    stream_write_timeout_s the stream ends with DEADLINE_EXCEEDED and the slot is released."""
+    stream_write_timeout_s the stream ends with DEADLINE_EXCEEDED and the slot is released.
+    When grpc refuses to queue the status behind the pending write (ExecuteBatchError, an
+    InternalError), the handler ends as cancelled: nothing for grpc.aio to log with a
+    traceback, once per stalled stream (security review N7)."""
     import dataclasses
 
     from pagoda.scheduler_svc.core import RequestOutput
@@ -157,6 +161,11 @@ def test_a_stream_whose_writes_stall_is_ended_and_its_request_released():
     class StalledContext(Context):
         async def write(self, message):
             await asyncio.Event().wait()  # the client never takes it
+
+        async def abort(self, code, details):
+            if status_refused:
+                raise grpc.aio.InternalError("GRPC_CALL_ERROR_TOO_MANY_OPERATIONS")
+            await super().abort(code, details)
 
     class ServingLoop(FakeLoop):
         def __init__(self) -> None:
@@ -176,10 +185,45 @@ def test_a_stream_whose_writes_stall_is_ended_and_its_request_released():
     service = GenerationServicer(loop, Metrics(), CountingTokenizer(), config, "m")
 
     async def scenario():
-        with pytest.raises(Aborted) as ended:
+        ending = Aborted if not status_refused else asyncio.CancelledError
+        with pytest.raises(ending) as ended:
             await service.Generate(pb.GenerateRequest(prompt="hi"), StalledContext())
         return ended.value
 
     ended = asyncio.run(scenario())
-    assert ended.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    if not status_refused:
+        assert ended.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert len(loop.released) == 1
+
+
+def test_tokenize_refuses_more_tokens_than_the_context_before_building_pieces():
+    """Within the character bound, a text may still encode to more tokens than the context:
+    refused before any piece is built (security review N6)."""
+
+    class OneTokenPerChar(CountingTokenizer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_pieces = 0
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [5] * len(text)
+
+        def id_to_piece(self, token_id: int) -> str:
+            self.num_pieces += 1
+            return "x"
+
+    tokenizer = OneTokenPerChar()
+    service = GenerationServicer(FakeLoop(0), Metrics(), tokenizer, ServiceConfig(), "m")
+
+    async def scenario():
+        refused, allowed = Context(), Context()
+        too_many = pb.TokenizeRequest(text="a" * (MAX_CONTEXT_TOKENS + 1))
+        assert await service.Tokenize(too_many, refused) is None
+        reply = await service.Tokenize(pb.TokenizeRequest(text="a" * MAX_CONTEXT_TOKENS), allowed)
+        return refused, allowed, reply
+
+    refused, allowed, reply = asyncio.run(scenario())
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{MAX_CONTEXT_TOKENS + 1} tokens" in refused.details
+    assert allowed.code is None and len(reply.tokens) == MAX_CONTEXT_TOKENS
+    assert tokenizer.num_pieces == MAX_CONTEXT_TOKENS  # none for the refused text
