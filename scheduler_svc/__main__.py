@@ -110,8 +110,9 @@ async def serve(
         await health_servicer.set(service, _health_status("NOT_SERVING"))
     metrics.watch(lambda: loop.stats, lambda: loop.worker is not None)
     metrics.watch_workers(loop.worker_stats)
+    metrics_server = None
     if config.metrics_address:
-        metrics.serve(config.metrics_address)
+        metrics_server = await metrics.serve(config.metrics_address)
         log.info("metrics on http://%s/metrics", config.metrics_address)
 
     await server.start()
@@ -139,6 +140,8 @@ async def serve(
     await loop.drain(config.drain_timeout_s)
     watchdog.cancel()
     collector.cancel()
+    if metrics_server is not None:
+        metrics_server.close()
     loop.stop()
     await server.stop(grace=1.0)
     await asyncio.gather(loop_task, return_exceptions=True)
