@@ -218,6 +218,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             default_max_new_tokens=self._config.default_max_new_tokens,
             max_stop_strings=self._config.max_stop_strings,
             max_stop_string_bytes=self._config.max_stop_string_bytes,
+            max_stop_total_bytes=self._config.max_stop_total_bytes,
             max_logprobs=min(
                 self._config.max_logprobs, hello.max_logprobs or self._config.max_logprobs
             ),
@@ -384,6 +385,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             default_max_new_tokens=self._config.default_max_new_tokens,
             max_stop_strings=self._config.max_stop_strings,
             max_stop_string_bytes=self._config.max_stop_string_bytes,
+            max_stop_total_bytes=self._config.max_stop_total_bytes,
             max_logprobs=self._config.max_logprobs,
         )
 

@@ -43,6 +43,7 @@ class ServiceConfig:
     default_max_new_tokens: int = 256
     max_stop_strings: int = 16
     max_stop_string_bytes: int = 256
+    max_stop_total_bytes: int = 1024
     max_logprobs: int = 20
     # 1 MiB holds a prompt as long as a 128k context: 131,072 token ids of 3 bytes each
     # (ids below 2**21) or about 4.5 bytes of text per token. Larger only when configured:
@@ -84,7 +85,12 @@ class ServiceConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("drain_timeout_s", "max_stop_strings", "max_stop_string_bytes"):
+        for name in (
+            "drain_timeout_s",
+            "max_stop_strings",
+            "max_stop_string_bytes",
+            "max_stop_total_bytes",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.max_logprobs <= 20:
@@ -131,6 +137,7 @@ HELP: dict[str, str] = {
     "default_max_new_tokens": "max_new_tokens when a request leaves it 0 (clamped to the context)",
     "max_stop_strings": "most stop strings one request may carry",
     "max_stop_string_bytes": "longest stop string in UTF-8 bytes",
+    "max_stop_total_bytes": "UTF-8 bytes of one request's stop strings together",
     "max_logprobs": "largest top-n logprobs a request may ask for (at most 20)",
     "max_grpc_message_bytes": "largest gRPC request accepted, in bytes (refused before "
     "authentication beyond it; the default holds a prompt of a 128k-token context; replies "

@@ -41,6 +41,7 @@ class Limits:
     max_stop_strings: int
     max_stop_string_bytes: int
     max_logprobs: int
+    max_stop_total_bytes: int = 1024
 
 
 def validate_generate(request, tokenizer: TextTokenizer, limits: Limits) -> ValidRequest:
@@ -231,6 +232,11 @@ def _stopping(stopping, num_prompt_tokens: int, limits: Limits) -> ValidStopping
             raise ValidationError(
                 f"stopping.stop[{index}] is {len(stop.encode())} bytes; at most {limits.max_stop_string_bytes}"
             )
+    num_stop_bytes = sum(len(stop.encode()) for stop in stopping.stop)
+    if num_stop_bytes > limits.max_stop_total_bytes:
+        raise ValidationError(
+            f"stopping.stop holds {num_stop_bytes} bytes in all; at most {limits.max_stop_total_bytes}"
+        )
     if len(stopping.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ValidationError(f"stopping.stop_token_ids holds more than {MAX_STOP_TOKEN_IDS} ids")
     for token_id in stopping.stop_token_ids:

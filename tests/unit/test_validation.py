@@ -20,6 +20,7 @@ LIMITS = Limits(
     max_stop_strings=4,
     max_stop_string_bytes=8,
     max_logprobs=5,
+    max_stop_total_bytes=20,
 )
 
 
@@ -35,6 +36,10 @@ def generate(**fields) -> pb.GenerateRequest:
 
 BAD_REQUESTS = {
     "empty prompt": (pb.GenerateRequest(prompt=""), ["prompt must not be empty"]),
+    "stop strings beyond the total": (
+        generate(stopping=pb.StoppingCriteria(stop=["12345678", "12345678", "12345"])),
+        ["stopping.stop holds 21 bytes in all", "at most 20"],
+    ),
     "empty prompt ids": (generate(prompt_token_ids=pb.TokenIds()), ["prompt must not be empty"]),
     "prompt id beyond vocabulary": (
         generate(prompt_token_ids=pb.TokenIds(ids=[1, 60000])),
