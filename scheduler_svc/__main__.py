@@ -12,7 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagoda.scheduler_svc import settings
-from pagoda.scheduler_svc.api import SERVICE_NAME, GenerationServicer, build_server
+from pagoda.scheduler_svc.api import (
+    SERVICE_NAME,
+    GenerationServicer,
+    build_server,
+    resolve_cache_salting,
+)
 from pagoda.scheduler_svc.core import ConfigError, Scheduler
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
 from pagoda.scheduler_svc.gc_tuning import collect_young_when_quiet, tune_gc
@@ -104,6 +109,9 @@ async def serve(
         scheduler = Scheduler(config.scheduler)
         output_processor = OutputProcessor(scheduler, lambda: IncrementalDetokenizer(tokenizer))
         loop = StepLoop(scheduler, link, metrics, output_processor=output_processor, **loop_options)
+    config = resolve_cache_salting(config)
+    if config.cache_salt_by_api_key:
+        log.info("the prefix cache is salted by API key: tenants share no cached block")
     servicer = GenerationServicer(loop, metrics, tokenizer, config, model_id)
     server, health_servicer = build_server(config, servicer)
     for service in ("", SERVICE_NAME):

@@ -536,6 +536,16 @@ def tenant_cache_salt(authorization: str, cache_salt: str) -> str:
     return f"{digest}:{cache_salt}"
 
 
+def resolve_cache_salting(config: ServiceConfig) -> ServiceConfig:
+    """`config` with cache_salt_by_api_key decided: unset, it is on when the key file
+    holds several keys (several tenants), so that one tenant cannot read another's cached
+    prefix from its hits or its time to first token (security review N9)."""
+    if config.cache_salt_by_api_key is not None:
+        return config
+    num_keys = len(read_api_keys(config.api_key_file)) if config.api_key_file else 0
+    return dataclasses.replace(config, cache_salt_by_api_key=num_keys > 1)
+
+
 def read_api_keys(path: str) -> list[str]:
     """The bearer tokens of an api_key_file: one per line, blank lines and # comments
     skipped; a file holding one key, as before, is one line."""

@@ -56,7 +56,7 @@ class ServiceConfig:
     max_health_watchers: int = 64
     status_interval_s: float = 10.0
     api_key_file: str | None = None
-    cache_salt_by_api_key: bool = False
+    cache_salt_by_api_key: bool | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     zmq_curve_secret_key: str | None = None
@@ -154,7 +154,8 @@ HELP: dict[str, str] = {
     "api_key_file": "file holding the bearer tokens, one per line (one per tenant); when set, "
     "every RPC must present one of them",
     "cache_salt_by_api_key": "salt the prefix cache by the caller's API key (with the request's "
-    "own cache_salt): tenants share no cached block, nor see each other's hits",
+    "own cache_salt): tenants share no cached block, nor see each other's hits; unset: on "
+    "when api_key_file holds more than one key",
     "tls_cert": "PEM certificate chain for gRPC TLS (with --tls-key)",
     "tls_key": "PEM private key for gRPC TLS (with --tls-cert)",
     "zmq_curve_secret_key": "this scheduler's CurveZMQ .key_secret file: encrypts the "
