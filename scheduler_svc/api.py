@@ -61,6 +61,9 @@ FALLBACK_MAX_CONTEXT_TOKENS = 32_768
 # Replies are bounded by validation (a Tokenize reply by the context), not by the request
 # cap (--max-grpc-message-bytes); the client accepts up to this much.
 MIN_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
+# A refusal's sentence is cut here: whatever it quotes, it stays far below the 8 KiB of
+# metadata a client accepts (security review N11).
+MAX_DETAILS_CHARS = 1024
 
 T = TypeVar("T")
 
@@ -346,8 +349,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, request.sentence)
 
     def _refused(self, code: grpc.StatusCode, sentence: str, *, stalled: bool = False) -> Refused:
-        """The refusal to raise, counted."""
+        """The refusal to raise, counted; its sentence within MAX_DETAILS_CHARS."""
         self._metrics.observe_error(code.name)
+        if len(sentence) > MAX_DETAILS_CHARS:
+            sentence = sentence[:MAX_DETAILS_CHARS] + "..."
         return Refused(code, sentence, stalled=stalled)
 
     async def Tokenize(self, request, context):

@@ -33,6 +33,18 @@ class ValidationError(ValueError):
     """A request the server refuses with INVALID_ARGUMENT; the message is the sentence."""
 
 
+# Characters of a client's own input a refusal repeats: a 3 MB role came back whole in the
+# status details, past the client's metadata limit (security review N11).
+MAX_ECHOED_CHARS = 64
+
+
+def echoed(value: str) -> str:
+    """`value` quoted for a refusal, cut to MAX_ECHOED_CHARS characters."""
+    if len(value) <= MAX_ECHOED_CHARS:
+        return repr(value)
+    return f"{value[:MAX_ECHOED_CHARS]!r}... ({len(value)} characters)"
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     max_context_tokens: int
@@ -80,13 +92,16 @@ def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidReq
     for index, message in enumerate(request.messages):
         if message.role not in tokenizer.known_roles:
             roles = ", ".join(sorted(tokenizer.known_roles))
-            raise ValidationError(f"messages[{index}].role {message.role!r} is not one of: {roles}")
+            raise ValidationError(
+                f"messages[{index}].role {echoed(message.role)} is not one of: {roles}"
+            )
         conversation.append((message.role, message.content))
     try:
         rendered = tokenizer.render_chat(conversation)
     except Exception as exc:  # the template's own raise_exception() and jinja errors
+        # The template's message may quote the conversation.
         raise ValidationError(
-            f"the model's chat template refused the conversation: {exc}"
+            f"the model's chat template refused the conversation: {echoed(str(exc))}"
         ) from None
     _check_prompt_text(rendered, limits)
     # The template already wrote the special tokens (BOS, turn markers).

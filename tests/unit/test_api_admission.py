@@ -227,3 +227,22 @@ def test_tokenize_refuses_more_tokens_than_the_context_before_building_pieces():
     assert f"{MAX_CONTEXT_TOKENS + 1} tokens" in refused.details
     assert allowed.code is None and len(reply.tokens) == MAX_CONTEXT_TOKENS
     assert tokenizer.num_pieces == MAX_CONTEXT_TOKENS  # none for the refused text
+
+
+def test_refusals_echo_only_the_start_of_the_input():
+    """A 3 MB role came back whole in the details, past the client's metadata limit
+    (security review N11)."""
+    service, _, _ = servicer()
+    role = "r" * 3_000_000
+
+    async def scenario():
+        context = Context()
+        request = pb.ChatRequest(messages=[pb.ChatMessage(role=role, content="hi")])
+        await service.Chat(request, context)
+        return context
+
+    refused = asyncio.run(scenario())
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "messages[0].role 'rrrr" in refused.details
+    assert "(3000000 characters)" in refused.details
+    assert len(refused.details) < 300
