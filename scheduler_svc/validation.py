@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 from pagoda.scheduler_svc.core import ValidRequest, ValidSampling, ValidStopping
-from pagoda.scheduler_svc.tokenizer import TextTokenizer
+from pagoda.scheduler_svc.tokenizer import ChatTemplateError, TextTokenizer
 
 MAX_REQUEST_ID_BYTES = 128
 MAX_CACHE_SALT_BYTES = 256
@@ -104,9 +104,16 @@ def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidReq
             f"the model's chat template refused the conversation: {echoed(str(exc))}"
         ) from None
     _check_prompt_text(rendered, limits)
-    # The template already wrote the special tokens (BOS, turn markers).
-    prompt_token_ids = tokenizer.encode(rendered, add_special_tokens=False)
-    return _finish(request, tuple(prompt_token_ids), limits)
+    # The template already wrote the special tokens (BOS, turn markers); the contents'
+    # look-alikes are text.
+    contents = [content for _, content in conversation]
+    try:
+        prompt_token_ids = tokenizer.encode_chat(rendered, contents)
+    except ChatTemplateError as exc:
+        sentence = str(exc)
+    else:
+        return _finish(request, tuple(prompt_token_ids), limits)
+    raise ValidationError(sentence)
 
 
 def validate_tokenize_text(text: str, limits: Limits) -> None:

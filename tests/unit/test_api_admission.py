@@ -69,6 +69,9 @@ class CountingTokenizer:
     def id_to_piece(self, token_id: int) -> str:
         return "x"
 
+    def encode_chat(self, rendered: str, contents: list[str]) -> list[int]:
+        return self.encode(rendered, add_special_tokens=False)
+
     def render_chat(self, messages) -> str:
         self.render_threads.append(threading.current_thread().name)
         return "".join(content for _, content in messages)
