@@ -45,6 +45,8 @@ from pagoda.scheduler_svc.validation import (
 )
 from pagoda.scheduler_svc.write_watch import StalledWrite, WriteWatch
 
+from pagoda.common.secret_files import exposure_warning
+
 log = logging.getLogger("pagoda.api")
 
 # Inputs longer than this (characters of prompt, chat contents or Tokenize text) are
@@ -547,11 +549,11 @@ def resolve_cache_salting(config: ServiceConfig) -> ServiceConfig:
     prefix from its hits or its time to first token (security review N9)."""
     if config.cache_salt_by_api_key is not None:
         return config
-    num_keys = len(read_api_keys(config.api_key_file)) if config.api_key_file else 0
+    num_keys = len(read_api_keys(config.api_key_file, warn=False)) if config.api_key_file else 0
     return dataclasses.replace(config, cache_salt_by_api_key=num_keys > 1)
 
 
-def read_api_keys(path: str) -> list[str]:
+def read_api_keys(path: str, *, warn: bool = True) -> list[str]:
     """The bearer tokens of an api_key_file: one per line, blank lines and # comments
     skipped; a file holding one key, as before, is one line."""
     try:
@@ -562,7 +564,15 @@ def read_api_keys(path: str) -> list[str]:
     keys = [key for key in keys if key and not key.startswith("#")]
     if not keys:
         raise ConfigError(f"api_key_file {path} is empty")
+    if warn:  # once, when the server is built
+        _warn_if_exposed(path, "the api_key_file")
     return keys
+
+
+def _warn_if_exposed(path: str, what: str) -> None:
+    warning = exposure_warning(path, what)
+    if warning is not None:
+        log.warning("%s", warning)
 
 
 class BearerAuth(grpc.aio.ServerInterceptor):
@@ -637,6 +647,7 @@ def build_server(
         server,
     )
     if config.tls_cert:
+        _warn_if_exposed(config.tls_key, "the TLS key")
         try:
             credentials = grpc.ssl_server_credentials(
                 [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
