@@ -29,7 +29,7 @@ from pagoda.scheduler_svc.step_loop import StepLoop
 from pagoda.scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
 from pagoda.scheduler_svc.worker_link import WorkerLink
 
-from pagoda.common import curve
+from pagoda.common import curve, transport
 from pagoda.common.systemd import notify, watchdog_interval_s
 
 log = logging.getLogger("pagoda.scheduler")
@@ -88,6 +88,10 @@ async def serve(
             background.add(task)
             task.add_done_callback(background.discard)
 
+    try:
+        transport.prepare_ipc_directory(config.zmq_endpoint)
+    except transport.UnsafeSocketDirectory as exc:
+        raise ConfigError(str(exc)) from None
     link = WorkerLink(config.zmq_endpoint, *curve_settings, max_workers=config.max_workers)
     loop_options = dict(
         worker_timeout_s=config.worker_timeout_s,

@@ -133,7 +133,7 @@ class WorkerLink:
         self._events = events
         if self.endpoint.startswith("ipc://"):
             socket_path = Path(self.endpoint.removeprefix("ipc://"))
-            socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            transport.prepare_ipc_directory(self.endpoint)  # UnsafeSocketDirectory
             # A socket file left by a crashed scheduler would make bind fail.
             if socket_path.exists():
                 socket_path.unlink()
