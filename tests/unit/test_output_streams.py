@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from pagoda.scheduler_svc.core import FinishReason, RequestOutput, StepOutputs, TokenLogprob
-from pagoda.scheduler_svc.output_streams import OutputStreams
+from pagoda.scheduler_svc.output_streams import MIN_UNREAD_TOKENS_TO_END, OutputStreams
 
 
 def out(text, ids, finish=None, logprobs=None):
@@ -245,5 +245,37 @@ def test_output_a_waiting_reader_has_not_taken_yet_is_not_counted_as_unread():
         for token_id in range(5):
             streams.publish([RequestOutput("r2", "x", [token_id], None)])
         assert second.overflowed
+
+    asyncio.run(scenario())
+
+
+def test_unread_output_is_bounded_over_all_slots_together():
+    """Security review N4: per slot alone, 4,000 stalled streams held about 1 GB. Past the
+    shared budget, a slot holding a large share is ended; one that keeps up is not."""
+    overflowed: list[str] = []
+
+    async def scenario():
+        streams = OutputStreams(
+            max_unread_tokens=2048, max_total_unread_tokens=500, on_overflow=overflowed.append
+        )
+        stalled = [streams.open(f"s{index}") for index in range(10)]
+        reader = streams.open("reader")
+        for token_id in range(200):
+            for slot in stalled:
+                slot.publish_token("x", token_id)
+            reader.publish_token("y", token_id)
+            assert (await reader.next()).token_ids == [token_id]
+            # Within the budget, plus less than the share that gets a slot ended.
+            assert streams.budget.num_tokens <= 500 + 10 * MIN_UNREAD_TOKENS_TO_END
+        assert "reader" not in overflowed and len(overflowed) >= 5
+        ended = stalled[int(overflowed[0][1:])]
+        streams.publish([RequestOutput(ended.request_id, "", [], None, FinishReason.CANCELLED)])
+        final = await ended.next()
+        assert final.finish_reason is FinishReason.ERROR
+        assert "the server holds too much unread output" in final.error_message
+        for slot in stalled:
+            streams.close(slot.request_id)
+        streams.close("reader")
+        assert streams.budget.num_tokens == 0  # every share given back
 
     asyncio.run(scenario())
