@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import platform
 import weakref
 
 import grpc
+import pytest
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc.core import QueueFullError
-from pagoda.scheduler_svc.gc_tuning import GEN0_THRESHOLD, collect_young_if_quiet
+from pagoda.scheduler_svc.gc_tuning import GEN0_THRESHOLD, collect_young_if_quiet, malloc_trim
 from pagoda.scheduler_svc.settings import ServiceConfig
 
 from tests.unit.test_api_admission import Aborted, Context, FakeLoop, servicer
@@ -116,3 +118,10 @@ def test_the_default_request_cap_holds_a_prompt_of_a_long_context():
     message = pb.ChatMessage(role="user", content=text)
     chat = pb.ChatRequest(messages=[message], stopping=stopping, request_id="r" * 128)
     assert chat.ByteSize() <= cap_bytes
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_free_heap_can_be_given_back_to_the_system():
+    trim = malloc_trim()
+    assert trim is not None
+    assert trim() in (0, 1)  # 1: memory was released
