@@ -287,11 +287,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _write(self, context, response: generation_pb2.GenerateResponse) -> None:
         """Write one message; a client that takes none for stream_write_timeout_s (flow
         control full: it stopped reading) has its stream ended, so it holds no memory."""
+        gone = False
         try:
             await self._write_watch.write(context.write(response))
             return
         except StalledWrite:
             pass
+        except grpc.aio.InternalError:
+            # grpc refused the write: the call is over (its connection closed while the
+            # write waited). An ending like a cancel, not a traceback per stream (N7).
+            gone = True
+        if gone:
+            raise asyncio.CancelledError
         timeout_s = self._write_watch.limit_s
         raise self._refused(
             grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -28,10 +28,13 @@ from pagoda.scheduler_svc.core import FinishReason, RequestOutput, StepOutputs, 
 # up holds one step's tokens; only one that stopped reading gets here.
 MAX_UNREAD_TOKENS = 2048
 UNREAD_ERROR_CODE = "RESOURCE_EXHAUSTED"
-# Unread tokens all slots together hold (about 10 MB) before a slot holding at least
-# MIN_UNREAD_TOKENS_TO_END of them is ended: without it only max_concurrent_rpcs x
-# MAX_UNREAD_TOKENS bounded them, and one wave of 4,000 stalled streams added about 1 GB
-# (security review N4). A reader that keeps up holds a step's tokens, far fewer.
+# Pending tokens all slots together hold (about 10 MB; counted as the per-slot cap counts,
+# but also those waiting for the reader's turn) before the slots most behind are ended: one
+# holding MIN_UNREAD_TOKENS_TO_END unread while away, or more than MAX_UNREAD_TOKENS in all.
+# Without it only max_concurrent_rpcs x MAX_UNREAD_TOKENS bounded them, and one wave of
+# 4,000 stalled streams added about 1 GB (security review N4); under CPU load, stalled
+# streams also piled up hundreds of tokens each while waiting in the turnstile's line.
+# A reader that keeps up holds a step's tokens, far fewer.
 MAX_TOTAL_UNREAD_TOKENS = 128 * 1024
 MIN_UNREAD_TOKENS_TO_END = 64
 # Readers a Turnstile lets through at once (taking, then writing). One: a write is tens of
@@ -78,6 +81,8 @@ class OutputSlot:
     on_overflow: Callable[[str], None] | None = None
     overflowed: bool = False
     budget: UnreadBudget = field(default_factory=UnreadBudget)  # shared by a stream's slots
+    # Every pending token, unread or on its way to a waiting reader: its share of `budget`.
+    _num_pending: int = 0
     _unread_sentence: str = ""  # why it overflowed, once it did
     # Unread tokens published while the reader was away (writing to its client); those
     # published while it waits in next() are on their way, not left unread.
@@ -109,8 +114,7 @@ class OutputSlot:
         """One token and its text; called by the step loop, never blocks."""
         if self.finished or self.overflowed:
             return
-        if not self._waiting:
-            self._add_unread(1)
+        self._add_pending(1, away=not self._waiting)
         if self._over_budget():
             self._overflow(None)
             return
@@ -126,11 +130,10 @@ class OutputSlot:
             if output.finish_reason is not None:  # the end of the cancelled request
                 self._overflow(output)
             return
-        if not self._waiting:
-            num_tokens = len(output.token_ids)
-            for logprob in output.logprobs or ():
-                num_tokens += len(logprob.top_token_ids)
-            self._add_unread(num_tokens)
+        num_tokens = len(output.token_ids)
+        for logprob in output.logprobs or ():
+            num_tokens += len(logprob.top_token_ids)
+        self._add_pending(num_tokens, away=not self._waiting)
         if self._over_budget():
             self._overflow(output if output.finish_reason is not None else None)
             return
@@ -145,21 +148,28 @@ class OutputSlot:
             self.finished = True
         self._notify()
 
-    def _add_unread(self, num_tokens: int) -> None:
-        self._num_unread += num_tokens
+    def _add_pending(self, num_tokens: int, *, away: bool) -> None:
+        if away:  # published while the reader was away: unread by its client
+            self._num_unread += num_tokens
+        self._num_pending += num_tokens
         self.budget.num_tokens += num_tokens
 
     def _clear_unread(self) -> None:
-        self.budget.num_tokens -= self._num_unread
-        self._num_unread = 0
+        self.budget.num_tokens -= self._num_pending
+        self._num_unread = self._num_pending = 0
 
     def _over_budget(self) -> bool:
         """Beyond this slot's own bound, or a large share of the stream's shared one."""
         if self._num_unread > self.max_unread_tokens:
             self._unread_sentence = self._unread_sentence or unread_message(self.max_unread_tokens)
             return True
-        if self.budget.exceeded and self._num_unread >= MIN_UNREAD_TOKENS_TO_END:
-            self._unread_sentence = self._unread_sentence or shared_unread_message(self._num_unread)
+        if self.budget.exceeded and (
+            self._num_unread >= MIN_UNREAD_TOKENS_TO_END
+            or self._num_pending > self.max_unread_tokens
+        ):
+            self._unread_sentence = self._unread_sentence or shared_unread_message(
+                self._num_pending
+            )
             return True
         return False
 
@@ -216,19 +226,24 @@ class OutputSlot:
 
     async def next(self) -> RequestOutput:
         """Wait for, and take, everything published since the last call, as one output."""
-        self._end_hold()  # back from writing the last output
-        self._waiting = True
-        try:
-            await self._ready.wait()
-        finally:
-            self._waiting = False
-        self._ready.clear()
-        if self._in_line:  # the place is kept while the output is written
-            self._in_line = False
-            self._holding = True
-            assert self.turnstile is not None
-            self.turnstile.hold(self)
-        assert self.has_pending
+        while True:
+            self._end_hold()  # back from writing the last output, or woken for nothing
+            self._waiting = True
+            try:
+                await self._ready.wait()
+            finally:
+                self._waiting = False
+            self._ready.clear()
+            if self._in_line:  # the place is kept while the output is written
+                self._in_line = False
+                self._holding = True
+                assert self.turnstile is not None
+                self.turnstile.hold(self)
+            if self.has_pending:
+                break
+            # Woken for output that an overflow has dropped since: the request's end
+            # (an error) comes next.
+            assert self.overflowed
         final = self._final
         output = RequestOutput(
             request_id=self.request_id,

@@ -249,3 +249,37 @@ def test_refusals_echo_only_the_start_of_the_input():
     assert "messages[0].role 'rrrr" in refused.details
     assert "(3000000 characters)" in refused.details
     assert len(refused.details) < 300
+
+
+def test_a_write_grpc_refuses_ends_the_handler_as_cancelled():
+    """A write into a call whose connection closed raises ExecuteBatchError (an
+    InternalError); grpc.aio logged each with a traceback (security review N7)."""
+    from pagoda.scheduler_svc.core import RequestOutput
+    from pagoda.scheduler_svc.output_streams import OutputSlot
+
+    class ClosedContext(Context):
+        async def write(self, message):
+            raise grpc.aio.InternalError("Failed execute_batch")
+
+    class ServingLoop(FakeLoop):
+        def __init__(self) -> None:
+            super().__init__(num_waiting=0)
+            self.released: list[OutputSlot] = []
+
+        def submit(self, valid):
+            slot = OutputSlot(valid.request_id)
+            slot.publish(RequestOutput(valid.request_id, "a", [5], None))
+            return slot
+
+        def release(self, slot):
+            self.released.append(slot)
+
+    loop = ServingLoop()
+    service = GenerationServicer(loop, Metrics(), CountingTokenizer(), ServiceConfig(), "m")
+
+    async def scenario():
+        with pytest.raises(asyncio.CancelledError):
+            await service.Generate(pb.GenerateRequest(prompt="hi"), ClosedContext())
+
+    asyncio.run(scenario())
+    assert len(loop.released) == 1

@@ -279,3 +279,54 @@ def test_unread_output_is_bounded_over_all_slots_together():
         assert streams.budget.num_tokens == 0  # every share given back
 
     asyncio.run(scenario())
+
+
+def test_tokens_waiting_for_the_readers_turn_count_toward_the_shared_budget():
+    """Under CPU load the turnstile's line crawls and waiting readers pile up output (in a
+    live run, hundreds of tokens each, 1.1 GB in all). Not their clients' fault, so no
+    per-slot cap; but past the shared budget the readers most behind are ended."""
+    overflowed: list[str] = []
+
+    async def scenario():
+        streams = OutputStreams(
+            max_unread_tokens=100,
+            max_total_unread_tokens=300,
+            on_overflow=overflowed.append,
+            readers_per_turn=1,
+        )
+        writer = streams.open("writer")
+        waiting = [streams.open(f"w{index}") for index in range(3)]
+        writer.publish_token("x", 0)
+        await writer.next()  # it holds the one place while it writes (never comes back)
+        readers = [asyncio.create_task(slot.next()) for slot in waiting]
+        await asyncio.sleep(0)  # all three wait in next(), in line behind the writer
+        for token_id in range(150):
+            streams.publish(
+                [RequestOutput(slot.request_id, "x", [token_id], None) for slot in waiting]
+            )
+        assert overflowed and "writer" not in overflowed
+        assert streams.budget.num_tokens <= 300 + 3 * 100
+        for task in readers:
+            task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_reader_woken_for_output_an_overflow_dropped_waits_for_the_requests_end():
+    overflowed: list[str] = []
+
+    async def scenario():
+        streams = OutputStreams(max_unread_tokens=5, on_overflow=overflowed.append)
+        slot = streams.open("r1")
+        slot.publish_token("x", 0)  # the reader is away: pending, and its wake is set
+        for token_id in range(1, 6):
+            slot.publish_token("x", token_id)
+        assert overflowed == ["r1"] and not slot.has_pending
+        reader = asyncio.create_task(slot.next())
+        await asyncio.sleep(0)
+        assert not reader.done()  # it waits: nothing to take
+        streams.publish([out("", [9], FinishReason.CANCELLED)])
+        final = await reader
+        assert final.finish_reason is FinishReason.ERROR
+
+    asyncio.run(scenario())
