@@ -16,10 +16,11 @@ from pagoda.gpu_worker.config import (
 )
 from pagoda.gpu_worker.engine import Engine
 from pagoda.gpu_worker.model_loader import ModelNotFoundError
-from pagoda.gpu_worker.server import EXIT_REFUSED, WorkerServer
+from pagoda.gpu_worker.server import EXIT_REFUSED, WorkerServer, prepare_endpoint
 
 from pagoda.common import curve
 from pagoda.common.settings import insecure_tcp_warning
+from pagoda.common.transport import UnsafeSocketDirectory
 
 log = logging.getLogger("pagoda.worker")
 
@@ -66,6 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         curve_client = load_curve(config)
     except curve.CurveKeyError as exc:
+        log.error("%s", exc)
+        return EXIT_REFUSED
+    try:
+        prepare_endpoint(config.zmq_endpoint)
+    except UnsafeSocketDirectory as exc:
         log.error("%s", exc)
         return EXIT_REFUSED
     # torchrun's WORLD_SIZE > 1 without the flag is refused there (its ranks must match).

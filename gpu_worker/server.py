@@ -23,7 +23,6 @@ import signal
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import zmq
 from pagoda.gpu_worker import codec
@@ -53,9 +52,9 @@ GOODBYE_LINGER_MS = 1000
 
 
 def prepare_endpoint(endpoint: str) -> None:
-    """An ipc socket's directory must exist; create it private (0700) when missing."""
-    if endpoint.startswith("ipc://"):
-        Path(endpoint.removeprefix("ipc://")).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """An ipc socket's directory must exist and be private: created 0700 when missing,
+    UnsafeSocketDirectory when another user could replace the socket."""
+    transport.prepare_ipc_directory(endpoint)
 
 
 class WorkerServer:

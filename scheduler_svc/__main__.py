@@ -12,10 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagoda.scheduler_svc import settings
-from pagoda.scheduler_svc.api import SERVICE_NAME, GenerationServicer, build_server
+from pagoda.scheduler_svc.api import (
+    SERVICE_NAME,
+    GenerationServicer,
+    build_server,
+    resolve_cache_salting,
+)
 from pagoda.scheduler_svc.core import ConfigError, Scheduler
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
-from pagoda.scheduler_svc.gc_tuning import tune_gc
+from pagoda.scheduler_svc.gc_tuning import collect_young_when_quiet, tune_gc
 from pagoda.scheduler_svc.lanes import Lanes
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.output_processor import OutputProcessor
@@ -24,7 +29,7 @@ from pagoda.scheduler_svc.step_loop import StepLoop
 from pagoda.scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
 from pagoda.scheduler_svc.worker_link import WorkerLink
 
-from pagoda.common import curve
+from pagoda.common import curve, transport
 from pagoda.common.systemd import notify, watchdog_interval_s
 
 log = logging.getLogger("pagoda.scheduler")
@@ -83,6 +88,10 @@ async def serve(
             background.add(task)
             task.add_done_callback(background.discard)
 
+    try:
+        transport.prepare_ipc_directory(config.zmq_endpoint)
+    except transport.UnsafeSocketDirectory as exc:
+        raise ConfigError(str(exc)) from None
     link = WorkerLink(config.zmq_endpoint, *curve_settings, max_workers=config.max_workers)
     loop_options = dict(
         worker_timeout_s=config.worker_timeout_s,
@@ -104,14 +113,18 @@ async def serve(
         scheduler = Scheduler(config.scheduler)
         output_processor = OutputProcessor(scheduler, lambda: IncrementalDetokenizer(tokenizer))
         loop = StepLoop(scheduler, link, metrics, output_processor=output_processor, **loop_options)
+    config = resolve_cache_salting(config)
+    if config.cache_salt_by_api_key:
+        log.info("the prefix cache is salted by API key: tenants share no cached block")
     servicer = GenerationServicer(loop, metrics, tokenizer, config, model_id)
     server, health_servicer = build_server(config, servicer)
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, _health_status("NOT_SERVING"))
     metrics.watch(lambda: loop.stats, lambda: loop.worker is not None)
     metrics.watch_workers(loop.worker_stats)
+    metrics_server = None
     if config.metrics_address:
-        metrics.serve(config.metrics_address)
+        metrics_server = await metrics.serve(config.metrics_address)
         log.info("metrics on http://%s/metrics", config.metrics_address)
 
     await server.start()
@@ -124,6 +137,7 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     watchdog = asyncio.create_task(_watchdog(loop_task, loop.is_turning))
+    collector = asyncio.create_task(collect_young_when_quiet(), name="gc-young")
     done, _ = await asyncio.wait(
         {asyncio.create_task(stop.wait()), loop_task}, return_when=asyncio.FIRST_COMPLETED
     )
@@ -137,6 +151,9 @@ async def serve(
     await health_servicer.enter_graceful_shutdown()
     await loop.drain(config.drain_timeout_s)
     watchdog.cancel()
+    collector.cancel()
+    if metrics_server is not None:
+        metrics_server.close()
     loop.stop()
     await server.stop(grace=1.0)
     await asyncio.gather(loop_task, return_exceptions=True)

@@ -11,8 +11,10 @@ import dataclasses
 import hashlib
 import hmac
 import logging
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -43,6 +45,8 @@ from pagoda.scheduler_svc.validation import (
 )
 from pagoda.scheduler_svc.write_watch import StalledWrite, WriteWatch
 
+from pagoda.common.secret_files import exposure_warning
+
 log = logging.getLogger("pagoda.api")
 
 # Inputs longer than this (characters of prompt, chat contents or Tokenize text) are
@@ -56,6 +60,14 @@ NUM_TOKENIZER_THREADS = 2
 STALLED_ABORT_TIMEOUT_S = 1.0
 # Bounds a Tokenize text before any worker said hello (the limit then follows its context).
 FALLBACK_MAX_CONTEXT_TOKENS = 32_768
+# Replies are bounded by validation (a Tokenize reply by the context), not by the request
+# cap (--max-grpc-message-bytes); the client accepts up to this much.
+MIN_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
+# A refusal's sentence is cut here: whatever it quotes, it stays far below the 8 KiB of
+# metadata a client accepts (security review N11).
+MAX_DETAILS_CHARS = 1024
+
+T = TypeVar("T")
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
@@ -103,6 +115,22 @@ def to_response(
             )
         )
     return response
+
+
+class Refused(Exception):
+    """Ends an RPC with a status and one sentence: raised under a handler, answered at its
+    top by `_answer`, which sets the status instead of calling context.abort. The exception
+    abort raises stays in a reference cycle with grpc.aio's RPC state and every frame it
+    passed through, the request in them, until the cyclic collector runs: with the tuned
+    collector (gc_tuning) 1,000 refused 4 MiB calls held 4 GB (security review N1). So it
+    is never raised inside an `except ... as exc` block either (that frame would hold exc).
+    """
+
+    def __init__(self, code: grpc.StatusCode, sentence: str, *, stalled: bool = False) -> None:
+        super().__init__(sentence)
+        self.code = code
+        self.sentence = sentence
+        self.stalled = stalled  # the client stopped reading: see _end_stalled
 
 
 class Undecodable:
@@ -195,16 +223,35 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             default_max_new_tokens=self._config.default_max_new_tokens,
             max_stop_strings=self._config.max_stop_strings,
             max_stop_string_bytes=self._config.max_stop_string_bytes,
+            max_stop_total_bytes=self._config.max_stop_total_bytes,
             max_logprobs=min(
                 self._config.max_logprobs, hello.max_logprobs or self._config.max_logprobs
             ),
         )
 
     async def Generate(self, request, context) -> None:
-        await self._serve(validate_generate, request, context)
+        handling = self._serve(validate_generate, request, context)
+        del request  # held by `handling` alone, gone when it ends (see Refused)
+        await self._answer(context, handling)
 
     async def Chat(self, request, context) -> None:
-        await self._serve(validate_chat, request, context)
+        handling = self._serve(validate_chat, request, context)
+        del request
+        await self._answer(context, handling)
+
+    async def _answer(self, context, handling: Awaitable[T]) -> T | None:
+        """Await a handler's work; a refusal becomes the RPC's status and None."""
+        try:
+            return await handling
+        except Refused as refused:
+            code, sentence, stalled = refused.code, refused.sentence, refused.stalled
+        # Past the except block, the refusal, its traceback and the frames it holds (the
+        # request's) are freed by reference counting.
+        if stalled:
+            await self._end_stalled(context, code, sentence)
+        context.set_code(code)
+        context.set_details(sentence)
+        return None
 
     async def _serve(self, validate, request, context) -> None:
         valid = await self._admit(validate, request, context)
@@ -219,7 +266,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if self._config.cache_salt_by_api_key:
             salt = tenant_cache_salt(_bearer_token(context), valid.cache_salt)
             valid = dataclasses.replace(valid, cache_salt=salt)
-        slot = await self._submit(valid, context)
+        slot = self._submit(valid)
         try:
             while True:
                 output = await slot.next()
@@ -227,54 +274,63 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     if output.token_ids or output.text:
                         await self._write(context, to_response(output, client_request_id))
                     code = getattr(grpc.StatusCode, slot.error_code or "INTERNAL")
-                    self._metrics.observe_error(code.name)
-                    await context.abort(code, output.error_message or "the request failed")
+                    raise self._refused(code, output.error_message or "the request failed")
                 await self._write(context, to_response(output, client_request_id))
                 if output.finish_reason is not None:
                     return
         finally:
-            # Reached on normal end, client cancel, deadline, disconnect or a stalled
-            # write (grpc.aio raises CancelledError at the pending await): a live request
-            # is cancelled so its blocks are free before the next step is planned.
+            # Reached on normal end, refusal, client cancel, deadline, disconnect or a
+            # stalled write (grpc.aio raises CancelledError at the pending await): a live
+            # request is cancelled so its blocks are free before the next step is planned.
             self._loop.release(slot)
 
     async def _write(self, context, response: generation_pb2.GenerateResponse) -> None:
         """Write one message; a client that takes none for stream_write_timeout_s (flow
         control full: it stopped reading) has its stream ended, so it holds no memory."""
+        gone = False
         try:
             await self._write_watch.write(context.write(response))
+            return
         except StalledWrite:
-            timeout_s = self._write_watch.limit_s
-            self._metrics.observe_error("DEADLINE_EXCEEDED")
-            # The status queues behind the message the client does not take, so this
-            # abort can wait for good (and grpc.aio cannot reset one stream): bounded,
-            # then the handler ends as cancelled, giving back its request and its RPC
-            # slot; the HTTP/2 stream lasts until the client's connection closes.
-            try:
-                await asyncio.wait_for(
-                    context.abort(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"the client took no message for {timeout_s:g} s; the stream was ended",
-                    ),
-                    STALLED_ABORT_TIMEOUT_S,
-                )
-            except TimeoutError:
-                raise asyncio.CancelledError from None
+            pass
+        except grpc.aio.InternalError:
+            # grpc refused the write: the call is over (its connection closed while the
+            # write waited). An ending like a cancel, not a traceback per stream (N7).
+            gone = True
+        if gone:
+            raise asyncio.CancelledError
+        timeout_s = self._write_watch.limit_s
+        raise self._refused(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"the client took no message for {timeout_s:g} s; the stream was ended",
+            stalled=True,
+        )
+
+    async def _end_stalled(self, context, code: grpc.StatusCode, sentence: str) -> None:
+        """End a stream its client stopped reading. The status queues behind the message
+        the client does not take, so it can wait for good (and grpc.aio cannot reset one
+        stream): bounded, then the handler ends as cancelled, giving back its request and
+        its RPC slot; the HTTP/2 stream lasts until the client's connection closes."""
+        try:
+            await asyncio.wait_for(context.abort(code, sentence), STALLED_ABORT_TIMEOUT_S)
+        except (TimeoutError, grpc.aio.InternalError):
+            # InternalError: grpc refuses the status while the write is still pending
+            # (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS); expected, one per stalled stream, so
+            # it is not left to grpc.aio to log with a traceback (security review N7).
+            pass
+        raise asyncio.CancelledError
 
     async def _admit(self, validate, request, context) -> ValidRequest:
-        await self._reject_undecodable(request, context)
+        self._reject_undecodable(request)
         if self._loop.draining:
-            await self._abort(
-                context, grpc.StatusCode.UNAVAILABLE, "the server is draining for shutdown"
-            )
+            raise self._refused(grpc.StatusCode.UNAVAILABLE, "the server is draining for shutdown")
         limits = self._limits()
         if limits is None:
-            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "no worker is connected yet")
+            raise self._refused(grpc.StatusCode.UNAVAILABLE, "no worker is connected yet")
         # Before any tokenizer time: a full queue refuses cheaply (submit checks it again).
         max_waiting = self._config.scheduler.max_waiting_requests
         if self._loop.stats.num_waiting >= max_waiting:
-            await self._abort(
-                context,
+            raise self._refused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the waiting queue is full ({max_waiting} requests); retry later",
             )
@@ -283,37 +339,55 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 _input_chars(request), validate, request, self._tokenizer, limits
             )
         except ValidationError as exc:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            sentence = str(exc)
+        raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, sentence)
 
-    async def _submit(self, valid: ValidRequest, context):
+    def _submit(self, valid: ValidRequest):
         try:
             return self._loop.submit(valid)
         except Unavailable as exc:
-            await self._abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+            code, sentence = grpc.StatusCode.UNAVAILABLE, str(exc)
         except QueueFullError as exc:
-            await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            code, sentence = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
         except (RequestTooLargeError, ValueError) as exc:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            code, sentence = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        raise self._refused(code, sentence)
 
-    async def _reject_undecodable(self, request, context) -> None:
+    def _reject_undecodable(self, request) -> None:
         if isinstance(request, Undecodable):
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.sentence)
+            raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, request.sentence)
 
-    async def _abort(self, context, code: grpc.StatusCode, sentence: str):
+    def _refused(self, code: grpc.StatusCode, sentence: str, *, stalled: bool = False) -> Refused:
+        """The refusal to raise, counted; its sentence within MAX_DETAILS_CHARS."""
         self._metrics.observe_error(code.name)
-        await context.abort(code, sentence)
+        if len(sentence) > MAX_DETAILS_CHARS:
+            sentence = sentence[:MAX_DETAILS_CHARS] + "..."
+        return Refused(code, sentence, stalled=stalled)
 
     async def Tokenize(self, request, context):
-        await self._reject_undecodable(request, context)
-        limits = self._limits()
-        try:
-            validate_tokenize_text(request.text, limits or self._fallback_limits())
-        except ValidationError as exc:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return await self._off_loop_if_big(len(request.text), self._tokenize, request)
+        return await self._answer(context, self._checked_tokenize(request))
 
-    def _tokenize(self, request) -> generation_pb2.TokenizeResponse:
+    async def _checked_tokenize(self, request) -> generation_pb2.TokenizeResponse:
+        self._reject_undecodable(request)
+        limits = self._limits() or self._fallback_limits()
+        try:
+            validate_tokenize_text(request.text, limits)
+            return await self._off_loop_if_big(
+                len(request.text), self._tokenize, request, limits.max_context_tokens
+            )
+        except ValidationError as exc:
+            sentence = str(exc)
+        raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, sentence)
+
+    def _tokenize(self, request, max_tokens: int) -> generation_pb2.TokenizeResponse:
+        """Encode, then build the pieces only for a text within the context: a piece costs
+        a Python call holding the GIL, and 262k of them stalled every stream for seconds
+        (security review N6)."""
         ids = self._tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        if len(ids) > max_tokens:
+            raise ValidationError(
+                f"text has {len(ids)} tokens, more than the context of {max_tokens}"
+            )
         return generation_pb2.TokenizeResponse(
             token_ids=ids, tokens=[self._tokenizer.id_to_piece(i) for i in ids]
         )
@@ -325,11 +399,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             default_max_new_tokens=self._config.default_max_new_tokens,
             max_stop_strings=self._config.max_stop_strings,
             max_stop_string_bytes=self._config.max_stop_string_bytes,
+            max_stop_total_bytes=self._config.max_stop_total_bytes,
             max_logprobs=self._config.max_logprobs,
         )
 
     async def GetModelInfo(self, request, context):
-        await self._reject_undecodable(request, context)
+        return await self._answer(context, self._model_info(request))
+
+    async def _model_info(self, request) -> generation_pb2.ModelInfo:
+        self._reject_undecodable(request)
         self._limits()
         hello = self._last_hello
         info = generation_pb2.ModelInfo(
@@ -354,7 +432,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return info
 
     async def GetServerStats(self, request, context):
-        await self._reject_undecodable(request, context)
+        return await self._answer(context, self._server_stats(request))
+
+    async def _server_stats(self, request) -> generation_pb2.ServerStats:
+        self._reject_undecodable(request)
         stats = self._loop.stats
         worker = self._loop.worker
         return generation_pb2.ServerStats(
@@ -410,6 +491,10 @@ KEEPALIVE_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
     ("grpc.http2.max_ping_strikes", 2),
 ]
+# A connection that has not finished its TLS and HTTP/2 handshake by then is closed (grpc's
+# default is 120 s): silent connections cost a descriptor each, before authentication
+# (security review N2).
+SERVER_HANDSHAKE_TIMEOUT_MS = 10_000
 
 # The one RPC open without the token: a load balancer's or orchestrator's probe. Watch
 # is a stream a client keeps open, so it is authenticated like the API.
@@ -428,16 +513,19 @@ class BoundedHealthServicer(health.aio.HealthServicer):
         self._num_watchers = 0
 
     async def Watch(self, request, context) -> None:
+        # Refusals set the status and return: no abort (see Refused).
         if len(request.service) > MAX_HEALTH_SERVICE_NAME_CHARS:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"service name longer than {MAX_HEALTH_SERVICE_NAME_CHARS} characters",
+            context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+            context.set_details(
+                f"service name longer than {MAX_HEALTH_SERVICE_NAME_CHARS} characters"
             )
+            return
         if self._num_watchers >= self._max_watchers:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self._max_watchers} health watchers are open; use Check, or retry later",
+            context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            context.set_details(
+                f"{self._max_watchers} health watchers are open; use Check, or retry later"
             )
+            return
         self._num_watchers += 1
         try:
             await super().Watch(request, context)
@@ -462,7 +550,17 @@ def tenant_cache_salt(authorization: str, cache_salt: str) -> str:
     return f"{digest}:{cache_salt}"
 
 
-def read_api_keys(path: str) -> list[str]:
+def resolve_cache_salting(config: ServiceConfig) -> ServiceConfig:
+    """`config` with cache_salt_by_api_key decided: unset, it is on when the key file
+    holds several keys (several tenants), so that one tenant cannot read another's cached
+    prefix from its hits or its time to first token (security review N9)."""
+    if config.cache_salt_by_api_key is not None:
+        return config
+    num_keys = len(read_api_keys(config.api_key_file, warn=False)) if config.api_key_file else 0
+    return dataclasses.replace(config, cache_salt_by_api_key=num_keys > 1)
+
+
+def read_api_keys(path: str, *, warn: bool = True) -> list[str]:
     """The bearer tokens of an api_key_file: one per line, blank lines and # comments
     skipped; a file holding one key, as before, is one line."""
     try:
@@ -473,7 +571,15 @@ def read_api_keys(path: str) -> list[str]:
     keys = [key for key in keys if key and not key.startswith("#")]
     if not keys:
         raise ConfigError(f"api_key_file {path} is empty")
+    if warn:  # once, when the server is built
+        _warn_if_exposed(path, "the api_key_file")
     return keys
+
+
+def _warn_if_exposed(path: str, what: str) -> None:
+    warning = exposure_warning(path, what)
+    if warning is not None:
+        log.warning("%s", warning)
 
 
 class BearerAuth(grpc.aio.ServerInterceptor):
@@ -483,11 +589,15 @@ class BearerAuth(grpc.aio.ServerInterceptor):
     def __init__(self, api_keys: list[str]) -> None:
         self._expected = [f"Bearer {key}".encode() for key in api_keys]
 
-        async def refuse(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required")
+        async def refuse(request, context) -> None:
+            # Status set, no abort (see Refused); the body was dropped unparsed.
+            context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+            context.set_details("a valid bearer token is required")
 
-        self._refusal = grpc.unary_unary_rpc_method_handler(refuse)
-        self._stream_refusal = grpc.unary_stream_rpc_method_handler(refuse)
+        self._refusal = grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=_drop_body)
+        self._stream_refusal = grpc.unary_stream_rpc_method_handler(
+            refuse, request_deserializer=_drop_body
+        )
 
     async def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method in _OPEN_METHODS:
@@ -499,6 +609,11 @@ class BearerAuth(grpc.aio.ServerInterceptor):
             return await continuation(handler_call_details)
         streaming = handler_call_details.method.endswith(("/Generate", "/Chat", "/Watch"))
         return self._stream_refusal if streaming else self._refusal
+
+
+def _drop_body(data: bytes) -> None:
+    """The body of a call refused before authentication: never parsed, never kept."""
+    return None
 
 
 def build_server(
@@ -513,11 +628,17 @@ def build_server(
     # whose count a stalled stream keeps for as long as its connection lives (rpc_limit).
     interceptors.append(RpcLimit(config.max_concurrent_rpcs))
     options = [
+        # A larger request is refused by grpc before any handler or authentication: each
+        # call in flight holds one, so the cap bounds what strangers can make us hold.
         ("grpc.max_receive_message_length", config.max_grpc_message_bytes),
-        ("grpc.max_send_message_length", config.max_grpc_message_bytes),
+        (
+            "grpc.max_send_message_length",
+            max(config.max_grpc_message_bytes, MIN_SEND_MESSAGE_BYTES),
+        ),
         ("grpc.max_concurrent_streams", config.max_concurrent_streams),
         ("grpc.so_reuseport", 0),
         *KEEPALIVE_OPTIONS,
+        ("grpc.server_handshake_timeout_ms", SERVER_HANDSHAKE_TIMEOUT_MS),
         ("grpc.max_connection_idle_ms", int(config.max_connection_idle_s * 1000)),
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
@@ -533,6 +654,7 @@ def build_server(
         server,
     )
     if config.tls_cert:
+        _warn_if_exposed(config.tls_key, "the TLS key")
         try:
             credentials = grpc.ssl_server_credentials(
                 [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]

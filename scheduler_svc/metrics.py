@@ -6,13 +6,15 @@ the KV pool are read from the scheduler at scrape time, so they are never stale.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
 
 from pagoda.scheduler_svc.core import RequestOutput, SchedulerStats
+from pagoda.scheduler_svc.metrics_http import serve_metrics
 from pagoda.scheduler_svc.worker_stats import WorkerStats
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -251,9 +253,10 @@ class Metrics:
     def watch_workers(self, workers: Callable[[], list[WorkerStats]]) -> None:
         self.registry.register(_PerWorker(workers))
 
-    def serve(self, address: str) -> None:
+    async def serve(self, address: str) -> asyncio.Server:
+        """/metrics on `address` (a bare :PORT binds 127.0.0.1), on the running loop."""
         host, _, port = address.rpartition(":")
-        start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=self.registry)
+        return await serve_metrics(self.registry, host.strip("[]") or "127.0.0.1", int(port))
 
     def observe_step(
         self,

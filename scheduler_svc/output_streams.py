@@ -28,6 +28,15 @@ from pagoda.scheduler_svc.core import FinishReason, RequestOutput, StepOutputs, 
 # up holds one step's tokens; only one that stopped reading gets here.
 MAX_UNREAD_TOKENS = 2048
 UNREAD_ERROR_CODE = "RESOURCE_EXHAUSTED"
+# Pending tokens all slots together hold (about 10 MB; counted as the per-slot cap counts,
+# but also those waiting for the reader's turn) before the slots most behind are ended: one
+# holding MIN_UNREAD_TOKENS_TO_END unread while away, or more than MAX_UNREAD_TOKENS in all.
+# Without it only max_concurrent_rpcs x MAX_UNREAD_TOKENS bounded them, and one wave of
+# 4,000 stalled streams added about 1 GB (security review N4); under CPU load, stalled
+# streams also piled up hundreds of tokens each while waiting in the turnstile's line.
+# A reader that keeps up holds a step's tokens, far fewer.
+MAX_TOTAL_UNREAD_TOKENS = 128 * 1024
+MIN_UNREAD_TOKENS_TO_END = 64
 # Readers a Turnstile lets through at once (taking, then writing). One: a write is tens of
 # microseconds of the loop, so the worker's result and new RPCs wait behind little.
 # A sweep with benchmarks.overlap (dummy 10 ms steps, 256 streams, one sitting) kept the
@@ -42,6 +51,25 @@ def unread_message(max_unread_tokens: int) -> str:
     )
 
 
+def shared_unread_message(num_unread_tokens: int) -> str:
+    return (
+        f"the server holds too much unread output and this client left {num_unread_tokens} "
+        "tokens unread; the request was ended and its unread output dropped"
+    )
+
+
+@dataclass(slots=True)
+class UnreadBudget:
+    """The unread tokens of every slot of one OutputStreams, counted together."""
+
+    max_tokens: int = MAX_TOTAL_UNREAD_TOKENS
+    num_tokens: int = 0
+
+    @property
+    def exceeded(self) -> bool:
+        return self.num_tokens > self.max_tokens
+
+
 @dataclass(slots=True)
 class OutputSlot:
     """The unread output of one request, kept as the pieces of one coalesced output."""
@@ -52,6 +80,10 @@ class OutputSlot:
     # request (the step loop's cancel); not called for a finished one.
     on_overflow: Callable[[str], None] | None = None
     overflowed: bool = False
+    budget: UnreadBudget = field(default_factory=UnreadBudget)  # shared by a stream's slots
+    # Every pending token, unread or on its way to a waiting reader: its share of `budget`.
+    _num_pending: int = 0
+    _unread_sentence: str = ""  # why it overflowed, once it did
     # Unread tokens published while the reader was away (writing to its client); those
     # published while it waits in next() are on their way, not left unread.
     _num_unread: int = 0
@@ -82,8 +114,8 @@ class OutputSlot:
         """One token and its text; called by the step loop, never blocks."""
         if self.finished or self.overflowed:
             return
-        self._num_unread += not self._waiting
-        if self._num_unread > self.max_unread_tokens:
+        self._add_pending(1, away=not self._waiting)
+        if self._over_budget():
             self._overflow(None)
             return
         self._texts.append(text)
@@ -98,11 +130,11 @@ class OutputSlot:
             if output.finish_reason is not None:  # the end of the cancelled request
                 self._overflow(output)
             return
-        if not self._waiting:
-            self._num_unread += len(output.token_ids)
-            for logprob in output.logprobs or ():
-                self._num_unread += len(logprob.top_token_ids)
-        if self._num_unread > self.max_unread_tokens:
+        num_tokens = len(output.token_ids)
+        for logprob in output.logprobs or ():
+            num_tokens += len(logprob.top_token_ids)
+        self._add_pending(num_tokens, away=not self._waiting)
+        if self._over_budget():
             self._overflow(output if output.finish_reason is not None else None)
             return
         self._texts.append(output.text)
@@ -116,10 +148,36 @@ class OutputSlot:
             self.finished = True
         self._notify()
 
+    def _add_pending(self, num_tokens: int, *, away: bool) -> None:
+        if away:  # published while the reader was away: unread by its client
+            self._num_unread += num_tokens
+        self._num_pending += num_tokens
+        self.budget.num_tokens += num_tokens
+
+    def _clear_unread(self) -> None:
+        self.budget.num_tokens -= self._num_pending
+        self._num_unread = self._num_pending = 0
+
+    def _over_budget(self) -> bool:
+        """Beyond this slot's own bound, or a large share of the stream's shared one."""
+        if self._num_unread > self.max_unread_tokens:
+            self._unread_sentence = self._unread_sentence or unread_message(self.max_unread_tokens)
+            return True
+        if self.budget.exceeded and (
+            self._num_unread >= MIN_UNREAD_TOKENS_TO_END
+            or self._num_pending > self.max_unread_tokens
+        ):
+            self._unread_sentence = self._unread_sentence or shared_unread_message(
+                self._num_pending
+            )
+            return True
+        return False
+
     def _overflow(self, final: RequestOutput | None) -> None:
         """Drop everything unread; end with an error once the request's end is here
         (`final`), asking for that end first if it is not."""
         self._texts, self._token_ids, self._logprobs = [], [], None
+        self._clear_unread()
         self.error_code = UNREAD_ERROR_CODE
         if final is None:
             if not self.overflowed:
@@ -134,7 +192,7 @@ class OutputSlot:
             token_ids=[],
             logprobs=None,
             finish_reason=FinishReason.ERROR,
-            error_message=unread_message(self.max_unread_tokens),
+            error_message=self._unread_sentence or unread_message(self.max_unread_tokens),
             usage=final.usage,
             timings=final.timings,
         )
@@ -150,7 +208,9 @@ class OutputSlot:
             self.turnstile.enter(self)
 
     def leave(self) -> None:
-        """The reader is gone: give up the slot's place in the turnstile's line."""
+        """The reader is gone: give up the slot's place in the turnstile's line, and its
+        unread tokens' share of the budget."""
+        self._clear_unread()
         self._end_hold()
         if self._in_line:
             self._in_line = False
@@ -166,19 +226,24 @@ class OutputSlot:
 
     async def next(self) -> RequestOutput:
         """Wait for, and take, everything published since the last call, as one output."""
-        self._end_hold()  # back from writing the last output
-        self._waiting = True
-        try:
-            await self._ready.wait()
-        finally:
-            self._waiting = False
-        self._ready.clear()
-        if self._in_line:  # the place is kept while the output is written
-            self._in_line = False
-            self._holding = True
-            assert self.turnstile is not None
-            self.turnstile.hold(self)
-        assert self.has_pending
+        while True:
+            self._end_hold()  # back from writing the last output, or woken for nothing
+            self._waiting = True
+            try:
+                await self._ready.wait()
+            finally:
+                self._waiting = False
+            self._ready.clear()
+            if self._in_line:  # the place is kept while the output is written
+                self._in_line = False
+                self._holding = True
+                assert self.turnstile is not None
+                self.turnstile.hold(self)
+            if self.has_pending:
+                break
+            # Woken for output that an overflow has dropped since: the request's end
+            # (an error) comes next.
+            assert self.overflowed
         final = self._final
         output = RequestOutput(
             request_id=self.request_id,
@@ -192,7 +257,7 @@ class OutputSlot:
             output.usage = final.usage
             output.timings = final.timings
         self._texts, self._token_ids, self._logprobs, self._final = [], [], None, None
-        self._num_unread = 0
+        self._clear_unread()
         return output
 
 
@@ -251,12 +316,14 @@ class OutputStreams:
         self,
         *,
         max_unread_tokens: int = MAX_UNREAD_TOKENS,
+        max_total_unread_tokens: int = MAX_TOTAL_UNREAD_TOKENS,
         on_overflow: Callable[[str], None] | None = None,
         readers_per_turn: int = READERS_PER_TURN,
     ) -> None:
         """`on_overflow(request_id)`: a running request's reader stopped reading; end it."""
         self._slots: dict[str, OutputSlot] = {}
         self._max_unread_tokens = max_unread_tokens
+        self.budget = UnreadBudget(max_total_unread_tokens)
         self._on_overflow = on_overflow
         self._turnstile = Turnstile(readers_per_turn)
         self._empty = asyncio.Event()  # set while no slot is open (a drain waits on it)
@@ -273,6 +340,7 @@ class OutputStreams:
             request_id,
             max_unread_tokens=self._max_unread_tokens,
             on_overflow=self._on_overflow,
+            budget=self.budget,
             turnstile=self._turnstile,
         )
         self._slots[request_id] = slot

@@ -43,8 +43,12 @@ class ServiceConfig:
     default_max_new_tokens: int = 256
     max_stop_strings: int = 16
     max_stop_string_bytes: int = 256
+    max_stop_total_bytes: int = 1024
     max_logprobs: int = 20
-    max_grpc_message_bytes: int = 4 * 1024 * 1024
+    # 1 MiB holds a prompt as long as a 128k context: 131,072 token ids of 3 bytes each
+    # (ids below 2**21) or about 4.5 bytes of text per token. Larger only when configured:
+    # every request in flight, authenticated or not yet, is held whole (review N1).
+    max_grpc_message_bytes: int = 1024 * 1024
     max_concurrent_streams: int = 1024
     max_concurrent_rpcs: int = 4096
     stream_write_timeout_s: float = 60.0
@@ -52,7 +56,7 @@ class ServiceConfig:
     max_health_watchers: int = 64
     status_interval_s: float = 10.0
     api_key_file: str | None = None
-    cache_salt_by_api_key: bool = False
+    cache_salt_by_api_key: bool | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     zmq_curve_secret_key: str | None = None
@@ -81,7 +85,12 @@ class ServiceConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("drain_timeout_s", "max_stop_strings", "max_stop_string_bytes"):
+        for name in (
+            "drain_timeout_s",
+            "max_stop_strings",
+            "max_stop_string_bytes",
+            "max_stop_total_bytes",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.max_logprobs <= 20:
@@ -128,8 +137,11 @@ HELP: dict[str, str] = {
     "default_max_new_tokens": "max_new_tokens when a request leaves it 0 (clamped to the context)",
     "max_stop_strings": "most stop strings one request may carry",
     "max_stop_string_bytes": "longest stop string in UTF-8 bytes",
+    "max_stop_total_bytes": "UTF-8 bytes of one request's stop strings together",
     "max_logprobs": "largest top-n logprobs a request may ask for (at most 20)",
-    "max_grpc_message_bytes": "largest gRPC message accepted or sent",
+    "max_grpc_message_bytes": "largest gRPC request accepted, in bytes (refused before "
+    "authentication beyond it; the default holds a prompt of a 128k-token context; replies "
+    "may be up to 64 MiB or this, whichever is larger)",
     "max_concurrent_streams": "HTTP/2 concurrent streams per connection",
     "max_concurrent_rpcs": "concurrent RPC handlers over all connections (RESOURCE_EXHAUSTED "
     "beyond); a stream its client stopped reading counts until stream_write_timeout_s ends it",
@@ -142,7 +154,8 @@ HELP: dict[str, str] = {
     "api_key_file": "file holding the bearer tokens, one per line (one per tenant); when set, "
     "every RPC must present one of them",
     "cache_salt_by_api_key": "salt the prefix cache by the caller's API key (with the request's "
-    "own cache_salt): tenants share no cached block, nor see each other's hits",
+    "own cache_salt): tenants share no cached block, nor see each other's hits; unset: on "
+    "when api_key_file holds more than one key",
     "tls_cert": "PEM certificate chain for gRPC TLS (with --tls-key)",
     "tls_key": "PEM private key for gRPC TLS (with --tls-cert)",
     "zmq_curve_secret_key": "this scheduler's CurveZMQ .key_secret file: encrypts the "

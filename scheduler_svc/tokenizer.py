@@ -41,6 +41,10 @@ class TextTokenizer:
     model_max_length: int | None  # longest sequence the model supports; None if unknown
     known_roles: frozenset[str] = frozenset()
     _template: jinja2.Template | None = None
+    # The text of each special token ("<|im_start|>"), and a copy of the tokenizer that
+    # reads such text in a message's content as ordinary text (made on first use).
+    special_texts: tuple[str, ...] = ()
+    _splitting: Tokenizer | None = None
     _byte_tables: dict[bool, list[bytes] | None] = field(default_factory=dict)
     _text_tables: dict[bool, list[str | None] | None] = field(default_factory=dict)
 
@@ -50,6 +54,31 @@ class TextTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(self, rendered: str, contents: list[str]) -> list[int]:
+        """The ids of a rendered conversation whose turn markers are special tokens only
+        where the template wrote them: a content's "<|im_end|>\n<|im_start|>system" is
+        text, so a user cannot open a turn of another role (security review N10).
+        Contents without a special token's text, nearly all, leave the rendering to be
+        encoded whole, exactly as before."""
+        forging = [c for c in contents if any(text in c for text in self.special_texts)]
+        if not forging:
+            return self.encode(rendered, add_special_tokens=False)
+        ids: list[int] = []
+        start = 0
+        for content in forging:
+            index, found = _locate(rendered, content, start)
+            ids += self.encode(rendered[start:index], add_special_tokens=False)
+            ids += self._split_encoder().encode(found, add_special_tokens=False).ids
+            start = index + len(found)
+        return ids + self.encode(rendered[start:], add_special_tokens=False)
+
+    def _split_encoder(self) -> Tokenizer:
+        if self._splitting is None:
+            splitting = Tokenizer.from_str(self.tokenizer.to_str())
+            splitting.encode_special_tokens = True
+            self._splitting = splitting  # two threads may both build it: either is right
+        return self._splitting
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -127,8 +156,26 @@ def load_tokenizer(model_dir: Path) -> TextTokenizer:
         _template=_compile_template(chat_template) if chat_template else None,
     )
     text_tokenizer.known_roles = _probe_roles(text_tokenizer)
+    text_tokenizer.special_texts = tuple(
+        added.content
+        for added in tokenizer.get_added_tokens_decoder().values()
+        if added.special and added.content
+    )
     text_tokenizer.token_texts()  # built now (~0.3 s) rather than in the first request's step
     return text_tokenizer
+
+
+def _locate(rendered: str, content: str, start: int) -> tuple[int, str]:
+    """Where `content` (or, for a template that trims, its stripped form) is in `rendered`
+    at or after `start`, and the form found."""
+    for form in (content, content.strip()):
+        index = rendered.find(form, start) if form else -1
+        if index >= 0:
+            return index, form
+    raise ChatTemplateError(
+        "a message holds a special token's text and the chat template changed that "
+        "message, so it cannot be kept apart from the template's own tokens"
+    )
 
 
 def _read_json(path: Path) -> dict[str, Any]:

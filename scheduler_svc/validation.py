@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 from pagoda.scheduler_svc.core import ValidRequest, ValidSampling, ValidStopping
-from pagoda.scheduler_svc.tokenizer import TextTokenizer
+from pagoda.scheduler_svc.tokenizer import ChatTemplateError, TextTokenizer
 
 MAX_REQUEST_ID_BYTES = 128
 MAX_CACHE_SALT_BYTES = 256
@@ -33,6 +33,18 @@ class ValidationError(ValueError):
     """A request the server refuses with INVALID_ARGUMENT; the message is the sentence."""
 
 
+# Characters of a client's own input a refusal repeats: a 3 MB role came back whole in the
+# status details, past the client's metadata limit (security review N11).
+MAX_ECHOED_CHARS = 64
+
+
+def echoed(value: str) -> str:
+    """`value` quoted for a refusal, cut to MAX_ECHOED_CHARS characters."""
+    if len(value) <= MAX_ECHOED_CHARS:
+        return repr(value)
+    return f"{value[:MAX_ECHOED_CHARS]!r}... ({len(value)} characters)"
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     max_context_tokens: int
@@ -41,6 +53,7 @@ class Limits:
     max_stop_strings: int
     max_stop_string_bytes: int
     max_logprobs: int
+    max_stop_total_bytes: int = 1024
 
 
 def validate_generate(request, tokenizer: TextTokenizer, limits: Limits) -> ValidRequest:
@@ -79,18 +92,28 @@ def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidReq
     for index, message in enumerate(request.messages):
         if message.role not in tokenizer.known_roles:
             roles = ", ".join(sorted(tokenizer.known_roles))
-            raise ValidationError(f"messages[{index}].role {message.role!r} is not one of: {roles}")
+            raise ValidationError(
+                f"messages[{index}].role {echoed(message.role)} is not one of: {roles}"
+            )
         conversation.append((message.role, message.content))
     try:
         rendered = tokenizer.render_chat(conversation)
     except Exception as exc:  # the template's own raise_exception() and jinja errors
+        # The template's message may quote the conversation.
         raise ValidationError(
-            f"the model's chat template refused the conversation: {exc}"
+            f"the model's chat template refused the conversation: {echoed(str(exc))}"
         ) from None
     _check_prompt_text(rendered, limits)
-    # The template already wrote the special tokens (BOS, turn markers).
-    prompt_token_ids = tokenizer.encode(rendered, add_special_tokens=False)
-    return _finish(request, tuple(prompt_token_ids), limits)
+    # The template already wrote the special tokens (BOS, turn markers); the contents'
+    # look-alikes are text.
+    contents = [content for _, content in conversation]
+    try:
+        prompt_token_ids = tokenizer.encode_chat(rendered, contents)
+    except ChatTemplateError as exc:
+        sentence = str(exc)
+    else:
+        return _finish(request, tuple(prompt_token_ids), limits)
+    raise ValidationError(sentence)
 
 
 def validate_tokenize_text(text: str, limits: Limits) -> None:
@@ -231,6 +254,11 @@ def _stopping(stopping, num_prompt_tokens: int, limits: Limits) -> ValidStopping
             raise ValidationError(
                 f"stopping.stop[{index}] is {len(stop.encode())} bytes; at most {limits.max_stop_string_bytes}"
             )
+    num_stop_bytes = sum(len(stop.encode()) for stop in stopping.stop)
+    if num_stop_bytes > limits.max_stop_total_bytes:
+        raise ValidationError(
+            f"stopping.stop holds {num_stop_bytes} bytes in all; at most {limits.max_stop_total_bytes}"
+        )
     if len(stopping.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ValidationError(f"stopping.stop_token_ids holds more than {MAX_STOP_TOKEN_IDS} ids")
     for token_id in stopping.stop_token_ids:

@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 from pagoda.protos import step_pb2
 from pagoda.scheduler_svc import step_codec
+from pagoda.scheduler_svc.log_budget import LogBudget
 from zmq.utils.monitor import parse_monitor_message
 
 from pagoda.common import curve, transport, wire
@@ -116,6 +117,7 @@ class WorkerLink:
         self._gone: dict[bytes, str] = {}
         self._reads_left_for_gone = 0  # then they are dropped even if more is waiting
         self._tasks: list[asyncio.Task] = []
+        self._log_budget = LogBudget()
 
     @property
     def worker(self) -> WorkerInfo | None:
@@ -131,7 +133,7 @@ class WorkerLink:
         self._events = events
         if self.endpoint.startswith("ipc://"):
             socket_path = Path(self.endpoint.removeprefix("ipc://"))
-            socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            transport.prepare_ipc_directory(self.endpoint)  # UnsafeSocketDirectory
             # A socket file left by a crashed scheduler would make bind fail.
             if socket_path.exists():
                 socket_path.unlink()
@@ -269,7 +271,8 @@ class WorkerLink:
             else:
                 status, text = b"400", b"this key is not authorized"
                 address = request[3].decode(errors="replace") if len(request) > 3 else "?"
-                log.warning(
+                self._warn(
+                    "zap",
                     "refused a ZeroMQ peer from %s: its CURVE public key %s is not in the "
                     "authorized worker keys",
                     address or "?",
@@ -306,9 +309,14 @@ class WorkerLink:
             except wire.FrameError as exc:
                 self._refuse(identity, f"a malformed message: {exc}")
             except zmq.ZMQError as exc:
-                log.warning("could not answer the worker %s: %s", identity.hex(), exc)
+                self._warn("answer", "could not answer the worker %s: %s", identity.hex(), exc)
             except Exception:
-                log.exception("dropped a message from %s that could not be handled", identity.hex())
+                self._warn(
+                    "unhandled",
+                    "dropped a message from %s that could not be handled",
+                    identity.hex(),
+                    exc_info=True,
+                )
                 self._drop_worker_if(identity, "a message that could not be handled", suspect=False)
             if self._gone:
                 self._reads_left_for_gone -= 1
@@ -321,7 +329,17 @@ class WorkerLink:
         if identity in self._peers:
             self._drop_worker(identity, f"it sent {what}", suspect=False)
         else:
-            log.warning("ignored %s from %s", what, identity.hex())
+            self._warn("stranger", "ignored %s from %s", what, identity.hex())
+
+    def _warn(self, kind: str, message: str, *args, exc_info: bool = False) -> None:
+        """A warning a stranger can cause, within the log budget of its kind."""
+        num_left_out = self._log_budget.take(kind, time.monotonic())
+        if num_left_out is None:
+            return
+        if num_left_out:
+            message += " (%d more like it left out of the log)"
+            args = (*args, num_left_out)
+        log.warning(message, *args, exc_info=exc_info)
 
     def _drop_worker_if(self, identity: bytes, reason: str, *, suspect: bool = True) -> None:
         if identity in self._peers:

@@ -7,18 +7,26 @@ client that knows the scheduler's public key, so it never talks to an impostor. 
 ZeroMQ certificate files: `NAME.key` (public, safe to copy) and `NAME.key_secret`.
 
     python -m pagoda.common.curve DIR NAME     # writes DIR/NAME.key and DIR/NAME.key_secret (0600)
+
+It never replaces an existing key file: a key pair is replaced by removing the old one.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import zmq
 import zmq.auth
 from zmq.utils import z85
+
+from pagoda.common.secret_files import create_exclusive, exposure_warning
+
+log = logging.getLogger("pagoda.curve")
 
 
 class CurveKeyError(ValueError):
@@ -36,6 +44,9 @@ def load_key_pair(path: str | Path) -> KeyPair:
     public, secret = _load(path)
     if secret is None:
         raise CurveKeyError(f"{path} holds no secret key (give the .key_secret file)")
+    warning = exposure_warning(path, "the CURVE secret key")
+    if warning is not None:
+        log.warning("%s", warning)
     return KeyPair(public, secret)
 
 
@@ -85,6 +96,29 @@ def _load(path: str | Path) -> tuple[bytes, bytes | None]:
     return public, secret
 
 
+def write_key_pair(directory: Path, name: str) -> tuple[Path, Path]:
+    """Write directory/name.key (0644) and directory/name.key_secret (0600 from its first
+    byte, whatever the umask) in ZeroMQ's certificate format; CurveKeyError if either
+    exists."""
+    public_path, secret_path = directory / f"{name}.key", directory / f"{name}.key_secret"
+    for path in (public_path, secret_path):
+        if path.exists() or path.is_symlink():
+            raise CurveKeyError(f"{path} exists; remove the old key pair to replace it")
+    public, secret = zmq.curve_keypair()
+    created = datetime.now(UTC).isoformat(timespec="seconds")
+    lines = [f"#   ZeroMQ CURVE certificate, written by pagoda on {created}", "metadata", "curve"]
+    public_line = f'    public-key = "{public.decode()}"'
+    secret_line = f'    secret-key = "{secret.decode()}"'
+    try:
+        create_exclusive(secret_path, "\n".join([*lines, public_line, secret_line, ""]), 0o600)
+        create_exclusive(public_path, "\n".join([*lines, public_line, ""]), 0o644)
+    except FileExistsError as exc:  # created meanwhile by someone else
+        raise CurveKeyError(
+            f"{exc.filename} exists; remove the old key pair to replace it"
+        ) from None
+    return public_path, secret_path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pagoda.common.curve", description="Write a CurveZMQ key pair for Pagoda."
@@ -95,8 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     if not zmq.has("curve"):
         parser.error("this libzmq was built without CURVE support")
     args.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    public_path, secret_path = zmq.auth.create_certificates(args.directory, args.name)
-    os.chmod(secret_path, 0o600)
+    if os.stat(args.directory).st_mode & 0o022:
+        parser.error(
+            f"{args.directory} is writable by others, who could replace the keys; "
+            "use a directory only its owner can write"
+        )
+    try:
+        public_path, secret_path = write_key_pair(args.directory, args.name)
+    except CurveKeyError as exc:
+        parser.error(str(exc))
     print(f"public key (copy to the peer): {public_path}")
     print(f"secret key (keep here):        {secret_path}")
     return 0

@@ -11,6 +11,10 @@ reconnects.
 
 from __future__ import annotations
 
+import os
+import stat
+from pathlib import Path
+
 import zmq
 
 from pagoda.common import wire
@@ -27,3 +31,31 @@ def configure(socket: zmq.Socket) -> None:
     socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, TRANSPORT_TIMEOUT_MS)
     # Tells the peer how long to wait for our traffic before it gives up on us.
     socket.setsockopt(zmq.HEARTBEAT_TTL, TRANSPORT_TIMEOUT_MS)
+
+
+class UnsafeSocketDirectory(ValueError):
+    """The directory of an ipc:// endpoint could let another user replace the socket."""
+
+
+def prepare_ipc_directory(endpoint: str) -> None:
+    """For an ipc:// endpoint: create its directory private (0700) when missing, and refuse
+    one that is a symbolic link, is not this user's, or that others may write: there
+    another user could replace the socket and pose as the scheduler or the worker (security
+    review N13: /tmp/pagoda-$UID was taken as it was found). Other endpoints: nothing."""
+    if not endpoint.startswith("ipc://"):
+        return
+    directory = Path(endpoint.removeprefix("ipc://")).parent
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    status = os.lstat(directory)
+    if stat.S_ISLNK(status.st_mode) or not stat.S_ISDIR(status.st_mode):
+        problem = "is not a directory (a symbolic link?)"
+    elif status.st_uid != os.getuid():
+        problem = f"belongs to uid {status.st_uid}, not to this user ({os.getuid()})"
+    elif status.st_mode & 0o022:
+        problem = f"is writable by others (mode {stat.S_IMODE(status.st_mode):04o})"
+    else:
+        return
+    raise UnsafeSocketDirectory(
+        f"the socket directory {directory} {problem}; another user could replace the socket. "
+        "Remove it, or name a private directory in the zmq endpoint"
+    )

@@ -262,13 +262,14 @@ def _refuses(service) -> bool:
 
 
 def test_big_tokenize_and_chat_requests_are_refused_while_a_stream_flows(dummy_service):
-    """4 threads send 4 MB Tokenize texts and huge chats while a stream runs: each is refused
-    with INVALID_ARGUMENT before any tokenizer time, the stream ends exactly (review M1)."""
+    """4 threads send 1 MB Tokenize texts and huge chats (just under the 1 MiB request cap)
+    while a stream runs: each is refused with INVALID_ARGUMENT before any tokenizer time, the
+    stream ends exactly (review M1)."""
     import threading
 
-    huge_text = "a" * 4_000_000
+    huge_text = "a" * 1_000_000
     huge_chats = [
-        generation_pb2.ChatRequest(messages=[generation_pb2.ChatMessage(role="user", content="a")] * 300_000),
+        generation_pb2.ChatRequest(messages=[generation_pb2.ChatMessage(role="user", content="a")] * 60_000),
         generation_pb2.ChatRequest(messages=[generation_pb2.ChatMessage(role="user", content=huge_text)]),
     ]  # fmt: skip
     codes: list[str] = []

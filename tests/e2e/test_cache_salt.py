@@ -44,11 +44,13 @@ def test_cached_prompt_tokens_only_within_a_salt(tmp_path):
         assert "cache_salt" in refused.value.details()
 
 
-def test_cache_salt_by_api_key_keeps_tenants_apart(tmp_path):
+# Several keys salt by key by default (security review N9); the flag says so explicitly.
+@pytest.mark.parametrize("flag", [[], ["--cache-salt-by-api-key"]], ids=["default", "flag"])
+def test_cache_salt_by_api_key_keeps_tenants_apart(tmp_path, flag):
     keys = tmp_path / "api-keys"
     keys.write_text("key-a\nkey-b\n")
     keys.chmod(0o600)
-    scheduler_args = ["--api-key-file", str(keys), "--cache-salt-by-api-key"]
+    scheduler_args = ["--api-key-file", str(keys), *flag]
     with running_service(tmp_path, model="dummy", scheduler_args=scheduler_args) as service:
         assert cached_prompt_tokens(service, SECRET, api_key="key-a") == 0
         # Tenant b sends the same prompt: no hit, the oracle of review M2 is gone.

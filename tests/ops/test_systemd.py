@@ -115,6 +115,7 @@ def test_units_carry_the_sandbox(unit):
     assert not any("@resources" in line for line in settings["SystemCallFilter"][1:])
     assert last(settings, "MemoryMax") and last(settings, "MemoryHigh")
     assert last(settings, "TasksMax")
+    assert int(last(settings, "LimitNOFILE") or 0) >= 65536  # not systemd's 1024 (review N2)
     # Secrets come as systemd credentials, looked up by name so that a missing one is skipped.
     for credential in settings.get("LoadCredential", []):
         credential_id, source = credential.split(":")

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 from pagoda.protos import generation_pb2 as pb
-from pagoda.scheduler_svc.api import OFF_LOOP_MIN_CHARS, GenerationServicer
+from pagoda.scheduler_svc.api import OFF_LOOP_MIN_CHARS, GenerationServicer, Refused
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.validation import validate_chat, validate_generate
@@ -29,8 +29,24 @@ class Aborted(Exception):
 
 
 class Context:
+    """grpc.aio's servicer context, as far as the servicer uses it."""
+
+    def __init__(self) -> None:
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        self.aborted: Aborted | None = None
+
     async def abort(self, code, details):
-        raise Aborted(code, details)
+        # grpc.aio keeps the exception on the RPC's state, as this does: its traceback's
+        # frames hold the context, so the two make a reference cycle.
+        self.aborted = Aborted(code, details)
+        raise self.aborted
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
 
 
 class CountingTokenizer:
@@ -52,6 +68,9 @@ class CountingTokenizer:
 
     def id_to_piece(self, token_id: int) -> str:
         return "x"
+
+    def encode_chat(self, rendered: str, contents: list[str]) -> list[int]:
+        return self.encode(rendered, add_special_tokens=False)
 
     def render_chat(self, messages) -> str:
         self.render_threads.append(threading.current_thread().name)
@@ -78,11 +97,11 @@ def test_a_full_queue_refuses_before_any_tokenizer_time():
     service, tokenizer, _ = servicer(num_waiting=config.scheduler.max_waiting_requests)
 
     async def scenario():
-        with pytest.raises(Aborted) as generate:
+        with pytest.raises(Refused) as generate:
             await service._admit(
                 validate_generate, pb.GenerateRequest(prompt="hi " * 900), Context()
             )
-        with pytest.raises(Aborted) as chat:
+        with pytest.raises(Refused) as chat:
             request = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hello")])
             await service._admit(validate_chat, request, Context())
         return generate.value.code, chat.value.code
@@ -120,19 +139,23 @@ def test_tokenize_text_is_bounded_by_the_context_before_encoding():
     text = "a" * 4_000_000
 
     async def scenario():
-        with pytest.raises(Aborted) as refused:
-            await service.Tokenize(pb.TokenizeRequest(text=text), Context())
-        return refused.value
+        context = Context()
+        assert await service.Tokenize(pb.TokenizeRequest(text=text), context) is None
+        return context
 
     refused = asyncio.run(scenario())
     assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "far beyond the context of 512 tokens" in str(refused)
+    assert "far beyond the context of 512 tokens" in refused.details
     assert tokenizer.encode_threads == []
 
 
-def test_a_stream_whose_writes_stall_is_ended_and_its_request_released():
+@pytest.mark.parametrize("status_refused", [False, True])
+def test_a_stream_whose_writes_stall_is_ended_and_its_request_released(status_refused):
     """A client that stops reading blocks the write (flow control); past
-    stream_write_timeout_s the stream ends with DEADLINE_EXCEEDED and the slot is released."""
+    stream_write_timeout_s the stream ends with DEADLINE_EXCEEDED and the slot is released.
+    When grpc refuses to queue the status behind the pending write (ExecuteBatchError, an
+    InternalError), the handler ends as cancelled: nothing for grpc.aio to log with a
+    traceback, once per stalled stream (security review N7)."""
     import dataclasses
 
     from pagoda.scheduler_svc.core import RequestOutput
@@ -141,6 +164,11 @@ def test_a_stream_whose_writes_stall_is_ended_and_its_request_released():
     class StalledContext(Context):
         async def write(self, message):
             await asyncio.Event().wait()  # the client never takes it
+
+        async def abort(self, code, details):
+            if status_refused:
+                raise grpc.aio.InternalError("GRPC_CALL_ERROR_TOO_MANY_OPERATIONS")
+            await super().abort(code, details)
 
     class ServingLoop(FakeLoop):
         def __init__(self) -> None:
@@ -160,10 +188,98 @@ def test_a_stream_whose_writes_stall_is_ended_and_its_request_released():
     service = GenerationServicer(loop, Metrics(), CountingTokenizer(), config, "m")
 
     async def scenario():
-        with pytest.raises(Aborted) as ended:
+        ending = Aborted if not status_refused else asyncio.CancelledError
+        with pytest.raises(ending) as ended:
             await service.Generate(pb.GenerateRequest(prompt="hi"), StalledContext())
         return ended.value
 
     ended = asyncio.run(scenario())
-    assert ended.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    if not status_refused:
+        assert ended.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert len(loop.released) == 1
+
+
+def test_tokenize_refuses_more_tokens_than_the_context_before_building_pieces():
+    """Within the character bound, a text may still encode to more tokens than the context:
+    refused before any piece is built (security review N6)."""
+
+    class OneTokenPerChar(CountingTokenizer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_pieces = 0
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [5] * len(text)
+
+        def id_to_piece(self, token_id: int) -> str:
+            self.num_pieces += 1
+            return "x"
+
+    tokenizer = OneTokenPerChar()
+    service = GenerationServicer(FakeLoop(0), Metrics(), tokenizer, ServiceConfig(), "m")
+
+    async def scenario():
+        refused, allowed = Context(), Context()
+        too_many = pb.TokenizeRequest(text="a" * (MAX_CONTEXT_TOKENS + 1))
+        assert await service.Tokenize(too_many, refused) is None
+        reply = await service.Tokenize(pb.TokenizeRequest(text="a" * MAX_CONTEXT_TOKENS), allowed)
+        return refused, allowed, reply
+
+    refused, allowed, reply = asyncio.run(scenario())
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{MAX_CONTEXT_TOKENS + 1} tokens" in refused.details
+    assert allowed.code is None and len(reply.tokens) == MAX_CONTEXT_TOKENS
+    assert tokenizer.num_pieces == MAX_CONTEXT_TOKENS  # none for the refused text
+
+
+def test_refusals_echo_only_the_start_of_the_input():
+    """A 3 MB role came back whole in the details, past the client's metadata limit
+    (security review N11)."""
+    service, _, _ = servicer()
+    role = "r" * 3_000_000
+
+    async def scenario():
+        context = Context()
+        request = pb.ChatRequest(messages=[pb.ChatMessage(role=role, content="hi")])
+        await service.Chat(request, context)
+        return context
+
+    refused = asyncio.run(scenario())
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "messages[0].role 'rrrr" in refused.details
+    assert "(3000000 characters)" in refused.details
+    assert len(refused.details) < 300
+
+
+def test_a_write_grpc_refuses_ends_the_handler_as_cancelled():
+    """A write into a call whose connection closed raises ExecuteBatchError (an
+    InternalError); grpc.aio logged each with a traceback (security review N7)."""
+    from pagoda.scheduler_svc.core import RequestOutput
+    from pagoda.scheduler_svc.output_streams import OutputSlot
+
+    class ClosedContext(Context):
+        async def write(self, message):
+            raise grpc.aio.InternalError("Failed execute_batch")
+
+    class ServingLoop(FakeLoop):
+        def __init__(self) -> None:
+            super().__init__(num_waiting=0)
+            self.released: list[OutputSlot] = []
+
+        def submit(self, valid):
+            slot = OutputSlot(valid.request_id)
+            slot.publish(RequestOutput(valid.request_id, "a", [5], None))
+            return slot
+
+        def release(self, slot):
+            self.released.append(slot)
+
+    loop = ServingLoop()
+    service = GenerationServicer(loop, Metrics(), CountingTokenizer(), ServiceConfig(), "m")
+
+    async def scenario():
+        with pytest.raises(asyncio.CancelledError):
+            await service.Generate(pb.GenerateRequest(prompt="hi"), ClosedContext())
+
+    asyncio.run(scenario())
     assert len(loop.released) == 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc import settings
-from pagoda.scheduler_svc.api import read_api_keys, tenant_cache_salt
+from pagoda.scheduler_svc.api import read_api_keys, resolve_cache_salting, tenant_cache_salt
 from pagoda.scheduler_svc.core.config import ConfigError
 from pagoda.scheduler_svc.validation import (
     MAX_CACHE_SALT_BYTES,
@@ -88,3 +88,20 @@ def test_chat_requests_carry_their_cache_salt_too(default_model_dir):
     request.cache_salt = "x" * (MAX_CACHE_SALT_BYTES + 1)
     with pytest.raises(ValidationError, match="cache_salt"):
         validate_chat(request, tokenizer, LIMITS)
+
+
+def test_several_keys_salt_the_cache_by_key_unless_told_otherwise(tmp_path):
+    """Security review N9: with several tenants and no setting, B read A's cached prefix."""
+    keys = tmp_path / "keys"
+    keys.write_text("key-a\nkey-b\n")
+    one_key = tmp_path / "one-key"
+    one_key.write_text("key-a\n")
+
+    def salted(argv: list[str]) -> bool:
+        return resolve_cache_salting(settings.load(argv, {})[0].config).cache_salt_by_api_key
+
+    assert salted(["--api-key-file", str(keys)])
+    assert not salted(["--api-key-file", str(one_key)])
+    assert not salted([])
+    assert not salted(["--api-key-file", str(keys), "--no-cache-salt-by-api-key"])
+    assert salted(["--api-key-file", str(one_key), "--cache-salt-by-api-key"])

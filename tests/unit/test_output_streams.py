@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from pagoda.scheduler_svc.core import FinishReason, RequestOutput, StepOutputs, TokenLogprob
-from pagoda.scheduler_svc.output_streams import OutputStreams
+from pagoda.scheduler_svc.output_streams import MIN_UNREAD_TOKENS_TO_END, OutputStreams
 
 
 def out(text, ids, finish=None, logprobs=None):
@@ -245,5 +245,88 @@ def test_output_a_waiting_reader_has_not_taken_yet_is_not_counted_as_unread():
         for token_id in range(5):
             streams.publish([RequestOutput("r2", "x", [token_id], None)])
         assert second.overflowed
+
+    asyncio.run(scenario())
+
+
+def test_unread_output_is_bounded_over_all_slots_together():
+    """Security review N4: per slot alone, 4,000 stalled streams held about 1 GB. Past the
+    shared budget, a slot holding a large share is ended; one that keeps up is not."""
+    overflowed: list[str] = []
+
+    async def scenario():
+        streams = OutputStreams(
+            max_unread_tokens=2048, max_total_unread_tokens=500, on_overflow=overflowed.append
+        )
+        stalled = [streams.open(f"s{index}") for index in range(10)]
+        reader = streams.open("reader")
+        for token_id in range(200):
+            for slot in stalled:
+                slot.publish_token("x", token_id)
+            reader.publish_token("y", token_id)
+            assert (await reader.next()).token_ids == [token_id]
+            # Within the budget, plus less than the share that gets a slot ended.
+            assert streams.budget.num_tokens <= 500 + 10 * MIN_UNREAD_TOKENS_TO_END
+        assert "reader" not in overflowed and len(overflowed) >= 5
+        ended = stalled[int(overflowed[0][1:])]
+        streams.publish([RequestOutput(ended.request_id, "", [], None, FinishReason.CANCELLED)])
+        final = await ended.next()
+        assert final.finish_reason is FinishReason.ERROR
+        assert "the server holds too much unread output" in final.error_message
+        for slot in stalled:
+            streams.close(slot.request_id)
+        streams.close("reader")
+        assert streams.budget.num_tokens == 0  # every share given back
+
+    asyncio.run(scenario())
+
+
+def test_tokens_waiting_for_the_readers_turn_count_toward_the_shared_budget():
+    """Under CPU load the turnstile's line crawls and waiting readers pile up output (in a
+    live run, hundreds of tokens each, 1.1 GB in all). Not their clients' fault, so no
+    per-slot cap; but past the shared budget the readers most behind are ended."""
+    overflowed: list[str] = []
+
+    async def scenario():
+        streams = OutputStreams(
+            max_unread_tokens=100,
+            max_total_unread_tokens=300,
+            on_overflow=overflowed.append,
+            readers_per_turn=1,
+        )
+        writer = streams.open("writer")
+        waiting = [streams.open(f"w{index}") for index in range(3)]
+        writer.publish_token("x", 0)
+        await writer.next()  # it holds the one place while it writes (never comes back)
+        readers = [asyncio.create_task(slot.next()) for slot in waiting]
+        await asyncio.sleep(0)  # all three wait in next(), in line behind the writer
+        for token_id in range(150):
+            streams.publish(
+                [RequestOutput(slot.request_id, "x", [token_id], None) for slot in waiting]
+            )
+        assert overflowed and "writer" not in overflowed
+        assert streams.budget.num_tokens <= 300 + 3 * 100
+        for task in readers:
+            task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_reader_woken_for_output_an_overflow_dropped_waits_for_the_requests_end():
+    overflowed: list[str] = []
+
+    async def scenario():
+        streams = OutputStreams(max_unread_tokens=5, on_overflow=overflowed.append)
+        slot = streams.open("r1")
+        slot.publish_token("x", 0)  # the reader is away: pending, and its wake is set
+        for token_id in range(1, 6):
+            slot.publish_token("x", token_id)
+        assert overflowed == ["r1"] and not slot.has_pending
+        reader = asyncio.create_task(slot.next())
+        await asyncio.sleep(0)
+        assert not reader.done()  # it waits: nothing to take
+        streams.publish([out("", [9], FinishReason.CANCELLED)])
+        final = await reader
+        assert final.finish_reason is FinishReason.ERROR
 
     asyncio.run(scenario())
