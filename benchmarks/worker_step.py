@@ -6,11 +6,13 @@ DynamicCache, on the same shapes, in the same run.
       [--write-docs docs/benchmarks.md]
 
 Cases: decode steps at each batch x context (CPU: batch 1/8/32/64, context 128; CUDA:
-batch 1..256, contexts 128/1024/4096); prefill of 128/512/2048 tokens; one mixed step (a
+batch 1..256, contexts 128/1024/4096, less those whose K/V does not fit the card), each
+beside its roofline (weights + K/V read once at the memory's bandwidth); prefill of 128/512/2048 tokens; one mixed step (a
 512-token chunk + 32 decodes) against the two run separately. Decode contexts are set up
 as cached prefixes (the timing does not depend on the KV values), so no time goes into
 building them. Both sides run the same weights, dtype and quantization on the same device;
-on CUDA every timed run ends with a synchronize. Times are medians of a few repeats after
+on CUDA every timed run ends with a synchronize. Pagoda's side is the production path: the
+attention backend and CUDA graphs the worker picks (`--attention-backend`, `--no-cuda-graphs`). Times are medians of a few repeats after
 one warm-up. A benchmark, not a test: nothing here asserts a timing.
 """
 
@@ -46,12 +48,17 @@ MIXED_CHUNK_TOKENS = 512
 MIXED_DECODES = 32
 
 
+# Memory bandwidth from the data sheets (SXM parts); another device's is measured by a copy.
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
+
+
 @dataclass(slots=True)
 class Row:
     case: str
     pagoda_ms: float
     transformers_ms: float | None
     tokens: int  # tokens fed per step
+    roofline_ms: float | None = None  # decode: weights + the batch's K/V read once
 
     @property
     def pagoda_tokens_per_s(self) -> float:
@@ -62,6 +69,19 @@ class Row:
         if self.transformers_ms is None:
             return None
         return self.tokens / self.transformers_ms * 1e3
+
+
+def memory_bytes_per_s(device: torch.device) -> float:
+    """The device's memory bandwidth: a data-sheet figure for a known GPU, else the rate of
+    one large copy (bytes read plus bytes written)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for card, rate in HBM_BYTES_PER_S.items():
+            if card in name:
+                return rate
+    source = torch.empty(1 << 28, dtype=torch.uint8, device=device)
+    (copy_ms,) = median_ms(source.clone, repeats=5)
+    return 2 * source.numel() / (copy_ms / 1e3)
 
 
 def _synchronize() -> None:
@@ -141,6 +161,9 @@ class Bench:
         self.vocab_size = engine.facts.vocab_size
         self.device = engine.device
         self.dtype = engine.pool.geometry.dtype
+        tensors = [*engine.model.parameters(), *engine.model.buffers()]
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.bytes_per_s = memory_bytes_per_s(engine.device)
 
     def forget_all(self) -> None:
         """Forget every sequence (a plan with no entries), so the next case starts at block 0."""
@@ -187,6 +210,11 @@ class Bench:
         )
         return seq_id, plan
 
+    def roofline_ms(self, batch: int, context: int) -> float:
+        """A decode step's floor: every weight byte read once, plus each sequence's K/V."""
+        kv_bytes = batch * context * self.engine.pool.geometry.bytes_per_block // BLOCK_SIZE
+        return (self.weight_bytes + kv_bytes) / self.bytes_per_s * 1e3
+
     def decode(self, batch: int, context: int) -> Row:
         seq_ids = self.decode_sequences(batch, context)
         plan = self.decode_plan(seq_ids, context)
@@ -196,7 +224,8 @@ class Bench:
         times = median_ms(*runs, repeats=self.repeats)
         self.forget_all()
         transformers_ms = times[1] if len(times) > 1 else None
-        return Row(f"decode, batch {batch}, context {context}", times[0], transformers_ms, batch)
+        case = f"decode, batch {batch}, context {context}"
+        return Row(case, times[0], transformers_ms, batch, self.roofline_ms(batch, context))
 
     def _transformers_decode(self, batch: int, context: int) -> Callable[[], None]:
         from transformers import DynamicCache
@@ -275,15 +304,18 @@ class Bench:
 
 def render_table(rows: list[Row]) -> str:
     lines = [
-        "| case | pagoda ms/step | transformers ms/step | pagoda tokens/s | transformers tokens/s |",
-        "|---|---:|---:|---:|---:|",
+        "| case | pagoda ms/step | transformers ms/step | pagoda tokens/s | "
+        "transformers tokens/s | roofline ms | pagoda / roofline |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         theirs_ms = f"{row.transformers_ms:.1f}" if row.transformers_ms is not None else "n/a"
         theirs_tps = row.transformers_tokens_per_s
+        roof = "" if row.roofline_ms is None else f"{row.roofline_ms:.2f}"
+        ratio = "" if row.roofline_ms is None else f"{row.pagoda_ms / row.roofline_ms:.1f}x"
         lines.append(
             f"| {row.case} | {row.pagoda_ms:.1f} | {theirs_ms} | {row.pagoda_tokens_per_s:.0f} | "
-            f"{f'{theirs_tps:.0f}' if theirs_tps is not None else 'n/a'} |"
+            f"{f'{theirs_tps:.0f}' if theirs_tps is not None else 'n/a'} | {roof} | {ratio} |"
         )
     return "\n".join(lines)
 
@@ -298,6 +330,26 @@ def write_docs(path: Path, kind: str, body: str) -> None:
     headings around it stay."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     path.write_text(docs_section.replace_section(text, docs_section_name(kind), body))
+
+
+def fitting_cases(
+    model, batches: tuple[int, ...], contexts: tuple[int, ...], device: str
+) -> list[tuple[int, int]]:
+    """(batch, context) decode cases in context-major order, without those whose K/V would
+    take more than half the GPU's free memory (the reference side holds its own copy)."""
+    cases = [(batch, context) for context in contexts for batch in batches]
+    if not device.startswith("cuda"):
+        return cases
+    text = model.config.get_text_config()
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    element_bytes = next(model.parameters()).element_size()
+    bytes_per_token = 2 * text.num_hidden_layers * num_kv_heads * head_dim * element_bytes
+    free_bytes, _ = torch.cuda.mem_get_info(torch.device(device))
+    fitting = [(b, c) for b, c in cases if b * c * bytes_per_token <= free_bytes / 2]
+    for batch, context in sorted(set(cases) - set(fitting)):
+        print(f"left out: decode batch {batch}, context {context} (its K/V does not fit)")
+    return fitting
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -334,6 +386,16 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated; empty: none",
     )
     parser.add_argument("--no-mixed", action="store_true", help="leave out the mixed step")
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="as the worker's (default auto: the backend the worker would pick)",
+    )
+    parser.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="decode steps eagerly (the worker captures graphs on CUDA by default)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per case (median)")
     parser.add_argument(
         "--write-docs",
@@ -350,16 +412,22 @@ def main(argv: list[str] | None = None) -> int:
     resolved = resolve_model_dir(args.model)
     reference = load_model(resolved, device, args.dtype)
     quantize(reference, quantization)
+    model = load_model(resolved, device, args.dtype)
+    cases = fitting_cases(model, batches, contexts, device)
     # Enough blocks for the largest case; every case forgets its sequences after it.
-    largest = max([b * c for b in batches for c in contexts] + [2 * max(PREFILL_LENGTHS)])
+    largest = max([b * c for b, c in cases] + [2 * max(PREFILL_LENGTHS)])
     largest += MIXED_DECODES * max(contexts) + MIXED_CHUNK_TOKENS
     num_kv_blocks = -(-largest // BLOCK_SIZE) + max(batches) + MIXED_DECODES + 8
-    engine = PagedEngine(load_model(resolved, device, args.dtype), model_id=resolved.model_id,
-                         num_kv_blocks=num_kv_blocks, block_size=BLOCK_SIZE,
-                         quantization=quantization)  # fmt: skip
+    # The production path: the attention backend and CUDA graphs the worker itself picks.
+    engine = PagedEngine(model, model_id=resolved.model_id, num_kv_blocks=num_kv_blocks,
+                         block_size=BLOCK_SIZE, quantization=quantization,
+                         attention_backend=args.attention_backend,
+                         cuda_graphs=not args.no_cuda_graphs)  # fmt: skip
+    if engine.decode_graphs is not None:
+        engine.decode_graphs.capture()
     bench = Bench(engine, reference, args.repeats)
     started_s = time.monotonic()
-    rows = [bench.decode(batch, context) for context in contexts for batch in batches]
+    rows = [bench.decode(batch, context) for batch, context in cases]
     rows += [bench.prefill(num_tokens) for num_tokens in args.prefill_lengths]
     if not args.no_mixed:
         rows += bench.mixed(contexts[0])
@@ -372,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     summary = (
         f"{resolved.model_id}, {engine.facts.dtype} on {device}, quantization {quantization}, "
-        f"attention {engine.attention_backend.name}; {machine}; "
+        f"attention {engine.attention_backend.name}, CUDA graphs "
+        f"{'on' if engine.decode_graphs is not None else 'off'}; {machine}; "
         f"block size {BLOCK_SIZE}; median of {args.repeats} repeats "
         f"(fewer for long prefills); run took {time.monotonic() - started_s:.0f} s."
     )
