@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from pagoda.gpu_worker.attention import BACKEND_NAMES
 
 from pagoda.common.settings import (
-    SettingError,
+    LoadedConfig,
     default_zmq_endpoint,
     insecure_tcp_problem,
-    resolve,
-    settings_lines,
+    load_flags,
 )
 
 ENV_PREFIX = "PAGODA_WORKER_"
@@ -307,54 +305,11 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     return parser
 
 
-@dataclass(frozen=True, slots=True)
-class LoadedConfig:
-    config: WorkerConfig
-    sources: dict[str, str]  # setting -> "flag", "env PAGODA_WORKER_X", "toml FILE", "default"
-    print_config: bool
-
-
-def _settings(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    names = {f.name for f in fields(WorkerConfig)}
-    return {a.dest: a for a in parser._actions if a.dest in names}
-
-
 def load_config(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> LoadedConfig:
-    """Flags > environment > TOML file > defaults, validated; a bad value or an unknown
-    TOML key exits 2 with a sentence (argparse's usage error)."""
-    environ = os.environ if environ is None else environ
-    parser = build_parser(environ)
-    args = parser.parse_args(argv)
-    settings = _settings(parser)
-
-    def parse(name: str, value: object, origin: str) -> object:
-        action = settings[name]
-        try:
-            return action.type(str(value)) if action.type else str(value)
-        except ValueError:
-            raise SettingError(f"{origin}: {value!r} is not a valid value for {name}") from None
-
-    # Which settings the command line itself gave: a parser whose defaults are all absent.
-    explicit = build_parser(environ)
-    for action in _settings(explicit).values():
-        action.default = argparse.SUPPRESS
-    given = vars(explicit.parse_args(argv)).keys() & settings.keys()
-    try:
-        resolved = resolve(
-            {name: action.default for name, action in settings.items()},
-            flags={name: getattr(args, name) for name in given},
-            environ=environ,
-            env_prefix=ENV_PREFIX,
-            config_path=args.config,
-            from_toml=lambda name, value, path: parse(name, value, f"{name} in {path}"),
-            from_env=parse,
-        )
-        config = WorkerConfig(**resolved.values)
-    except ValueError as exc:  # SettingError, or WorkerConfig's own checks
-        parser.error(str(exc))
-    return LoadedConfig(config, resolved.sources, args.print_config)
+    """Flags > environment > TOML file > defaults, validated (pagoda.common.settings)."""
+    return load_flags(build_parser, WorkerConfig, ENV_PREFIX, argv, environ)
 
 
 def parse_config(
@@ -365,9 +320,8 @@ def parse_config(
 
 
 def describe(loaded: LoadedConfig) -> str:
-    """One line per setting, `name = value  # source`, as the scheduler prints them."""
-    values = {f.name: getattr(loaded.config, f.name) for f in fields(WorkerConfig)}
-    return settings_lines(values, loaded.sources)
+    """One line per setting, `name = value  # source`, as the other services print them."""
+    return loaded.describe()
 
 
 def configure_logging(level: str) -> None:

@@ -8,10 +8,11 @@ way for both and records where every value came from, which `settings_lines` pri
 
 from __future__ import annotations
 
+import argparse
 import os
 import tomllib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,65 @@ def _toml_literal(value: Any) -> str:
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedConfig:
+    """A service's validated config, where each setting came from, and --print-config."""
+
+    config: Any  # the service's frozen config dataclass
+    sources: dict[str, str]  # setting -> "flag", "env PREFIX_X", "toml FILE", "default"
+    print_config: bool
+
+    def describe(self) -> str:
+        """One line per setting, `name = value  # source`, as every service prints them."""
+        values = {f.name: getattr(self.config, f.name) for f in fields(self.config)}
+        return settings_lines(values, self.sources)
+
+
+def load_flags(
+    build_parser: Callable[[Mapping[str, str]], argparse.ArgumentParser],
+    config_class: type,
+    env_prefix: str,
+    argv: Sequence[str] | None,
+    environ: Mapping[str, str] | None,
+) -> LoadedConfig:
+    """Flags > environment > TOML file (--config) > defaults into `config_class`, for a
+    parser whose settings are the dataclass's fields (plus --config and --print-config); a
+    bad value or an unknown TOML key exits 2 with a sentence (argparse's usage error)."""
+    environ = os.environ if environ is None else environ
+    names = {f.name for f in fields(config_class)}
+
+    def settings_of(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+        return {a.dest: a for a in parser._actions if a.dest in names}
+
+    parser = build_parser(environ)
+    args = parser.parse_args(argv)
+    settings = settings_of(parser)
+
+    def parse(name: str, value: object, origin: str) -> object:
+        action = settings[name]
+        try:
+            return action.type(str(value)) if action.type else str(value)
+        except ValueError:
+            raise SettingError(f"{origin}: {value!r} is not a valid value for {name}") from None
+
+    # Which settings the command line itself gave: a parser whose defaults are all absent.
+    explicit = build_parser(environ)
+    for action in settings_of(explicit).values():
+        action.default = argparse.SUPPRESS
+    given = vars(explicit.parse_args(argv)).keys() & settings.keys()
+    try:
+        resolved = resolve(
+            {name: action.default for name, action in settings.items()},
+            flags={name: getattr(args, name) for name in given},
+            environ=environ,
+            env_prefix=env_prefix,
+            config_path=args.config,
+            from_toml=lambda name, value, path: parse(name, value, f"{name} in {path}"),
+            from_env=parse,
+        )
+        config = config_class(**resolved.values)
+    except ValueError as exc:  # SettingError, or the config's own checks
+        parser.error(str(exc))
+    return LoadedConfig(config, resolved.sources, args.print_config)
