@@ -29,7 +29,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import REPO_ROOT, Service, free_port, running_service, stop_process
+from tests.e2e.conftest import (
+    REPO_ROOT,
+    Service,
+    free_port,
+    running_service,
+    stop_process,
+    wait_until,
+)
 from tests.e2e.test_dummy_service import dummy_continuation, prompts
 from tests.e2e.test_haproxy import (
     LONG_STREAM_WORKER_ARGS,
@@ -456,8 +463,9 @@ def test_a_replica_stopped_with_sigterm_finishes_its_requests_while_the_other_ta
                 # keeps its open requests; the scheduler reports NOT_SERVING and drains.
                 draining.front.send_signal(signal.SIGTERM)
                 draining.service.scheduler.send_signal(signal.SIGTERM)
-                while draining.accepts():
-                    await asyncio.sleep(0.05)
+                await asyncio.to_thread(
+                    wait_until, lambda: not draining.accepts(), 30, "front a to stop accepting"
+                )
                 # Before HAProxy's check has seen it or after: refused at connect, retried.
                 early = await asyncio.gather(*(ask(http, a) for a in early_asks))
                 await asyncio.to_thread(door.wait_for, "a", "DOWN")
