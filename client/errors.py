@@ -10,7 +10,8 @@ import grpc
 
 
 class PagodaError(Exception):
-    """A failed call: the gRPC status `code` and the server's one-sentence `details`."""
+    """A failed call: the gRPC status `code` and the server's one-sentence `details`
+    (UNAVAILABLE for a stream cut off before its status, whatever code grpc guessed)."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"{code.name}: {details}")
@@ -27,7 +28,9 @@ class ResourceExhaustedError(PagodaError):
 
 
 class UnavailableError(PagodaError):
-    """No server at the target, no worker connected, or the server is draining."""
+    """No server at the target, no worker connected, the server is draining, or the
+    connection or the stream was lost before the call's status (a transport failure: the
+    tokens received were real, and the call may be sent again)."""
 
 
 class DeadlineExceededError(PagodaError):
@@ -61,9 +64,24 @@ _ERROR_CLASS_BY_CODE: dict[grpc.StatusCode, type[PagodaError]] = {
 }
 
 
+# grpc's sentence for an HTTP/2 stream that ended without a gRPC status (no trailers),
+# "Stream removed (<how>)": UNKNOWN after an END_STREAM, INTERNAL after a RST_STREAM. No
+# server ends a call that way; a proxy does when the replica behind it went away mid-stream
+# (HAProxy 2.6 sends END_STREAM). The transport failed, as when a direct connection is
+# reset, which grpc itself reports as UNAVAILABLE.
+_CUT_OFF_PREFIX = "Stream removed"
+_CUT_OFF_CODES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
+
+
 def error_for_code(code: grpc.StatusCode, details: str) -> PagodaError:
     """The PagodaError subclass for `code` (the base class for codes Pagoda never returns)."""
     details = details.strip() or f"the server returned {code.name} without a reason"
+    if code in _CUT_OFF_CODES and details.startswith(_CUT_OFF_PREFIX):
+        return UnavailableError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"the stream was cut off before its status: its server, or a proxy on the way, "
+            f"lost it ({details})",
+        )
     return _ERROR_CLASS_BY_CODE.get(code, PagodaError)(code, details)
 
 
