@@ -34,6 +34,7 @@ from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.rpc_limit import RpcLimit
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.step_loop import StepLoop, Unavailable
+from pagoda.scheduler_svc.tenants import KeyEntry, Tenant, TenantDirectory, parse_key_file
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
 from pagoda.scheduler_svc.validation import (
     MAX_CHAT_MESSAGES,
@@ -196,6 +197,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._tokenizer = tokenizer
         self._config = config
         self._model_id = model_id
+        self._tenants = tenant_directory(config)
         self._last_hello = None
         self._write_watch = WriteWatch(config.stream_write_timeout_s)
         self._tokenizer_threads = ThreadPoolExecutor(
@@ -263,6 +265,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if request.request_id:
             scoped = f"{context.peer()}/{client_request_id}"
             valid = dataclasses.replace(valid, request_id=scoped)
+        tenant = self._tenant(context)
+        valid = dataclasses.replace(valid, tenant=tenant.name, tenant_weight=tenant.weight)
         if self._config.cache_salt_by_api_key:
             salt = tenant_cache_salt(_bearer_token(context), valid.cache_salt)
             valid = dataclasses.replace(valid, cache_salt=salt)
@@ -339,6 +343,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 _input_chars(request), validate, request, self._tokenizer, limits
             )
         except ValidationError as exc:
+            sentence = str(exc)
+        raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, sentence)
+
+    def _tenant(self, context) -> Tenant:
+        """The caller's tenant (its key's, or the trusted front's header)."""
+        try:
+            return self._tenants.tenant_of(context.invocation_metadata())
+        except ValueError as exc:
             sentence = str(exc)
         raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, sentence)
 
@@ -561,19 +573,30 @@ def resolve_cache_salting(config: ServiceConfig) -> ServiceConfig:
 
 
 def read_api_keys(path: str, *, warn: bool = True) -> list[str]:
-    """The bearer tokens of an api_key_file: one per line, blank lines and # comments
-    skipped; a file holding one key, as before, is one line."""
+    """The bearer tokens of an api_key_file (see read_key_entries)."""
+    return [entry.key for entry in read_key_entries(path, warn=warn)]
+
+
+def read_key_entries(path: str, *, warn: bool = True) -> list[KeyEntry]:
+    """The lines of an api_key_file: a key, or `name:weight:key`, per line (one tenant
+    each); blank lines and # comments skipped; a file holding one key is one line."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read api_key_file: {exc}") from None
-    keys = [line.strip() for line in text.splitlines()]
-    keys = [key for key in keys if key and not key.startswith("#")]
-    if not keys:
+    entries = parse_key_file(text, f"api_key_file {path}")
+    if not entries:
         raise ConfigError(f"api_key_file {path} is empty")
     if warn:  # once, when the server is built
         _warn_if_exposed(path, "the api_key_file")
-    return keys
+    return entries
+
+
+def tenant_directory(config: ServiceConfig) -> TenantDirectory:
+    """Who each caller is: the key file's tenants (none without one), and whether the
+    front's tenant header is trusted."""
+    entries = read_key_entries(config.api_key_file, warn=False) if config.api_key_file else []
+    return TenantDirectory(entries, trust_header=config.trust_tenant_header)
 
 
 def _warn_if_exposed(path: str, what: str) -> None:

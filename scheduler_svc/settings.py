@@ -57,6 +57,7 @@ class ServiceConfig:
     status_interval_s: float = 10.0
     api_key_file: str | None = None
     cache_salt_by_api_key: bool | None = None
+    trust_tenant_header: bool = False
     tls_cert: str | None = None
     tls_key: str | None = None
     zmq_curve_secret_key: str | None = None
@@ -151,11 +152,15 @@ HELP: dict[str, str] = {
     "max_health_watchers": "concurrent grpc.health.v1 Watch streams (RESOURCE_EXHAUSTED beyond); "
     "Watch needs the bearer token when api_key_file is set, Check never does",
     "status_interval_s": "seconds between the periodic one-line status logs",
-    "api_key_file": "file holding the bearer tokens, one per line (one per tenant); when set, "
+    "api_key_file": "file holding the bearer tokens, one per line: a key, or name:weight:key "
+    "(one tenant each; a bare key's tenant is named key-<8 hex of its sha256>); when set, "
     "every RPC must present one of them",
     "cache_salt_by_api_key": "salt the prefix cache by the caller's API key (with the request's "
     "own cache_salt): tenants share no cached block, nor see each other's hits; unset: on "
     "when api_key_file holds more than one key",
+    "trust_tenant_header": "take the tenant from the x-pagoda-tenant metadata when a request "
+    "carries it (only behind a front that authenticates callers and sets it; anyone else "
+    "could name any tenant)",
     "tls_cert": "PEM certificate chain for gRPC TLS (with --tls-key)",
     "tls_key": "PEM private key for gRPC TLS (with --tls-cert)",
     "zmq_curve_secret_key": "this scheduler's CurveZMQ .key_secret file: encrypts the "

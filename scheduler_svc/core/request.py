@@ -49,6 +49,9 @@ class ValidRequest:
     priority: int = 0  # lower runs first under the priority policy
     # Requests share prefix-cache blocks only with requests of the same salt (tenants).
     cache_salt: str = ""
+    # Who sent it (a name, never a key) and its weight: the fair share (core/tenants.py).
+    tenant: str = ""
+    tenant_weight: float = 1.0
 
 
 class FinishReason(enum.Enum):
