@@ -195,6 +195,16 @@ HELP: dict[str, str] = {
     "this many ms of worker time beside them, as learned from the worker's step times "
     "(at least 32, never above the token knobs), so a long prompt does not stall the "
     "streams; 0 or none: off (only the token knobs)",
+    "fair_share": "share the worker between tenants (API keys) by weighted tokens served: "
+    "admission serves the least-served tenant first, preemption takes from the most served; "
+    "with one tenant nothing changes",
+    "fair_prompt_weight": "weight of a prompt token computed in a tenant's service",
+    "fair_generated_weight": "weight of a generated token in a tenant's service",
+    "max_tenant_requests": "cap on one tenant's unfinished requests, running and queued "
+    "(RESOURCE_EXHAUSTED beyond; per worker with several; unset: none)",
+    "max_tenant_waiting_requests": "cap on one tenant's queued requests (RESOURCE_EXHAUSTED "
+    "beyond; per worker with several); unset: none with one tenant, half of "
+    "max_waiting_requests with several keys, so one cannot fill the queue",
     "affinity_max_kv_use_gap": "with several workers, one that caches a prefix of a new "
     "request wins it only while its KV use (running and queued blocks, as a share of its "
     "pool) is at most this much above the least-loaded worker's; else the least loaded "

@@ -97,6 +97,7 @@ class Request:
     # exactly once, when appended, so a recompute after preemption never repeats one.
     token_ids: array[int]
     arrival_s: float
+    tenant: str = ""  # its tenant's name (core/tenants.py)
     state: RequestState = RequestState.WAITING
     seq_id: int | None = None
     # Tokens of token_ids whose KV is in block_ids, counting those fed by the step in flight.
