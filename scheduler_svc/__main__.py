@@ -17,6 +17,7 @@ from pagoda.scheduler_svc.api import (
     GenerationServicer,
     build_server,
     resolve_cache_salting,
+    resolve_tenant_quotas,
 )
 from pagoda.scheduler_svc.core import ConfigError, Scheduler
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
@@ -77,6 +78,7 @@ async def serve(
     model_id: str,
     curve_settings: CurveSettings,
 ) -> int:
+    config = resolve_tenant_quotas(config)
     metrics = Metrics()
     health_servicer = None
     background: set[asyncio.Task] = set()

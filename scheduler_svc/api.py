@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import hmac
 import logging
+import time
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,7 +35,13 @@ from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.rpc_limit import RpcLimit
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.step_loop import StepLoop, Unavailable
-from pagoda.scheduler_svc.tenants import KeyEntry, Tenant, TenantDirectory, parse_key_file
+from pagoda.scheduler_svc.tenants import (
+    KeyEntry,
+    Tenant,
+    TenantDirectory,
+    TokenBucket,
+    parse_key_file,
+)
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
 from pagoda.scheduler_svc.validation import (
     MAX_CHAT_MESSAGES,
@@ -198,6 +205,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._config = config
         self._model_id = model_id
         self._tenants = tenant_directory(config)
+        self._buckets: dict[str, TokenBucket] = {}  # tenant name -> its tokens per minute
         self._last_hello = None
         self._write_watch = WriteWatch(config.stream_write_timeout_s)
         self._tokenizer_threads = ThreadPoolExecutor(
@@ -266,6 +274,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             scoped = f"{context.peer()}/{client_request_id}"
             valid = dataclasses.replace(valid, request_id=scoped)
         tenant = self._tenant(context)
+        self._check_tokens_per_minute(tenant, valid)
         valid = dataclasses.replace(valid, tenant=tenant.name, tenant_weight=tenant.weight)
         if self._config.cache_salt_by_api_key:
             salt = tenant_cache_salt(_bearer_token(context), valid.cache_salt)
@@ -353,6 +362,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ValueError as exc:
             sentence = str(exc)
         raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, sentence)
+
+    def _check_tokens_per_minute(self, tenant: Tenant, valid: ValidRequest) -> None:
+        """Refuse a request its tenant's tokens per minute cannot start now."""
+        limit = self._config.tenant_tokens_per_minute
+        if limit is None:
+            return
+        now = time.monotonic()
+        bucket = self._buckets.get(tenant.name)
+        if bucket is None:
+            bucket = self._buckets[tenant.name] = TokenBucket(limit, now)
+        cost = len(valid.prompt_token_ids) + valid.stopping.max_new_tokens
+        wait_s = bucket.take(cost, now)
+        if wait_s is not None:
+            raise self._refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"tenant {tenant.name} is over its {limit} tokens per minute "
+                f"(tenant_tokens_per_minute); retry in {wait_s:.1f} s",
+            )
 
     def _submit(self, valid: ValidRequest):
         try:
@@ -570,6 +597,19 @@ def resolve_cache_salting(config: ServiceConfig) -> ServiceConfig:
         return config
     num_keys = len(read_api_keys(config.api_key_file, warn=False)) if config.api_key_file else 0
     return dataclasses.replace(config, cache_salt_by_api_key=num_keys > 1)
+
+
+def resolve_tenant_quotas(config: ServiceConfig) -> ServiceConfig:
+    """`config` with max_tenant_waiting_requests decided: unset with several keys (several
+    tenants), half the waiting queue, so that one tenant cannot fill it (review N3)."""
+    scheduler = config.scheduler
+    if scheduler.max_tenant_waiting_requests is not None or not config.api_key_file:
+        return config
+    if len(read_api_keys(config.api_key_file, warn=False)) < 2:
+        return config
+    cap = max(1, scheduler.max_waiting_requests // 2)
+    scheduler = dataclasses.replace(scheduler, max_tenant_waiting_requests=cap)
+    return dataclasses.replace(config, scheduler=scheduler)
 
 
 def read_api_keys(path: str, *, warn: bool = True) -> list[str]:

@@ -58,6 +58,7 @@ class ServiceConfig:
     api_key_file: str | None = None
     cache_salt_by_api_key: bool | None = None
     trust_tenant_header: bool = False
+    tenant_tokens_per_minute: int | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     zmq_curve_secret_key: str | None = None
@@ -99,6 +100,11 @@ class ServiceConfig:
         if not self.zmq_endpoint.startswith(("ipc://", "tcp://")):
             raise ConfigError(
                 f"zmq_endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.zmq_endpoint!r}"
+            )
+        if self.tenant_tokens_per_minute is not None and self.tenant_tokens_per_minute < 1:
+            raise ConfigError(
+                "tenant_tokens_per_minute must be >= 1 (or unset for no cap), "
+                f"got {self.tenant_tokens_per_minute}"
             )
         if self.cache_salt_by_api_key and self.api_key_file is None:
             raise ConfigError(
@@ -161,6 +167,9 @@ HELP: dict[str, str] = {
     "trust_tenant_header": "take the tenant from the x-pagoda-tenant metadata when a request "
     "carries it (only behind a front that authenticates callers and sets it; anyone else "
     "could name any tenant)",
+    "tenant_tokens_per_minute": "per tenant, prompt plus max_new_tokens of the requests it "
+    "may start per minute (a token bucket holding a minute's worth; RESOURCE_EXHAUSTED "
+    "beyond; unset: no cap)",
     "tls_cert": "PEM certificate chain for gRPC TLS (with --tls-key)",
     "tls_key": "PEM private key for gRPC TLS (with --tls-cert)",
     "zmq_curve_secret_key": "this scheduler's CurveZMQ .key_secret file: encrypts the "

@@ -78,6 +78,34 @@ def _weight(text: str) -> float | None:
     return weight if math.isfinite(weight) and weight > 0 else None
 
 
+class TokenBucket:
+    """Tokens per minute for one tenant: holds up to a minute's worth, refills evenly.
+
+    A request is let through while the bucket holds its cost, or is full (a request larger
+    than a minute's worth is not refused for ever); the bucket may then go below zero and
+    the tenant waits for it to refill. `now` (seconds, monotonic) is passed in.
+    """
+
+    __slots__ = ("tokens_per_minute", "level", "last_s")
+
+    def __init__(self, tokens_per_minute: int, now: float) -> None:
+        self.tokens_per_minute = tokens_per_minute
+        self.level = float(tokens_per_minute)
+        self.last_s = now
+
+    def take(self, num_tokens: int, now: float) -> float | None:
+        """Take `num_tokens`; None when let through, else the seconds until it would be."""
+        capacity = self.tokens_per_minute
+        elapsed_s = max(0.0, now - self.last_s)
+        self.level = min(capacity, self.level + elapsed_s * capacity / 60.0)
+        self.last_s = now
+        needed = min(num_tokens, capacity)
+        if self.level >= needed:
+            self.level -= num_tokens
+            return None
+        return (needed - self.level) * 60.0 / capacity
+
+
 class TenantDirectory:
     """Maps a call's metadata to its tenant. Called after authentication (BearerAuth)."""
 

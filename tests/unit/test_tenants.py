@@ -6,13 +6,19 @@ import hashlib
 
 import pytest
 from pagoda.scheduler_svc import settings
-from pagoda.scheduler_svc.api import read_api_keys, read_key_entries, tenant_directory
+from pagoda.scheduler_svc.api import (
+    read_api_keys,
+    read_key_entries,
+    resolve_tenant_quotas,
+    tenant_directory,
+)
 from pagoda.scheduler_svc.core import ConfigError
 from pagoda.scheduler_svc.tenants import (
     DEFAULT_TENANT,
     TENANT_HEADER,
     Tenant,
     TenantDirectory,
+    TokenBucket,
     derived_name,
     parse_key_file,
     parse_key_line,
@@ -81,3 +87,36 @@ def test_trust_tenant_header_setting(tmp_path):
     directory = tenant_directory(loaded.config)
     assert directory.tenant_of([(TENANT_HEADER, "alice")]) == Tenant("alice", 2.0)
     assert not settings.load([], {"PAGODA_TRUST_TENANT_HEADER": "0"})[0].config.trust_tenant_header
+
+
+def test_the_token_bucket_lets_a_minutes_worth_through_then_refills_evenly():
+    bucket = TokenBucket(600, now=0.0)  # 10 tokens a second
+    assert bucket.take(400, 0.0) is None
+    assert bucket.take(200, 0.0) is None
+    assert bucket.take(50, 0.0) == pytest.approx(5.0)  # 50 tokens: 5 s to refill
+    assert bucket.take(50, 5.0) is None
+    # A request larger than a minute's worth waits for a full bucket, never for ever.
+    assert bucket.take(6000, 10.0) == pytest.approx(55.0)
+    assert bucket.take(6000, 70.0) is None
+    assert bucket.take(1, 70.0) is not None  # in debt: it refills first
+
+
+def test_with_several_keys_one_tenant_cannot_fill_the_waiting_queue(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("ka\nkb\n")
+    config = settings.load(["--api-key-file", str(keys), "--max-waiting-requests", "100"], {})[0]
+    assert resolve_tenant_quotas(config.config).scheduler.max_tenant_waiting_requests == 50
+    explicit = settings.load(
+        ["--api-key-file", str(keys), "--max-tenant-waiting-requests", "7"], {}
+    )[0].config
+    assert resolve_tenant_quotas(explicit).scheduler.max_tenant_waiting_requests == 7
+    keys.write_text("ka\n")  # one tenant: the whole queue is its own
+    config = settings.load(["--api-key-file", str(keys)], {})[0].config
+    assert resolve_tenant_quotas(config).scheduler.max_tenant_waiting_requests is None
+    toml = tmp_path / "pagoda.toml"
+    toml.write_text("max_tenant_requests = 9\ntenant_tokens_per_minute = 1000\n")
+    config = settings.load(["--config", str(toml)], {"PAGODA_MAX_TENANT_REQUESTS": "8"})[0]
+    assert config.config.scheduler.max_tenant_requests == 8  # env wins over TOML
+    assert config.config.tenant_tokens_per_minute == 1000
+    with pytest.raises(ConfigError, match="tenant_tokens_per_minute must be >= 1"):
+        settings.load(["--tenant-tokens-per-minute", "0"], {})
