@@ -124,6 +124,7 @@ async def serve(
         await health_servicer.set(service, _health_status("NOT_SERVING"))
     metrics.watch(lambda: loop.stats, lambda: loop.worker is not None)
     metrics.watch_workers(loop.worker_stats)
+    metrics.watch_tenants(loop.tenant_stats)
     metrics_server = None
     if config.metrics_address:
         metrics_server = await metrics.serve(config.metrics_address)

@@ -290,6 +290,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     raise self._refused(code, output.error_message or "the request failed")
                 await self._write(context, to_response(output, client_request_id))
                 if output.finish_reason is not None:
+                    self._metrics.observe_tenant_finish(tenant.name, output)
                     return
         finally:
             # Reached on normal end, refusal, client cancel, deadline, disconnect or a
@@ -471,9 +472,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return info
 
     async def GetServerStats(self, request, context):
-        return await self._answer(context, self._server_stats(request))
+        return await self._answer(context, self._server_stats(request, context))
 
-    async def _server_stats(self, request) -> generation_pb2.ServerStats:
+    def _own_tenant_stats(self, context) -> generation_pb2.TenantStats:
+        """The caller's tenant's figures; zeros for a tenant with no request yet."""
+        tenant = self._tenant(context).name
+        figures = next((s for s in self._loop.tenant_stats() if s.tenant == tenant), None)
+        bounds, counts, total_s = self._metrics.tenant_ttft(tenant)
+        stats = generation_pb2.TenantStats(
+            tenant=tenant, ttft_bucket_le_s=bounds, ttft_bucket_counts=counts, ttft_sum_s=total_s
+        )
+        if figures is not None:
+            stats.num_waiting = figures.num_waiting
+            stats.num_running = figures.num_running
+            stats.num_served_tokens = figures.num_served_tokens
+            stats.num_preemptions = figures.num_preemptions
+            stats.num_requests_finished = figures.num_requests_finished
+        return stats
+
+    async def _server_stats(self, request, context) -> generation_pb2.ServerStats:
         self._reject_undecodable(request)
         stats = self._loop.stats
         worker = self._loop.worker
@@ -507,6 +524,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 )
                 for each in self._loop.worker_stats()
             ],
+            tenants=[self._own_tenant_stats(context)],
         )
 
 

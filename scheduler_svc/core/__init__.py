@@ -42,6 +42,7 @@ from pagoda.scheduler_svc.core.request import (
     ValidStopping,
 )
 from pagoda.scheduler_svc.core.scheduler import Scheduler
+from pagoda.scheduler_svc.core.tenants import TenantQuotaError, TenantStats
 
 __all__ = [
     "ADMISSION_POLICIES",
@@ -58,6 +59,8 @@ __all__ = [
     "StepOutputs",
     "StepPlan",
     "StepResult",
+    "TenantQuotaError",
+    "TenantStats",
     "Timings",
     "TokenLogprob",
     "Usage",

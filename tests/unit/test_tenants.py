@@ -120,3 +120,32 @@ def test_with_several_keys_one_tenant_cannot_fill_the_waiting_queue(tmp_path):
     assert config.config.tenant_tokens_per_minute == 1000
     with pytest.raises(ConfigError, match="tenant_tokens_per_minute must be >= 1"):
         settings.load(["--tenant-tokens-per-minute", "0"], {})
+
+
+def test_metrics_carry_each_tenants_figures_and_ttft_by_name():
+    from pagoda.scheduler_svc.core import FinishReason, RequestOutput, TenantStats, Timings, Usage
+    from pagoda.scheduler_svc.metrics import Metrics
+    from prometheus_client import generate_latest
+
+    metrics = Metrics()
+    metrics.watch_tenants(lambda: [TenantStats("alice", 1, 2, 30, 4, 5)])
+    output = RequestOutput(
+        request_id="r",
+        text="",
+        token_ids=[],
+        logprobs=None,
+        finish_reason=FinishReason.STOP,
+        usage=Usage(
+            prompt_tokens=3, completion_tokens=2, cached_prompt_tokens=0, num_preemptions=0
+        ),
+        timings=Timings(queued_ms=1.0, first_token_ms=40.0, total_ms=90.0),
+    )
+    metrics.observe_tenant_finish("alice", output)
+    text = generate_latest(metrics.registry).decode()
+    assert 'pagoda_tenant_requests_waiting{tenant="alice"} 1.0' in text
+    assert 'pagoda_tenant_served_tokens{tenant="alice"} 30.0' in text
+    assert 'pagoda_tenant_preemptions{tenant="alice"} 4.0' in text
+    assert 'pagoda_tenant_time_to_first_token_seconds_count{tenant="alice"} 1.0' in text
+    bounds, counts, total_s = metrics.tenant_ttft("alice")
+    assert bounds[-1] == float("inf") and counts[-1] == 1 and total_s == pytest.approx(0.04)
+    assert metrics.tenant_ttft("bob") == ([], [], 0.0)
