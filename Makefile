@@ -10,7 +10,7 @@ ARGS ?=
 LLAMA_CPP_PYTHON_VERSION ?= 0.3.36
 
 .DEFAULT_GOAL := help
-.PHONY: help install protos check-protos lint test test-fast run bench bench-quick bench-worker bench-scheduler llama-server gpu-check gpu-carry clean
+.PHONY: help install protos check-protos lint test test-fast run bench bench-quick bench-worker bench-scheduler bench-tenants llama-server gpu-check gpu-carry clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -59,6 +59,9 @@ bench-worker: $(STAMP) ## the paged worker vs transformers' own forward, per ste
 
 bench-scheduler: $(STAMP) ## schedule() + apply() per step at 16..1024 running sequences
 	$(PY) -m benchmarks.scheduler_core $(ARGS)
+
+bench-tenants: $(STAMP) ## two API keys on the dummy worker, fair share off and on: a flood vs short requests
+	$(PY) -m benchmarks.tenants $(ARGS)
 
 llama-server: $(STAMP) ## build llama.cpp's llama-server + the Q4_1 model into ~/.cache (a make bench peer)
 	scripts/build_llama_server.sh $(PY) $(LLAMA_CPP_PYTHON_VERSION)

@@ -19,6 +19,7 @@ from pagoda.client.results import (
     Completion,
     ModelInfo,
     ServerStats,
+    TenantStats,
     Timings,
     TokenLogprob,
     Usage,
@@ -33,6 +34,7 @@ __all__ = [
     "GenerationOptions",
     "ModelInfo",
     "ServerStats",
+    "TenantStats",
     "Timings",
     "TokenLogprob",
     "Usage",
@@ -174,7 +176,8 @@ def model_info_from_proto(message: pb.ModelInfo) -> ModelInfo:
 def server_stats_from_proto(message: pb.ServerStats) -> ServerStats:
     stats = _dataclass_from_message(ServerStats, message)
     workers = [_dataclass_from_message(WorkerStats, worker) for worker in message.workers]
-    return dataclasses.replace(stats, workers=workers)
+    tenants = [_dataclass_from_message(TenantStats, tenant) for tenant in message.tenants]
+    return dataclasses.replace(stats, workers=workers, tenants=tenants)
 
 
 def _apply_options(request: pb.GenerateRequest | pb.ChatRequest, options: dict[str, Any]) -> None:

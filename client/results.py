@@ -164,6 +164,25 @@ class ServerStats:
     # Steps that fed one suspect request alone, to find one that failed a step or lost
     # the worker (not after a worker stopped on purpose).
     num_isolated_steps: int
+    # The caller's own tenant (one entry; never another tenant's figures).
+    tenants: list[TenantStats]
+
+
+@dataclass(frozen=True, slots=True)
+class TenantStats:
+    """The caller's tenant's figures (ServerStats.tenants), named, never by key."""
+
+    tenant: str
+    num_waiting: int
+    num_running: int
+    num_served_tokens: int  # prompt and generated tokens of its finished requests
+    num_preemptions: int
+    num_requests_finished: int
+    # Time to first token as a cumulative histogram: ttft_bucket_counts[i] requests got
+    # theirs within ttft_bucket_le_s[i] seconds (the last bound inf); their sum in s.
+    ttft_bucket_le_s: list[float]
+    ttft_bucket_counts: list[int]
+    ttft_sum_s: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -211,7 +211,7 @@ class ServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_kv_blocks_used", "num_kv_blocks_total", "prefix_cache_hit_rate", "num_preemptions", "num_steps", "worker_connected", "num_kv_blocks_cached", "num_requests_finished", "num_generated_tokens", "worker_incarnation_id", "draining", "worker_busy_fraction", "worker_busy_s", "workers", "num_isolated_steps")
+    __slots__ = ("num_waiting", "num_running", "num_kv_blocks_used", "num_kv_blocks_total", "prefix_cache_hit_rate", "num_preemptions", "num_steps", "worker_connected", "num_kv_blocks_cached", "num_requests_finished", "num_generated_tokens", "worker_incarnation_id", "draining", "worker_busy_fraction", "worker_busy_s", "workers", "num_isolated_steps", "tenants")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,7 @@ class ServerStats(_message.Message):
     WORKER_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_ISOLATED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_kv_blocks_used: int
@@ -246,7 +247,30 @@ class ServerStats(_message.Message):
     worker_busy_s: float
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     num_isolated_steps: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., worker_connected: _Optional[bool] = ..., num_kv_blocks_cached: _Optional[int] = ..., num_requests_finished: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., worker_incarnation_id: _Optional[str] = ..., draining: _Optional[bool] = ..., worker_busy_fraction: _Optional[float] = ..., worker_busy_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., num_isolated_steps: _Optional[int] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., worker_connected: _Optional[bool] = ..., num_kv_blocks_cached: _Optional[int] = ..., num_requests_finished: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., worker_incarnation_id: _Optional[str] = ..., draining: _Optional[bool] = ..., worker_busy_fraction: _Optional[float] = ..., worker_busy_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., num_isolated_steps: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "num_waiting", "num_running", "num_served_tokens", "num_preemptions", "num_requests_finished", "ttft_bucket_le_s", "ttft_bucket_counts", "ttft_sum_s")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TTFT_BUCKET_LE_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_BUCKET_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SUM_S_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    num_waiting: int
+    num_running: int
+    num_served_tokens: int
+    num_preemptions: int
+    num_requests_finished: int
+    ttft_bucket_le_s: _containers.RepeatedScalarFieldContainer[float]
+    ttft_bucket_counts: _containers.RepeatedScalarFieldContainer[int]
+    ttft_sum_s: float
+    def __init__(self, tenant: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_served_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_requests_finished: _Optional[int] = ..., ttft_bucket_le_s: _Optional[_Iterable[float]] = ..., ttft_bucket_counts: _Optional[_Iterable[int]] = ..., ttft_sum_s: _Optional[float] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("incarnation_id", "num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_total", "busy_fraction", "num_steps", "num_generated_tokens")

@@ -17,6 +17,7 @@ from pagoda.scheduler_svc.api import (
     GenerationServicer,
     build_server,
     resolve_cache_salting,
+    resolve_tenant_quotas,
 )
 from pagoda.scheduler_svc.core import ConfigError, Scheduler
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
@@ -77,6 +78,7 @@ async def serve(
     model_id: str,
     curve_settings: CurveSettings,
 ) -> int:
+    config = resolve_tenant_quotas(config)
     metrics = Metrics()
     health_servicer = None
     background: set[asyncio.Task] = set()
@@ -122,6 +124,7 @@ async def serve(
         await health_servicer.set(service, _health_status("NOT_SERVING"))
     metrics.watch(lambda: loop.stats, lambda: loop.worker is not None)
     metrics.watch_workers(loop.worker_stats)
+    metrics.watch_tenants(loop.tenant_stats)
     metrics_server = None
     if config.metrics_address:
         metrics_server = await metrics.serve(config.metrics_address)

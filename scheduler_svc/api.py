@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import hmac
 import logging
+import time
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,6 +35,13 @@ from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.rpc_limit import RpcLimit
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.step_loop import StepLoop, Unavailable
+from pagoda.scheduler_svc.tenants import (
+    KeyEntry,
+    Tenant,
+    TenantDirectory,
+    TokenBucket,
+    parse_key_file,
+)
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
 from pagoda.scheduler_svc.validation import (
     MAX_CHAT_MESSAGES,
@@ -196,6 +204,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._tokenizer = tokenizer
         self._config = config
         self._model_id = model_id
+        self._tenants = tenant_directory(config)
+        self._buckets: dict[str, TokenBucket] = {}  # tenant name -> its tokens per minute
         self._last_hello = None
         self._write_watch = WriteWatch(config.stream_write_timeout_s)
         self._tokenizer_threads = ThreadPoolExecutor(
@@ -263,6 +273,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if request.request_id:
             scoped = f"{context.peer()}/{client_request_id}"
             valid = dataclasses.replace(valid, request_id=scoped)
+        tenant = self._tenant(context)
+        self._check_tokens_per_minute(tenant, valid)
+        valid = dataclasses.replace(valid, tenant=tenant.name, tenant_weight=tenant.weight)
         if self._config.cache_salt_by_api_key:
             salt = tenant_cache_salt(_bearer_token(context), valid.cache_salt)
             valid = dataclasses.replace(valid, cache_salt=salt)
@@ -277,6 +290,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     raise self._refused(code, output.error_message or "the request failed")
                 await self._write(context, to_response(output, client_request_id))
                 if output.finish_reason is not None:
+                    self._metrics.observe_tenant_finish(tenant.name, output)
                     return
         finally:
             # Reached on normal end, refusal, client cancel, deadline, disconnect or a
@@ -341,6 +355,32 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ValidationError as exc:
             sentence = str(exc)
         raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, sentence)
+
+    def _tenant(self, context) -> Tenant:
+        """The caller's tenant (its key's, or the trusted front's header)."""
+        try:
+            return self._tenants.tenant_of(context.invocation_metadata())
+        except ValueError as exc:
+            sentence = str(exc)
+        raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, sentence)
+
+    def _check_tokens_per_minute(self, tenant: Tenant, valid: ValidRequest) -> None:
+        """Refuse a request its tenant's tokens per minute cannot start now."""
+        limit = self._config.tenant_tokens_per_minute
+        if limit is None:
+            return
+        now = time.monotonic()
+        bucket = self._buckets.get(tenant.name)
+        if bucket is None:
+            bucket = self._buckets[tenant.name] = TokenBucket(limit, now)
+        cost = len(valid.prompt_token_ids) + valid.stopping.max_new_tokens
+        wait_s = bucket.take(cost, now)
+        if wait_s is not None:
+            raise self._refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"tenant {tenant.name} is over its {limit} tokens per minute "
+                f"(tenant_tokens_per_minute); retry in {wait_s:.1f} s",
+            )
 
     def _submit(self, valid: ValidRequest):
         try:
@@ -432,9 +472,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return info
 
     async def GetServerStats(self, request, context):
-        return await self._answer(context, self._server_stats(request))
+        return await self._answer(context, self._server_stats(request, context))
 
-    async def _server_stats(self, request) -> generation_pb2.ServerStats:
+    def _own_tenant_stats(self, context) -> generation_pb2.TenantStats:
+        """The caller's tenant's figures; zeros for a tenant with no request yet."""
+        tenant = self._tenant(context).name
+        figures = next((s for s in self._loop.tenant_stats() if s.tenant == tenant), None)
+        bounds, counts, total_s = self._metrics.tenant_ttft(tenant)
+        stats = generation_pb2.TenantStats(
+            tenant=tenant, ttft_bucket_le_s=bounds, ttft_bucket_counts=counts, ttft_sum_s=total_s
+        )
+        if figures is not None:
+            stats.num_waiting = figures.num_waiting
+            stats.num_running = figures.num_running
+            stats.num_served_tokens = figures.num_served_tokens
+            stats.num_preemptions = figures.num_preemptions
+            stats.num_requests_finished = figures.num_requests_finished
+        return stats
+
+    async def _server_stats(self, request, context) -> generation_pb2.ServerStats:
         self._reject_undecodable(request)
         stats = self._loop.stats
         worker = self._loop.worker
@@ -468,6 +524,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 )
                 for each in self._loop.worker_stats()
             ],
+            tenants=[self._own_tenant_stats(context)],
         )
 
 
@@ -560,20 +617,44 @@ def resolve_cache_salting(config: ServiceConfig) -> ServiceConfig:
     return dataclasses.replace(config, cache_salt_by_api_key=num_keys > 1)
 
 
+def resolve_tenant_quotas(config: ServiceConfig) -> ServiceConfig:
+    """`config` with max_tenant_waiting_requests decided: unset with several keys (several
+    tenants), half the waiting queue, so that one tenant cannot fill it (review N3)."""
+    scheduler = config.scheduler
+    if scheduler.max_tenant_waiting_requests is not None or not config.api_key_file:
+        return config
+    if len(read_api_keys(config.api_key_file, warn=False)) < 2:
+        return config
+    cap = max(1, scheduler.max_waiting_requests // 2)
+    scheduler = dataclasses.replace(scheduler, max_tenant_waiting_requests=cap)
+    return dataclasses.replace(config, scheduler=scheduler)
+
+
 def read_api_keys(path: str, *, warn: bool = True) -> list[str]:
-    """The bearer tokens of an api_key_file: one per line, blank lines and # comments
-    skipped; a file holding one key, as before, is one line."""
+    """The bearer tokens of an api_key_file (see read_key_entries)."""
+    return [entry.key for entry in read_key_entries(path, warn=warn)]
+
+
+def read_key_entries(path: str, *, warn: bool = True) -> list[KeyEntry]:
+    """The lines of an api_key_file: a key, or `name:weight:key`, per line (one tenant
+    each); blank lines and # comments skipped; a file holding one key is one line."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read api_key_file: {exc}") from None
-    keys = [line.strip() for line in text.splitlines()]
-    keys = [key for key in keys if key and not key.startswith("#")]
-    if not keys:
+    entries = parse_key_file(text, f"api_key_file {path}")
+    if not entries:
         raise ConfigError(f"api_key_file {path} is empty")
     if warn:  # once, when the server is built
         _warn_if_exposed(path, "the api_key_file")
-    return keys
+    return entries
+
+
+def tenant_directory(config: ServiceConfig) -> TenantDirectory:
+    """Who each caller is: the key file's tenants (none without one), and whether the
+    front's tenant header is trusted."""
+    entries = read_key_entries(config.api_key_file, warn=False) if config.api_key_file else []
+    return TenantDirectory(entries, trust_header=config.trust_tenant_header)
 
 
 def _warn_if_exposed(path: str, what: str) -> None:

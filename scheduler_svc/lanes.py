@@ -36,6 +36,7 @@ from pagoda.scheduler_svc.core import (
     Scheduler,
     SchedulerConfig,
     SchedulerStats,
+    TenantStats,
     ValidRequest,
 )
 from pagoda.scheduler_svc.core.kv import cache_root_hash
@@ -66,6 +67,9 @@ _CUMULATIVE_STATS = (
     "num_prefix_queries_tokens",
     "num_prefix_hit_tokens",
 )
+
+
+_TENANT_COUNTS = tuple(f.name for f in dataclasses.fields(TenantStats) if f.name != "tenant")
 
 
 class _LaneMetrics:
@@ -197,6 +201,16 @@ class Lanes:
 
     def worker_stats(self) -> list[WorkerStats]:
         return [stats for lane in self._lanes for stats in lane.loop.worker_stats()]
+
+    def tenant_stats(self) -> list[TenantStats]:
+        """Each tenant's figures, the open lanes' added up (a closed lane's are gone)."""
+        totals: dict[str, dict[str, int]] = {}
+        for lane in self._lanes:
+            for stats in lane.scheduler.tenant_stats():
+                total = totals.setdefault(stats.tenant, dict.fromkeys(_TENANT_COUNTS, 0))
+                for name in _TENANT_COUNTS:
+                    total[name] += getattr(stats, name)
+        return [TenantStats(tenant=name, **totals[name]) for name in sorted(totals)]
 
     @property
     def draining(self) -> bool:

@@ -11,7 +11,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from pagoda.scheduler_svc.core import RequestOutput, SchedulerStats
+from pagoda.scheduler_svc.core import RequestOutput, SchedulerStats, TenantStats
 from pagoda.scheduler_svc.metrics_http import serve_metrics
 from pagoda.scheduler_svc.worker_stats import WorkerStats
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -187,6 +187,37 @@ class _PerWorker(Collector):
             yield family
 
 
+class _PerTenant(Collector):
+    """Gauges of each tenant, labelled by its name (never its key)."""
+
+    def __init__(self, tenants: Callable[[], list[TenantStats]]) -> None:
+        self._tenants = tenants
+
+    def collect(self):
+        gauges = {
+            "num_waiting": ("pagoda_tenant_requests_waiting", "Its requests queued"),
+            "num_running": ("pagoda_tenant_requests_running", "Its requests being computed"),
+            "num_served_tokens": (
+                "pagoda_tenant_served_tokens",
+                "Prompt and generated tokens of its finished requests, since start",
+            ),
+            "num_preemptions": (
+                "pagoda_tenant_preemptions",
+                "Its requests preempted for recompute, since start",
+            ),
+            "num_requests_finished": (
+                "pagoda_tenant_requests_finished",
+                "Its finished requests, since start",
+            ),
+        }
+        tenants = self._tenants()
+        for field, (name, documentation) in gauges.items():
+            family = GaugeMetricFamily(name, documentation, labels=["tenant"])
+            for tenant in tenants:
+                family.add_metric([tenant.tenant], getattr(tenant, field))
+            yield family
+
+
 class Metrics:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = CollectorRegistry()
@@ -244,6 +275,13 @@ class Metrics:
         self.prompt_tokens = Counter(
             "pagoda_prompt_tokens", "Prompt tokens of finished requests", registry=r
         )
+        self.tenant_ttft_s = Histogram(
+            "pagoda_tenant_time_to_first_token_seconds",
+            "Arrival to first token, by tenant",
+            ["tenant"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
 
     def watch(
         self, stats: Callable[[], SchedulerStats], worker_connected: Callable[[], bool]
@@ -252,6 +290,32 @@ class Metrics:
 
     def watch_workers(self, workers: Callable[[], list[WorkerStats]]) -> None:
         self.registry.register(_PerWorker(workers))
+
+    def watch_tenants(self, tenants: Callable[[], list[TenantStats]]) -> None:
+        self.registry.register(_PerTenant(tenants))
+
+    def observe_tenant_finish(self, tenant: str, output: RequestOutput) -> None:
+        """The time to first token of a finished request of `tenant` (by the servicer,
+        which alone knows the tenant)."""
+        usage, timings = output.usage, output.timings
+        if timings is not None and usage is not None and usage.completion_tokens > 0:
+            self.tenant_ttft_s.labels(tenant).observe(timings.first_token_ms / 1000)
+
+    def tenant_ttft(self, tenant: str) -> tuple[list[float], list[int], float]:
+        """(upper bounds in s, cumulative counts, sum in s) of `tenant`'s TTFT histogram."""
+        bounds: list[float] = []
+        counts: list[int] = []
+        total_s = 0.0
+        for family in self.tenant_ttft_s.collect():
+            for sample in family.samples:
+                if sample.labels.get("tenant") != tenant:
+                    continue
+                if sample.name.endswith("_bucket"):
+                    bounds.append(float(sample.labels["le"]))
+                    counts.append(int(sample.value))
+                elif sample.name.endswith("_sum"):
+                    total_s = sample.value
+        return bounds, counts, total_s
 
     async def serve(self, address: str) -> asyncio.Server:
         """/metrics on `address` (a bare :PORT binds 127.0.0.1), on the running loop."""

@@ -57,6 +57,8 @@ class ServiceConfig:
     status_interval_s: float = 10.0
     api_key_file: str | None = None
     cache_salt_by_api_key: bool | None = None
+    trust_tenant_header: bool = False
+    tenant_tokens_per_minute: int | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     zmq_curve_secret_key: str | None = None
@@ -98,6 +100,11 @@ class ServiceConfig:
         if not self.zmq_endpoint.startswith(("ipc://", "tcp://")):
             raise ConfigError(
                 f"zmq_endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.zmq_endpoint!r}"
+            )
+        if self.tenant_tokens_per_minute is not None and self.tenant_tokens_per_minute < 1:
+            raise ConfigError(
+                "tenant_tokens_per_minute must be >= 1 (or unset for no cap), "
+                f"got {self.tenant_tokens_per_minute}"
             )
         if self.cache_salt_by_api_key and self.api_key_file is None:
             raise ConfigError(
@@ -151,11 +158,18 @@ HELP: dict[str, str] = {
     "max_health_watchers": "concurrent grpc.health.v1 Watch streams (RESOURCE_EXHAUSTED beyond); "
     "Watch needs the bearer token when api_key_file is set, Check never does",
     "status_interval_s": "seconds between the periodic one-line status logs",
-    "api_key_file": "file holding the bearer tokens, one per line (one per tenant); when set, "
+    "api_key_file": "file holding the bearer tokens, one per line: a key, or name:weight:key "
+    "(one tenant each; a bare key's tenant is named key-<8 hex of its sha256>); when set, "
     "every RPC must present one of them",
     "cache_salt_by_api_key": "salt the prefix cache by the caller's API key (with the request's "
     "own cache_salt): tenants share no cached block, nor see each other's hits; unset: on "
     "when api_key_file holds more than one key",
+    "trust_tenant_header": "take the tenant from the x-pagoda-tenant metadata when a request "
+    "carries it (only behind a front that authenticates callers and sets it; anyone else "
+    "could name any tenant)",
+    "tenant_tokens_per_minute": "per tenant, prompt plus max_new_tokens of the requests it "
+    "may start per minute (a token bucket holding a minute's worth; RESOURCE_EXHAUSTED "
+    "beyond; unset: no cap)",
     "tls_cert": "PEM certificate chain for gRPC TLS (with --tls-key)",
     "tls_key": "PEM private key for gRPC TLS (with --tls-cert)",
     "zmq_curve_secret_key": "this scheduler's CurveZMQ .key_secret file: encrypts the "
@@ -190,6 +204,16 @@ HELP: dict[str, str] = {
     "this many ms of worker time beside them, as learned from the worker's step times "
     "(at least 32, never above the token knobs), so a long prompt does not stall the "
     "streams; 0 or none: off (only the token knobs)",
+    "fair_share": "share the worker between tenants (API keys) by weighted tokens served: "
+    "admission serves the least-served tenant first, preemption takes from the most served; "
+    "with one tenant nothing changes",
+    "fair_prompt_weight": "weight of a prompt token computed in a tenant's service",
+    "fair_generated_weight": "weight of a generated token in a tenant's service",
+    "max_tenant_requests": "cap on one tenant's unfinished requests, running and queued "
+    "(RESOURCE_EXHAUSTED beyond; per worker with several; unset: none)",
+    "max_tenant_waiting_requests": "cap on one tenant's queued requests (RESOURCE_EXHAUSTED "
+    "beyond; per worker with several); unset: none with one tenant, half of "
+    "max_waiting_requests with several keys, so one cannot fill the queue",
     "affinity_max_kv_use_gap": "with several workers, one that caches a prefix of a new "
     "request wins it only while its KV use (running and queued blocks, as a share of its "
     "pool) is at most this much above the least-loaded worker's; else the least loaded "

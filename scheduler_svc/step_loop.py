@@ -30,6 +30,7 @@ from pagoda.scheduler_svc.core import (
     SchedulerStats,
     StepOutputs,
     StepPlan,
+    TenantStats,
     ValidRequest,
 )
 from pagoda.scheduler_svc.metrics import Metrics
@@ -187,6 +188,9 @@ class StepLoop:
     @property
     def stats(self) -> SchedulerStats:
         return self._scheduler.stats
+
+    def tenant_stats(self) -> list[TenantStats]:
+        return self._scheduler.tenant_stats()
 
     def worker_stats(self) -> list[WorkerStats]:
         """The attached worker's figures (none between a detach and the next attach)."""

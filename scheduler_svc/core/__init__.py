@@ -8,6 +8,7 @@ imports the core from here; the modules behind it are:
   kv             the block pool and the prefix cache
   waiting_queue  arrival or priority order; preempted requests at the head
   admission      the pure admission policies
+  tenants        fair share between tenants (weighted tokens served) and their quotas
   planner        owns the waiting, running and prefilling sets and the pool; plans steps
   isolation      keeps the suspects of a failed step, planned alone
   scheduler      the facade: add, cancel, schedule, apply, fail_step, stats
@@ -41,6 +42,7 @@ from pagoda.scheduler_svc.core.request import (
     ValidStopping,
 )
 from pagoda.scheduler_svc.core.scheduler import Scheduler
+from pagoda.scheduler_svc.core.tenants import TenantQuotaError, TenantStats
 
 __all__ = [
     "ADMISSION_POLICIES",
@@ -57,6 +59,8 @@ __all__ = [
     "StepOutputs",
     "StepPlan",
     "StepResult",
+    "TenantQuotaError",
+    "TenantStats",
     "Timings",
     "TokenLogprob",
     "Usage",

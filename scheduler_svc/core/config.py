@@ -16,6 +16,10 @@ PACK_FORCE_FIFO_EVERY = 4
 # The step budget's default target (docs/benchmarks.md, "Step budget"): on 2 CPU cores it
 # keeps the mixed burst's ITL p99 under 1 s at about the same throughput.
 DEFAULT_TARGET_STEP_MS = 500.0
+# Fair share (core/tenants.py), as VTC's defaults: a generated token costs about twice a
+# prompt token of worker time.
+DEFAULT_PROMPT_WEIGHT = 1.0
+DEFAULT_GENERATED_WEIGHT = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +77,16 @@ class SchedulerConfig:
     # it while its KV use (running and queued blocks, a share of its pool) exceeds the
     # least-loaded worker's by at most this much; 0: least load only; inf: always.
     affinity_max_kv_use_gap: float = DEFAULT_AFFINITY_MAX_KV_USE_GAP
+    # Tenants (core/tenants.py): share admission, chunks and preemption by each tenant's
+    # weighted tokens served while two tenants or more have work; off: one queue for all.
+    fair_share: bool = True
+    # A prompt token computed and a generated token, in the tenants' counters.
+    fair_prompt_weight: float = DEFAULT_PROMPT_WEIGHT
+    fair_generated_weight: float = DEFAULT_GENERATED_WEIGHT
+    # Per tenant (per worker lane): unfinished requests (running and queued), and queued
+    # ones; beyond, add() raises TenantQuotaError. None: no cap besides the global ones.
+    max_tenant_requests: int | None = None
+    max_tenant_waiting_requests: int | None = None
 
     @property
     def step_budget_on(self) -> bool:
@@ -102,7 +116,22 @@ class SchedulerConfig:
                 f"got {self.admission_lookahead}"
             )
         _at_least("max_waiting_requests", self.max_waiting_requests, 1)
-        for name in ("prefill_max_tokens", "prefill_max_batch_size", "max_decode_batch_size"):
+        for name in ("fair_prompt_weight", "fair_generated_weight"):
+            weight = getattr(self, name)
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, int | float)
+                or not math.isfinite(weight)
+                or weight < 0
+            ):
+                raise ConfigError(f"{name} must be a number >= 0, got {weight!r}")
+        for name in (
+            "prefill_max_tokens",
+            "prefill_max_batch_size",
+            "max_decode_batch_size",
+            "max_tenant_requests",
+            "max_tenant_waiting_requests",
+        ):
             value = getattr(self, name)
             if value is not None:
                 _at_least(name, value, 1, suffix=" (or unset for no cap)")
@@ -128,7 +157,7 @@ class SchedulerConfig:
             raise ConfigError(
                 f"admission_policy must be one of {choices}, got {self.admission_policy!r}"
             )
-        for name in ("chunked_prefill", "decode_first", "prefix_caching"):
+        for name in ("chunked_prefill", "decode_first", "prefix_caching", "fair_share"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
 

@@ -21,6 +21,11 @@ the head of the waiting queue. Under the priority policy the victim is the lowes
 priority, then the most recently admitted, even one already fed in the plan being built:
 its entry is taken out again (_unfeed), as vLLM v1 does. A step that preempted admits
 nothing new, so an admission never costs an older request its blocks.
+
+Tenants (tenants.py): while two tenants or more have work, each admission round admits
+one request of the least-served waiting tenant (by its policy, within its own queue),
+partial prefills continue least-served first, victims come from the most-served tenant
+first, and every token fed is charged to its tenant. Otherwise none of this runs.
 """
 
 from __future__ import annotations
@@ -43,6 +48,12 @@ from pagoda.scheduler_svc.core.config import SchedulerConfig, WorkerGeometry
 from pagoda.scheduler_svc.core.kv import BlockAllocator, PrefixCache, extend_block_hashes
 from pagoda.scheduler_svc.core.outputs import NewSequence, StepPlan
 from pagoda.scheduler_svc.core.request import Request, RequestState, set_steady_window
+from pagoda.scheduler_svc.core.tenants import (
+    Ledger,
+    by_least_served,
+    neediest_tenant,
+    victims_order,
+)
 from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
 
 _RUNNING = RequestState.RUNNING
@@ -58,7 +69,13 @@ class Planner:
         # The last worker's geometry; kept while detached so add() can still refuse.
         self.geometry: WorkerGeometry | None = None
         self.blocks: PrefixCache | None = None  # None while no worker is attached
-        self.waiting = WaitingQueue(by_priority=self.by_priority)
+        self.waiting = WaitingQueue(by_priority=self.by_priority, by_tenant=config.fair_share)
+        # Each tenant's weighted service; consulted only while `tenants.fair` (two or more).
+        self.tenants = Ledger(
+            enabled=config.fair_share,
+            prompt_weight=config.fair_prompt_weight,
+            generated_weight=config.fair_generated_weight,
+        )
         # seq_id -> request, in admission order (preemption takes from the end).
         self.running: dict[int, Request] = {}
         # The running ones with tokens left to feed before their next sample.
@@ -151,6 +168,7 @@ class Planner:
         request.state = _WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.tenants.account(request.tenant).num_preemptions += 1
         self.waiting.push_front(request)
 
     def requeue(self, seq_ids: Sequence[int], *, worker_knows: bool) -> None:
@@ -337,6 +355,8 @@ class Planner:
             self._feed_decodes(plan, fed, positions, grown_indices, completing)
             self._decode_entries = (first_entry, len(plan.seq_ids))
         plan.num_decode_tokens += len(fed)
+        if self.tenants.fair:
+            self.tenants.charge_generated([request.tenant for request in fed])
         return len(fed)
 
     def _give_blocks(self, requests: list[Request]) -> None:
@@ -369,6 +389,8 @@ class Planner:
         continuing = list(self.prefilling.values())
         if only is not None:
             continuing = [request for request in continuing if request.request_id in only]
+        if self.tenants.fair:  # the chunk budget goes to the least-served tenant first
+            continuing = by_least_served(continuing, self.tenants.counters())
         for request in continuing:
             if used >= num_tokens:
                 break
@@ -410,6 +432,10 @@ class Planner:
             num_free_blocks = blocks.num_available_blocks - num_reserved_blocks
             if num_free_blocks <= 0:
                 break  # nothing can start without a block: do not price the window
+            # Fair share: this round admits one request of the least-served waiting tenant.
+            tenant = self._neediest_tenant() if only is None else None
+            if tenant is not None:
+                num_requests = 1
             policy = config.admission_policy
             forced = False
             if first_round:
@@ -428,11 +454,13 @@ class Planner:
                 # The oldest by arrival, not the priority head, so low priorities move too.
                 policy = "fifo"
                 window = (
-                    waiting.oldest(num_requests) if self.by_priority else waiting.head(num_requests)
+                    waiting.oldest(num_requests, tenant)
+                    if self.by_priority
+                    else waiting.head(num_requests, tenant)
                 )
             else:
                 lookahead = config.admission_lookahead if policy == "pack" else num_requests
-                window = waiting.head(lookahead)
+                window = waiting.head(lookahead, tenant)
             budget = AdmissionBudget(
                 num_tokens=tokens_left,
                 num_step_tokens=step_prefill_tokens,
@@ -459,6 +487,15 @@ class Planner:
             num_admitted += len(admitted)
             first_round = False
         return used
+
+    def _neediest_tenant(self) -> str | None:
+        """The waiting tenant admission serves next, or None (not sharing by tenant)."""
+        if not self.tenants.fair:
+            return None
+        names = self.waiting.tenant_names()
+        if len(names) < 2:
+            return None  # the one tenant waiting: the whole window is its own
+        return neediest_tenant(names, self.tenants.counters())
 
     def _waiting_only(self) -> list[Request]:
         """The requests of `only` still waiting, in the order given."""
@@ -606,9 +643,11 @@ class Planner:
                 # Under the priority policy a lower priority goes first even if fed in this
                 # step (as vLLM v1): its entry is taken out of the plan being built.
                 may_unfeed = self._may_unfeed if self.by_priority else None
-                victim = pick_victim(
-                    reversed(self.running.values()), step_id, self.by_priority, may_unfeed
-                )
+                victim = None
+                for candidates in self._victim_groups():
+                    victim = pick_victim(candidates, step_id, self.by_priority, may_unfeed)
+                    if victim is not None:
+                        break
             assert victim is not None  # the requester itself is always a candidate
             if victim is not request and victim.last_scheduled_step == step_id:
                 self.preempt(victim, worker_knows=self._unfeed(victim))
@@ -618,6 +657,14 @@ class Planner:
                 return False
         request.block_ids.extend(blocks.allocate(1))
         return True
+
+    def _victim_groups(self) -> Iterable[Iterable[Request]]:
+        """The running requests, newest admission first, as groups to take a victim from in
+        order: one group, or (fair share) one per tenant, the most served first."""
+        newest_first = reversed(self.running.values())
+        if not self.tenants.fair:
+            return (newest_first,)
+        return victims_order(newest_first, self.tenants.counters())
 
     def _may_unfeed(self, request: Request) -> bool:
         """Whether `request`, fed in the plan being built, can be taken out of it: its
@@ -698,6 +745,8 @@ class Planner:
         request.num_blocks_sent = len(table)
         request.num_computed_tokens = end
         request.last_scheduled_step = plan.step_id
+        if self.tenants.fair:
+            self.tenants.charge_prompt(request.tenant, num_tokens)
         if end < len(token_ids):
             self.prefilling[request.seq_id] = request
         else:

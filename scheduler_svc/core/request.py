@@ -49,6 +49,9 @@ class ValidRequest:
     priority: int = 0  # lower runs first under the priority policy
     # Requests share prefix-cache blocks only with requests of the same salt (tenants).
     cache_salt: str = ""
+    # Who sent it (a name, never a key) and its weight: the fair share (core/tenants.py).
+    tenant: str = ""
+    tenant_weight: float = 1.0
 
 
 class FinishReason(enum.Enum):
@@ -94,6 +97,7 @@ class Request:
     # exactly once, when appended, so a recompute after preemption never repeats one.
     token_ids: array[int]
     arrival_s: float
+    tenant: str = ""  # its tenant's name (core/tenants.py)
     state: RequestState = RequestState.WAITING
     seq_id: int | None = None
     # Tokens of token_ids whose KV is in block_ids, counting those fed by the step in flight.

@@ -52,6 +52,7 @@ from pagoda.scheduler_svc.core.request import (
     too_large_reason,
 )
 from pagoda.scheduler_svc.core.step_budget import StepBudget
+from pagoda.scheduler_svc.core.tenants import TenantStats, check_quota
 
 _WAITING = RequestState.WAITING
 _RUNNING = RequestState.RUNNING
@@ -158,6 +159,16 @@ class Scheduler:
                 f"the waiting queue is full ({self.config.max_waiting_requests} requests); "
                 "retry later"
             )
+        tenants = planner.tenants
+        account = tenants.accounts.get(request.tenant)
+        if account is not None:
+            check_quota(
+                request.tenant,
+                account.num_requests,
+                planner.waiting.num_waiting_of(request.tenant),
+                self.config.max_tenant_requests,
+                self.config.max_tenant_waiting_requests,
+            )
         if not request.prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
         if planner.geometry is not None:
@@ -175,8 +186,10 @@ class Scheduler:
             token_ids=token_array(request.prompt_token_ids),
             arrival_s=now,
             cache_root_hash=cache_root_hash(request.cache_salt),
+            tenant=request.tenant,
         )
         self._requests[request.request_id] = queued
+        tenants.join(request.tenant, request.tenant_weight)
         planner.waiting.push_back(queued)
 
     def cancel(
@@ -242,6 +255,7 @@ class Scheduler:
         for request in requests:
             waiting.remove(request)
             del self._requests[request.request_id]
+            self._planner.tenants.leave(request.tenant)
         return requests, self._isolation.hand_over()
 
     def take_over(
@@ -257,6 +271,8 @@ class Scheduler:
             request.block_hashes.clear()  # this worker may use another block size
             request.last_scheduled_step = -1  # step ids are this scheduler's own
             self._requests[request.request_id] = request
+            account = planner.tenants.accounts.get(request.tenant)
+            planner.tenants.join(request.tenant, account.weight if account else 1.0)
             planner.waiting.push_front(request)
         self._isolation.take_over(suspects)
         geometry = planner.geometry
@@ -617,6 +633,24 @@ class Scheduler:
             **self._step_budget_stats(),
         )
 
+    def tenant_stats(self) -> list[TenantStats]:
+        """Each tenant seen by this scheduler, by name."""
+        planner = self._planner
+        stats = []
+        for name, account in sorted(planner.tenants.accounts.items()):
+            num_waiting = planner.waiting.num_waiting_of(name)
+            stats.append(
+                TenantStats(
+                    tenant=name,
+                    num_waiting=num_waiting,
+                    num_running=account.num_requests - num_waiting,
+                    num_served_tokens=account.num_served_tokens,
+                    num_preemptions=account.num_preemptions,
+                    num_requests_finished=account.num_requests_finished,
+                )
+            )
+        return stats
+
     def _step_budget_stats(self) -> dict[str, float]:
         config, budget = self.config, self._step_budget
         cap = min(config.max_num_batched_tokens, config.prefill_max_tokens or math.inf)
@@ -649,6 +683,11 @@ class Scheduler:
         request.finish_s = now
         del self._requests[request.request_id]
         self._num_requests_finished += 1
+        tenants = self._planner.tenants
+        account = tenants.accounts[request.tenant]
+        account.num_served_tokens += len(request.token_ids)
+        account.num_requests_finished += 1
+        tenants.leave(request.tenant)
         return RequestOutput(
             request_id=request.request_id,
             text="",

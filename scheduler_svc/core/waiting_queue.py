@@ -6,7 +6,9 @@ before anything still waiting and hold work already streamed.
 Removal is lazy: a removed request's entry is marked dead in O(1) and skipped (then
 dropped) when the head is read, so a burst of cancels from a deep queue never scans it.
 A second index keeps arrival order alone, so a forced FIFO round under the priority
-policy can admit the oldest request rather than the priority head.
+policy can admit the oldest request rather than the priority head. With `by_tenant`,
+each tenant's requests are also kept in a queue of their own (same order), so admission
+can look at one tenant's head (core/tenants.py).
 """
 
 from __future__ import annotations
@@ -40,11 +42,16 @@ class WaitingQueue:
         "_live",
         "_back",
         "_front",
+        "_tenants",
+        "_tenant_counts",
         "num_tokens",
     )
 
-    def __init__(self, by_priority: bool = False) -> None:
+    def __init__(self, by_priority: bool = False, by_tenant: bool = False) -> None:
         self._by_priority = by_priority
+        # tenant name -> its own queue (None: not kept); a tenant's leaves when empty.
+        self._tenants: dict[str, WaitingQueue] | None = {} if by_tenant else None
+        self._tenant_counts: dict[str, int] = {}  # live requests by tenant, kept always
         # Parallel, sorted by key: (priority or 0, order); head first; dead entries included.
         self._keys: list[tuple[int, int]] = []
         self._entries: list[_Entry] = []
@@ -67,13 +74,26 @@ class WaitingQueue:
     def push_back(self, request: Request) -> None:
         entry = self._insert(request, next(self._back))
         self._arrivals.append(entry)
+        if self._tenants is not None:
+            self._tenant_queue(request.tenant).push_back(request)
 
     def push_front(self, request: Request) -> None:
         entry = self._insert(request, next(self._front))
         self._arrivals.appendleft(entry)
+        if self._tenants is not None:
+            self._tenant_queue(request.tenant).push_front(request)
 
-    def head(self, num_requests: int) -> list[Request]:
-        """The first `num_requests` in admission order."""
+    def tenant_names(self) -> list[str]:
+        """The tenants with requests waiting, in order of their first arrival."""
+        return list(self._tenants) if self._tenants is not None else []
+
+    def num_waiting_of(self, tenant: str) -> int:
+        return self._tenant_counts.get(tenant, 0)
+
+    def head(self, num_requests: int, tenant: str | None = None) -> list[Request]:
+        """The first `num_requests` in admission order (of `tenant`'s alone, if named)."""
+        if tenant is not None:
+            return self._tenants[tenant].head(num_requests)
         entries, keys = self._entries, self._keys
         num_dead = 0
         while num_dead < len(entries) and entries[num_dead].request is None:
@@ -85,8 +105,11 @@ class WaitingQueue:
             arrivals.popleft()
         return _first_live(entries, num_requests)
 
-    def oldest(self, num_requests: int) -> list[Request]:
-        """The first `num_requests` by arrival (preempted first), whatever their priority."""
+    def oldest(self, num_requests: int, tenant: str | None = None) -> list[Request]:
+        """The first `num_requests` by arrival (preempted first), whatever their priority
+        (of `tenant`'s alone, if named)."""
+        if tenant is not None:
+            return self._tenants[tenant].oldest(num_requests)
         arrivals = self._arrivals
         while arrivals and arrivals[0].request is None:
             arrivals.popleft()
@@ -98,6 +121,15 @@ class WaitingQueue:
             raise KeyError(request.request_id)
         entry.request = None
         self.num_tokens -= entry.num_tokens
+        counts = self._tenant_counts
+        counts[request.tenant] -= 1
+        if not counts[request.tenant]:
+            del counts[request.tenant]
+        if self._tenants is not None:
+            queue = self._tenants[request.tenant]
+            queue.remove(request)
+            if not queue:
+                del self._tenants[request.tenant]
         # Either index may hold the dead: head() trims the sorted one, oldest() the other.
         num_entries = max(len(self._entries), len(self._arrivals))
         num_dead = num_entries - len(self._live)
@@ -110,6 +142,12 @@ class WaitingQueue:
             window = self.head(max(indices) + 1)
             for index in indices:
                 self.remove(window[index])
+
+    def _tenant_queue(self, tenant: str) -> WaitingQueue:
+        queue = self._tenants.get(tenant)
+        if queue is None:
+            queue = self._tenants[tenant] = WaitingQueue(self._by_priority)
+        return queue
 
     def _compact(self) -> None:
         alive = [i for i, entry in enumerate(self._entries) if entry.request is not None]
@@ -130,6 +168,7 @@ class WaitingQueue:
         self._entries.insert(index, entry)
         self._live[id(request)] = entry
         self.num_tokens += entry.num_tokens
+        self._tenant_counts[request.tenant] = self._tenant_counts.get(request.tenant, 0) + 1
         return entry
 
 

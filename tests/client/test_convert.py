@@ -211,8 +211,22 @@ def test_server_stats_covers_every_proto_field():
             )
         ],
         num_isolated_steps=17,
+        tenants=[
+            dict(
+                tenant="alice",
+                num_waiting=1,
+                num_running=2,
+                num_served_tokens=3,
+                num_preemptions=4,
+                num_requests_finished=5,
+                ttft_bucket_le_s=[0.5, float("inf")],
+                ttft_bucket_counts=[1, 5],
+                ttft_sum_s=2.5,
+            )
+        ],
     )
     assert set(values) == set(pb.ServerStats.DESCRIPTOR.fields_by_name)
+    assert set(values["tenants"][0]) == set(pb.TenantStats.DESCRIPTOR.fields_by_name)
     assert set(values["workers"][0]) == set(pb.WorkerStats.DESCRIPTOR.fields_by_name)
     assert dataclasses.asdict(server_stats_from_proto(pb.ServerStats(**values))) == values
 

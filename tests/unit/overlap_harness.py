@@ -11,6 +11,8 @@ prefix of it.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import random
 from collections import Counter, defaultdict, deque
 
@@ -63,11 +65,15 @@ def run(
     p_loss: float = 0.004,
     p_cancel: float = 0.03,
     overlap: bool = True,
+    knob_overrides: dict | None = None,
+    tenants: tuple[str, ...] = ("",),
+    plans: list | None = None,
 ) -> Counter:
     """One run; raises AssertionError (or the FakeWorker's PlanError) on a violation.
-    Returns counts of what happened (finish reasons, refusals, fails, losses)."""
+    Returns counts of what happened (finish reasons, refusals, fails, losses). Requests
+    come from `tenants` in turn (weights 1, 2, 3...); each plan is appended to `plans`."""
     rng = random.Random(seed)
-    knobs = random_knobs(rng)
+    knobs = random_knobs(rng) | (knob_overrides or {})
     geometry = make_geometry(
         num_kv_blocks=rng.choice([14, 20, 32, 64]),
         block_size=BLOCK_SIZE,
@@ -107,6 +113,11 @@ def run(
                     priority=rng.choice([0, 1, 5, 9]),
                     num_logprobs=1 if rng.random() < 0.05 else 0,
                 )
+                if tenants != ("",):
+                    index = len(valid_requests) % len(tenants)
+                    request = dataclasses.replace(
+                        request, tenant=tenants[index], tenant_weight=float(index + 1)
+                    )
                 valid_requests[request_id] = request
                 try:
                     scheduler.add(request, now)
@@ -129,6 +140,8 @@ def run(
         if not in_flight or (overlap and scheduler.can_plan_ahead):
             plan = scheduler.schedule(now, ahead=bool(in_flight))
             if plan is not None:
+                if plans is not None:
+                    plans.append(copy.deepcopy(plan))
                 # The worker runs each plan as it is sent: N+1 before N's result is applied.
                 doomed = bool(in_flight) and in_flight[-1][1]
                 if doomed:

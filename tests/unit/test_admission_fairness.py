@@ -43,7 +43,8 @@ def test_removal_from_a_deep_queue_does_not_scan_it(by_priority):
     for depth in (10, 10_000):
         queue = WaitingQueue(by_priority=by_priority)
         requests = [
-            SimpleNamespace(request_id=str(i), priority=i % 3, token_ids=[1]) for i in range(depth)
+            SimpleNamespace(request_id=str(i), priority=i % 3, token_ids=[1], tenant="")
+            for i in range(depth)
         ]
         for request in requests:
             queue.push_back(request)

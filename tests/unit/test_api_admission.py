@@ -45,6 +45,9 @@ class Context:
     def set_code(self, code: grpc.StatusCode) -> None:
         self.code = code
 
+    def invocation_metadata(self):
+        return ()
+
     def set_details(self, details: str) -> None:
         self.details = details
 
@@ -283,3 +286,29 @@ def test_a_write_grpc_refuses_ends_the_handler_as_cancelled():
 
     asyncio.run(scenario())
     assert len(loop.released) == 1
+
+
+def test_a_tenant_over_its_tokens_per_minute_is_refused_naming_the_limit():
+    import dataclasses
+
+    from pagoda.scheduler_svc.tenants import Tenant
+
+    service, _, loop = servicer()
+    config = dataclasses.replace(ServiceConfig(), tenant_tokens_per_minute=100)
+    service = GenerationServicer(loop, Metrics(), CountingTokenizer(), config, "m")
+    request = pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=[5] * 30), stopping=pb.StoppingCriteria(max_new_tokens=30)
+    )
+
+    async def scenario():
+        return await service._admit(validate_generate, request, Context())
+
+    valid = asyncio.run(scenario())
+    service._check_tokens_per_minute(Tenant("a"), valid)  # 60 of its 100
+    with pytest.raises(Refused) as refused:
+        service._check_tokens_per_minute(Tenant("a"), valid)
+    assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "tenant a is over its 100 tokens per minute (tenant_tokens_per_minute)" in str(
+        refused.value
+    )
+    service._check_tokens_per_minute(Tenant("b"), valid)  # b has a bucket of its own

@@ -117,6 +117,13 @@ def test_requests_spread_over_two_workers_and_stream_as_alone():
         stats = lanes.stats
         assert stats.num_steps == sum(w.num_steps for w in lanes.worker_stats())
         assert stats.num_running == stats.num_waiting == stats.num_kv_blocks_used == 0
+        # Per tenant (one here, ""), the lanes' figures added up.
+        (tenant,) = lanes.tenant_stats()
+        assert tenant.num_requests_finished == len(requests) == stats.num_requests_finished
+        assert tenant.num_served_tokens == sum(
+            len(stream.token_ids) + len(request.prompt_token_ids)
+            for request, stream in zip(requests, streams, strict=True)
+        )
         lanes.stop()
         await task
 

@@ -10,7 +10,9 @@ from tests.unit.conftest import drive, make_geometry, make_request, make_schedul
 
 
 def named(name: str, priority: int = 0, num_tokens: int = 0):
-    return SimpleNamespace(request_id=name, priority=priority, token_ids=[7] * num_tokens)
+    return SimpleNamespace(
+        request_id=name, priority=priority, token_ids=[7] * num_tokens, tenant=""
+    )
 
 
 def names(queue: WaitingQueue) -> list[str]:

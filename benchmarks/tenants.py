@@ -1,0 +1,135 @@
+"""Two tenants, fair share off and on: `python -m benchmarks.tenants`.
+
+Starts a scheduler with two API keys (tenants `flood` and `probe`) and the dummy worker
+(--dummy-step-ms). For each setting of --fair-share: the probe first sends --probes short
+requests one after another on an idle server (its baseline time to first token); then the
+flood key runs --streams closed-loop streams of --max-new-tokens with `pagoda bench`'s
+load generator for --duration-s while the probe sends its short requests one after
+another. Reports the probe's TTFT p50/p99 (server side, Timings.first_token_ms) idle and
+under the flood, how many it finished, and each tenant's share of the tokens served over
+the run (GetServerStats.tenants, each key asking for its own). The load average is printed
+with each row: on a shared machine it says how much the figures mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import threading
+import time
+
+from pagoda.client import AsyncClient
+from pagoda.client.bench import run_bench
+from pagoda.client.bench_config import BenchConfig
+
+from benchmarks.suite_service import LocalService, resolve_model_dir
+
+FLOOD_KEY, PROBE_KEY = "flood-key-0123456789", "probe-key-0123456789"
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def probe_ttfts_ms(address: str, *, until: threading.Event | None, count: int) -> list[float]:
+    """TTFTs of short requests sent one after another: `count` of them, or until `until`."""
+    ttfts = []
+    async with AsyncClient(address, api_key=PROBE_KEY, timeout_s=600) as client:
+        while (until is None and len(ttfts) < count) or (until is not None and not until.is_set()):
+            completion = await client.complete([7, 8, 9], max_new_tokens=4, ignore_eos=True)
+            ttfts.append(completion.timings.first_token_ms)
+    return ttfts
+
+
+async def served_tokens(address: str) -> dict[str, int]:
+    served = {}
+    for key in (FLOOD_KEY, PROBE_KEY):
+        async with AsyncClient(address, api_key=key) as client:
+            for tenant in (await client.server_stats()).tenants:
+                served[tenant.tenant] = tenant.num_served_tokens
+    return served
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tenants", description=__doc__)
+    parser.add_argument("--dummy-step-ms", type=float, default=20.0)
+    parser.add_argument("--streams", type=int, default=600, help="the flood's closed-loop users")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="of the flood's streams")
+    parser.add_argument("--duration-s", type=float, default=20.0)
+    parser.add_argument("--probes", type=int, default=10, help="idle-server probes")
+    parser.add_argument("--max-active-requests", type=int, default=256)
+    args = parser.parse_args(argv)
+    model_dir = resolve_model_dir("dummy")
+    print(f"dummy worker, {args.dummy_step_ms:g} ms steps; flood: {args.streams} streams of "
+          f"{args.max_new_tokens} tokens for {args.duration_s:g} s; probe: 3-token prompts, "
+          "4 tokens each")  # fmt: skip
+    print(f"{'fair':>5} {'idle p50':>9} {'flood p50':>10} {'flood p99':>10} {'probes':>7} "
+          f"{'probe share':>12} {'flood tok/s':>12} {'load avg':>9}")  # fmt: skip
+    with LocalService(
+        worker_model="dummy",
+        device="cpu",
+        model_dir=model_dir,
+        worker_args=("--dummy-step-ms", str(args.dummy_step_ms)),
+    ) as service:
+        keys = service.run_dir / "api-keys"
+        keys.write_text(f"flood:1:{FLOOD_KEY}\nprobe:1:{PROBE_KEY}\n")
+        keys.chmod(0o600)
+        service.start_worker()
+        try:
+            for fair in (False, True):
+                service.use_scheduler(
+                    ("--api-key-file", str(keys), "--fair-share" if fair else "--no-fair-share",
+                     "--max-active-requests", str(args.max_active_requests),
+                     "--max-waiting-requests", str(4 * args.streams),
+                     "--max-tenant-waiting-requests", str(4 * args.streams))
+                )  # fmt: skip
+                idle = asyncio.run(probe_ttfts_ms(service.address, until=None, count=args.probes))
+                before = asyncio.run(served_tokens(service.address))
+                done = threading.Event()
+                config = BenchConfig(
+                    target=service.address,
+                    api_key=FLOOD_KEY,
+                    arrival="closed",
+                    num_users=args.streams,
+                    num_requests=1_000_000,
+                    duration_s=args.duration_s,
+                    prompt_repeats=(4,),
+                    max_new_tokens=args.max_new_tokens,
+                    ignore_eos=True,
+                )
+                reports = []
+
+                def flood(config=config, done=done, reports=reports) -> None:
+                    try:
+                        reports.append(run_bench(config))
+                    finally:
+                        done.set()
+
+                thread = threading.Thread(target=flood)
+                thread.start()
+                time.sleep(min(3.0, args.duration_s / 4))  # the flood fills the worker first
+                loaded = asyncio.run(probe_ttfts_ms(service.address, until=done, count=0))
+                thread.join()
+                after = asyncio.run(served_tokens(service.address))
+                gained = {name: after[name] - before.get(name, 0) for name in after}
+                share = gained.get("probe", 0) / max(1, sum(gained.values()))
+                tokens_per_s = reports[0].completion_tokens_per_s if reports else float("nan")
+                print(
+                    f"{'on' if fair else 'off':>5} {percentile(idle, 0.5):>7.0f}ms "
+                    f"{percentile(loaded, 0.5):>8.0f}ms {percentile(loaded, 0.99):>8.0f}ms "
+                    f"{len(loaded):>7} {share:>12.3f} {tokens_per_s:>12.0f} "
+                    f"{os.getloadavg()[0]:>9.2f}",
+                    flush=True,
+                )
+        finally:
+            service.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
