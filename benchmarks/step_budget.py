@@ -68,8 +68,10 @@ class ContextBlindBudget(StepBudget):
 
     __slots__ = ()
 
-    def max_prefill_tokens(self, num_decode_seqs: int, num_context_tokens: int = 0) -> int | None:
-        return StepBudget.max_prefill_tokens(self, num_decode_seqs, 0)
+    def max_prefill_tokens(
+        self, num_decode_seqs: int, num_context_tokens: int = 0, num_rounds: int = 1
+    ) -> int | None:
+        return StepBudget.max_prefill_tokens(self, num_decode_seqs, 0, num_rounds)
 
     def observe(
         self,
