@@ -129,6 +129,7 @@ def run(
     seed: int,
     padded: bool = True,
     blind: bool = False,
+    knobs: dict | None = None,
 ) -> Outcome:
     geometry = WorkerGeometry(
         num_kv_blocks=1456,
@@ -137,7 +138,7 @@ def run(
         eos_token_ids=frozenset(),
         vocab_size=49152,
     )
-    scheduler = Scheduler(SchedulerConfig(target_step_ms=target_step_ms))
+    scheduler = Scheduler(SchedulerConfig(target_step_ms=target_step_ms, **(knobs or {})))
     scheduler.attach_worker(geometry)
     if blind and target_step_ms:
         scheduler._step_budget = ContextBlindBudget(target_step_ms)
