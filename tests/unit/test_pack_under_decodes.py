@@ -94,7 +94,7 @@ def test_pack_lets_short_prompts_past_a_long_head_that_does_not_fit_beside_the_d
 def test_a_long_head_under_a_flood_of_short_ones_waits_at_most_one_forced_period():
     # A short prompt a step, 9 tokens each: about 8 decoders at any time, so the head
     # never fits beside them. Before the fix the reservation waited for the running set to
-    # drain, longer for each head (9, 12, 15, 18, 21 steps).
+    # drain, longer for each head (9, 12, 15, 18, 21, 24 steps).
     geometry = _geometry()
     scheduler = make_scheduler(geometry, **KNOBS, **PACK)
     worker = FakeWorker(geometry)
