@@ -68,8 +68,10 @@ class ContextBlindBudget(StepBudget):
 
     __slots__ = ()
 
-    def max_prefill_tokens(self, num_decode_seqs: int, num_context_tokens: int = 0) -> int | None:
-        return StepBudget.max_prefill_tokens(self, num_decode_seqs, 0)
+    def max_prefill_tokens(
+        self, num_decode_seqs: int, num_context_tokens: int = 0, num_rounds: int = 1
+    ) -> int | None:
+        return StepBudget.max_prefill_tokens(self, num_decode_seqs, 0, num_rounds)
 
     def observe(
         self,
@@ -127,6 +129,7 @@ def run(
     seed: int,
     padded: bool = True,
     blind: bool = False,
+    knobs: dict | None = None,
 ) -> Outcome:
     geometry = WorkerGeometry(
         num_kv_blocks=1456,
@@ -135,7 +138,7 @@ def run(
         eos_token_ids=frozenset(),
         vocab_size=49152,
     )
-    scheduler = Scheduler(SchedulerConfig(target_step_ms=target_step_ms))
+    scheduler = Scheduler(SchedulerConfig(target_step_ms=target_step_ms, **(knobs or {})))
     scheduler.attach_worker(geometry)
     if blind and target_step_ms:
         scheduler._step_budget = ContextBlindBudget(target_step_ms)

@@ -9,7 +9,10 @@ A step's token budget goes to decodes first (one token per running sequence, rou
 under a cap), then to prefill: partial prompts continue their chunks before new requests
 are admitted by the configured policy (admission.py). With decode_first off the order is
 reversed, and prefill then leaves one block to each decoder at a block boundary that it
-would be preempted for (for an admission, every one). A chunk that finds the pool empty
+would be preempted for (for an admission, every one). One exception to decodes first: a head
+that a forced FIFO round could not fit (reserved, unchunked) gets its tokens before the
+decodes of the next step when it fits a step alone, so it waits one step, not for the
+running set to drain. A chunk that finds the pool empty
 feeds what its last block still holds. Feeding a request
 advances its num_computed_tokens at once: the step in flight counts as computed (a
 failed step requeues its sequences). A request is never fed twice in one step.
@@ -253,7 +256,8 @@ class Planner:
         if max_prefill_tokens is not None:
             step_prefill_tokens = min(step_prefill_tokens, max_prefill_tokens)
         if config.decode_first:
-            num_decode = self._schedule_decodes(plan, budget)
+            room = self._room_for_reserved_head(step_prefill_tokens)
+            num_decode = self._schedule_decodes(plan, budget - room)
             prefill_left = min(budget - num_decode, step_prefill_tokens)
             self._schedule_prefills(plan, prefill_left, step_prefill_tokens, now)
         else:
@@ -267,6 +271,32 @@ class Planner:
         # the priority policy may take an entry out again (_unfeed).
         plan.num_prefill_tokens = plan.num_tokens - plan.num_decode_tokens
         return plan
+
+    def _room_for_reserved_head(self, step_prefill_tokens: int) -> int:
+        """Tokens the decodes leave for the reserved head (decode_first, unchunked): its
+        cost when it fits a step of `step_prefill_tokens` alone, else 0.
+
+        Decodes come first, so a head that fits a step but not beside the decodes would
+        wait for the running set to drain while the reservation holds every admission
+        back (issue 24 item 9). Leaving it room costs a few decoders one step of the
+        round-robin instead. An oversize head goes alone anyway and a chunk always fits;
+        one that waits for blocks or a free slot is not helped by fewer decodes.
+        """
+        head = self._reserved_head
+        if (
+            head is None
+            or head.state is not _WAITING
+            or self._only is not None
+            or self.config.chunked_prefill
+            or len(self.running) >= self.config.max_active_requests
+        ):
+            return 0
+        cost = self._price(head)
+        num_head_blocks = -(-cost.num_tokens // self.blocks.block_size) + cost.num_reclaimed_blocks
+        num_free_blocks = self.blocks.num_available_blocks - len(self.running)
+        if cost.num_tokens > step_prefill_tokens or num_head_blocks > num_free_blocks:
+            return 0
+        return cost.num_tokens
 
     # -- decode ----------------------------------------------------------------------------
 

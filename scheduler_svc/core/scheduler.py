@@ -363,11 +363,13 @@ class Scheduler:
             )
             num_decode_context_tokens -= num_prefill_context_tokens
         cap = self.config.max_decode_batch_size
+        num_rounds = 1
         if cap is not None and num_decode_seqs > cap:
             num_decode_context_tokens = num_decode_context_tokens * cap // num_decode_seqs
+            num_rounds = -(-num_decode_seqs // cap)
             num_decode_seqs = cap
         return self._step_budget.max_prefill_tokens(
-            num_decode_seqs, num_decode_context_tokens + num_prefill_context_tokens
+            num_decode_seqs, num_decode_context_tokens + num_prefill_context_tokens, num_rounds
         )
 
     @property

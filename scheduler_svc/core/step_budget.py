@@ -201,16 +201,23 @@ class StepBudget:
         self.model.reset()
         self.last_cap_tokens = None
 
-    def max_prefill_tokens(self, num_decode_seqs: int, num_context_tokens: int = 0) -> int | None:
+    def max_prefill_tokens(
+        self, num_decode_seqs: int, num_context_tokens: int = 0, num_rounds: int = 1
+    ) -> int | None:
         """Prompt tokens a step with `num_decode_seqs` decodes may carry when it attends
         `num_context_tokens` besides its prompt tokens (the decoders' contexts, the earlier
         positions of prompts it continues); None: no cap from the budget (no decode waits
-        on this step, or no prefill has been measured yet)."""
+        on this step, or no prefill has been measured yet).
+
+        `num_rounds`: steps a decoder waits for its next token (under a decode cap the
+        round-robin serves each one every `num_rounds` steps), so each step gets that share
+        of the target: the target bounds the gap between two tokens of a stream, not one
+        step (issue 24 item 9: 36 decoders under a cap of 8 waited five full steps)."""
         cap = None
         if num_decode_seqs > 0:
             cap = prefill_cap(
                 self.model,
-                self.target_step_ms,
+                self.target_step_ms / max(1, num_rounds),
                 num_decode_seqs,
                 self.min_prefill_tokens,
                 num_context_tokens,

@@ -485,12 +485,12 @@ def test_the_cap_pays_for_the_decoders_contexts_and_the_prompt_tokens_own():
 
 
 def test_the_cap_is_asked_with_the_contexts_of_the_sequences_that_decode_next(monkeypatch):
-    asked: list[tuple[int, int]] = []
+    asked: list[tuple[int, int, int]] = []
     ask = StepBudget.max_prefill_tokens
 
-    def recording(self, num_decode_seqs, num_context_tokens=0):
-        asked.append((num_decode_seqs, num_context_tokens))
-        return ask(self, num_decode_seqs, num_context_tokens)
+    def recording(self, num_decode_seqs, num_context_tokens=0, num_rounds=1):
+        asked.append((num_decode_seqs, num_context_tokens, num_rounds))
+        return ask(self, num_decode_seqs, num_context_tokens, num_rounds)
 
     monkeypatch.setattr(StepBudget, "max_prefill_tokens", recording)
     geometry = make_geometry(num_kv_blocks=256, block_size=4)
@@ -506,8 +506,8 @@ def test_the_cap_is_asked_with_the_contexts_of_the_sequences_that_decode_next(mo
     asked.clear()
     plan = scheduler.schedule(0.0)
     # Three decoders at positions 11, 21, 30 feed one token each: contexts 12 + 22 + 31,
-    # two of them under the decode cap: 2/3 of it.
-    assert asked == [(2, (12 + 22 + 31) * 2 // 3)]
+    # two of them under the decode cap: 2/3 of it; each waits 2 steps for its token.
+    assert asked == [(2, (12 + 22 + 31) * 2 // 3, 2)]
     scheduler.apply(worker.step(plan), 0.0)
     running = scheduler.core._planner.running.values()
     num_decode_context_tokens = sum(
@@ -516,7 +516,7 @@ def test_the_cap_is_asked_with_the_contexts_of_the_sequences_that_decode_next(mo
     long_fed = 40 - plan.num_decode_tokens  # the long prompt is in progress: counted too
     asked.clear()
     scheduler.schedule(0.0)
-    assert asked == [(2, num_decode_context_tokens * 2 // 3 + long_fed)]
+    assert asked == [(2, num_decode_context_tokens * 2 // 3 + long_fed, 2)]
 
 
 def test_steps_keep_the_target_when_long_contexts_join_the_decodes():
