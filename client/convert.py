@@ -58,6 +58,7 @@ class GenerationOptions(TypedDict, total=False):
     presence_penalty: float
     frequency_penalty: float
     seed: int | None
+    logit_bias: Mapping[int, float]  # token id -> bias in [-100, 100] added to its logit
     max_new_tokens: int
     min_new_tokens: int
     stop: Sequence[str] | str
@@ -188,6 +189,12 @@ def _apply_options(request: pb.GenerateRequest | pb.ChatRequest, options: dict[s
     stop = options.get("stop")
     if stop is not None:
         _extend(request.stopping.stop, "stop", [stop] if isinstance(stop, str) else stop)
+    logit_bias = options.get("logit_bias")
+    if logit_bias is not None:
+        try:
+            request.sampling.logit_bias.update(logit_bias)
+        except (TypeError, ValueError) as exc:
+            raise _invalid(f"logit_bias holds an invalid entry ({exc})") from None
     stop_token_ids = options.get("stop_token_ids")
     if stop_token_ids is not None:
         _extend(request.stopping.stop_token_ids, "stop_token_ids", stop_token_ids)

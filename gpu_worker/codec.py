@@ -53,6 +53,8 @@ def decode_sampling(message: step_pb2.SamplingParams) -> SamplingParams:
         min_tokens_banned_ids=(
             tuple(message.min_tokens_banned_ids) if message.min_new_tokens else ()
         ),
+        logit_bias_token_ids=tuple(message.logit_bias_token_ids),
+        logit_bias_values=tuple(message.logit_bias_values),
     )
 
 

@@ -139,6 +139,10 @@ class SequenceTable:
             if bad:  # the sampler would index the logits with it
                 refuse(new.seq_id, f"min_tokens_banned_ids: token id {bad[0]} out of range")
                 continue
+            problem = _logit_bias_problem(sampling, self.vocab_size)
+            if problem:
+                refuse(new.seq_id, f"logit_bias: {problem}")
+                continue
             if sampling.num_logprobs > self.max_logprobs:
                 sampling = replace(sampling, num_logprobs=self.max_logprobs)
             # A new sequence with a live id replaces it (the scheduler reused the id).
@@ -255,4 +259,16 @@ def _last_sampled_problem(
             f"sequence {seq_id} feeds its last sampled token at position {start_position}, "
             f"but that token belongs at {seq.last_sampled_position}"
         )
+    return None
+
+
+def _logit_bias_problem(sampling: SamplingParams, vocab_size: int) -> str | None:
+    """Why a sequence's logit_bias columns cannot be applied (a sentence), or None."""
+    token_ids, values = sampling.logit_bias_token_ids, sampling.logit_bias_values
+    if len(token_ids) != len(values):
+        return f"{len(token_ids)} token ids for {len(values)} values"
+    if token_ids and max(token_ids) >= vocab_size:
+        return f"token id {max(token_ids)} out of range"
+    if len(set(token_ids)) != len(token_ids):
+        return "a token id is listed twice"
     return None

@@ -28,6 +28,10 @@ class SamplingParams:
     # EOS and stop token ids) are masked out of the logits.
     min_new_tokens: int = 0
     min_tokens_banned_ids: tuple[int, ...] = ()
+    # Added to the logits of these ids before temperature and the filters (OpenAI's
+    # logit_bias); same length, distinct ids (the sequence table checks both).
+    logit_bias_token_ids: tuple[int, ...] = ()
+    logit_bias_values: tuple[float, ...] = ()
 
     @property
     def is_greedy(self) -> bool:

@@ -24,6 +24,8 @@ def _sampling_to_proto(sampling: ValidSampling) -> step_pb2.SamplingParams:
         frequency_penalty=sampling.frequency_penalty,
         seed=sampling.seed,
         num_logprobs=sampling.num_logprobs,
+        logit_bias_token_ids=[token_id for token_id, _ in sampling.logit_bias],
+        logit_bias_values=[bias for _, bias in sampling.logit_bias],
     )
 
 

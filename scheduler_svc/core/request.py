@@ -27,6 +27,8 @@ class ValidSampling:
     frequency_penalty: float
     seed: int
     num_logprobs: int  # top-n alternatives per generated token; 0: no logprobs at all
+    # (token id, bias added to its logit), ascending ids, distinct; empty: none.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -215,8 +215,10 @@ def test_errors_have_openai_shape_and_status(front, sdk, model):
         wrong_key.chat.completions.create(model=model, messages=MESSAGES)
     with pytest.raises(openai.AuthenticationError):
         wrong_key.models.list()
+    with pytest.raises(openai.BadRequestError) as caught:  # the scheduler's own check
+        sdk.chat.completions.create(model=model, messages=MESSAGES, logit_bias={"42": 101})
+    assert "logit_bias" in caught.value.body["message"]
     for unsupported in (
-        {"logit_bias": {"42": 5}},
         {"response_format": {"type": "json_object"}},
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
     ):

@@ -91,3 +91,53 @@ def test_seeded_choices_are_the_grpc_samples_of_seed_plus_index(stack):
     )
     assert [c.text for c in completion.choices] == expected
     assert len(set(expected)) > 1  # a random tiny model: the seeds really differ
+
+
+FORCED_TOKEN_ID = 300  # an ordinary BPE merge of the tiny tokenizer
+
+
+def test_logit_bias_forces_and_bans_over_grpc_and_through_the_front(stack):
+    service, sdk, model = stack
+
+    def generate(logit_bias: dict[int, float]) -> list[int]:
+        request = generation_pb2.GenerateRequest(
+            prompt="The quick",
+            sampling=generation_pb2.SamplingParams(logit_bias=logit_bias),
+            stopping=stopping(),
+        )
+        with service.channel() as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            return [t for r in stub.Generate(request, timeout=120) for t in r.token_ids]
+
+    assert generate({FORCED_TOKEN_ID: 100.0}) == [FORCED_TOKEN_ID] * NUM_TOKENS
+    plain = generate({})
+    banned = generate({plain[0]: -100.0})
+    assert plain[0] not in banned  # greedy never picks it at any position
+
+    forced_text = grpc_text(
+        service,
+        "Generate",
+        generation_pb2.GenerateRequest(
+            prompt="The quick",
+            sampling=generation_pb2.SamplingParams(logit_bias={FORCED_TOKEN_ID: 100.0}),
+            stopping=stopping(),
+        ),
+    )
+    completion = sdk.completions.create(
+        model=model,
+        prompt="The quick",
+        max_tokens=NUM_TOKENS,
+        temperature=0,
+        logit_bias={str(FORCED_TOKEN_ID): 100},
+        extra_body=KEEP_GOING,
+    )
+    assert completion.choices[0].text == forced_text
+    sampled = sdk.completions.create(
+        model=model,
+        prompt="The quick",
+        max_tokens=NUM_TOKENS,
+        seed=5,
+        logit_bias={str(FORCED_TOKEN_ID): 100},
+        extra_body=KEEP_GOING,
+    )
+    assert sampled.choices[0].text == forced_text  # +100 dominates a temperature-1 draw too

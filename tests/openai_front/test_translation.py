@@ -99,7 +99,6 @@ def test_top_logprobs_without_logprobs_is_refused():
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
         ({"tools": [{"type": "function"}]}, "tools"),
@@ -114,7 +113,20 @@ def test_what_the_grpc_api_lacks_is_refused_by_name(fields, param):
 
 
 def test_text_response_format_and_empty_logit_bias_are_fine():
-    plan_chat(chat(response_format={"type": "text"}, logit_bias={}), "id", 4)
+    plan = plan_chat(chat(response_format={"type": "text"}, logit_bias={}), "id", 4)
+    assert "logit_bias" not in plan.calls[0].options
+
+
+def test_logit_bias_keys_become_token_ids():
+    plan = plan_chat(chat(logit_bias={"5": 100, "17": -2.5}), "id", 4)
+    assert plan.calls[0].options["logit_bias"] == {5: 100.0, 17: -2.5}
+
+
+@pytest.mark.parametrize("key", ["x", "-1", "1.5", str(2**32)])
+def test_logit_bias_keys_that_are_not_token_ids_are_refused(key):
+    with pytest.raises(FrontError) as caught:
+        plan_chat(chat(logit_bias={key: 1.0}), "id", 4)
+    assert (caught.value.status, caught.value.param) == (400, "logit_bias")
 
 
 @pytest.mark.parametrize(
