@@ -9,6 +9,7 @@ proto field unset, which means the server's default.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypedDict, Unpack
 
@@ -68,6 +69,9 @@ class GenerationOptions(TypedDict, total=False):
     logprobs: int
     request_id: str
     cache_salt: str  # share cached prompt blocks only with requests of the same salt
+    # Structured output, one of: {"json_schema": dict or JSON text}, {"json_object": True},
+    # {"regex": str}, {"lark_grammar": str}, {"gbnf_grammar": str}, {"choice": [str, ...]}.
+    constraint: Mapping[str, Any]
 
 
 _SAMPLING_FIELDS = (
@@ -195,11 +199,31 @@ def _apply_options(request: pb.GenerateRequest | pb.ChatRequest, options: dict[s
             request.sampling.logit_bias.update(logit_bias)
         except (TypeError, ValueError) as exc:
             raise _invalid(f"logit_bias holds an invalid entry ({exc})") from None
+    constraint = options.get("constraint")
+    if constraint is not None:
+        _set_constraint(request.constraint, constraint)
     stop_token_ids = options.get("stop_token_ids")
     if stop_token_ids is not None:
         _extend(request.stopping.stop_token_ids, "stop_token_ids", stop_token_ids)
     for name in _TOP_LEVEL_FIELDS:
         _set_scalar(request, name, options.get(name))
+
+
+def _set_constraint(message: pb.Constraint, constraint: Mapping[str, Any]) -> None:
+    if not isinstance(constraint, Mapping) or len(constraint) != 1:
+        raise _invalid("constraint must be a dict of exactly one kind, e.g. {'regex': '[0-9]+'}")
+    ((kind, value),) = constraint.items()
+    if kind == "choice":
+        _extend(message.choice.choices, "constraint.choice", value)
+    elif kind == "json_schema" and not isinstance(value, str):
+        message.json_schema = json.dumps(value)
+    elif kind in ("json_schema", "json_object", "regex", "lark_grammar", "gbnf_grammar"):
+        _set_scalar(message, kind, value)
+    else:
+        raise _invalid(
+            f"constraint kind {kind!r} is not one of json_schema, json_object, "
+            "regex, lark_grammar, gbnf_grammar, choice"
+        )
 
 
 def _set_scalar(message: Any, name: str, value: Any) -> None:

@@ -32,6 +32,8 @@ def decode_plan(message: step_pb2.StepPlan) -> StepPlan:
         block_ids=list(message.block_ids),
         forget_seq_ids=list(message.forget_seq_ids),
         last_sampled_rows=list(message.last_sampled_rows),
+        allowed_token_rows=list(message.allowed_token_rows),
+        allowed_token_bitmask=message.allowed_token_bitmask,
     )
 
 

@@ -83,9 +83,6 @@ def plan_chat(body: ChatCompletionRequest, request_id: str, max_n: int) -> Plan:
 
 
 def _refuse_common(body: SamplingFields) -> None:
-    kind = (body.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise unsupported("response_format", f"of type {kind!r} (structured output)")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
 
@@ -123,11 +120,32 @@ def _options(
         "ignore_eos": body.ignore_eos,
         "cache_salt": body.cache_salt,
         "logit_bias": _logit_bias(body.logit_bias),
+        "constraint": _constraint(body.response_format),
         # The gRPC API reports logprobs only when asked for at least one alternative; the
         # response keeps the first num_logprobs of them (none for OpenAI's 0).
         "logprobs": None if num_logprobs is None else max(num_logprobs, 1),
     }
     return {name: value for name, value in options.items() if value is not None}  # type: ignore[return-value]
+
+
+def _constraint(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's response_format as a gRPC constraint; None for plain text. The scheduler
+    compiles the schema (an invalid one is its INVALID_ARGUMENT, so a 400)."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise invalid(
+                "response_format.json_schema.schema must be a JSON Schema object",
+                "response_format",
+            )
+        return {"json_schema": schema}
+    raise unsupported("response_format", f"of type {kind!r}")
 
 
 def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -29,6 +29,7 @@ from pagoda.scheduler_svc.core import (
     RequestTooLargeError,
     ValidRequest,
 )
+from pagoda.scheduler_svc.grammars import GrammarCompiler, GrammarError
 from pagoda.scheduler_svc.lanes import Lanes
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.rpc_limit import RpcLimit
@@ -40,6 +41,7 @@ from pagoda.scheduler_svc.validation import (
     Limits,
     ValidationError,
     validate_chat,
+    validate_constraint,
     validate_generate,
     validate_tokenize_text,
 )
@@ -198,6 +200,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._model_id = model_id
         self._last_hello = None
         self._write_watch = WriteWatch(config.stream_write_timeout_s)
+        self._grammars = GrammarCompiler(tokenizer.tokenizer.to_str)
         self._tokenizer_threads = ThreadPoolExecutor(
             max_workers=NUM_TOKENIZER_THREADS, thread_name_prefix="pagoda-tokenize"
         )
@@ -335,10 +338,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 f"the waiting queue is full ({max_waiting} requests); retry later",
             )
         try:
-            return await self._off_loop_if_big(
+            valid = await self._off_loop_if_big(
                 _input_chars(request), validate, request, self._tokenizer, limits
             )
-        except ValidationError as exc:
+            constraint = validate_constraint(request, valid)
+            if constraint is None:
+                return valid
+            # Compiling a schema can take a while (and the first one reads the vocabulary).
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_threads,
+                self._grammars.compile,
+                constraint,
+                limits.vocab_size,
+                self._last_hello.eos_token_ids,
+            )
+            return dataclasses.replace(valid, grammar=grammar)
+        except (ValidationError, GrammarError) as exc:
             sentence = str(exc)
         raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, sentence)
 

@@ -50,6 +50,9 @@ def encode_plan(plan: StepPlan) -> step_pb2.StepPlan:
     message.block_ids.extend(plan.block_ids)
     message.forget_seq_ids.extend(plan.forget_seq_ids)
     message.last_sampled_rows.extend(plan.last_sampled_rows)
+    if plan.allowed_token_rows:
+        message.allowed_token_rows.extend(plan.allowed_token_rows)
+        message.allowed_token_bitmask = plan.allowed_token_bitmask
     return message
 
 

@@ -6,12 +6,14 @@ so the servicer stays thin and every limit lives here.
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import uuid
 from dataclasses import dataclass
 
 from pagoda.scheduler_svc.core import ValidRequest, ValidSampling, ValidStopping
+from pagoda.scheduler_svc.grammars import MAX_CHOICES, MAX_CONSTRAINT_BYTES, ValidConstraint
 from pagoda.scheduler_svc.tokenizer import ChatTemplateError, TextTokenizer
 
 MAX_REQUEST_ID_BYTES = 128
@@ -116,6 +118,45 @@ def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidReq
     else:
         return _finish(request, tuple(prompt_token_ids), limits)
     raise ValidationError(sentence)
+
+
+def validate_constraint(request, valid: ValidRequest) -> ValidConstraint | None:
+    """A request's structured-output constraint (GenerateRequest.constraint), checked for
+    size and for the stopping rules it cannot live with; None when it has none. The
+    grammar itself is compiled by scheduler_svc.grammars."""
+    if not request.HasField("constraint"):
+        return None
+    constraint = request.constraint
+    kind = constraint.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not constraint.json_object:
+            return None
+        source = ""
+    elif kind == "choice":
+        choices = list(constraint.choice.choices)
+        if not 1 <= len(choices) <= MAX_CHOICES:
+            raise ValidationError(
+                f"constraint.choice must hold 1 to {MAX_CHOICES} strings, got {len(choices)}"
+            )
+        if not all(choices):
+            raise ValidationError("constraint.choice must not hold an empty string")
+        source = json.dumps(choices)
+    else:
+        source = getattr(constraint, kind)
+        if not source:
+            raise ValidationError(f"constraint.{kind} must not be empty")
+    if len(source.encode()) > MAX_CONSTRAINT_BYTES:
+        raise ValidationError(
+            f"constraint.{kind} is {len(source.encode())} bytes; at most {MAX_CONSTRAINT_BYTES}"
+        )
+    # The grammar ends the request by allowing EOS alone: nothing may mask or ignore it.
+    if valid.stopping.ignore_eos:
+        raise ValidationError("a constrained request cannot set stopping.ignore_eos")
+    if valid.stopping.min_new_tokens:
+        raise ValidationError("a constrained request cannot set stopping.min_new_tokens")
+    return ValidConstraint(kind, source)
 
 
 def validate_tokenize_text(text: str, limits: Limits) -> None:

@@ -51,6 +51,9 @@ class ValidRequest:
     priority: int = 0  # lower runs first under the priority policy
     # Requests share prefix-cache blocks only with requests of the same salt (tenants).
     cache_salt: str = ""
+    # Structured output: the service's grammar matcher (scheduler_svc.grammars), opaque to
+    # the core, which only never plans such a request ahead of its last token.
+    grammar: object | None = None
 
 
 class FinishReason(enum.Enum):
@@ -121,6 +124,7 @@ class Request:
     steady_from: int = 0
     steady_until: int = 0
     ending_token_ids: frozenset[int] = frozenset()
+    grammar: object | None = None  # ValidRequest.grammar
 
     @property
     def num_generated_tokens(self) -> int:

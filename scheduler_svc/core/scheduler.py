@@ -175,6 +175,7 @@ class Scheduler:
             token_ids=token_array(request.prompt_token_ids),
             arrival_s=now,
             cache_root_hash=cache_root_hash(request.cache_salt),
+            grammar=request.grammar,
         )
         self._requests[request.request_id] = queued
         planner.waiting.push_back(queued)
@@ -198,6 +199,11 @@ class Scheduler:
         """A stop string matched the request's text: it ends with STOP, as a stop token would.
         Called by the output processor right after apply(); None if already finished."""
         return self.cancel(request_id, now, FinishReason.STOP)
+
+    def request_of(self, seq_id: int) -> Request | None:
+        """The running request of a sequence the last plan named (read only: the step loop
+        reads a constrained request's tokens to fill its mask)."""
+        return self._planner.running.get(seq_id)
 
     def has_work(self) -> bool:
         return bool(self._planner.waiting) or bool(self._planner.running)

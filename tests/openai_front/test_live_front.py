@@ -218,10 +218,17 @@ def test_errors_have_openai_shape_and_status(front, sdk, model):
     with pytest.raises(openai.BadRequestError) as caught:  # the scheduler's own check
         sdk.chat.completions.create(model=model, messages=MESSAGES, logit_bias={"42": 101})
     assert "logit_bias" in caught.value.body["message"]
-    for unsupported in (
-        {"response_format": {"type": "json_object"}},
-        {"tools": [{"type": "function", "function": {"name": "f"}}]},
-    ):
+    with pytest.raises(openai.BadRequestError) as caught:  # the scheduler compiles it
+        sdk.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nope"}},
+            },
+        )
+    assert "constraint.json_schema" in caught.value.body["message"]
+    for unsupported in ({"tools": [{"type": "function", "function": {"name": "f"}}]},):
         with pytest.raises(openai.BadRequestError) as caught:
             sdk.chat.completions.create(model=model, messages=MESSAGES, **unsupported)
         assert caught.value.body["code"] == "unsupported_parameter"

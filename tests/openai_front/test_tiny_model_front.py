@@ -3,6 +3,8 @@ text: greedy on both endpoints, and seeded sampling where choice i is seed + i."
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 from pagoda.protos import generation_pb2, generation_pb2_grpc
@@ -141,3 +143,46 @@ def test_logit_bias_forces_and_bans_over_grpc_and_through_the_front(stack):
         extra_body=KEEP_GOING,
     )
     assert sampled.choices[0].text == forced_text  # +100 dominates a temperature-1 draw too
+
+
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema_gives_valid_json(stack, stream):
+    _, sdk, model = stack
+    response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER_SCHEMA}}
+    for seed in range(3):
+        reply = sdk.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            max_tokens=64,
+            seed=seed,
+            response_format=response_format,
+            stream=stream,
+        )
+        if stream:
+            text = "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
+        else:
+            assert reply.choices[0].finish_reason == "stop"
+            text = reply.choices[0].message.content
+        value = json.loads(text)
+        assert set(value) == {"answer", "sure"} and value["answer"] in ("yes", "no")
+        assert isinstance(value["sure"], bool)
+
+
+def test_response_format_json_object_through_completions(stack):
+    _, sdk, model = stack
+    completion = sdk.completions.create(
+        model=model,
+        prompt="The quick",
+        max_tokens=64,
+        temperature=0,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    assert completion.choices[0].text.startswith("{")

@@ -99,8 +99,7 @@ def test_top_logprobs_without_logprobs_is_refused():
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"response_format": {"type": "grammar"}}, "response_format"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"tool_choice": "required"}, "tools"),
     ],
@@ -115,6 +114,21 @@ def test_what_the_grpc_api_lacks_is_refused_by_name(fields, param):
 def test_text_response_format_and_empty_logit_bias_are_fine():
     plan = plan_chat(chat(response_format={"type": "text"}, logit_bias={}), "id", 4)
     assert "logit_bias" not in plan.calls[0].options
+
+
+def test_response_formats_become_constraints():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    json_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    plan = plan_chat(chat(response_format=json_schema), "id", 4)
+    assert plan.calls[0].options["constraint"] == {"json_schema": schema}
+    plan = plan_chat(chat(response_format={"type": "json_object"}), "id", 4)
+    assert plan.calls[0].options["constraint"] == {"json_object": True}
+
+
+def test_a_json_schema_format_without_a_schema_is_refused():
+    with pytest.raises(FrontError) as caught:
+        plan_chat(chat(response_format={"type": "json_schema", "json_schema": {}}), "id", 4)
+    assert (caught.value.status, caught.value.param) == (400, "response_format")
 
 
 def test_logit_bias_keys_become_token_ids():
