@@ -144,6 +144,8 @@ def chunk_from_response(response: pb.GenerateResponse) -> Chunk:
                 logprob=entry.logprob,
                 top_token_ids=list(entry.top_token_ids),
                 top_logprobs=list(entry.top_logprobs),
+                token_bytes=entry.token_bytes,
+                top_token_bytes=list(entry.top_token_bytes),
             )
             for entry in response.logprobs
         ]

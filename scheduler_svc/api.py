@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import hmac
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -82,21 +82,27 @@ _FINISH_REASONS = {
 
 
 def to_response(
-    output: RequestOutput, request_id: str | None = None
+    output: RequestOutput,
+    request_id: str | None = None,
+    token_bytes: Callable[[int], bytes] | None = None,
 ) -> generation_pb2.GenerateResponse:
-    """`request_id`: the id the client knows the request by (default: the server's)."""
+    """`request_id`: the id the client knows the request by (default: the server's);
+    `token_bytes`: each token's text, for the logprobs (None: ids only)."""
     response = generation_pb2.GenerateResponse(
         request_id=output.request_id if request_id is None else request_id,
         text=output.text,
         token_ids=output.token_ids,
     )
     for logprob in output.logprobs or ():
-        response.logprobs.add(
+        entry = response.logprobs.add(
             token_id=logprob.token_id,
             logprob=logprob.logprob,
             top_token_ids=logprob.top_token_ids,
             top_logprobs=logprob.top_logprobs,
         )
+        if token_bytes is not None:
+            entry.token_bytes = token_bytes(logprob.token_id)
+            entry.top_token_bytes.extend(map(token_bytes, logprob.top_token_ids))
     if output.finish_reason is not None:
         response.finish_reason = _FINISH_REASONS[output.finish_reason]
     if output.usage is not None:
@@ -205,6 +211,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_workers=NUM_TOKENIZER_THREADS, thread_name_prefix="pagoda-tokenize"
         )
 
+    def _token_bytes(self, token_id: int) -> bytes:
+        """A token's text as bytes for its logprobs: the detokenizer's table where decoding
+        is concatenation (byte-level BPE), else the token decoded alone; a special token
+        (no text in the table) is spelled as the vocabulary has it."""
+        table = self._tokenizer.token_bytes()
+        if table is not None:
+            piece = table[token_id] if token_id < len(table) else b""
+        else:
+            piece = self._tokenizer.decode([token_id]).encode()
+        return piece or self._tokenizer.id_to_piece(token_id).encode()
+
     async def _off_loop_if_big(self, num_chars: int, function, *args):
         """`function(*args)`, on a tokenizer thread when the input is big."""
         if num_chars <= OFF_LOOP_MIN_CHARS:
@@ -275,10 +292,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 output = await slot.next()
                 if output.finish_reason is FinishReason.ERROR:
                     if output.token_ids or output.text:
-                        await self._write(context, to_response(output, client_request_id))
+                        await self._write(
+                            context, to_response(output, client_request_id, self._token_bytes)
+                        )
                     code = getattr(grpc.StatusCode, slot.error_code or "INTERNAL")
                     raise self._refused(code, output.error_message or "the request failed")
-                await self._write(context, to_response(output, client_request_id))
+                await self._write(
+                    context, to_response(output, client_request_id, self._token_bytes)
+                )
                 if output.finish_reason is not None:
                     return
         finally:

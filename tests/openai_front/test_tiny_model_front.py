@@ -8,6 +8,7 @@ import json
 import openai
 import pytest
 from pagoda.protos import generation_pb2, generation_pb2_grpc
+from tokenizers import Tokenizer
 
 from tests.e2e.conftest import running_service, stop_process
 from tests.openai_front.conftest import start_front
@@ -186,3 +187,41 @@ def test_response_format_json_object_through_completions(stack):
         extra_body={"response_format": {"type": "json_object"}},
     )
     assert completion.choices[0].text.startswith("{")
+
+
+def test_logprob_tokens_carry_their_text(stack, tiny_model_factory):
+    service, sdk, model = stack
+    tokenizer = Tokenizer.from_file(str(tiny_model_factory("llama") / "tokenizer.json"))
+    request = generation_pb2.ChatRequest(
+        messages=[generation_pb2.ChatMessage(**m) for m in MESSAGES],
+        stopping=stopping(),
+        logprobs=2,
+    )
+    with service.channel() as channel:
+        responses = list(generation_pb2_grpc.GenerationStub(channel).Chat(request, timeout=120))
+    entries = [e for r in responses for e in r.logprobs]
+    assert len(entries) == NUM_TOKENS
+    for entry in entries:
+        assert len(entry.top_token_bytes) == 2
+        pairs = [
+            (entry.token_id, entry.token_bytes),
+            *zip(entry.top_token_ids, entry.top_token_bytes, strict=True),
+        ]
+        for token_id, token_bytes in pairs:
+            if token_id < tokenizer.get_vocab_size() and token_id > 2:  # not special
+                assert token_bytes.decode(errors="replace") == tokenizer.decode([token_id])
+
+    chat = sdk.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=NUM_TOKENS,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=KEEP_GOING,
+    )
+    expected = [
+        e.token_bytes.decode(errors="replace") if e.token_bytes else f"token_id:{e.token_id}"
+        for e in entries
+    ]
+    assert [entry.token for entry in chat.choices[0].logprobs.content] == expected
