@@ -312,3 +312,23 @@ def test_an_unreachable_scheduler_is_503(tmp_path):
         assert response.json()["error"]["code"] == "service_unavailable"
     finally:
         stop_process(process)
+
+
+def test_response_format_on_the_dummy_worker_gives_schema_valid_json(sdk, model):
+    """The dummy worker takes the next allowed id of each mask, so the grammar alone makes
+    its output JSON: the masks reach a real worker process and end the request."""
+    schema = {
+        "type": "object",
+        "properties": {"river": {"enum": ["Nile", "Rhine", "Amazon"]}, "long": {"type": "boolean"}},
+        "required": ["river", "long"],
+        "additionalProperties": False,
+    }
+    reply = sdk.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    value = json.loads(reply.choices[0].message.content)
+    assert value["river"] in ("Nile", "Rhine", "Amazon") and isinstance(value["long"], bool)
