@@ -9,6 +9,7 @@ proto field unset, which means the server's default.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypedDict, Unpack
 
@@ -60,6 +61,7 @@ class GenerationOptions(TypedDict, total=False):
     presence_penalty: float
     frequency_penalty: float
     seed: int | None
+    logit_bias: Mapping[int, float]  # token id -> bias in [-100, 100] added to its logit
     max_new_tokens: int
     min_new_tokens: int
     stop: Sequence[str] | str
@@ -69,6 +71,9 @@ class GenerationOptions(TypedDict, total=False):
     logprobs: int
     request_id: str
     cache_salt: str  # share cached prompt blocks only with requests of the same salt
+    # Structured output, one of: {"json_schema": dict or JSON text}, {"json_object": True},
+    # {"regex": str}, {"lark_grammar": str}, {"gbnf_grammar": str}, {"choice": [str, ...]}.
+    constraint: Mapping[str, Any]
 
 
 _SAMPLING_FIELDS = (
@@ -141,6 +146,8 @@ def chunk_from_response(response: pb.GenerateResponse) -> Chunk:
                 logprob=entry.logprob,
                 top_token_ids=list(entry.top_token_ids),
                 top_logprobs=list(entry.top_logprobs),
+                token_bytes=entry.token_bytes,
+                top_token_bytes=list(entry.top_token_bytes),
             )
             for entry in response.logprobs
         ]
@@ -191,11 +198,37 @@ def _apply_options(request: pb.GenerateRequest | pb.ChatRequest, options: dict[s
     stop = options.get("stop")
     if stop is not None:
         _extend(request.stopping.stop, "stop", [stop] if isinstance(stop, str) else stop)
+    logit_bias = options.get("logit_bias")
+    if logit_bias is not None:
+        try:
+            request.sampling.logit_bias.update(logit_bias)
+        except (TypeError, ValueError) as exc:
+            raise _invalid(f"logit_bias holds an invalid entry ({exc})") from None
+    constraint = options.get("constraint")
+    if constraint is not None:
+        _set_constraint(request.constraint, constraint)
     stop_token_ids = options.get("stop_token_ids")
     if stop_token_ids is not None:
         _extend(request.stopping.stop_token_ids, "stop_token_ids", stop_token_ids)
     for name in _TOP_LEVEL_FIELDS:
         _set_scalar(request, name, options.get(name))
+
+
+def _set_constraint(message: pb.Constraint, constraint: Mapping[str, Any]) -> None:
+    if not isinstance(constraint, Mapping) or len(constraint) != 1:
+        raise _invalid("constraint must be a dict of exactly one kind, e.g. {'regex': '[0-9]+'}")
+    ((kind, value),) = constraint.items()
+    if kind == "choice":
+        _extend(message.choice.choices, "constraint.choice", value)
+    elif kind == "json_schema" and not isinstance(value, str):
+        message.json_schema = json.dumps(value)
+    elif kind in ("json_schema", "json_object", "regex", "lark_grammar", "gbnf_grammar"):
+        _set_scalar(message, kind, value)
+    else:
+        raise _invalid(
+            f"constraint kind {kind!r} is not one of json_schema, json_object, "
+            "regex, lark_grammar, gbnf_grammar, choice"
+        )
 
 
 def _set_scalar(message: Any, name: str, value: Any) -> None:

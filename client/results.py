@@ -7,7 +7,7 @@ Field names mirror the public proto so the two read the same.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +19,10 @@ class TokenLogprob:
     # Most likely first; as many as the request's `logprobs`.
     top_token_ids: list[int]
     top_logprobs: list[float]
+    # The tokens' text as UTF-8 bytes (a token may hold part of a character); empty from
+    # a server that sends ids only.
+    token_bytes: bytes = b""
+    top_token_bytes: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,8 @@ def decode_plan(message: step_pb2.StepPlan) -> StepPlan:
         block_ids=list(message.block_ids),
         forget_seq_ids=list(message.forget_seq_ids),
         last_sampled_rows=list(message.last_sampled_rows),
+        allowed_token_rows=list(message.allowed_token_rows),
+        allowed_token_bitmask=message.allowed_token_bitmask,
     )
 
 
@@ -53,6 +55,8 @@ def decode_sampling(message: step_pb2.SamplingParams) -> SamplingParams:
         min_tokens_banned_ids=(
             tuple(message.min_tokens_banned_ids) if message.min_new_tokens else ()
         ),
+        logit_bias_token_ids=tuple(message.logit_bias_token_ids),
+        logit_bias_values=tuple(message.logit_bias_values),
     )
 
 

@@ -21,7 +21,7 @@ import time
 from pagoda.gpu_worker.engine import Engine, EngineFacts, SampledTokens
 from pagoda.gpu_worker.sequence_table import ScheduledChunk
 
-from pagoda.common.dummy_tokens import dummy_banned_token_ids, dummy_next_token
+from pagoda.common.dummy_tokens import OutsideMask, dummy_banned_token_ids, dummy_next_token
 
 log = logging.getLogger("pagoda.worker.dummy")
 
@@ -78,6 +78,8 @@ class DummyEngine(Engine):
                 sampling.min_new_tokens,
                 sampling.min_tokens_banned_ids,
             )
+            if chunk.allowed_token_mask is not None:
+                banned = OutsideMask(chunk.allowed_token_mask, banned)
             token_id = dummy_next_token(
                 chunk.token_ids[-1], chunk.end_position - 1, DUMMY_VOCAB_SIZE, banned
             )

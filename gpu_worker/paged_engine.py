@@ -132,7 +132,13 @@ class PagedEngine(Engine):
         self._synchronize()
         forward_done_s = time.perf_counter()
         rows = [
-            SampleRow(c.seq.sampling, c.seq.token_ids, c.seq.num_prompt_tokens, c.end_position)
+            SampleRow(
+                c.seq.sampling,
+                c.seq.token_ids,
+                c.seq.num_prompt_tokens,
+                c.end_position,
+                c.allowed_token_mask,
+            )
             for c in sample_chunks
         ]
         counts = None

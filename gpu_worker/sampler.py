@@ -1,8 +1,8 @@
 """Batched sampling on the device: penalties, temperature, top-k/top-p/min-p, seeded draws.
 
-Order (Hugging Face's): repetition penalty, presence/frequency penalties, the
-min_new_tokens mask (-inf on the ending ids until enough tokens were generated), then
-greedy argmax or temperature -> top-k -> top-p -> min-p -> draw. Logprobs are the
+Order (Hugging Face's): repetition penalty, presence/frequency penalties, the logit
+bias, the min_new_tokens mask (-inf on the ending ids until enough tokens were generated),
+the structured-output mask (-inf where a constrained row's bitmask says no), then greedy argmax or temperature -> top-k -> top-p -> min-p -> draw. Logprobs are the
 log-softmax after temperature (1 for greedy rows), before any filtering.
 
 A seeded draw is a function of (seed, position of the sampled token) only: one
@@ -47,6 +47,9 @@ class SampleRow:
     token_ids: list[int]  # every token at positions [0, position): prompt + generated
     num_prompt_tokens: int
     position: int  # position the sampled token will occupy
+    # Structured output: ceil(vocab / 32) little-endian 32-bit words; token t may be
+    # sampled only when bit t % 32 of word t // 32 is set. None: unconstrained.
+    allowed_token_mask: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -117,6 +120,44 @@ def apply_penalties(
     if needs_counts:
         generated = generated.to(logits.dtype)
         logits = logits - frequency_t * generated - presence_t * (generated > 0)
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Adds each row's logit_bias (OpenAI's: +-100 in effect forces or bans a token) to
+    its logits, in place with one scatter-add; the rows' ids are distinct (checked by the
+    sequence table), so no two additions meet."""
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias_token_ids]
+    if not biased:
+        return logits
+    row_index = [i for i in biased for _ in rows[i].params.logit_bias_token_ids]
+    tokens = [t for i in biased for t in rows[i].params.logit_bias_token_ids]
+    values = [v for i in biased for v in rows[i].params.logit_bias_values]
+    device = logits.device
+    return logits.index_put_(
+        (torch.tensor(row_index, dtype=torch.long, device=device),
+         torch.tensor(tokens, dtype=torch.long, device=device)),
+        torch.tensor(values, dtype=logits.dtype, device=device),
+        accumulate=True,
+    )  # fmt: skip
+
+
+def mask_disallowed_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """-inf on the tokens a constrained row's bitmask does not allow (structured output),
+    in place; unconstrained rows are untouched. One host-to-device copy of the masked
+    rows' words, unpacked to bits on the device."""
+    masked = [i for i, r in enumerate(rows) if r.allowed_token_mask is not None]
+    if not masked:
+        return logits
+    device = logits.device
+    vocab_size = logits.shape[-1]
+    packed = b"".join(rows[i].allowed_token_mask for i in masked)
+    words = torch.frombuffer(bytearray(packed), dtype=torch.int32).view(len(masked), -1)
+    words = words.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words[:, :, None] >> shifts) & 1).view(len(masked), -1)[:, :vocab_size]
+    index = torch.tensor(masked, dtype=torch.long, device=device)
+    logits[index] = logits[index].masked_fill(allowed == 0, float("-inf"))
     return logits
 
 
@@ -201,9 +242,11 @@ def sample(
     logits: torch.Tensor, rows: list[SampleRow], counts: TokenCountRows | None = None
 ) -> SampleOutput:
     """logits [S, vocab] (one row per sampling sequence, same order as `rows`); consumed:
-    the min_new_tokens mask may be written into them. `counts`: see apply_penalties.
-    One device-to-host copy: the tokens, and the logprobs when asked, in one tensor."""
-    logits = mask_min_new_tokens(apply_penalties(logits.float(), rows, counts), rows)
+    the logit bias and the min_new_tokens mask may be written into them. `counts`: see
+    apply_penalties. One device-to-host copy: the tokens, and the logprobs when asked, in
+    one tensor."""
+    logits = apply_logit_bias(apply_penalties(logits.float(), rows, counts), rows)
+    logits = mask_disallowed_tokens(mask_min_new_tokens(logits, rows), rows)
     params = [r.params for r in rows]
     device = logits.device
     token_ids = logits.argmax(dim=-1)

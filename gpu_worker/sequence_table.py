@@ -36,6 +36,8 @@ class ScheduledChunk:
     start_position: int
     token_ids: list[int]
     sample: bool
+    # Structured output: the allowed tokens of the sampled one (StepPlan's bitmask row).
+    allowed_token_mask: bytes | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -123,6 +125,7 @@ class SequenceTable:
         last_sampled_rows = set(plan.last_sampled_rows)
         if last_sampled_rows and not all(0 <= row < len(seq_ids) for row in last_sampled_rows):
             raise PlanError("last_sampled_rows names a row the plan does not have")
+        masks = self._allowed_token_masks(plan) if plan.allowed_token_rows else {}
 
         def refuse(seq_id: int, message: str) -> None:
             refusals.append(SequenceError(seq_id, message))
@@ -138,6 +141,10 @@ class SequenceTable:
             bad = [t for t in sampling.min_tokens_banned_ids if t >= self.vocab_size]
             if bad:  # the sampler would index the logits with it
                 refuse(new.seq_id, f"min_tokens_banned_ids: token id {bad[0]} out of range")
+                continue
+            problem = _logit_bias_problem(sampling, self.vocab_size)
+            if problem:
+                refuse(new.seq_id, f"logit_bias: {problem}")
                 continue
             if sampling.num_logprobs > self.max_logprobs:
                 sampling = replace(sampling, num_logprobs=self.max_logprobs)
@@ -177,7 +184,7 @@ class SequenceTable:
             # Truncate then extend: a rewound start position (recompute) overwrites history.
             del seq.token_ids[start_positions[i] :]
             seq.token_ids.extend(fed)
-            chunks.append(ScheduledChunk(seq, start_positions[i], fed, samples[i]))
+            chunks.append(ScheduledChunk(seq, start_positions[i], fed, samples[i], masks.get(i)))
 
         return AdmittedPlan(
             step_id=plan.step_id,
@@ -185,6 +192,24 @@ class SequenceTable:
             refusals=refusals,
             forget_seq_ids=plan.forget_seq_ids,
         )
+
+    def _allowed_token_masks(self, plan: StepPlan) -> dict[int, bytes]:
+        """Row index -> its allowed-token bitmask; PlanError when the columns disagree."""
+        rows = plan.allowed_token_rows
+        num_bytes = (self.vocab_size + 31) // 32 * 4
+        if len(plan.allowed_token_bitmask) != len(rows) * num_bytes:
+            raise PlanError(
+                f"allowed_token_bitmask holds {len(plan.allowed_token_bitmask)} bytes for "
+                f"{len(rows)} rows of {num_bytes}"
+            )
+        if any(b <= a for a, b in zip(rows, rows[1:], strict=False)) or not (
+            rows[0] >= 0 and rows[-1] < len(plan.seq_ids)
+        ):
+            raise PlanError("allowed_token_rows must be ascending rows of the plan")
+        if not all(plan.sample[row] for row in rows):
+            raise PlanError("allowed_token_rows names a row that does not sample")
+        bitmask = plan.allowed_token_bitmask
+        return {row: bitmask[k * num_bytes : (k + 1) * num_bytes] for k, row in enumerate(rows)}
 
     @staticmethod
     def record_sampled(chunks: list[ScheduledChunk], token_ids: list[int]) -> None:
@@ -255,4 +280,16 @@ def _last_sampled_problem(
             f"sequence {seq_id} feeds its last sampled token at position {start_position}, "
             f"but that token belongs at {seq.last_sampled_position}"
         )
+    return None
+
+
+def _logit_bias_problem(sampling: SamplingParams, vocab_size: int) -> str | None:
+    """Why a sequence's logit_bias columns cannot be applied (a sentence), or None."""
+    token_ids, values = sampling.logit_bias_token_ids, sampling.logit_bias_values
+    if len(token_ids) != len(values):
+        return f"{len(token_ids)} token ids for {len(values)} values"
+    if token_ids and max(token_ids) >= vocab_size:
+        return f"token id {max(token_ids)} out of range"
+    if len(set(token_ids)) != len(token_ids):
+        return "a token id is listed twice"
     return None

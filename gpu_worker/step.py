@@ -28,6 +28,10 @@ class SamplingParams:
     # EOS and stop token ids) are masked out of the logits.
     min_new_tokens: int = 0
     min_tokens_banned_ids: tuple[int, ...] = ()
+    # Added to the logits of these ids before temperature and the filters (OpenAI's
+    # logit_bias); same length, distinct ids (the sequence table checks both).
+    logit_bias_token_ids: tuple[int, ...] = ()
+    logit_bias_values: tuple[float, ...] = ()
 
     @property
     def is_greedy(self) -> bool:
@@ -62,6 +66,10 @@ class StepPlan:
     # Rows (indices into seq_ids) whose one fed token is a placeholder for the token the
     # worker sampled for that sequence last (overlapped steps, see step.proto).
     last_sampled_rows: list[int] = field(default_factory=list)
+    # Structured output: rows whose next token is constrained, and their allowed-token
+    # bitmasks (ceil(vocab / 32) little-endian 32-bit words per listed row, step.proto).
+    allowed_token_rows: list[int] = field(default_factory=list)
+    allowed_token_bitmask: bytes = b""
 
     def named_seq_ids(self) -> set[int]:
         """Every sequence id the plan mentions, readable even when its columns are malformed."""

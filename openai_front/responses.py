@@ -1,7 +1,9 @@
 """The client's chunks -> OpenAI's JSON: whole responses, stream events, logprobs and usage.
 
-Pure: no I/O. The gRPC API reports token ids, not token strings, so a token is written
-`token_id:<id>` (the form of vLLM's --return-tokens-as-token-ids) and `bytes` is null.
+Pure: no I/O. A token's string is its text from the gRPC logprobs (`bytes` its UTF-8
+bytes; a token that holds part of a character shows U+FFFD in the string, its bytes are
+exact); from a server that sends ids only, `token_id:<id>` (the form of vLLM's
+--return-tokens-as-token-ids) with `bytes` null.
 """
 
 from __future__ import annotations
@@ -75,8 +77,27 @@ def finish_reason(grpc_reason: str) -> str:
     raise FrontError(500, f"the request ended with {grpc_reason!r}", "server_error")
 
 
-def token_name(token_id: int) -> str:
+def token_name(token_id: int, token_bytes: bytes = b"") -> str:
+    if token_bytes:
+        return token_bytes.decode("utf-8", errors="replace")
     return f"token_id:{token_id}"
+
+
+def _bytes_json(token_bytes: bytes) -> list[int] | None:
+    return list(token_bytes) if token_bytes else None
+
+
+def _tops(entry: TokenLogprob, num_top: int) -> list[tuple[int, float, bytes]]:
+    """(id, logprob, bytes) of the first `num_top` alternatives."""
+    tops_bytes = entry.top_token_bytes or [b""] * len(entry.top_token_ids)
+    return list(
+        zip(
+            entry.top_token_ids[:num_top],
+            entry.top_logprobs[:num_top],
+            tops_bytes[:num_top],
+            strict=True,
+        )
+    )
 
 
 def logprobs_json(
@@ -87,26 +108,22 @@ def logprobs_json(
     if endpoint == "chat":
         return {"content": [_chat_token(entry, num_top) for entry in entries]}
     return {
-        "tokens": [token_name(e.token_id) for e in entries],
+        "tokens": [token_name(e.token_id, e.token_bytes) for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [
-            {
-                token_name(t): lp
-                for t, lp in zip(e.top_token_ids[:num_top], e.top_logprobs[:num_top], strict=True)
-            }
-            for e in entries
-        ],
-        "text_offset": None,  # needs token strings, which the gRPC API does not send
+        "top_logprobs": [{token_name(t, b): lp for t, lp, b in _tops(e, num_top)} for e in entries],
+        "text_offset": None,  # the offsets of the choice's text would need its prompt's too
     }
 
 
 def _chat_token(entry: TokenLogprob, num_top: int) -> dict[str, Any]:
-    top = zip(entry.top_token_ids[:num_top], entry.top_logprobs[:num_top], strict=True)
     return {
-        "token": token_name(entry.token_id),
+        "token": token_name(entry.token_id, entry.token_bytes),
         "logprob": entry.logprob,
-        "bytes": None,
-        "top_logprobs": [{"token": token_name(t), "logprob": lp, "bytes": None} for t, lp in top],
+        "bytes": _bytes_json(entry.token_bytes),
+        "top_logprobs": [
+            {"token": token_name(t, b), "logprob": lp, "bytes": _bytes_json(b)}
+            for t, lp, b in _tops(entry, num_top)
+        ],
     }
 
 

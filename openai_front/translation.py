@@ -83,11 +83,6 @@ def plan_chat(body: ChatCompletionRequest, request_id: str, max_n: int) -> Plan:
 
 
 def _refuse_common(body: SamplingFields) -> None:
-    if body.logit_bias:
-        raise unsupported("logit_bias", "(per-token logit bias)")
-    kind = (body.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise unsupported("response_format", f"of type {kind!r} (structured output)")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
 
@@ -124,11 +119,52 @@ def _options(
         "stop_token_ids": body.stop_token_ids,
         "ignore_eos": body.ignore_eos,
         "cache_salt": body.cache_salt,
+        "logit_bias": _logit_bias(body.logit_bias),
+        "constraint": _constraint(body.response_format),
         # The gRPC API reports logprobs only when asked for at least one alternative; the
         # response keeps the first num_logprobs of them (none for OpenAI's 0).
         "logprobs": None if num_logprobs is None else max(num_logprobs, 1),
     }
     return {name: value for name, value in options.items() if value is not None}  # type: ignore[return-value]
+
+
+def _constraint(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's response_format as a gRPC constraint; None for plain text. The scheduler
+    compiles the schema (an invalid one is its INVALID_ARGUMENT, so a 400)."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise invalid(
+                "response_format.json_schema.schema must be a JSON Schema object",
+                "response_format",
+            )
+        return {"json_schema": schema}
+    raise unsupported("response_format", f"of type {kind!r}")
+
+
+def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} as ids; the scheduler checks the ids and the range."""
+    if not logit_bias:
+        return None
+    token_ids = {}
+    for key, bias in logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            token_id = -1
+        if not 0 <= token_id < 2**32:
+            raise invalid(
+                f"logit_bias keys must be token ids (non-negative integers), got {key[:64]!r}",
+                "logit_bias",
+            )
+        token_ids[token_id] = bias
+    return token_ids
 
 
 def _seeded(options: GenerationOptions, seed: int | None, offset: int, call_id: str) -> Any:

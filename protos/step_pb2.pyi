@@ -89,7 +89,7 @@ class Goodbye(_message.Message):
     def __init__(self, incarnation_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "num_logprobs", "min_new_tokens", "min_tokens_banned_ids")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "num_logprobs", "min_new_tokens", "min_tokens_banned_ids", "logit_bias_token_ids", "logit_bias_values")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,8 @@ class SamplingParams(_message.Message):
     NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_BANNED_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -112,7 +114,9 @@ class SamplingParams(_message.Message):
     num_logprobs: int
     min_new_tokens: int
     min_tokens_banned_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., min_tokens_banned_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    logit_bias_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logit_bias_values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., min_tokens_banned_ids: _Optional[_Iterable[int]] = ..., logit_bias_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("seq_id", "sampling", "cached_token_ids", "num_prompt_tokens")
@@ -127,7 +131,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cached_token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "seq_ids", "start_positions", "sample", "token_offsets", "token_ids", "block_offsets", "block_ids", "forget_seq_ids", "last_sampled_rows")
+    __slots__ = ("step_id", "new_sequences", "seq_ids", "start_positions", "sample", "token_offsets", "token_ids", "block_offsets", "block_ids", "forget_seq_ids", "last_sampled_rows", "allowed_token_rows", "allowed_token_bitmask")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +143,8 @@ class StepPlan(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     FORGET_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     LAST_SAMPLED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -150,7 +156,9 @@ class StepPlan(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     forget_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     last_sampled_rows: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_offsets: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_offsets: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., forget_seq_ids: _Optional[_Iterable[int]] = ..., last_sampled_rows: _Optional[_Iterable[int]] = ...) -> None: ...
+    allowed_token_rows: _containers.RepeatedScalarFieldContainer[int]
+    allowed_token_bitmask: bytes
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_offsets: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_offsets: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., forget_seq_ids: _Optional[_Iterable[int]] = ..., last_sampled_rows: _Optional[_Iterable[int]] = ..., allowed_token_rows: _Optional[_Iterable[int]] = ..., allowed_token_bitmask: _Optional[bytes] = ...) -> None: ...
 
 class SequenceError(_message.Message):
     __slots__ = ("seq_id", "message")

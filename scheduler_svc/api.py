@@ -12,7 +12,7 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -30,6 +30,7 @@ from pagoda.scheduler_svc.core import (
     RequestTooLargeError,
     ValidRequest,
 )
+from pagoda.scheduler_svc.grammars import GrammarCompiler, GrammarError
 from pagoda.scheduler_svc.lanes import Lanes
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.rpc_limit import RpcLimit
@@ -48,6 +49,7 @@ from pagoda.scheduler_svc.validation import (
     Limits,
     ValidationError,
     validate_chat,
+    validate_constraint,
     validate_generate,
     validate_tokenize_text,
 )
@@ -88,21 +90,27 @@ _FINISH_REASONS = {
 
 
 def to_response(
-    output: RequestOutput, request_id: str | None = None
+    output: RequestOutput,
+    request_id: str | None = None,
+    token_bytes: Callable[[int], bytes] | None = None,
 ) -> generation_pb2.GenerateResponse:
-    """`request_id`: the id the client knows the request by (default: the server's)."""
+    """`request_id`: the id the client knows the request by (default: the server's);
+    `token_bytes`: each token's text, for the logprobs (None: ids only)."""
     response = generation_pb2.GenerateResponse(
         request_id=output.request_id if request_id is None else request_id,
         text=output.text,
         token_ids=output.token_ids,
     )
     for logprob in output.logprobs or ():
-        response.logprobs.add(
+        entry = response.logprobs.add(
             token_id=logprob.token_id,
             logprob=logprob.logprob,
             top_token_ids=logprob.top_token_ids,
             top_logprobs=logprob.top_logprobs,
         )
+        if token_bytes is not None:
+            entry.token_bytes = token_bytes(logprob.token_id)
+            entry.top_token_bytes.extend(map(token_bytes, logprob.top_token_ids))
     if output.finish_reason is not None:
         response.finish_reason = _FINISH_REASONS[output.finish_reason]
     if output.usage is not None:
@@ -208,9 +216,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._buckets: dict[str, TokenBucket] = {}  # tenant name -> its tokens per minute
         self._last_hello = None
         self._write_watch = WriteWatch(config.stream_write_timeout_s)
+        self._grammars = GrammarCompiler(tokenizer.tokenizer.to_str)
         self._tokenizer_threads = ThreadPoolExecutor(
             max_workers=NUM_TOKENIZER_THREADS, thread_name_prefix="pagoda-tokenize"
         )
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        """A token's text as bytes for its logprobs: the detokenizer's table where decoding
+        is concatenation (byte-level BPE), else the token decoded alone; a special token
+        (no text in the table) is spelled as the vocabulary has it."""
+        table = self._tokenizer.token_bytes()
+        if table is not None:
+            piece = table[token_id] if token_id < len(table) else b""
+        else:
+            piece = self._tokenizer.decode([token_id]).encode()
+        return piece or self._tokenizer.id_to_piece(token_id).encode()
 
     async def _off_loop_if_big(self, num_chars: int, function, *args):
         """`function(*args)`, on a tokenizer thread when the input is big."""
@@ -285,10 +305,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 output = await slot.next()
                 if output.finish_reason is FinishReason.ERROR:
                     if output.token_ids or output.text:
-                        await self._write(context, to_response(output, client_request_id))
+                        await self._write(
+                            context, to_response(output, client_request_id, self._token_bytes)
+                        )
                     code = getattr(grpc.StatusCode, slot.error_code or "INTERNAL")
                     raise self._refused(code, output.error_message or "the request failed")
-                await self._write(context, to_response(output, client_request_id))
+                await self._write(
+                    context, to_response(output, client_request_id, self._token_bytes)
+                )
                 if output.finish_reason is not None:
                     self._metrics.observe_tenant_finish(tenant.name, output)
                     return
@@ -349,10 +373,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 f"the waiting queue is full ({max_waiting} requests); retry later",
             )
         try:
-            return await self._off_loop_if_big(
+            valid = await self._off_loop_if_big(
                 _input_chars(request), validate, request, self._tokenizer, limits
             )
-        except ValidationError as exc:
+            constraint = validate_constraint(request, valid)
+            if constraint is None:
+                return valid
+            # Compiling a schema can take a while (and the first one reads the vocabulary).
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_threads,
+                self._grammars.compile,
+                constraint,
+                limits.vocab_size,
+                self._last_hello.eos_token_ids,
+            )
+            return dataclasses.replace(valid, grammar=grammar)
+        except (ValidationError, GrammarError) as exc:
             sentence = str(exc)
         raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, sentence)
 

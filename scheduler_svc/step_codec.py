@@ -24,6 +24,8 @@ def _sampling_to_proto(sampling: ValidSampling) -> step_pb2.SamplingParams:
         frequency_penalty=sampling.frequency_penalty,
         seed=sampling.seed,
         num_logprobs=sampling.num_logprobs,
+        logit_bias_token_ids=[token_id for token_id, _ in sampling.logit_bias],
+        logit_bias_values=[bias for _, bias in sampling.logit_bias],
     )
 
 
@@ -48,6 +50,9 @@ def encode_plan(plan: StepPlan) -> step_pb2.StepPlan:
     message.block_ids.extend(plan.block_ids)
     message.forget_seq_ids.extend(plan.forget_seq_ids)
     message.last_sampled_rows.extend(plan.last_sampled_rows)
+    if plan.allowed_token_rows:
+        message.allowed_token_rows.extend(plan.allowed_token_rows)
+        message.allowed_token_bitmask = plan.allowed_token_bitmask
     return message
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from pagoda.protos import step_pb2
-from pagoda.scheduler_svc import step_codec
+from pagoda.scheduler_svc import grammars, step_codec
 from pagoda.scheduler_svc.core import (
     FinishReason,
     RequestOutput,
@@ -313,6 +313,9 @@ class StepLoop:
         return overlaps(self._overlap_steps, worker.hello) and self._scheduler.can_plan_ahead
 
     def _send(self, decision: StepPlan, started_s: float) -> None:
+        if grammars.any_live():
+            vocab_size = self._worker.hello.vocab_size
+            grammars.fill_masks(decision, self._scheduler.request_of, vocab_size)
         plan = step_codec.encode_plan(decision)
         encoded_s = self._clock()
         result = self._link.start_step(plan, self._worker_timeout_s)

@@ -6,12 +6,14 @@ so the servicer stays thin and every limit lives here.
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import uuid
 from dataclasses import dataclass
 
 from pagoda.scheduler_svc.core import ValidRequest, ValidSampling, ValidStopping
+from pagoda.scheduler_svc.grammars import MAX_CHOICES, MAX_CONSTRAINT_BYTES, ValidConstraint
 from pagoda.scheduler_svc.tokenizer import ChatTemplateError, TextTokenizer
 
 MAX_REQUEST_ID_BYTES = 128
@@ -25,6 +27,8 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_ABS_PRESENCE_FREQUENCY = 2.0
 MAX_ABS_PRIORITY = 1_000_000
 MAX_CHAT_MESSAGES = 256
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_ABS_LOGIT_BIAS = 100.0
 # Text is bounded before tokenizing or rendering, so a huge input costs no tokenizer time.
 MAX_PROMPT_BYTES_PER_TOKEN = 32
 
@@ -116,6 +120,45 @@ def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidReq
     raise ValidationError(sentence)
 
 
+def validate_constraint(request, valid: ValidRequest) -> ValidConstraint | None:
+    """A request's structured-output constraint (GenerateRequest.constraint), checked for
+    size and for the stopping rules it cannot live with; None when it has none. The
+    grammar itself is compiled by scheduler_svc.grammars."""
+    if not request.HasField("constraint"):
+        return None
+    constraint = request.constraint
+    kind = constraint.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not constraint.json_object:
+            return None
+        source = ""
+    elif kind == "choice":
+        choices = list(constraint.choice.choices)
+        if not 1 <= len(choices) <= MAX_CHOICES:
+            raise ValidationError(
+                f"constraint.choice must hold 1 to {MAX_CHOICES} strings, got {len(choices)}"
+            )
+        if not all(choices):
+            raise ValidationError("constraint.choice must not hold an empty string")
+        source = json.dumps(choices)
+    else:
+        source = getattr(constraint, kind)
+        if not source:
+            raise ValidationError(f"constraint.{kind} must not be empty")
+    if len(source.encode()) > MAX_CONSTRAINT_BYTES:
+        raise ValidationError(
+            f"constraint.{kind} is {len(source.encode())} bytes; at most {MAX_CONSTRAINT_BYTES}"
+        )
+    # The grammar ends the request by allowing EOS alone: nothing may mask or ignore it.
+    if valid.stopping.ignore_eos:
+        raise ValidationError("a constrained request cannot set stopping.ignore_eos")
+    if valid.stopping.min_new_tokens:
+        raise ValidationError("a constrained request cannot set stopping.min_new_tokens")
+    return ValidConstraint(kind, source)
+
+
 def validate_tokenize_text(text: str, limits: Limits) -> None:
     """A Tokenize text: bounded like a prompt before any tokenizer time is spent."""
     _check_text_length("text", text, limits)
@@ -169,7 +212,7 @@ def _finish(request, prompt_token_ids: tuple[int, ...], limits: Limits) -> Valid
     return ValidRequest(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt_token_ids,
-        sampling=_sampling(request.sampling, request.logprobs),
+        sampling=_sampling(request.sampling, request.logprobs, limits.vocab_size),
         stopping=_stopping(request.stopping, num_prompt_tokens, limits),
         priority=request.priority,
         cache_salt=request.cache_salt,
@@ -182,7 +225,7 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
-def _sampling(sampling, num_logprobs: int) -> ValidSampling:
+def _sampling(sampling, num_logprobs: int, vocab_size: int) -> ValidSampling:
     temperature = _finite("sampling.temperature", sampling.temperature)
     if not 0.0 <= temperature <= MAX_TEMPERATURE:
         raise ValidationError(
@@ -221,7 +264,28 @@ def _sampling(sampling, num_logprobs: int) -> ValidSampling:
         # Every request is seeded so a recompute after preemption draws the same tokens.
         seed=sampling.seed if sampling.HasField("seed") else secrets.randbits(63),
         num_logprobs=num_logprobs,
+        logit_bias=_logit_bias(sampling.logit_bias, vocab_size),
     )
+
+
+def _logit_bias(logit_bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """The map as (token id, bias) pairs in id order (a map's order is arbitrary on the wire)."""
+    if len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValidationError(
+            f"sampling.logit_bias holds {len(logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}"
+        )
+    pairs = sorted(logit_bias.items())
+    for token_id, bias in pairs:
+        if token_id >= vocab_size:
+            raise ValidationError(
+                f"sampling.logit_bias names token {token_id}, beyond the vocabulary of {vocab_size}"
+            )
+        _finite(f"sampling.logit_bias[{token_id}]", bias)
+        if abs(bias) > MAX_ABS_LOGIT_BIAS:
+            raise ValidationError(
+                f"sampling.logit_bias[{token_id}] must be in [-100, 100], got {bias:g}"
+            )
+    return tuple(pairs)
 
 
 def _stopping(stopping, num_prompt_tokens: int, limits: Limits) -> ValidStopping:

@@ -38,3 +38,21 @@ def dummy_banned_token_ids(
     if last_position + 1 - num_prompt_tokens < min_new_tokens:
         return min_tokens_banned_ids
     return ()
+
+
+class OutsideMask:
+    """The ids a structured-output bitmask does not allow (little-endian 32-bit words,
+    step.proto's StepPlan.allowed_token_bitmask row), plus `banned`, as a collection for
+    dummy_next_token: the dummy then takes the next allowed id up, as a masked model would."""
+
+    __slots__ = ("mask", "banned")
+
+    def __init__(self, mask: bytes, banned: Collection[int] = ()) -> None:
+        self.mask = mask
+        self.banned = banned
+
+    def __contains__(self, token_id: object) -> bool:
+        assert isinstance(token_id, int)
+        byte = token_id // 8
+        allowed = byte < len(self.mask) and self.mask[byte] >> (token_id % 8) & 1
+        return not allowed or token_id in self.banned

@@ -54,6 +54,10 @@ class StepPlan:
     # Entries (indices into seq_ids) that feed the token the step in flight samples for
     # them: the worker substitutes it for their token_ids entry (overlapped steps).
     last_sampled_rows: list[int] = field(default_factory=list)
+    # Structured output (filled by the service's grammars after schedule()): rows that
+    # sample a constrained token, and their allowed-token bitmasks, as in step.proto.
+    allowed_token_rows: list[int] = field(default_factory=list)
+    allowed_token_bitmask: bytes = b""
     num_prefill_tokens: int = 0  # prompt and recompute tokens fed
     num_decode_tokens: int = 0  # one per decoding sequence
 

@@ -27,6 +27,8 @@ class ValidSampling:
     frequency_penalty: float
     seed: int
     num_logprobs: int  # top-n alternatives per generated token; 0: no logprobs at all
+    # (token id, bias added to its logit), ascending ids, distinct; empty: none.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,9 @@ class ValidRequest:
     # Who sent it (a name, never a key) and its weight: the fair share (core/tenants.py).
     tenant: str = ""
     tenant_weight: float = 1.0
+    # Structured output: the service's grammar matcher (scheduler_svc.grammars), opaque to
+    # the core, which only never plans such a request ahead of its last token.
+    grammar: object | None = None
 
 
 class FinishReason(enum.Enum):
@@ -123,6 +128,7 @@ class Request:
     steady_from: int = 0
     steady_until: int = 0
     ending_token_ids: frozenset[int] = frozenset()
+    grammar: object | None = None  # ValidRequest.grammar
 
     @property
     def num_generated_tokens(self) -> int:

@@ -187,6 +187,7 @@ class Scheduler:
             arrival_s=now,
             cache_root_hash=cache_root_hash(request.cache_salt),
             tenant=request.tenant,
+            grammar=request.grammar,
         )
         self._requests[request.request_id] = queued
         tenants.join(request.tenant, request.tenant_weight)
@@ -211,6 +212,11 @@ class Scheduler:
         """A stop string matched the request's text: it ends with STOP, as a stop token would.
         Called by the output processor right after apply(); None if already finished."""
         return self.cancel(request_id, now, FinishReason.STOP)
+
+    def request_of(self, seq_id: int) -> Request | None:
+        """The running request of a sequence the last plan named (read only: the step loop
+        reads a constrained request's tokens to fill its mask)."""
+        return self._planner.running.get(seq_id)
 
     def has_work(self) -> bool:
         return bool(self._planner.waiting) or bool(self._planner.running)

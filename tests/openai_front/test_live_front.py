@@ -187,7 +187,8 @@ def test_logprobs_of_both_endpoints(sdk, model):
     )
     content = chat.choices[0].logprobs.content
     assert len(content) == NUM_TOKENS
-    assert all(entry.token.startswith("token_id:") for entry in content)
+    # Each token's text, sent by the scheduler (the gRPC logprobs carry it).
+    assert all(entry.bytes and not entry.token.startswith("token_id:") for entry in content)
     assert all(len(entry.top_logprobs) == 2 for entry in content)
 
     completion = sdk.completions.create(
@@ -215,11 +216,20 @@ def test_errors_have_openai_shape_and_status(front, sdk, model):
         wrong_key.chat.completions.create(model=model, messages=MESSAGES)
     with pytest.raises(openai.AuthenticationError):
         wrong_key.models.list()
-    for unsupported in (
-        {"logit_bias": {"42": 5}},
-        {"response_format": {"type": "json_object"}},
-        {"tools": [{"type": "function", "function": {"name": "f"}}]},
-    ):
+    with pytest.raises(openai.BadRequestError) as caught:  # the scheduler's own check
+        sdk.chat.completions.create(model=model, messages=MESSAGES, logit_bias={"42": 101})
+    assert "logit_bias" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:  # the scheduler compiles it
+        sdk.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nope"}},
+            },
+        )
+    assert "constraint.json_schema" in caught.value.body["message"]
+    for unsupported in ({"tools": [{"type": "function", "function": {"name": "f"}}]},):
         with pytest.raises(openai.BadRequestError) as caught:
             sdk.chat.completions.create(model=model, messages=MESSAGES, **unsupported)
         assert caught.value.body["code"] == "unsupported_parameter"
@@ -302,3 +312,23 @@ def test_an_unreachable_scheduler_is_503(tmp_path):
         assert response.json()["error"]["code"] == "service_unavailable"
     finally:
         stop_process(process)
+
+
+def test_response_format_on_the_dummy_worker_gives_schema_valid_json(sdk, model):
+    """The dummy worker takes the next allowed id of each mask, so the grammar alone makes
+    its output JSON: the masks reach a real worker process and end the request."""
+    schema = {
+        "type": "object",
+        "properties": {"river": {"enum": ["Nile", "Rhine", "Amazon"]}, "long": {"type": "boolean"}},
+        "required": ["river", "long"],
+        "additionalProperties": False,
+    }
+    reply = sdk.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    value = json.loads(reply.choices[0].message.content)
+    assert value["river"] in ("Nile", "Rhine", "Amazon") and isinstance(value["long"], bool)

@@ -65,6 +65,18 @@ def test_logprobs_keep_the_asked_alternatives():
     assert legacy["top_logprobs"] == [{}]
 
 
+def test_logprobs_name_tokens_by_their_text_when_the_server_sends_it():
+    entry = TokenLogprob(
+        7, -0.5, [7, 8], [-0.5, -1.5], b" caf\xc3\xa9", [b" caf\xc3\xa9", b"\xe2\x80"]
+    )
+    (token,) = responses.logprobs_json("chat", [entry], num_top=2)["content"]
+    assert (token["token"], token["bytes"]) == (" café", list(b" caf\xc3\xa9"))
+    partial = token["top_logprobs"][1]
+    assert partial["bytes"] == [0xE2, 0x80] and partial["token"] == "\ufffd"
+    legacy = responses.logprobs_json("completions", [entry], num_top=2)
+    assert legacy["tokens"] == [" café"] and list(legacy["top_logprobs"][0]) == [" café", "\ufffd"]
+
+
 def test_a_server_side_cancel_is_a_503():
     with pytest.raises(FrontError) as caught:
         responses.finish_reason("cancelled")

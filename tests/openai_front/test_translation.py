@@ -99,9 +99,7 @@ def test_top_logprobs_without_logprobs_is_refused():
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"response_format": {"type": "grammar"}}, "response_format"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"tool_choice": "required"}, "tools"),
     ],
@@ -114,7 +112,35 @@ def test_what_the_grpc_api_lacks_is_refused_by_name(fields, param):
 
 
 def test_text_response_format_and_empty_logit_bias_are_fine():
-    plan_chat(chat(response_format={"type": "text"}, logit_bias={}), "id", 4)
+    plan = plan_chat(chat(response_format={"type": "text"}, logit_bias={}), "id", 4)
+    assert "logit_bias" not in plan.calls[0].options
+
+
+def test_response_formats_become_constraints():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    json_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    plan = plan_chat(chat(response_format=json_schema), "id", 4)
+    assert plan.calls[0].options["constraint"] == {"json_schema": schema}
+    plan = plan_chat(chat(response_format={"type": "json_object"}), "id", 4)
+    assert plan.calls[0].options["constraint"] == {"json_object": True}
+
+
+def test_a_json_schema_format_without_a_schema_is_refused():
+    with pytest.raises(FrontError) as caught:
+        plan_chat(chat(response_format={"type": "json_schema", "json_schema": {}}), "id", 4)
+    assert (caught.value.status, caught.value.param) == (400, "response_format")
+
+
+def test_logit_bias_keys_become_token_ids():
+    plan = plan_chat(chat(logit_bias={"5": 100, "17": -2.5}), "id", 4)
+    assert plan.calls[0].options["logit_bias"] == {5: 100.0, 17: -2.5}
+
+
+@pytest.mark.parametrize("key", ["x", "-1", "1.5", str(2**32)])
+def test_logit_bias_keys_that_are_not_token_ids_are_refused(key):
+    with pytest.raises(FrontError) as caught:
+        plan_chat(chat(logit_bias={key: 1.0}), "id", 4)
+    assert (caught.value.status, caught.value.param) == (400, "logit_bias")
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ SCHEDULER_CORE_MODULES = [
     "pagoda.scheduler_svc.core.scheduler",
     "pagoda.scheduler_svc.core.waiting_queue",
     "pagoda.scheduler_svc.detokenizer",
+    "pagoda.scheduler_svc.grammars",
     "pagoda.scheduler_svc.output_processor",
     "pagoda.scheduler_svc.testing",
     "pagoda.scheduler_svc.tokenizer",
@@ -54,5 +55,5 @@ def test_importing_the_scheduler_core_loads_no_torch():
 def test_the_scheduling_core_loads_no_io():
     """The core is pure: no gRPC, ZeroMQ, asyncio, protobuf or torch behind any module."""
     core = [name for name in SCHEDULER_CORE_MODULES if name.startswith("pagoda.scheduler_svc.core")]
-    forbidden = ["grpc", "zmq", "asyncio", "google.protobuf", "torch"]
+    forbidden = ["grpc", "zmq", "asyncio", "google.protobuf", "torch", "llguidance"]
     assert loaded(core, forbidden) == ""

@@ -1,0 +1,65 @@
+"""Structured output with the real default model (SmolLM2-135M-Instruct) over gRPC Chat: a
+schema with strings, integers and an enum gives JSON that parses and validates, greedy
+and sampled, and the request ends on its own (STOP) when the object is complete."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from pagoda.protos import generation_pb2 as pb
+from pagoda.protos import generation_pb2_grpc
+
+from tests.e2e.conftest import running_service
+
+pytestmark = pytest.mark.slow
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "mood": {"enum": ["happy", "sad", "calm"]},
+    },
+    "required": ["name", "age", "mood"],
+    "additionalProperties": False,
+}
+QUESTIONS = [
+    "Describe a person called Ann who is 31 and happy, as JSON.",
+    "Invent a character for a story. Reply with JSON.",
+    "Who is the oldest person you can think of? Answer in JSON.",
+]
+
+
+def valid_person(value) -> bool:
+    return (
+        set(value) == {"name", "age", "mood"}
+        and isinstance(value["name"], str)
+        and len(value["name"]) <= 20
+        and isinstance(value["age"], int)
+        and 0 <= value["age"] <= 150
+        and value["mood"] in ("happy", "sad", "calm")
+    )
+
+
+def test_a_person_schema_gives_valid_json(default_model_dir, tmp_path):
+    samplings = (pb.SamplingParams(), pb.SamplingParams(temperature=0.8, seed=1))
+    requests = [
+        pb.ChatRequest(
+            messages=[pb.ChatMessage(role="user", content=question)],
+            sampling=sampling,
+            stopping=pb.StoppingCriteria(max_new_tokens=96),
+            constraint=pb.Constraint(json_schema=json.dumps(PERSON)),
+        )
+        for question in QUESTIONS
+        for sampling in samplings
+    ]
+    with running_service(tmp_path, model="default") as service, service.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        with ThreadPoolExecutor(len(requests)) as pool:  # one batch: constrained rows together
+            replies = list(pool.map(lambda r: list(stub.Chat(r, timeout=600)), requests))
+    for request, responses in zip(requests, replies, strict=True):
+        text = "".join(r.text for r in responses)
+        assert responses[-1].finish_reason == pb.STOP, (request.messages[0].content, text)
+        assert valid_person(json.loads(text)), (request.messages[0].content, text)

@@ -1,0 +1,215 @@
+"""Structured output on the scheduler (issue 28 item 3): constraints compile or are refused
+by name; each step's bitmasks cover exactly the constrained rows that sample, with the
+matcher fed the request's generated tokens first; the masks travel in the plan and reach
+the worker's chunks row for row; a constrained request is never planned ahead."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import llguidance
+import numpy as np
+import pytest
+from pagoda.gpu_worker.codec import decode_plan
+from pagoda.gpu_worker.sequence_table import SequenceTable
+from pagoda.protos import generation_pb2 as pb
+from pagoda.scheduler_svc import grammars, step_codec
+from pagoda.scheduler_svc.core import NewSequence, StepPlan
+from pagoda.scheduler_svc.core.request import Request, token_array
+from pagoda.scheduler_svc.grammars import (
+    GrammarCompiler,
+    GrammarError,
+    ValidConstraint,
+    fill_masks,
+    mask_words,
+)
+from pagoda.scheduler_svc.validation import ValidationError, validate_constraint
+
+from pagoda.common.plan_check import PlanError
+from tests.conftest import TINY_VOCAB_SIZE
+from tests.unit.conftest import make_geometry, make_request, make_scheduler
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def compiler(tiny_tokenizer_dir):
+    return GrammarCompiler(lambda: (tiny_tokenizer_dir / "tokenizer.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def vocabulary(tiny_tokenizer_dir):
+    tokenizer = llguidance.LLTokenizer(
+        (tiny_tokenizer_dir / "tokenizer.json").read_text(), n_vocab=TINY_VOCAB_SIZE
+    )
+    return [tokenizer.decode_bytes([t]) for t in range(TINY_VOCAB_SIZE)]
+
+
+def allowed_ids(bitmask: bytes) -> set[int]:
+    bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")
+    return {int(t) for t in np.flatnonzero(bits)}
+
+
+def running(request_id: str, grammar, generated: list[int] = ()) -> Request:
+    prompt = [5, 6, 7]
+    return Request(
+        request_id=request_id,
+        sampling=None,
+        stopping=None,
+        priority=0,
+        num_prompt_tokens=len(prompt),
+        token_ids=token_array([*prompt, *generated]),
+        arrival_s=0.0,
+        grammar=grammar,
+    )
+
+
+def plan_of(seq_ids: list[int], sample: list[bool]) -> StepPlan:
+    return StepPlan(step_id=1, seq_ids=seq_ids, sample=sample)
+
+
+def test_masks_cover_the_constrained_sampling_rows_only(compiler, vocabulary):
+    regex = compiler.compile(ValidConstraint("regex", "a+b"), TINY_VOCAB_SIZE, [EOS])
+    other = compiler.compile(ValidConstraint("regex", "a+b"), TINY_VOCAB_SIZE, [EOS])
+    requests = {
+        1: running("free", None),
+        2: running("constrained", regex),
+        3: running("prefilling", other),  # does not sample this step: no mask
+    }
+    plan = plan_of([1, 2, 3], [True, True, False])
+    fill_masks(plan, requests.get, TINY_VOCAB_SIZE)
+    assert plan.allowed_token_rows == [1]
+    assert len(plan.allowed_token_bitmask) == mask_words(TINY_VOCAB_SIZE) * 4
+    allowed = allowed_ids(plan.allowed_token_bitmask)
+    assert allowed and all(set(vocabulary[t].decode()) <= {"a", "b"} for t in allowed)
+    assert EOS not in allowed  # "a+b" is not matched by nothing
+
+
+def test_the_matcher_catches_up_with_generated_tokens_and_ends_with_eos(compiler, vocabulary):
+    grammar = compiler.compile(ValidConstraint("choice", '["ab"]'), TINY_VOCAB_SIZE, [EOS])
+    a, b = vocabulary.index(b"a"), vocabulary.index(b"b")
+    request = running("r", grammar, [a])
+    plan = plan_of([1], [True])
+    fill_masks(plan, {1: request}.get, TINY_VOCAB_SIZE)
+    assert allowed_ids(plan.allowed_token_bitmask) == {b}
+    request.token_ids.append(b)
+    fill_masks(plan, {1: request}.get, TINY_VOCAB_SIZE)
+    assert allowed_ids(plan.allowed_token_bitmask) == {EOS}  # complete: only EOS
+    assert grammar.num_consumed_tokens == 2
+
+
+def test_nothing_is_filled_without_a_live_grammar():
+    assert not grammars.any_live()
+    plan = plan_of([1], [True])
+    fill_masks(plan, lambda seq_id: None, TINY_VOCAB_SIZE)
+    assert plan.allowed_token_rows == [] and plan.allowed_token_bitmask == b""
+
+
+@pytest.mark.parametrize(
+    ("constraint", "phrase"),
+    [
+        (ValidConstraint("json_schema", "{oops"), "constraint.json_schema is invalid"),
+        (ValidConstraint("json_schema", '{"type": "nope"}'), "constraint.json_schema is invalid"),
+        (ValidConstraint("json_schema", "[1]"), "must be a JSON object"),
+        (ValidConstraint("regex", "a(b"), "constraint.regex is invalid"),
+        (ValidConstraint("lark_grammar", "start: nowhere"), "constraint.lark_grammar is invalid"),
+        (ValidConstraint("gbnf_grammar", "root ::= ("), "constraint.gbnf_grammar is invalid"),
+    ],
+)
+def test_invalid_constraints_are_refused_by_name(compiler, constraint, phrase):
+    with pytest.raises(GrammarError) as refused:
+        compiler.compile(constraint, TINY_VOCAB_SIZE, [EOS])
+    assert phrase in str(refused.value)
+
+
+def constrained(**fields) -> pb.GenerateRequest:
+    return pb.GenerateRequest(constraint=pb.Constraint(**fields))
+
+
+@pytest.mark.parametrize(
+    ("message", "stopping", "phrase"),
+    [
+        (constrained(regex="a"), {"ignore_eos": True}, "ignore_eos"),
+        (constrained(regex="a"), {"min_new_tokens": 2}, "min_new_tokens"),
+        (constrained(regex=""), {}, "constraint.regex must not be empty"),
+        (constrained(choice=pb.Choices()), {}, "constraint.choice must hold 1 to 256"),
+        (constrained(choice=pb.Choices(choices=["a", ""])), {}, "empty string"),
+        (constrained(json_schema="x" * 70000), {}, "at most 65536"),
+    ],
+)
+def test_constraints_are_checked_against_the_request(message, stopping, phrase):
+    valid = make_request(**stopping)
+    with pytest.raises(ValidationError) as refused:
+        validate_constraint(message, valid)
+    assert phrase in str(refused.value)
+
+
+def test_a_request_without_a_constraint_has_none():
+    assert validate_constraint(pb.GenerateRequest(), make_request()) is None
+    assert validate_constraint(constrained(json_object=False), make_request()) is None
+    assert validate_constraint(
+        constrained(choice=pb.Choices(choices=["x", "y"])), make_request()
+    ) == (ValidConstraint("choice", json.dumps(["x", "y"])))
+
+
+def test_the_mask_columns_reach_the_worker_row_for_row():
+    vocab_size = 100  # 4 words a row
+    plan = StepPlan(
+        step_id=3,
+        seq_ids=[10, 11, 12],
+        start_positions=[0, 0, 0],
+        sample=[True, True, True],
+        token_offsets=[0, 1, 2, 3],
+        token_ids=[4, 5, 6],
+        block_offsets=[0, 1, 2, 3],
+        block_ids=[0, 1, 2],
+        allowed_token_rows=[0, 2],
+        allowed_token_bitmask=bytes(range(16)) + bytes(range(100, 116)),
+    )
+    plan.new_sequences = [new_sequence(seq_id) for seq_id in plan.seq_ids]
+    decoded = decode_plan(step_codec.encode_plan(plan))
+    assert decoded.allowed_token_rows == [0, 2]
+    table = SequenceTable(
+        num_kv_blocks=8, block_size=4, vocab_size=vocab_size, max_context_tokens=64, max_logprobs=5
+    )
+    chunks = table.admit(decoded).chunks
+    assert [c.allowed_token_mask for c in chunks] == [
+        bytes(range(16)),
+        None,
+        bytes(range(100, 116)),
+    ]
+    for bad in (
+        dataclasses.replace(decoded, allowed_token_bitmask=b"\0" * 12),  # short
+        dataclasses.replace(decoded, allowed_token_rows=[2, 0]),  # not ascending
+        dataclasses.replace(decoded, allowed_token_rows=[0, 3]),  # no such row
+        dataclasses.replace(decoded, allowed_token_rows=[0, 1], sample=[True, False, True]),
+    ):
+        table = SequenceTable(
+            num_kv_blocks=8, block_size=4, vocab_size=vocab_size, max_context_tokens=64,
+            max_logprobs=5,
+        )  # fmt: skip
+        with pytest.raises(PlanError):
+            table.admit(bad)
+
+
+def new_sequence(seq_id: int) -> NewSequence:
+    return NewSequence(
+        seq_id=seq_id,
+        sampling=make_request().sampling,
+        cached_token_ids=[],
+        num_prompt_tokens=1,
+    )
+
+
+def test_a_constrained_request_is_never_planned_ahead():
+    scheduler = make_scheduler(make_geometry(block_size=4))
+    scheduler.add(make_request("free", 6, max_new_tokens=8), 0.0)
+    scheduler.add(
+        dataclasses.replace(make_request("json", 6, max_new_tokens=8), grammar=object()), 0.0
+    )
+    first = scheduler.schedule(0.0)
+    assert len(first.seq_ids) == 2 and all(first.sample)
+    second = scheduler.schedule(0.0, ahead=True)
+    assert len(second.seq_ids) == 1 and second.last_sampled_rows == [0]
+    assert scheduler.request_of(second.seq_ids[0]).request_id == "free"
