@@ -216,7 +216,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._buckets: dict[str, TokenBucket] = {}  # tenant name -> its tokens per minute
         self._last_hello = None
         self._write_watch = WriteWatch(config.stream_write_timeout_s)
-        self._grammars = GrammarCompiler(tokenizer.tokenizer.to_str)
+        # Lazy: the vocabulary is read on the first constraint, not at start.
+        self._grammars = GrammarCompiler(lambda: tokenizer.tokenizer.to_str())
         self._tokenizer_threads = ThreadPoolExecutor(
             max_workers=NUM_TOKENIZER_THREADS, thread_name_prefix="pagoda-tokenize"
         )
