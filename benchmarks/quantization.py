@@ -195,6 +195,14 @@ VARIANTS = {
     "int8+rescored-head": Variant(
         "int8+rescored-head", lambda model: quantize_int8(model, head="rescored")
     ),
+    "int8+rescored-head+float-down": Variant(
+        "int8+rescored-head+float-down",
+        lambda model: quantize_int8(model, head="rescored", keep_float=("down_proj",)),
+    ),
+    "int8+rescored-head-unsmoothed": Variant(
+        "int8+rescored-head-unsmoothed",
+        lambda model: quantize_int8(model, head="rescored", smooth=False),
+    ),
 }
 
 

@@ -31,6 +31,8 @@ from pagoda.gpu_worker.config import QUANTIZATIONS, QuantizationError
 HEAD_MODES = ("float32", "int8", "rescored")
 HEAD_MODE = "rescored"
 RESCORED_TOP = 32
+# Decoder Linear layers left in float32 under int8, by attribute name.
+FLOAT_LAYERS: tuple[str, ...] = ()
 
 
 def resolve_quantization(requested: str, device: str, dtype: str = "auto") -> str:
@@ -65,9 +67,16 @@ def quantize(model, quantization: str, *, head: str = HEAD_MODE):
     return quantize_int8(model, head=head)
 
 
-def quantize_int8(model, *, head: str = HEAD_MODE, smooth: bool = True):
+def quantize_int8(
+    model,
+    *,
+    head: str = HEAD_MODE,
+    smooth: bool = True,
+    keep_float: tuple[str, ...] = FLOAT_LAYERS,
+):
     """Every Linear of the decoder becomes an Int8Linear, GPT-2's Conv1D (a Linear stored
-    transposed) too, and the output head as `head` says (HEAD_MODES). Call it before the
+    transposed) too, but those named in `keep_float` (by their attribute name, such as
+    "down_proj"), and the output head as `head` says (HEAD_MODES). Call it before the
     engine switches the model to the paged attention: `smooth` runs one calibration
     forward."""
     if head not in HEAD_MODES:
@@ -80,6 +89,7 @@ def quantize_int8(model, *, head: str = HEAD_MODE, smooth: bool = True):
         for parent in list(model.modules())
         for name, child in list(parent.named_children())
         if (head != "float32" or child is not output)
+        and (child is output or name not in keep_float)
         and (weight := _linear_weight(child)) is not None
     ]
     input_max = _calibrate(model, [child for _, _, child, _ in targets]) if smooth else {}
@@ -148,17 +158,21 @@ def _linear_weight(module) -> torch.Tensor | None:
 
 
 class Int8Linear(torch.nn.Module):
-    """y = x W^T + b with W as int8 (one scale per output channel) and x quantized
-    per call to 7-bit unsigned integers by fbgemm's dynamic int8 GEMM; optionally
-    smoothed (see smoothing_scales).
+    """y = x W^T + b with W as int8 (one symmetric scale per output channel, -127..127)
+    and x quantized per row (token) to symmetric 8 bits: scale = max|x_row| / 127, the
+    full -127..127 range; optionally smoothed first (see smoothing_scales).
 
-    fbgemm picks one activation scale for the whole [rows, in] input: a prefill
-    chunk's largest activation would coarsen every other row (perplexity +167% on
-    the default model). Each row is therefore divided by its own max |x| first and
-    the output multiplied back (exact algebra, the bias added after): per-token
-    activation scales from the same kernel, and a row's result hardly depends on
-    the other rows of the step. A single row needs no division: the kernel's scale
-    is already its own (7% off a batch-1 decode step).
+    Batch-invariant by construction: a row's grid is its own, the products are summed
+    exactly in int32 and dequantized elementwise, so no batch mate, chunking or
+    recompute can change a bit of a row's result (tests/worker/test_batch_invariance.py).
+
+    The GEMM is fbgemm's u8 x s8 kernel (torch._int_mm runs the same sums, but 10-60x
+    slower on an AVX2 CPU, measured here). It takes unsigned activations and, on AVX2,
+    adds pairs of u8 x s8 products in saturating int16, so a full-range input could clip.
+    Each row therefore goes in twice, as its positive part and its negated negative part
+    (u8 0..127 each, at a fixed scale 1/127 and zero point 0: 2 x 127 x 127 < 2^15, no
+    clipping), and y = W x+ - W x-. A decode step reads the weights once for both halves
+    (memory-bound: two rows cost about one); a prefill does twice the integer work.
     """
 
     def __init__(
@@ -187,24 +201,27 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        fresh = self.inverse_input_scales is not None
-        if fresh:
+        num_rows = rows.shape[0]
+        if self.inverse_input_scales is not None:
             rows = rows * self.inverse_input_scales
-        if rows.shape[0] == 1:
-            # One row (a decode of one sequence): the kernel's per-call scale is its own.
-            # reduce_range: 7-bit activations, so no int16 saturation in AVX2's kernel.
-            out = torch.ops.quantized.linear_dynamic(rows, self._packed, True)
-        else:
-            row_max = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
-            rows = rows.div_(row_max) if fresh else rows / row_max
-            out = torch.ops.quantized.linear_dynamic(rows, self._packed, True)
-            out.mul_(row_max)
+        row_max = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)
+        unit = rows / row_max  # in [-1, 1]: quantized at the fixed scale 1/127 below
+        halves = torch.cat([unit.clamp(min=0), unit.neg_().clamp_(min=0)])
+        out = _linear_u8(halves, ACTIVATION_SCALE, 0, self._packed)
+        out = out[:num_rows].sub_(out[num_rows:]).mul_(row_max)
         if self.bias is not None:
             out.add_(self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+# Quantizes its float input at the given scale and zero point (no per-call statistics),
+# multiplies in int32 with the packed int8 weight and returns float32.
+_linear_u8 = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+ACTIVATION_SCALE = 1 / 127
+ACTIVATION_SCHEME = "per-token symmetric int8 (absmax / 127), int32 accumulation"
 
 
 class RescoredHead(torch.nn.Module):
@@ -238,7 +255,9 @@ class RescoredHead(torch.nn.Module):
         rows = x.reshape(-1, self.in_features).to(self.weight.dtype)
         flat = logits.view(-1, self.out_features)
         top = flat.topk(self.num_rescored, dim=1, sorted=False).indices
-        exact = torch.bmm(self.weight[top], rows.unsqueeze(2)).squeeze(2)
+        # Elementwise products summed over the features: the same order for every row,
+        # whatever the number of rows (a bmm's kernel depends on it).
+        exact = (self.weight[top] * rows.unsqueeze(1)).sum(dim=2)
         if self.bias is not None:
             exact += self.bias[top]
         flat.scatter_(1, top, exact.to(flat.dtype))
