@@ -66,3 +66,50 @@ def make_batch_invariant(model) -> int:
                 setattr(parent, name, BatchInvariantLinear(child))
                 wrapped += 1
     return wrapped
+
+
+def describe_numerics(model, quantization: str) -> str:
+    """The numeric path of `model` (quantized with `quantization`, made batch-invariant
+    when on the CPU) in one line, for the hello, GetModelInfo and `pagoda info`."""
+    from pagoda.gpu_worker import quantization as int8
+
+    parameter = next(model.parameters())
+    dtype = str(parameter.dtype).removeprefix("torch.")
+    on_cpu = parameter.device.type == "cpu"
+    invariance = (
+        "batch-invariant (a row's result never depends on its batch, chunking or recompute)"
+        if on_cpu
+        else "not batch-invariant on CUDA (cuBLAS and SDPA pick kernels by shape)"
+    )
+    if quantization != "int8":
+        return f"none: {dtype} weights and activations as loaded; {invariance}"
+    names = sorted(
+        {
+            name
+            for module in model.modules()
+            for name, child in module.named_children()
+            if isinstance(child, int8.Int8Linear)
+        }
+    )
+    float_names = sorted(
+        {
+            name
+            for module in model.modules()
+            for name, child in module.named_children()
+            if isinstance(child, BatchInvariantLinear)
+        }
+    )
+    head = model.get_output_embeddings()
+    head = getattr(head, "inner", head)
+    head_text = (
+        f"int8 logits, each row's top {head.num_rescored} recomputed in float32"
+        if isinstance(head, int8.RescoredHead)
+        else ("int8" if isinstance(head, int8.Int8Linear) else "float32")
+    )
+    return (
+        f"int8: {', '.join(n for n in names if n not in ('lm_head', 'int8'))} as int8 (per-output-channel "
+        f"symmetric weights, SmoothQuant input scales); activations {int8.ACTIVATION_SCHEME}; "
+        f"float32: embeddings, norms, attention"
+        + (f", {', '.join(n for n in float_names if n != 'lm_head')}" if float_names else "")
+        + f"; head: {head_text}; {invariance}"
+    )
