@@ -1,11 +1,12 @@
-"""Int8 weights for the CPU forward: int8 Linear layers on fbgemm's dynamic int8 GEMM.
+"""Int8 weights for the CPU forward: int8 Linear layers on fbgemm's int8 GEMM.
 
 On a CPU the decode forward is bound by reading the weights (SmolLM2-135M: 540 MB of
 float32 per step). `int8` swaps every Linear layer of the decoder (and GPT-2's Conv1D)
-for an Int8Linear: int8 weights with one scale per output channel, activations
-quantized per call to 7 bits with one scale per row (token), int32 accumulation, and
-SmoothQuant-style input-channel scales calibrated at load on one forward of random
-token ids (data-free; about a second). Embeddings, norms, attention and the KV pool stay
+for an Int8Linear: int8 weights with one symmetric scale per output channel,
+activations quantized per token to symmetric 8 bits (-127..127, absmax / 127), int32
+accumulation (batch-invariant by construction), and SmoothQuant-style input-channel
+scales calibrated at load on one forward of random token ids (data-free; about a
+second). Embeddings, norms, attention and the KV pool stay
 float32. The output head (`head`, HEAD_MODE by default) is float32, int8, or `rescored`:
 int8 logits whose top RESCORED_TOP of each row are then recomputed in float32.
 
@@ -109,10 +110,13 @@ def quantize_int8(
 
 # Calibration: random token ids, not text. Which input channels of a Linear carry the
 # large activations is a property of the weights; random ids found them at least as
-# well as a text (default model: perplexity +2.1% vs +3.0% calibrated on a text).
+# well as a text (default model, per-call 7-bit activations: perplexity +2.1% vs +3.0%).
 NUM_CALIBRATION_TOKENS = 256
 CALIBRATION_SEED = 0
-SMOOTHING_ALPHA = 0.5  # 0.3: +6.6% perplexity; no smoothing: +9.0%
+# Per-token 8-bit activations, default model (docs/benchmarks.md): alpha 0.3 gives
+# perplexity +0.41% and a mean first greedy divergence of 17.5 of 48 tokens; 0.4:
+# +1.33%, 15.5; 0.5: +1.15%, 13.9.
+SMOOTHING_ALPHA = 0.3
 
 
 def _calibrate(model, modules: list) -> dict:
@@ -202,13 +206,16 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         num_rows = rows.shape[0]
-        if self.inverse_input_scales is not None:
+        fresh = self.inverse_input_scales is not None
+        if fresh:
             rows = rows * self.inverse_input_scales
-        row_max = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)
-        unit = rows / row_max  # in [-1, 1]: quantized at the fixed scale 1/127 below
-        halves = torch.cat([unit.clamp(min=0), unit.neg_().clamp_(min=0)])
+        row_max = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True)
+        row_max.clamp_(min=1e-30)
+        unit = rows.div_(row_max) if fresh else rows / row_max  # in [-1, 1]
+        # [x+; x-] as [2 * rows, in]: quantized at the fixed scale 1/127 by the kernel.
+        halves = torch.mul(unit, _SIGNS).relu_().view(2 * num_rows, self.in_features)
         out = _linear_u8(halves, ACTIVATION_SCALE, 0, self._packed)
-        out = out[:num_rows].sub_(out[num_rows:]).mul_(row_max)
+        out = torch.sub(out[:num_rows], out[num_rows:]).mul_(row_max)
         if self.bias is not None:
             out.add_(self.bias)
         return out.view(*x.shape[:-1], self.out_features)
@@ -221,6 +228,7 @@ class Int8Linear(torch.nn.Module):
 # multiplies in int32 with the packed int8 weight and returns float32.
 _linear_u8 = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
 ACTIVATION_SCALE = 1 / 127
+_SIGNS = torch.tensor([1.0, -1.0]).view(2, 1, 1)
 ACTIVATION_SCHEME = "per-token symmetric int8 (absmax / 127), int32 accumulation"
 
 

@@ -20,6 +20,10 @@ import torch.nn.functional as F
 
 KEY_BLOCK = 64
 ROW_MULTIPLE = 4
+# A causal prefill attends in blocks of this many queries, each over the keys up to its
+# last query (rounded up to KEY_BLOCK): the masked upper triangle is mostly not computed.
+# A row's result is the same either way (its extra keys are masked: exact zeros).
+QUERY_BLOCK = 128
 
 
 def attend_batch_invariant(
@@ -40,6 +44,24 @@ def attend_batch_invariant(
     if is_causal and mask is None:
         mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=query.device)
         mask = mask.tril(num_keys - num_queries)
+    if num_queries > QUERY_BLOCK and mask is not None and mask.dim() == 2:
+        # A prefill (a 2-D mask: its rows see keys up to their positions, no further).
+        offset = num_keys - num_queries
+        parts = []
+        for start in range(0, num_queries, QUERY_BLOCK):
+            end = min(start + QUERY_BLOCK, num_queries)
+            seen = min(num_keys, -(-(end + offset) // KEY_BLOCK) * KEY_BLOCK)
+            parts.append(
+                attend_batch_invariant(
+                    query[..., start:end, :],
+                    key[..., :seen, :],
+                    value[..., :seen, :],
+                    mask[start:end, :seen],
+                    scale,
+                    softcap,
+                )
+            )
+        return torch.cat(parts, dim=-2)
     # Query heads sharing a KV head become rows of one product: [..., Hk, group * Lq, d].
     rows = query.reshape(*batch, num_kv_heads, group * num_queries, head_dim)
     num_rows = rows.shape[-2]
