@@ -195,7 +195,61 @@ VARIANTS = {
     "int8+rescored-head": Variant(
         "int8+rescored-head", lambda model: quantize_int8(model, head="rescored")
     ),
+    "int8+rescored-head+float-down": Variant(
+        "int8+rescored-head+float-down",
+        lambda model: quantize_int8(model, head="rescored", keep_float=("down_proj",)),
+    ),
+    "int8+rescored-head-unsmoothed": Variant(
+        "int8+rescored-head-unsmoothed",
+        lambda model: quantize_int8(model, head="rescored", smooth=False),
+    ),
 }
+
+
+def llama_server_greedy(prompts: list[list[int]], num_new_tokens: int) -> list[list[int]] | str:
+    """llama.cpp's greedy tokens for the same token-id prompts on the same Q4_1 weights
+    (one slot, `ignore_eos`, temperature 0, no prompt cache), or the line saying why the
+    peer was skipped (the binary is built by `make llama-server`)."""
+    import http.client
+    import json
+
+    from benchmarks import llama_server as peer
+    from benchmarks.suite_service import free_port
+
+    install = peer.installation()
+    if (reason := peer.skip_reason(install, "cpu")) is not None:
+        return reason
+    port = free_port()
+    argv = peer.server_argv(
+        install.binary,
+        install.model,
+        port,
+        parallel=1,
+        context_per_slot=peer.context_per_slot(prompts, num_new_tokens),
+        threads=os.cpu_count() or 1,
+    )
+    generated = []
+    with peer.LlamaServer(argv, port) as server:
+        server.start()
+        for prompt in prompts:
+            body = {
+                "prompt": prompt,
+                "n_predict": num_new_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+                "cache_prompt": False,
+                "return_tokens": True,
+            }
+            connection = http.client.HTTPConnection(peer.HOST, port, timeout=120)
+            try:
+                connection.request(
+                    "POST", "/completion", json.dumps(body), {"Content-Type": "application/json"}
+                )
+                answer = json.loads(connection.getresponse().read())
+            finally:
+                connection.close()
+            generated.append(list(answer["tokens"])[:num_new_tokens])
+    return generated
 
 
 def quality(resolved, variants: list[Variant], num_prompts: int, num_new_tokens: int) -> str:
@@ -217,6 +271,9 @@ def quality(resolved, variants: list[Variant], num_prompts: int, num_new_tokens:
         del engine, model
         print(f"  {variant.name}: perplexity {scores[variant.name].perplexity:.3f}", flush=True)
     base = variants[0].name
+    peer = llama_server_greedy(prompts, num_new_tokens)
+    if isinstance(peer, str):
+        print(f"  {peer}: no greedy comparison with llama.cpp", flush=True)
     lines = [
         f"{len(prompts)} chat prompts ({min(map(len, prompts))}-{max(map(len, prompts))} "
         f"tokens), {num_new_tokens} greedy tokens each, one batch; perplexity over "
@@ -237,6 +294,32 @@ def quality(resolved, variants: list[Variant], num_prompts: int, num_new_tokens:
             f"{agree.token_match_fraction:.1%} | {score.perplexity:.3f} | {delta:+.2%} | "
             f"{top1_agreement(scores[base], score):.1%} |"
         )
+    if not isinstance(peer, str):
+        agree = agreement(greedy[base], peer)
+        lines.append(
+            f"| llama-server (Q4_1 x Q8_1 blocks) | {agree.num_identical}/{agree.num_prompts} "
+            f"({agree.identical_fraction:.0%}) | {agree.mean_first_divergence:.1f} | "
+            f"{agree.token_match_fraction:.1%} | - | - | - |"
+        )
+    shipped = "int8+rescored-head"
+    if shipped in scores:
+        delta = scores[shipped].perplexity / scores[base].perplexity - 1
+        top1 = top1_agreement(scores[base], scores[shipped])
+        divergence = agreement(greedy[base], greedy[shipped]).mean_first_divergence
+        peer_divergence = None if isinstance(peer, str) else agreement(greedy[base], peer)
+        lines += [
+            "",
+            f"Issue 26's targets for {shipped} (the default): perplexity within 1% of fp32: "
+            f"{'pass' if delta < 0.01 else 'FAIL'} ({delta:+.2%}); teacher-forced top-1 >= 97%: "
+            f"{'pass' if top1 >= 0.97 else 'FAIL'} ({top1:.1%}); mean first divergence >= "
+            + (
+                "llama-server's: not compared (no binary)"
+                if peer_divergence is None
+                else f"llama-server's {peer_divergence.mean_first_divergence:.1f}: "
+                f"{'pass' if divergence >= peer_divergence.mean_first_divergence else 'FAIL'}"
+            )
+            + f" ({divergence:.1f}).",
+        ]
     return "\n".join(lines)
 
 
@@ -295,11 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", choices=("quality", "speed", "all"), default="all")
     parser.add_argument("--model", default="default", help="model spec, as for the worker")
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--num-new-tokens", type=int, default=32)
+    parser.add_argument("--num-new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per speed case")
     parser.add_argument(
         "--variants",
-        default="fp32,quantize_dynamic,int8,int8+head",
+        default="fp32,int8+rescored-head,int8+rescored-head+float-down",
         help=f"from {', '.join(VARIANTS)}; fp32 first",
     )
     args = parser.parse_args(argv)

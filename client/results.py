@@ -135,6 +135,8 @@ class ModelInfo:
     # "none" (the weights as loaded) or "int8" (dynamic int8 Linear layers on the CPU:
     # faster, and greedy text may differ from the float model's); "" with no worker yet.
     quantization: str
+    # The numeric path in words (quantized layers, activation scheme, batch invariance).
+    numerics: str
     worker_connected: bool
     # Chat works only with a template; the CLI's `generate` uses it when there is one.
     has_chat_template: bool

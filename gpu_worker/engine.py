@@ -39,6 +39,7 @@ class EngineFacts:
     dtype: str
     max_logprobs: int = MAX_LOGPROBS
     quantization: str = "none"  # "none" or "int8"
+    numerics: str = ""  # in words: pagoda.gpu_worker.numerics.describe_numerics
 
 
 @dataclass(slots=True)

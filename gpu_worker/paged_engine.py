@@ -21,6 +21,7 @@ from pagoda.gpu_worker.engine import Engine, EngineFacts, SampledTokens
 from pagoda.gpu_worker.kv_pool import GIB, KVGeometry, KVPool, num_blocks_for_budget
 from pagoda.gpu_worker.kv_sizing import kv_budget_bytes, measure_memory, profile_plan
 from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
+from pagoda.gpu_worker.numerics import describe_numerics, make_batch_invariant
 from pagoda.gpu_worker.quantization import quantize, resolve_quantization
 from pagoda.gpu_worker.ragged_batch import build_ragged_batch
 from pagoda.gpu_worker.sampler import SampleRow, sample
@@ -63,6 +64,9 @@ class PagedEngine(Engine):
         cuda_graphs: bool = False,  # see pagoda.gpu_worker.cuda_graphs
     ) -> None:
         quantize(model, quantization)
+        if next(model.parameters()).device.type == "cpu":
+            make_batch_invariant(model)  # the float Linear layers (numerics.py)
+        numerics = describe_numerics(model, quantization)
         paged_attention.register()
         model.set_attn_implementation(paged_attention.ATTENTION_NAME)
         paged_attention.number_attention_layers(model)
@@ -89,6 +93,7 @@ class PagedEngine(Engine):
             device=str(self.device),
             dtype=str(parameter.dtype).removeprefix("torch."),
             quantization=quantization,
+            numerics=numerics,
         )
         super().__init__(facts, fail_on_token_id=fail_on_token_id)
         self.token_counts = TokenCounts(facts.vocab_size, self.device)  # for penalties

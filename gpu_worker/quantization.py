@@ -1,11 +1,12 @@
-"""Int8 weights for the CPU forward: int8 Linear layers on fbgemm's dynamic int8 GEMM.
+"""Int8 weights for the CPU forward: int8 Linear layers on fbgemm's int8 GEMM.
 
 On a CPU the decode forward is bound by reading the weights (SmolLM2-135M: 540 MB of
 float32 per step). `int8` swaps every Linear layer of the decoder (and GPT-2's Conv1D)
-for an Int8Linear: int8 weights with one scale per output channel, activations
-quantized per call to 7 bits with one scale per row (token), int32 accumulation, and
-SmoothQuant-style input-channel scales calibrated at load on one forward of random
-token ids (data-free; about a second). Embeddings, norms, attention and the KV pool stay
+for an Int8Linear: int8 weights with one symmetric scale per output channel,
+activations quantized per token to symmetric 8 bits (-127..127, absmax / 127), int32
+accumulation (batch-invariant by construction), and SmoothQuant-style input-channel
+scales calibrated at load on one forward of random token ids (data-free; about a
+second). Embeddings, norms, attention and the KV pool stay
 float32. The output head (`head`, HEAD_MODE by default) is float32, int8, or `rescored`:
 int8 logits whose top RESCORED_TOP of each row are then recomputed in float32.
 
@@ -31,6 +32,8 @@ from pagoda.gpu_worker.config import QUANTIZATIONS, QuantizationError
 HEAD_MODES = ("float32", "int8", "rescored")
 HEAD_MODE = "rescored"
 RESCORED_TOP = 32
+# Decoder Linear layers left in float32 under int8, by attribute name.
+FLOAT_LAYERS: tuple[str, ...] = ()
 
 
 def resolve_quantization(requested: str, device: str, dtype: str = "auto") -> str:
@@ -65,9 +68,16 @@ def quantize(model, quantization: str, *, head: str = HEAD_MODE):
     return quantize_int8(model, head=head)
 
 
-def quantize_int8(model, *, head: str = HEAD_MODE, smooth: bool = True):
+def quantize_int8(
+    model,
+    *,
+    head: str = HEAD_MODE,
+    smooth: bool = True,
+    keep_float: tuple[str, ...] = FLOAT_LAYERS,
+):
     """Every Linear of the decoder becomes an Int8Linear, GPT-2's Conv1D (a Linear stored
-    transposed) too, and the output head as `head` says (HEAD_MODES). Call it before the
+    transposed) too, but those named in `keep_float` (by their attribute name, such as
+    "down_proj"), and the output head as `head` says (HEAD_MODES). Call it before the
     engine switches the model to the paged attention: `smooth` runs one calibration
     forward."""
     if head not in HEAD_MODES:
@@ -80,6 +90,7 @@ def quantize_int8(model, *, head: str = HEAD_MODE, smooth: bool = True):
         for parent in list(model.modules())
         for name, child in list(parent.named_children())
         if (head != "float32" or child is not output)
+        and (child is output or name not in keep_float)
         and (weight := _linear_weight(child)) is not None
     ]
     input_max = _calibrate(model, [child for _, _, child, _ in targets]) if smooth else {}
@@ -99,10 +110,13 @@ def quantize_int8(model, *, head: str = HEAD_MODE, smooth: bool = True):
 
 # Calibration: random token ids, not text. Which input channels of a Linear carry the
 # large activations is a property of the weights; random ids found them at least as
-# well as a text (default model: perplexity +2.1% vs +3.0% calibrated on a text).
+# well as a text (default model, per-call 7-bit activations: perplexity +2.1% vs +3.0%).
 NUM_CALIBRATION_TOKENS = 256
 CALIBRATION_SEED = 0
-SMOOTHING_ALPHA = 0.5  # 0.3: +6.6% perplexity; no smoothing: +9.0%
+# Per-token 8-bit activations, default model (docs/benchmarks.md): alpha 0.3 gives
+# perplexity +0.41% and a mean first greedy divergence of 17.5 of 48 tokens; 0.4:
+# +1.33%, 15.5; 0.5: +1.15%, 13.9.
+SMOOTHING_ALPHA = 0.3
 
 
 def _calibrate(model, modules: list) -> dict:
@@ -148,17 +162,21 @@ def _linear_weight(module) -> torch.Tensor | None:
 
 
 class Int8Linear(torch.nn.Module):
-    """y = x W^T + b with W as int8 (one scale per output channel) and x quantized
-    per call to 7-bit unsigned integers by fbgemm's dynamic int8 GEMM; optionally
-    smoothed (see smoothing_scales).
+    """y = x W^T + b with W as int8 (one symmetric scale per output channel, -127..127)
+    and x quantized per row (token) to symmetric 8 bits: scale = max|x_row| / 127, the
+    full -127..127 range; optionally smoothed first (see smoothing_scales).
 
-    fbgemm picks one activation scale for the whole [rows, in] input: a prefill
-    chunk's largest activation would coarsen every other row (perplexity +167% on
-    the default model). Each row is therefore divided by its own max |x| first and
-    the output multiplied back (exact algebra, the bias added after): per-token
-    activation scales from the same kernel, and a row's result hardly depends on
-    the other rows of the step. A single row needs no division: the kernel's scale
-    is already its own (7% off a batch-1 decode step).
+    Batch-invariant by construction: a row's grid is its own, the products are summed
+    exactly in int32 and dequantized elementwise, so no batch mate, chunking or
+    recompute can change a bit of a row's result (tests/worker/test_batch_invariance.py).
+
+    The GEMM is fbgemm's u8 x s8 kernel (torch._int_mm runs the same sums, but 10-60x
+    slower on an AVX2 CPU, measured here). It takes unsigned activations and, on AVX2,
+    adds pairs of u8 x s8 products in saturating int16, so a full-range input could clip.
+    Each row therefore goes in twice, as its positive part and its negated negative part
+    (u8 0..127 each, at a fixed scale 1/127 and zero point 0: 2 x 127 x 127 < 2^15, no
+    clipping), and y = W x+ - W x-. A decode step reads the weights once for both halves
+    (memory-bound: two rows cost about one); a prefill does twice the integer work.
     """
 
     def __init__(
@@ -187,24 +205,31 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        num_rows = rows.shape[0]
         fresh = self.inverse_input_scales is not None
         if fresh:
             rows = rows * self.inverse_input_scales
-        if rows.shape[0] == 1:
-            # One row (a decode of one sequence): the kernel's per-call scale is its own.
-            # reduce_range: 7-bit activations, so no int16 saturation in AVX2's kernel.
-            out = torch.ops.quantized.linear_dynamic(rows, self._packed, True)
-        else:
-            row_max = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
-            rows = rows.div_(row_max) if fresh else rows / row_max
-            out = torch.ops.quantized.linear_dynamic(rows, self._packed, True)
-            out.mul_(row_max)
+        row_max = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True)
+        row_max.clamp_(min=1e-30)
+        unit = rows.div_(row_max) if fresh else rows / row_max  # in [-1, 1]
+        # [x+; x-] as [2 * rows, in]: quantized at the fixed scale 1/127 by the kernel.
+        halves = torch.mul(unit, _SIGNS).relu_().view(2 * num_rows, self.in_features)
+        out = _linear_u8(halves, ACTIVATION_SCALE, 0, self._packed)
+        out = torch.sub(out[:num_rows], out[num_rows:]).mul_(row_max)
         if self.bias is not None:
             out.add_(self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+# Quantizes its float input at the given scale and zero point (no per-call statistics),
+# multiplies in int32 with the packed int8 weight and returns float32.
+_linear_u8 = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+ACTIVATION_SCALE = 1 / 127
+_SIGNS = torch.tensor([1.0, -1.0]).view(2, 1, 1)
+ACTIVATION_SCHEME = "per-token symmetric int8 (absmax / 127), int32 accumulation"
 
 
 class RescoredHead(torch.nn.Module):
@@ -238,7 +263,9 @@ class RescoredHead(torch.nn.Module):
         rows = x.reshape(-1, self.in_features).to(self.weight.dtype)
         flat = logits.view(-1, self.out_features)
         top = flat.topk(self.num_rescored, dim=1, sorted=False).indices
-        exact = torch.bmm(self.weight[top], rows.unsqueeze(2)).squeeze(2)
+        # Elementwise products summed over the features: the same order for every row,
+        # whatever the number of rows (a bmm's kernel depends on it).
+        exact = (self.weight[top] * rows.unsqueeze(1)).sum(dim=2)
         if self.bias is not None:
             exact += self.bias[top]
         flat.scatter_(1, top, exact.to(flat.dtype))

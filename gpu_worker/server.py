@@ -110,6 +110,7 @@ class WorkerServer:
             dtype=facts.dtype,
             max_logprobs=facts.max_logprobs,
             quantization=facts.quantization,
+            numerics=facts.numerics,
             feeds_last_sampled=True,  # SequenceTable substitutes last_sampled_rows
         )
 

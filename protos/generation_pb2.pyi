@@ -218,7 +218,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "max_context_tokens", "vocab_size", "block_size", "num_kv_blocks", "num_kv_tokens", "eos_token_ids", "device", "dtype", "worker_connected", "has_chat_template", "quantization")
+    __slots__ = ("model_id", "max_context_tokens", "vocab_size", "block_size", "num_kv_blocks", "num_kv_tokens", "eos_token_ids", "device", "dtype", "worker_connected", "has_chat_template", "quantization", "numerics")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,7 @@ class ModelInfo(_message.Message):
     WORKER_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     max_context_tokens: int
     vocab_size: int
@@ -243,7 +244,8 @@ class ModelInfo(_message.Message):
     worker_connected: bool
     has_chat_template: bool
     quantization: str
-    def __init__(self, model_id: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_kv_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., worker_connected: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., quantization: _Optional[str] = ...) -> None: ...
+    numerics: str
+    def __init__(self, model_id: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_kv_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., worker_connected: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., quantization: _Optional[str] = ..., numerics: _Optional[str] = ...) -> None: ...
 
 class ServerStatsRequest(_message.Message):
     __slots__ = ()

@@ -504,6 +504,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             info.device = hello.device
             info.dtype = hello.dtype
             info.quantization = hello.quantization or "none"  # empty from an older worker
+            info.numerics = hello.numerics
             del info.eos_token_ids[:]
             info.eos_token_ids.extend(sorted(hello.eos_token_ids))
         return info

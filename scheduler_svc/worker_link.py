@@ -521,6 +521,7 @@ MAX_HELLO_STRING_BYTES: dict[str, int] = {
     "device": 64,
     "dtype": 32,
     "quantization": 32,
+    "numerics": 1024,
 }
 MAX_EOS_TOKEN_IDS = 256
 

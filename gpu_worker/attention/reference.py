@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from pagoda.gpu_worker.attention.backend import AttentionMetadata
+from pagoda.gpu_worker.attention.invariant import attend_batch_invariant
 
 
 def attend(
@@ -26,8 +27,11 @@ def attend(
 ) -> torch.Tensor:
     """softmax(q k^T * scale [+ mask]) v with [..., heads, len, dim] inputs (mask: True = attend).
 
-    q may have a multiple of k's heads (grouped-query attention).
+    q may have a multiple of k's heads (grouped-query attention). On the CPU, the
+    batch-invariant formulation (attention/invariant.py); on CUDA, SDPA.
     """
+    if query.device.type == "cpu":
+        return attend_batch_invariant(query, key, value, mask, scale, softcap, is_causal)
     if softcap is None:
         return F.scaled_dot_product_attention(
             query,

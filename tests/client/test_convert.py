@@ -169,6 +169,7 @@ def test_model_info_covers_every_proto_field():
         device="cuda",
         dtype="bfloat16",
         quantization="int8",
+        numerics="int8: q_proj as int8; activations per-token symmetric int8",
         worker_connected=True,
         has_chat_template=True,
     )

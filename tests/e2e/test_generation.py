@@ -88,6 +88,9 @@ def test_the_cpu_default_int8_answers_and_reports_itself(tmp_path):
         stub = service.stub(channel)
         info = stub.GetModelInfo(generation_pb2.ModelInfoRequest(), timeout=10)
         assert info.quantization == ("int8" if info.device == "cpu" else "none")
+        if info.device == "cpu":
+            assert info.numerics.startswith("int8: ") and "per-token" in info.numerics
+            assert "batch-invariant (" in info.numerics
         # Not "What is the capital of France?": float32 starts its answer with "The" by a
         # hair over "L" (logits 25.33 and 25.24), and int8 rounding flips that tie on an
         # AVX-512 machine into a French ramble. This prompt's first 8 greedy tokens lead

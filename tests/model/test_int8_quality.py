@@ -1,5 +1,6 @@
-"""The int8 forward on the real default model keeps its quality: a small, fast version of
-`python -m benchmarks.quantization --check quality` (full figures in docs/benchmarks.md)."""
+"""The int8 forward on the real default model keeps its quality: the gate of
+`python -m benchmarks.quantization --check quality`, same prompts and lengths (figures in
+docs/benchmarks.md, "int8 forward")."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from benchmarks.quantization import (
     top1_agreement,
 )
 
-pytestmark = pytest.mark.slow
+# 64 prompts x 48 tokens, float32 and int8: about 2 minutes on 2 quiet cores.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-NUM_PROMPTS = 8
-NUM_NEW_TOKENS = 16
+NUM_PROMPTS = 64
+NUM_NEW_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +52,21 @@ def runs(default_model_dir, tokenizer):
     return measured
 
 
-def test_int8_perplexity_stays_within_5_percent_of_float(runs):
-    # Measured +2.1% (one activation scale per call, torch.ao's quantize_dynamic: +167%).
+def test_int8_perplexity_stays_within_1_percent_of_float(runs):
+    # Measured +0.41% (7-bit activations with one scale per call before issue 26: +3.1%).
     exact, approx = runs["none"][0], runs["int8"][0]
-    assert approx.perplexity / exact.perplexity - 1 < 0.05, (exact, approx)
-    assert top1_agreement(exact, approx) > 0.85
+    assert approx.perplexity / exact.perplexity - 1 < 0.01, (exact, approx)
+
+
+def test_int8_teacher_forced_top1_agrees_with_float(runs):
+    # Measured 93.1%. The issue's target of 97% is not reached by per-channel int8
+    # weights: with float activations they alone agree 96.1% (docs/benchmarks.md).
+    assert top1_agreement(runs["none"][0], runs["int8"][0]) >= 0.92
 
 
 def test_int8_greedy_text_starts_as_the_float_model_s(runs):
-    # Greedy chains part at the first near-tie and never meet again; measured over 64
-    # prompts x 32 tokens: mean first divergence 11.2 (docs/benchmarks.md).
+    # Greedy chains part at the first near-tie and never meet again; measured over these
+    # 64 prompts x 48 tokens: mean first divergence 17.5 (13.9 with alpha 0.5; 7-bit
+    # per-call activations, before issue 26: 7.2 over 16 prompts).
     agree = agreement(runs["none"][1], runs["int8"][1])
-    assert agree.mean_first_divergence >= 4, agree
+    assert agree.mean_first_divergence >= 14, agree

@@ -1,0 +1,115 @@
+"""The numeric path of the forward: float32 Linear layers made batch-invariant on the CPU,
+and the one-line description GetModelInfo and `pagoda info` report.
+
+A float32 GEMM on the CPU (oneDNN/MKL) takes another kernel for a few rows than for many:
+measured here, a row's bits differ at 1-3, 5-7 and 9-11 rows from any multiple of 4 or
+12+ rows, whatever the layer's shape. A decode step of one sequence and the same
+sequence inside a batch would then differ in the last bits, and a greedy chain can part
+there. So on the CPU every float Linear left in the model (all of them under `none`, the
+float layers and the rescored head under `int8`) pads its rows to a multiple of
+ROW_MULTIPLE below MIN_EXACT_ROWS: zero rows, computed and dropped.
+tests/worker/test_batch_invariance.py holds the whole forward to bit-exact logprobs.
+
+On CUDA nothing here applies: cuBLAS may also pick kernels by shape; what holds there is
+stated in docs/benchmarks.md ("Batch invariance").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ROW_MULTIPLE = 4
+MIN_EXACT_ROWS = 12
+
+
+class BatchInvariantLinear(torch.nn.Module):
+    """`inner` (a Linear, or GPT-2's Conv1D) called on its input padded with zero rows to
+    a multiple of ROW_MULTIPLE when it has fewer than MIN_EXACT_ROWS; keeps `inner`'s
+    weights (no copy) and its attributes."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        num_rows = rows.shape[0]
+        if num_rows >= MIN_EXACT_ROWS or num_rows % ROW_MULTIPLE == 0:
+            return self.inner(x)
+        padding = ROW_MULTIPLE - num_rows % ROW_MULTIPLE
+        out = self.inner(F.pad(rows, (0, 0, 0, padding)))[:num_rows]
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _is_float_linear(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.Linear) or (
+        type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+    )
+
+
+def make_batch_invariant(model) -> int:
+    """Wrap every float Linear (and Conv1D) of `model` in a BatchInvariantLinear, in place;
+    returns how many. Call it after quantization and on the CPU only."""
+    wrapped = 0
+    for parent in list(model.modules()):
+        if isinstance(parent, BatchInvariantLinear):
+            continue
+        for name, child in list(parent.named_children()):
+            if _is_float_linear(child):
+                setattr(parent, name, BatchInvariantLinear(child))
+                wrapped += 1
+    return wrapped
+
+
+def describe_numerics(model, quantization: str) -> str:
+    """The numeric path of `model` (quantized with `quantization`, made batch-invariant
+    when on the CPU) in one line, for the hello, GetModelInfo and `pagoda info`."""
+    from pagoda.gpu_worker import quantization as int8
+
+    parameter = next(model.parameters())
+    dtype = str(parameter.dtype).removeprefix("torch.")
+    on_cpu = parameter.device.type == "cpu"
+    invariance = (
+        "batch-invariant (a row's result never depends on its batch, chunking or recompute)"
+        if on_cpu
+        else "not batch-invariant on CUDA (cuBLAS and SDPA pick kernels by shape)"
+    )
+    if quantization != "int8":
+        return f"none: {dtype} weights and activations as loaded; {invariance}"
+    names = sorted(
+        {
+            name
+            for module in model.modules()
+            for name, child in module.named_children()
+            if isinstance(child, int8.Int8Linear)
+        }
+    )
+    float_names = sorted(
+        {
+            name
+            for module in model.modules()
+            for name, child in module.named_children()
+            if isinstance(child, BatchInvariantLinear)
+        }
+    )
+    head = model.get_output_embeddings()
+    head = getattr(head, "inner", head)
+    head_text = (
+        f"int8 logits, each row's top {head.num_rescored} recomputed in float32"
+        if isinstance(head, int8.RescoredHead)
+        else ("int8" if isinstance(head, int8.Int8Linear) else "float32")
+    )
+    return (
+        f"int8: {', '.join(n for n in names if n not in ('lm_head', 'int8'))} as int8 (per-output-channel "
+        f"symmetric weights, SmoothQuant input scales); activations {int8.ACTIVATION_SCHEME}; "
+        f"float32: embeddings, norms, attention"
+        + (f", {', '.join(n for n in float_names if n != 'lm_head')}" if float_names else "")
+        + f"; head: {head_text}; {invariance}"
+    )

@@ -1,0 +1,63 @@
+"""The CPU attention's rows are bit-exact whatever shares their call (attention/invariant.py):
+a decode row alone, beside longer rows, as a row of a prefill, of a chunk, of a prefill long
+enough to be attended in query blocks; and close to SDPA."""
+
+from __future__ import annotations
+
+import pytest
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # the default model's grouping
+SCALE = HEAD_DIM**-0.5
+
+
+@pytest.fixture(scope="module")
+def tensors():
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, KV_HEADS, 300, HEAD_DIM, generator=generator)
+    values = torch.randn(1, KV_HEADS, 300, HEAD_DIM, generator=generator)
+    queries = torch.randn(1, HEADS, 300, HEAD_DIM, generator=generator)
+    return queries, keys, values
+
+
+def test_close_to_sdpa_and_the_same_blocked_or_not(tensors, monkeypatch):
+    import torch
+    import torch.nn.functional as F
+    from pagoda.gpu_worker.attention import invariant
+
+    queries, keys, values = tensors
+    blocked = invariant.attend_batch_invariant(queries, keys, values, None, SCALE, None, True)
+    expected = F.scaled_dot_product_attention(
+        queries, keys, values, is_causal=True, enable_gqa=True, scale=SCALE
+    )
+    assert torch.allclose(blocked, expected, atol=1e-5)
+    monkeypatch.setattr(invariant, "QUERY_BLOCK", 10**9)
+    whole = invariant.attend_batch_invariant(queries, keys, values, None, SCALE, None, True)
+    assert torch.equal(blocked, whole)
+
+
+def test_a_row_is_bit_exact_as_decode_chunk_prefill_and_beside_longer_rows(tensors):
+    import torch
+    from pagoda.gpu_worker.attention.invariant import attend_batch_invariant as attend
+
+    queries, keys, values = tensors
+    prefill = attend(queries, keys, values, None, SCALE, None, True)
+    positions = torch.arange(300)
+    chunk_mask = positions[None, :] <= positions[170:, None]
+    chunk = attend(queries[:, :, 170:], keys, values, chunk_mask, SCALE, None)
+    assert torch.equal(chunk, prefill[:, :, 170:])
+    for position in (0, 6, 63, 64, 200, 299):
+        # A decode row: the query heads sharing a KV head are its rows (reference.py).
+        row = queries[:, :, position].reshape(1, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+        seen = slice(0, position + 1)
+        alone = attend(row, keys[:, :, seen], values[:, :, seen], None, SCALE, None)
+        assert torch.equal(alone.reshape(1, HEADS, HEAD_DIM), prefill[:, :, position])
+        # Beside three longer rows, padded to the longest with a mask.
+        others = torch.randn(3, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+        lens = torch.tensor([position + 1, 300, 150, 299])
+        mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+        batch_keys = torch.cat([keys, torch.randn(3, KV_HEADS, 300, HEAD_DIM)])
+        batch_values = torch.cat([values, torch.randn(3, KV_HEADS, 300, HEAD_DIM)])
+        batch = attend(torch.cat([row, others]), batch_keys, batch_values, mask, SCALE, None)
+        assert torch.equal(batch[:1], alone), position
