@@ -223,15 +223,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
     def _token_bytes(self, token_id: int) -> bytes:
-        """A token's text as bytes for its logprobs: the detokenizer's table where decoding
-        is concatenation (byte-level BPE), else the token decoded alone; a special token
-        (no text in the table) is spelled as the vocabulary has it."""
-        table = self._tokenizer.token_bytes()
-        if table is not None:
-            piece = table[token_id] if token_id < len(table) else b""
-        else:
-            piece = self._tokenizer.decode([token_id]).encode()
-        return piece or self._tokenizer.id_to_piece(token_id).encode()
+        return self._tokenizer.logprob_bytes(token_id)
 
     async def _off_loop_if_big(self, num_chars: int, function, *args):
         """`function(*args)`, on a tokenizer thread when the input is big."""

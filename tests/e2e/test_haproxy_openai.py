@@ -14,6 +14,7 @@ takes the new ones; a replica killed outright costs only its requests in flight.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import signal
 import socket
@@ -298,7 +299,7 @@ def running_door(tmp_path: Path, worker_args: list[str] = ()) -> Iterator[Door]:
 class Answer:
     """What one HTTP request got, whichever way it ended."""
 
-    token_ids: list[int] = field(default_factory=list)
+    tokens: list[str] = field(default_factory=list)  # the logprobs' token names
     finish_reason: str | None = None
     completion_tokens: int | None = None  # from the usage
     error: str | None = None  # an HTTP status, an error event, a cut connection
@@ -318,7 +319,7 @@ class Ask:
         return "/v1/completions" if self.messages is None else "/v1/chat/completions"
 
     def body(self) -> dict:
-        # Logprobs name each token `token_id:<id>`: the exact ids come back.
+        # Logprobs name each token by its text: names_of() gives the expected names.
         body = {"max_tokens": self.num_tokens, "ignore_eos": True, "stream": self.stream}
         if self.messages is None:
             body |= {"prompt": self.prompt_ids, "logprobs": 0}
@@ -330,13 +331,28 @@ class Ask:
         return body
 
 
-def token_ids(logprobs: dict | None) -> list[int]:
+def token_names(logprobs: dict | None) -> list[str]:
+    """The logprobs' token names: each token's text as the scheduler spells it."""
     if not logprobs:
         return []
-    names = (
+    return (
         [t["token"] for t in logprobs["content"]] if "content" in logprobs else logprobs["tokens"]
     )
-    return [int(name.removeprefix("token_id:")) for name in names]
+
+
+@functools.cache
+def _tokenizer():
+    from pagoda.gpu_worker.model_loader import resolve_model_dir
+    from pagoda.scheduler_svc.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model_dir("default").path)
+
+
+def names_of(token_ids: list[int]) -> list[str]:
+    """The names the front gives these ids (the dummy service's tokenizer is the default)."""
+    from pagoda.openai_front.responses import token_name
+
+    return [token_name(i, _tokenizer().logprob_bytes(i)) for i in token_ids]
 
 
 async def ask(http: httpx.AsyncClient, request: Ask) -> Answer:
@@ -349,7 +365,7 @@ async def ask(http: httpx.AsyncClient, request: Ask) -> Answer:
                 return answer
             whole = response.json()
             (choice,) = whole["choices"]
-            answer.token_ids = token_ids(choice["logprobs"])
+            answer.tokens = token_names(choice["logprobs"])
             answer.finish_reason = choice["finish_reason"]
             answer.completion_tokens = whole["usage"]["completion_tokens"]
             return answer
@@ -372,7 +388,7 @@ async def ask(http: httpx.AsyncClient, request: Ask) -> Answer:
                 if event.get("usage"):
                     answer.completion_tokens = event["usage"]["completion_tokens"]
                 for choice in event["choices"]:
-                    answer.token_ids += token_ids(choice["logprobs"])
+                    answer.tokens += token_names(choice["logprobs"])
                     answer.finish_reason = choice["finish_reason"] or answer.finish_reason
             if not done and answer.error is None:
                 answer.error = "the stream ended without data: [DONE]"
@@ -395,19 +411,20 @@ def mixed(count: int, num_tokens: int, length: int = 40) -> list[Ask]:
 
 
 def assert_complete(asks: list[Ask], answers: list[Answer]) -> None:
-    by_messages: dict[tuple[str, ...], list[int]] = {}
+    by_messages: dict[tuple[str, ...], list[str]] = {}
     for request, answer in zip(asks, answers, strict=True):
         assert answer.error is None, (request, answer.error)
         assert answer.finish_reason == "length"
         assert answer.completion_tokens == request.num_tokens
-        assert len(answer.token_ids) == request.num_tokens
+        assert len(answer.tokens) == request.num_tokens
         if request.prompt_ids is not None:
-            assert answer.token_ids == dummy_continuation(request.prompt_ids, request.num_tokens)
+            expected = names_of(dummy_continuation(request.prompt_ids, request.num_tokens))
+            assert answer.tokens == expected
         else:
             # The chat template's ids are the scheduler's: every replica, streamed or
             # whole, must give the same answer to the same messages.
-            expected = by_messages.setdefault(request.messages, answer.token_ids)
-            assert answer.token_ids == expected
+            expected = by_messages.setdefault(request.messages, answer.tokens)
+            assert answer.tokens == expected
 
 
 def client(door: Door) -> httpx.AsyncClient:
@@ -512,10 +529,10 @@ def test_a_killed_replica_costs_only_its_requests_in_flight(tmp_path):
         for request, answer in zip(old_asks, old, strict=True):
             # Whatever arrived is exactly the start of the right output: a cut stream has
             # its tokens so far, a whole answer lost in flight is HAProxy's 502.
-            expected = dummy_continuation(request.prompt_ids, len(answer.token_ids))
-            assert answer.token_ids == expected
+            expected = names_of(dummy_continuation(request.prompt_ids, len(answer.tokens)))
+            assert answer.tokens == expected
             if answer.error is None:
-                assert len(answer.token_ids) == NUM_LONG_TOKENS
+                assert len(answer.tokens) == NUM_LONG_TOKENS
             elif not request.stream:
                 assert answer.error.startswith("HTTP 502"), answer.error
         assert_complete(new_asks, new)
