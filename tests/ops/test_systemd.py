@@ -143,7 +143,8 @@ def test_worker_reaches_only_nvidia_devices_and_localhost():
     cpu_only = unit_settings([UNITS / "pagoda-worker.service", CPU_ONLY_DROP_IN])
     assert cpu_only.get("DeviceAllow") == []
     assert last(cpu_only, "PrivateDevices") == "yes"
-    assert last(cpu_only, "ProcSubset") == "pid"
+    # /proc stays whole: fbgemm reads /proc/cpuinfo (the drop-in says why).
+    assert last(cpu_only, "ProcSubset") in (None, "all")
 
 
 def test_config_examples_read_secrets_from_the_credentials_directory():
