@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import platform
 import statistics
@@ -71,6 +72,7 @@ class Row:
         return self.tokens / self.transformers_ms * 1e3
 
 
+@functools.cache
 def memory_bytes_per_s(device: torch.device) -> float:
     """The device's memory bandwidth: a data-sheet figure for a known GPU, else the rate of
     one large copy (bytes read plus bytes written)."""
@@ -82,6 +84,16 @@ def memory_bytes_per_s(device: torch.device) -> float:
     source = torch.empty(1 << 28, dtype=torch.uint8, device=device)
     (copy_ms,) = median_ms(source.clone, repeats=5)
     return 2 * source.numel() / (copy_ms / 1e3)
+
+
+def decode_roofline_ms(engine: PagedEngine, batch: int, context: int) -> float:
+    """A decode step's floor: every weight byte read once, plus each sequence's K/V, at the
+    device's memory bandwidth."""
+    tensors = [*engine.model.parameters(), *engine.model.buffers()]
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    geometry = engine.pool.geometry
+    kv_bytes = batch * context * geometry.bytes_per_block // geometry.block_size
+    return (weight_bytes + kv_bytes) / memory_bytes_per_s(engine.device) * 1e3
 
 
 def _synchronize() -> None:
@@ -161,9 +173,6 @@ class Bench:
         self.vocab_size = engine.facts.vocab_size
         self.device = engine.device
         self.dtype = engine.pool.geometry.dtype
-        tensors = [*engine.model.parameters(), *engine.model.buffers()]
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        self.bytes_per_s = memory_bytes_per_s(engine.device)
 
     def forget_all(self) -> None:
         """Forget every sequence (a plan with no entries), so the next case starts at block 0."""
@@ -210,11 +219,6 @@ class Bench:
         )
         return seq_id, plan
 
-    def roofline_ms(self, batch: int, context: int) -> float:
-        """A decode step's floor: every weight byte read once, plus each sequence's K/V."""
-        kv_bytes = batch * context * self.engine.pool.geometry.bytes_per_block // BLOCK_SIZE
-        return (self.weight_bytes + kv_bytes) / self.bytes_per_s * 1e3
-
     def decode(self, batch: int, context: int) -> Row:
         seq_ids = self.decode_sequences(batch, context)
         plan = self.decode_plan(seq_ids, context)
@@ -225,7 +229,8 @@ class Bench:
         self.forget_all()
         transformers_ms = times[1] if len(times) > 1 else None
         case = f"decode, batch {batch}, context {context}"
-        return Row(case, times[0], transformers_ms, batch, self.roofline_ms(batch, context))
+        roofline_ms = decode_roofline_ms(self.engine, batch, context)
+        return Row(case, times[0], transformers_ms, batch, roofline_ms)
 
     def _transformers_decode(self, batch: int, context: int) -> Callable[[], None]:
         from transformers import DynamicCache

@@ -597,6 +597,8 @@ def _timed_steps(d, entries, repeats):
 
 
 def bench(eng) -> None:
+    from benchmarks.worker_step import decode_roofline_ms
+
     d = Driver(eng)
     vocab = eng.facts.vocab_size
     cases = [(1, 128), (1, 1024), (1, 8192), (64, 1024), (256, 128), (256, 1024), (64, 4096)]
@@ -621,7 +623,7 @@ def bench(eng) -> None:
             if gpu is None
             else f"; graph replay alone {gpu:.2f} ms -> host+sync overhead {wall - gpu:.2f} ms"
         )
-        roof = roofline_ms(eng, batch, ctx)
+        roof = decode_roofline_ms(eng, batch, ctx)
         say(
             "TIME",
             f"decode B={batch:3d} ctx={ctx:5d}: step {wall:7.2f} ms (forward {fwd:.2f}, sample {smp:.2f})"
@@ -647,29 +649,6 @@ def bench(eng) -> None:
             f"prefill {n} tokens (eager): step {wall:.2f} ms (forward {fwd:.2f}) = {n / wall * 1e3:.0f} tok/s",
         )
         d.reset([0])
-
-
-HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # the data sheets' figures (SXM)
-
-
-def hbm_bytes_per_s() -> float:
-    """The card's memory bandwidth: its data sheet's figure, else a measured copy."""
-    if DEV != "cuda":
-        return 20e9
-    name = torch.cuda.get_device_name()
-    for card, rate in HBM_BYTES_PER_S.items():
-        if card in name:
-            return rate
-    x = torch.empty(2**28, dtype=torch.uint8, device=DEV)
-    ms = timed_ms(lambda: x.clone(), warmup=5, rep=20)
-    return 2 * x.numel() / (ms / 1e3)
-
-
-def roofline_ms(eng, batch: int, ctx: int) -> float:
-    """A decode step's floor: every weight read once plus each sequence's K/V, at HBM speed."""
-    weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
-    kv_bytes = batch * ctx * eng.pool.geometry.bytes_per_block // eng.block_size
-    return (weight_bytes + kv_bytes) / hbm_bytes_per_s() * 1e3
 
 
 def replay_ms(eng, batch):

@@ -45,6 +45,7 @@ if [[ -n $DRY_RUN ]]; then
   PY=${PY:-$REPO/.venv/bin/python}
   [[ -x $PY ]] || PY=python3
   export TRITON_INTERPRET=1 # the Triton kernels run under the interpreter on the CPU
+  export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} # benchmarks.*, as on the GPU machine
   echo "INFO dry run on the CPU: toy sizes, Triton interpreted, no graphs"
 else
   PY=${PY:-python3}
