@@ -14,6 +14,7 @@ of one per vocabulary entry.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -130,16 +131,9 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     biased = [i for i, r in enumerate(rows) if r.params.logit_bias_token_ids]
     if not biased:
         return logits
-    row_index = [i for i in biased for _ in rows[i].params.logit_bias_token_ids]
-    tokens = [t for i in biased for t in rows[i].params.logit_bias_token_ids]
     values = [v for i in biased for v in rows[i].params.logit_bias_values]
-    device = logits.device
-    return logits.index_put_(
-        (torch.tensor(row_index, dtype=torch.long, device=device),
-         torch.tensor(tokens, dtype=torch.long, device=device)),
-        torch.tensor(values, dtype=logits.dtype, device=device),
-        accumulate=True,
-    )  # fmt: skip
+    token_ids = {i: rows[i].params.logit_bias_token_ids for i in biased}
+    return _put_per_row(logits, token_ids, values, accumulate=True)
 
 
 def mask_disallowed_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -172,13 +166,26 @@ def mask_min_new_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Te
     ]
     if not masked:
         return logits
-    row_index = [i for i in masked for _ in rows[i].params.min_tokens_banned_ids]
-    tokens = [t for i in masked for t in rows[i].params.min_tokens_banned_ids]
+    token_ids = {i: rows[i].params.min_tokens_banned_ids for i in masked}
+    return _put_per_row(logits, token_ids, float("-inf"), accumulate=False)
+
+
+def _put_per_row(
+    logits: torch.Tensor,
+    token_ids: dict[int, Sequence[int]],
+    values: list[float] | float,
+    accumulate: bool,
+) -> torch.Tensor:
+    """logits[row, t] (+)= value for every t of token_ids[row], in place with one scatter;
+    `values` is one per (row, t) pair in order, or one for all."""
     device = logits.device
+    row_index = [row for row, ids in token_ids.items() for _ in ids]
+    tokens = [t for ids in token_ids.values() for t in ids]
     return logits.index_put_(
         (torch.tensor(row_index, dtype=torch.long, device=device),
          torch.tensor(tokens, dtype=torch.long, device=device)),
-        torch.tensor(float("-inf"), dtype=logits.dtype, device=device),
+        torch.tensor(values, dtype=logits.dtype, device=device),
+        accumulate=accumulate,
     )  # fmt: skip
 
 
