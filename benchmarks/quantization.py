@@ -60,10 +60,10 @@ def _token_ids(encoded) -> list[int]:
 def run_step(engine: PagedEngine, plan: step_pb2.StepPlan) -> step_pb2.StepResult:
     """One wire plan through the engine, as the worker's server runs it."""
     try:
-        from pagoda.gpu_worker import codec
+        from pagoda.common import step_codec
     except ImportError:  # an engine that takes the wire messages itself
         return engine.step(plan)
-    return codec.encode_result(engine.step(codec.decode_plan(plan)))
+    return step_codec.encode_result(engine.step(step_codec.decode_plan(plan)))
 
 
 def greedy_batch(engine: PagedEngine, prompts: list[list[int]], num_new_tokens: int):

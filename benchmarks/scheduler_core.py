@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagoda.scheduler_svc.core import (
+    SamplingParams,
     Scheduler,
     SchedulerConfig,
     ValidRequest,
-    ValidSampling,
     ValidStopping,
     WorkerGeometry,
 )
@@ -50,7 +50,7 @@ BLOCK_SIZE = 16
 PROMPT_TOKENS = 128
 MIN_NEW_TOKENS, MAX_NEW_TOKENS = 64, 256
 PRESSURE_BLOCKS_PER_SEQUENCE = 12
-SAMPLING = ValidSampling(
+SAMPLING = SamplingParams(
     temperature=0.0,
     top_p=1.0,
     top_k=0,

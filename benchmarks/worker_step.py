@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pagoda.gpu_worker import codec
 from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
 from pagoda.gpu_worker.paged_engine import PagedEngine, pick_device
 from pagoda.gpu_worker.quantization import quantize, resolve_quantization
 from pagoda.protos import step_pb2
 
 from benchmarks import docs_section
+from pagoda.common import step_codec
 
 BLOCK_SIZE = 16
 DECODE_BATCHES = {"cpu": (1, 8, 32, 64), "cuda": (1, 8, 32, 64, 128, 256)}
@@ -182,7 +182,7 @@ class Bench:
 
     def _step(self, plan: step_pb2.StepPlan) -> step_pb2.StepResult:
         """One wire plan through the codec and the engine, as the worker's server runs it."""
-        result = codec.encode_result(self.engine.step(codec.decode_plan(plan)))
+        result = step_codec.encode_result(self.engine.step(step_codec.decode_plan(plan)))
         assert not result.step_error and not result.errors, (result.step_error, result.errors)
         return result
 

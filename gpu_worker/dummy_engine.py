@@ -71,12 +71,11 @@ class DummyEngine(Engine):
         for chunk in chunks:
             if not chunk.sample:
                 continue
-            sampling = chunk.seq.sampling
             banned = dummy_banned_token_ids(
                 chunk.end_position - 1,
                 chunk.seq.num_prompt_tokens,
-                sampling.min_new_tokens,
-                sampling.min_tokens_banned_ids,
+                chunk.seq.min_new_tokens,
+                chunk.seq.min_tokens_banned_ids,
             )
             if chunk.allowed_token_mask is not None:
                 banned = OutsideMask(chunk.allowed_token_mask, banned)

@@ -1,8 +1,8 @@
 """What an engine is to the server, and the step every engine (paged or dummy) runs.
 
-An engine turns one plain StepPlan into one StepResult (pagoda.gpu_worker.step; the
-server's codec converts them to and from the wire). `Engine.step` admits the plan into
-the sequence table, runs the subclass's `compute` over the valid chunks, forgets what
+An engine turns one plain StepPlan into one StepResult (pagoda.common.step; the server's
+step_codec converts them to and from the wire). `Engine.step` admits the plan into the
+sequence table, runs the subclass's `compute` over the valid chunks, forgets what
 the plan says to forget, and packs the result; an exception in the compute becomes
 `step_error` and every sequence the plan named is forgotten. A subclass supplies only
 its facts and its compute. Imports no torch.
@@ -16,9 +16,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from pagoda.gpu_worker.sequence_table import AdmittedPlan, ScheduledChunk, SequenceTable
-from pagoda.gpu_worker.step import StepPlan, StepResult
 
 from pagoda.common.plan_check import PlanError
+from pagoda.common.step import StepPlan, StepResult
 
 log = logging.getLogger("pagoda.worker.step")
 

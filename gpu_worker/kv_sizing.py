@@ -13,7 +13,7 @@ import gc
 import logging
 from dataclasses import dataclass
 
-from pagoda.gpu_worker.step import NewSequence, SamplingParams, StepPlan
+from pagoda.common.step import NewSequence, SamplingParams, StepPlan
 
 log = logging.getLogger("pagoda.worker.kv_sizing")
 

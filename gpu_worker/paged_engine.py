@@ -143,6 +143,8 @@ class PagedEngine(Engine):
                 c.seq.num_prompt_tokens,
                 c.end_position,
                 c.allowed_token_mask,
+                c.seq.min_new_tokens,
+                c.seq.min_tokens_banned_ids,
             )
             for c in sample_chunks
         ]

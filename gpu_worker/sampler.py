@@ -14,11 +14,12 @@ of one per vocabulary entry.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
-from pagoda.gpu_worker.step import SamplingParams
+
+from pagoda.common.step import SamplingParams
 
 # (seen in prompt or output [S, vocab] bool, generated counts [S, vocab] int32, or None when
 # no row has a presence or frequency penalty)
@@ -51,6 +52,9 @@ class SampleRow:
     # Structured output: ceil(vocab / 32) little-endian 32-bit words; token t may be
     # sampled only when bit t % 32 of word t // 32 is set. None: unconstrained.
     allowed_token_mask: bytes | None = None
+    # The sequence's (NewSequence's): these ids are -inf until min_new_tokens were generated.
+    min_new_tokens: int = 0
+    min_tokens_banned_ids: Collection[int] = ()
 
 
 @dataclass(slots=True)
@@ -161,12 +165,10 @@ def mask_min_new_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Te
     MinNewTokensLengthLogitsProcessor: the request cannot end before then. One pass over
     the rows' numbers, and one scatter when some row is masked, in place: a copy of the
     whole [rows, vocab] block would cost more than the argmax on a CPU."""
-    masked = [
-        i for i, r in enumerate(rows) if r.position - r.num_prompt_tokens < r.params.min_new_tokens
-    ]
+    masked = [i for i, r in enumerate(rows) if r.position - r.num_prompt_tokens < r.min_new_tokens]
     if not masked:
         return logits
-    token_ids = {i: rows[i].params.min_tokens_banned_ids for i in masked}
+    token_ids = {i: rows[i].min_tokens_banned_ids for i in masked}
     return _put_per_row(logits, token_ids, float("-inf"), accumulate=False)
 
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from pagoda.gpu_worker.step import SamplingParams, SequenceError, StepPlan
-
 from pagoda.common.plan_check import PlanError, check_columns
+from pagoda.common.step import NewSequence, SamplingParams, StepPlan
 
 
 @dataclass(slots=True)
@@ -20,6 +19,9 @@ class Sequence:
     seq_id: int
     sampling: SamplingParams
     num_prompt_tokens: int  # tokens at positions >= this were generated
+    # The ids masked until min_new_tokens tokens were generated (NewSequence's).
+    min_new_tokens: int = 0
+    min_tokens_banned_ids: frozenset[int] = frozenset()
     block_ids: list[int] = field(default_factory=list)  # append-only
     token_ids: list[int] = field(default_factory=list)  # token_ids[p] is the token at position p
     # The token sampled last and the position it belongs at (-1: none yet), for a plan
@@ -53,7 +55,7 @@ class ScheduledChunk:
 class AdmittedPlan:
     step_id: int
     chunks: list[ScheduledChunk]  # the valid entries, in plan order
-    refusals: list[SequenceError]
+    refusals: dict[int, str]  # seq_id -> why it was refused (StepResult.errors)
     forget_seq_ids: list[int]  # dropped after the forward
 
     @property
@@ -120,16 +122,14 @@ class SequenceTable:
             num_block_ids=len(block_ids),
         )
 
-        refusals: list[SequenceError] = []
-        refused: set[int] = set()
+        refusals: dict[int, str] = {}
         last_sampled_rows = set(plan.last_sampled_rows)
         if last_sampled_rows and not all(0 <= row < len(seq_ids) for row in last_sampled_rows):
             raise PlanError("last_sampled_rows names a row the plan does not have")
         masks = self._allowed_token_masks(plan) if plan.allowed_token_rows else {}
 
         def refuse(seq_id: int, message: str) -> None:
-            refusals.append(SequenceError(seq_id, message))
-            refused.add(seq_id)
+            refusals[seq_id] = message
             self._sequences.pop(seq_id, None)
 
         for new in plan.new_sequences:
@@ -138,13 +138,9 @@ class SequenceTable:
                 refuse(new.seq_id, f"cached_token_ids: {problem}")
                 continue
             sampling = new.sampling
-            bad = [t for t in sampling.min_tokens_banned_ids if t >= self.vocab_size]
-            if bad:  # the sampler would index the logits with it
-                refuse(new.seq_id, f"min_tokens_banned_ids: token id {bad[0]} out of range")
-                continue
-            problem = _logit_bias_problem(sampling, self.vocab_size)
+            problem = _token_ids_problem(new, self.vocab_size) or _logit_bias_problem(sampling)
             if problem:
-                refuse(new.seq_id, f"logit_bias: {problem}")
+                refuse(new.seq_id, problem)
                 continue
             if sampling.num_logprobs > self.max_logprobs:
                 sampling = replace(sampling, num_logprobs=self.max_logprobs)
@@ -153,13 +149,15 @@ class SequenceTable:
                 seq_id=new.seq_id,
                 sampling=sampling,
                 num_prompt_tokens=new.num_prompt_tokens,
+                min_new_tokens=new.min_new_tokens,
+                min_tokens_banned_ids=new.min_tokens_banned_ids,
                 token_ids=list(new.cached_token_ids),
             )
 
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
         for i, seq_id in enumerate(seq_ids):
-            if seq_id in refused:
+            if seq_id in refusals:
                 continue  # already reported once
             if seq_id in scheduled:
                 refuse(seq_id, f"sequence {seq_id} appears twice in the plan")
@@ -283,13 +281,20 @@ def _last_sampled_problem(
     return None
 
 
-def _logit_bias_problem(sampling: SamplingParams, vocab_size: int) -> str | None:
+def _token_ids_problem(new: NewSequence, vocab_size: int) -> str | None:
+    """Why a token id a new sequence's knobs name cannot index the logits, or None."""
+    named = [*new.sampling.token_id_fields, ("min_tokens_banned_ids", new.min_tokens_banned_ids)]
+    for name, token_ids in named:
+        if token_ids and max(token_ids) >= vocab_size:
+            return f"{name}: token id {max(token_ids)} out of range"
+    return None
+
+
+def _logit_bias_problem(sampling: SamplingParams) -> str | None:
     """Why a sequence's logit_bias columns cannot be applied (a sentence), or None."""
     token_ids, values = sampling.logit_bias_token_ids, sampling.logit_bias_values
     if len(token_ids) != len(values):
-        return f"{len(token_ids)} token ids for {len(values)} values"
-    if token_ids and max(token_ids) >= vocab_size:
-        return f"token id {max(token_ids)} out of range"
+        return f"logit_bias: {len(token_ids)} token ids for {len(values)} values"
     if len(set(token_ids)) != len(token_ids):
-        return "a token id is listed twice"
+        return "logit_bias: a token id is listed twice"
     return None

@@ -25,12 +25,11 @@ import time
 import uuid
 
 import zmq
-from pagoda.gpu_worker import codec
 from pagoda.gpu_worker.engine import Engine, one_line
 from pagoda.gpu_worker.step_pulse import StepPulse
 from pagoda.protos import step_pb2
 
-from pagoda.common import curve, transport, wire
+from pagoda.common import curve, step_codec, transport, wire
 from pagoda.common.systemd import notify, watchdog_interval_s
 
 log = logging.getLogger("pagoda.worker.server")
@@ -231,12 +230,12 @@ class WorkerServer:
             log.warning("ignored a malformed message: %s", exc)
             return None
         if isinstance(message, step_pb2.StepPlan):
-            plan = codec.decode_plan(message)
+            plan = step_codec.decode_plan(message)
             if self.group is not None:
                 self.group.send_plan(frames)  # as wire.decode just parsed them
             try:
                 with self._computing(plan.step_id):
-                    result = codec.encode_result(self.engine.step(plan))
+                    result = step_codec.encode_result(self.engine.step(plan))
             except Exception as exc:  # the engine reports its own failures; this is a backstop
                 log.error("step %d: engine crashed: %s", plan.step_id, one_line(exc))
                 self.engine.table.forget(plan.named_seq_ids())

@@ -55,13 +55,12 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
-from pagoda.gpu_worker import codec
 from pagoda.gpu_worker.config import WorkerConfig
 from pagoda.gpu_worker.engine import Engine, one_line
 from pagoda.gpu_worker.kv_pool import TENSOR_PARALLEL_ATTRIBUTE
 from pagoda.gpu_worker.server import EXIT_GROUP_LOST, EXIT_OK, EXIT_REFUSED
 
-from pagoda.common import wire
+from pagoda.common import step_codec, wire
 
 log = logging.getLogger("pagoda.worker.tensor_parallel")
 
@@ -485,7 +484,7 @@ def follow(engine: Engine, group: Group) -> int:
             return EXIT_GROUP_LOST
         if kind == PLAN:
             # The frames rank 0 received (and wire checked there): kind byte, then the body.
-            plan = codec.decode_plan(wire.decode([payload[:1], payload[1:]]))
+            plan = step_codec.decode_plan(wire.decode([payload[:1], payload[1:]]))
             try:
                 engine.step(plan)
             except Exception as exc:  # the same backstop as the server's

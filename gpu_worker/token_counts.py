@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 from pagoda.gpu_worker.sequence_table import ScheduledChunk, Sequence, SequenceTable
-from pagoda.gpu_worker.step import SamplingParams
+
+from pagoda.common.step import SamplingParams
 
 
 def has_penalty(params: SamplingParams) -> bool:

@@ -91,7 +91,7 @@ class Goodbye(_message.Message):
     def __init__(self, incarnation_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "num_logprobs", "min_new_tokens", "min_tokens_banned_ids", "logit_bias_token_ids", "logit_bias_values")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "num_logprobs", "logit_bias_token_ids", "logit_bias_values")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -101,8 +101,6 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MIN_TOKENS_BANNED_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
     temperature: float
@@ -114,23 +112,25 @@ class SamplingParams(_message.Message):
     frequency_penalty: float
     seed: int
     num_logprobs: int
-    min_new_tokens: int
-    min_tokens_banned_ids: _containers.RepeatedScalarFieldContainer[int]
     logit_bias_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logit_bias_values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., min_tokens_banned_ids: _Optional[_Iterable[int]] = ..., logit_bias_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ..., logit_bias_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "sampling", "cached_token_ids", "num_prompt_tokens")
+    __slots__ = ("seq_id", "sampling", "cached_token_ids", "num_prompt_tokens", "min_new_tokens", "min_tokens_banned_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_BANNED_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     sampling: SamplingParams
     cached_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cached_token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    min_new_tokens: int
+    min_tokens_banned_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cached_token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., min_tokens_banned_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "new_sequences", "seq_ids", "start_positions", "sample", "token_offsets", "token_ids", "block_offsets", "block_ids", "forget_seq_ids", "last_sampled_rows", "allowed_token_rows", "allowed_token_bitmask")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from pagoda.protos import step_pb2
-from pagoda.scheduler_svc import grammars, step_codec
+from pagoda.scheduler_svc import grammars
 from pagoda.scheduler_svc.core import (
     FinishReason,
     RequestOutput,
@@ -43,6 +43,8 @@ from pagoda.scheduler_svc.output_streams import (
 )
 from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLost
 from pagoda.scheduler_svc.worker_stats import WorkerStats, worker_stats_of
+
+from pagoda.common import step_codec
 
 log = logging.getLogger("pagoda.step_loop")
 

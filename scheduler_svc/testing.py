@@ -26,10 +26,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from pagoda.scheduler_svc.core import StepPlan, StepResult, WorkerGeometry
-
 from pagoda.common.dummy_tokens import dummy_banned_token_ids, dummy_next_token
 from pagoda.common.plan_check import PlanError
+from pagoda.common.step import StepPlan, StepResult, WorkerGeometry
 
 
 @dataclass(slots=True)

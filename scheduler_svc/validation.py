@@ -12,7 +12,7 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-from pagoda.scheduler_svc.core import ValidRequest, ValidSampling, ValidStopping
+from pagoda.scheduler_svc.core import SamplingParams, ValidRequest, ValidStopping
 from pagoda.scheduler_svc.grammars import MAX_CHOICES, MAX_CONSTRAINT_BYTES, ValidConstraint
 from pagoda.scheduler_svc.tokenizer import ChatTemplateError, TextTokenizer
 
@@ -225,7 +225,7 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
-def _sampling(sampling, num_logprobs: int, vocab_size: int) -> ValidSampling:
+def _sampling(sampling, num_logprobs: int, vocab_size: int) -> SamplingParams:
     temperature = _finite("sampling.temperature", sampling.temperature)
     if not 0.0 <= temperature <= MAX_TEMPERATURE:
         raise ValidationError(
@@ -253,7 +253,8 @@ def _sampling(sampling, num_logprobs: int, vocab_size: int) -> ValidSampling:
         value = _finite(f"sampling.{name}", getattr(sampling, name))
         if abs(value) > MAX_ABS_PRESENCE_FREQUENCY:
             raise ValidationError(f"sampling.{name} must be in [-2, 2], got {value:g}")
-    return ValidSampling(
+    logit_bias = _logit_bias(sampling.logit_bias, vocab_size)
+    return SamplingParams(
         temperature=temperature,
         top_p=top_p,
         top_k=sampling.top_k,
@@ -264,7 +265,8 @@ def _sampling(sampling, num_logprobs: int, vocab_size: int) -> ValidSampling:
         # Every request is seeded so a recompute after preemption draws the same tokens.
         seed=sampling.seed if sampling.HasField("seed") else secrets.randbits(63),
         num_logprobs=num_logprobs,
-        logit_bias=_logit_bias(sampling.logit_bias, vocab_size),
+        logit_bias_token_ids=tuple(token_id for token_id, _ in logit_bias),
+        logit_bias_values=tuple(bias for _, bias in logit_bias),
     )
 
 

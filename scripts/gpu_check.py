@@ -221,7 +221,7 @@ class Driver:
     """Hand-built StepPlans (dataclasses, no protobuf) with a bump block allocator."""
 
     def __init__(self, engine):
-        from pagoda.gpu_worker.step import NewSequence, SamplingParams, StepPlan
+        from pagoda.common.step import NewSequence, SamplingParams, StepPlan
 
         self.NewSequence, self.SamplingParams, self.StepPlan = NewSequence, SamplingParams, StepPlan
         self.engine = engine
@@ -259,7 +259,9 @@ class Driver:
         plan.forget_seq_ids = list(forget)
         result = self.engine.step(plan)
         if result.step_error or result.errors:
-            raise RuntimeError(f"step failed: {result.step_error} {result.errors[:3]}")
+            raise RuntimeError(
+                f"step failed: {result.step_error} {list(result.errors.items())[:3]}"
+            )
         return result
 
 

@@ -1,5 +1,6 @@
-"""Code both processes import: step-protocol framing, ZeroMQ transport, CurveZMQ, systemd
-notification, the flags > environment > TOML settings loader and the default endpoints.
+"""Code both processes import: the step schema and its codec, step-protocol framing, ZeroMQ
+transport, CurveZMQ, systemd notification, the flags > environment > TOML settings loader and
+the default endpoints.
 
 Imports neither torch nor grpc.
 """

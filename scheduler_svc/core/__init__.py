@@ -3,7 +3,7 @@
 `Scheduler.schedule(now)` plans a step (a StepPlan), `Scheduler.apply(result, now)` takes
 the worker's StepResult and returns the step's token outputs (StepOutputs). Service code
 imports the core from here; the modules behind it are:
-  config         SchedulerConfig (the knobs) and WorkerGeometry (what a worker's hello says)
+  config         SchedulerConfig (the knobs)
   request        the validated input, a request's state, check_stop (token-id stop rules)
   kv             the block pool and the prefix cache
   waiting_queue  arrival or priority order; preempted requests at the head
@@ -12,7 +12,9 @@ imports the core from here; the modules behind it are:
   planner        owns the waiting, running and prefilling sets and the pool; plans steps
   isolation      keeps the suspects of a failed step, planned alone
   scheduler      the facade: add, cancel, schedule, apply, fail_step, stats
-  outputs        StepPlan, StepResult, StepOutputs, RequestOutput, SchedulerStats
+  outputs        StepOutputs, RequestOutput, SchedulerStats
+The step's plan and result (StepPlan, StepResult, NewSequence), SamplingParams and
+WorkerGeometry are pagoda.common.step's, shared with the worker and re-exported here.
 """
 
 from pagoda.scheduler_svc.core.config import (
@@ -38,11 +40,12 @@ from pagoda.scheduler_svc.core.request import (
     QueueFullError,
     RequestTooLargeError,
     ValidRequest,
-    ValidSampling,
     ValidStopping,
 )
 from pagoda.scheduler_svc.core.scheduler import Scheduler
 from pagoda.scheduler_svc.core.tenants import TenantQuotaError, TenantStats
+
+from pagoda.common.step import SamplingParams
 
 __all__ = [
     "ADMISSION_POLICIES",
@@ -64,8 +67,8 @@ __all__ = [
     "Timings",
     "TokenLogprob",
     "Usage",
+    "SamplingParams",
     "ValidRequest",
-    "ValidSampling",
     "ValidStopping",
     "WorkerGeometry",
 ]

@@ -1,5 +1,5 @@
-"""The scheduling knobs of DESIGN §3 (one frozen value, validated once at start), and the
-attached worker's geometry."""
+"""The scheduling knobs of DESIGN §3 (one frozen value, validated once at start); the
+attached worker's geometry (WorkerGeometry) is pagoda.common.step's, re-exported here."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 
 from pagoda.scheduler_svc.core.placement import DEFAULT_AFFINITY_MAX_KV_USE_GAP
+
+from pagoda.common.step import WorkerGeometry as WorkerGeometry
 
 ADMISSION_POLICIES = ("fifo", "pack", "priority")
 # pack re-prices its whole lookahead every admission round: a bound keeps a step's cost flat.
@@ -20,17 +22,6 @@ DEFAULT_TARGET_STEP_MS = 500.0
 # prompt token of worker time.
 DEFAULT_PROMPT_WEIGHT = 1.0
 DEFAULT_GENERATED_WEIGHT = 2.0
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerGeometry:
-    """What a worker's hello says about its model and KV pool."""
-
-    num_kv_blocks: int
-    block_size: int  # tokens per KV block
-    max_context_tokens: int  # longest sequence (prompt + generated)
-    eos_token_ids: frozenset[int]
-    vocab_size: int
 
 
 class ConfigError(ValueError):

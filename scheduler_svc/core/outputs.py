@@ -1,9 +1,8 @@
-"""What the core hands out: the plan of a step, the worker's result of it, the outputs of
-a step for clients, and the scheduler's stats.
+"""What the core hands out: the outputs of a step for clients and the scheduler's stats.
 
-StepPlan and StepResult are column-wise and mirror step.proto's messages of the same
-names field for field, so step_codec copies lists and never loops over sequences.
-Durations sent to clients are milliseconds (`*_ms`).
+The plan of a step and the worker's result of it (StepPlan, StepResult, NewSequence) are
+pagoda.common.step's, shared with the worker and re-exported here. Durations sent to
+clients are milliseconds (`*_ms`).
 """
 
 from __future__ import annotations
@@ -11,85 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from pagoda.scheduler_svc.core.request import FinishReason, Request, ValidSampling
+from pagoda.scheduler_svc.core.request import FinishReason, Request
 
-# -- one step: plan and result ---------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class NewSequence:
-    """A sequence the worker has not seen; sent with the first plan that feeds it."""
-
-    seq_id: int
-    sampling: ValidSampling
-    # Tokens at positions before the first fed one, whose KV is in shared prefix blocks.
-    cached_token_ids: list[int]
-    num_prompt_tokens: int  # positions from here on hold generated tokens (penalties)
-    # While fewer than min_new_tokens tokens are generated, the worker masks these ids
-    # (EOS unless ignored, stop token ids) out of the logits; 0 and empty once reached.
-    min_new_tokens: int = 0
-    min_tokens_banned_ids: frozenset[int] = frozenset()
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """One step's plan. Entry i of each per-sequence column is the i-th scheduled sequence.
-
-    Sequence i feeds token_ids[token_offsets[i]:token_offsets[i + 1]] from position
-    start_positions[i], and first appends block_ids[block_offsets[i]:block_offsets[i + 1]]
-    to its block table (tables are append-only and cover every fed position).
-    """
-
-    step_id: int
-    new_sequences: list[NewSequence] = field(default_factory=list)
-    seq_ids: list[int] = field(default_factory=list)
-    start_positions: list[int] = field(default_factory=list)
-    sample: list[bool] = field(default_factory=list)
-    token_offsets: list[int] = field(default_factory=lambda: [0])
-    token_ids: list[int] = field(default_factory=list)
-    block_offsets: list[int] = field(default_factory=lambda: [0])
-    block_ids: list[int] = field(default_factory=list)
-    # Sequences to drop after this step's forward (finished, cancelled or preempted).
-    forget_seq_ids: list[int] = field(default_factory=list)
-    # Entries (indices into seq_ids) that feed the token the step in flight samples for
-    # them: the worker substitutes it for their token_ids entry (overlapped steps).
-    last_sampled_rows: list[int] = field(default_factory=list)
-    # Structured output (filled by the service's grammars after schedule()): rows that
-    # sample a constrained token, and their allowed-token bitmasks, as in step.proto.
-    allowed_token_rows: list[int] = field(default_factory=list)
-    allowed_token_bitmask: bytes = b""
-    num_prefill_tokens: int = 0  # prompt and recompute tokens fed
-    num_decode_tokens: int = 0  # one per decoding sequence
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_sampling(self) -> int:
-        return sum(self.sample)
-
-
-@dataclass(slots=True)
-class StepResult:
-    """The worker's answer to a StepPlan: one sampled token per sequence that sampled, in
-    plan order."""
-
-    step_id: int
-    seq_ids: list[int]
-    token_ids: list[int]
-    # Empty unless some sequence asked for logprobs; then one per sampled token, and the
-    # top-n of entry i are top_*[top_offsets[i]:top_offsets[i + 1]].
-    logprobs: list[float] = field(default_factory=list)
-    top_offsets: list[int] = field(default_factory=list)
-    top_token_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
-    errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why the worker refused it
-    # The whole step failed; the worker forgot every sequence the plan named.
-    step_error: str | None = None
-    forward_ms: float = 0.0
-    sample_ms: float = 0.0
-
+from pagoda.common.step import NewSequence as NewSequence
+from pagoda.common.step import StepPlan as StepPlan
+from pagoda.common.step import StepResult as StepResult
 
 # -- what clients get --------------------------------------------------------------------------
 

@@ -10,25 +10,9 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagoda.scheduler_svc.core.config import WorkerGeometry
 from pagoda.scheduler_svc.core.kv import ROOT_HASH
 
-
-@dataclass(frozen=True, slots=True)
-class ValidSampling:
-    """Sampling parameters after validation: top_p 1.0 and repetition_penalty 1.0 mean off."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    seed: int
-    num_logprobs: int  # top-n alternatives per generated token; 0: no logprobs at all
-    # (token id, bias added to its logit), ascending ids, distinct; empty: none.
-    logit_bias: tuple[tuple[int, float], ...] = ()
+from pagoda.common.step import SamplingParams, WorkerGeometry
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +30,7 @@ class ValidStopping:
 class ValidRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    sampling: ValidSampling
+    sampling: SamplingParams
     stopping: ValidStopping
     priority: int = 0  # lower runs first under the priority policy
     # Requests share prefix-cache blocks only with requests of the same salt (tenants).
@@ -94,7 +78,7 @@ class Request:
     """
 
     request_id: str
-    sampling: ValidSampling
+    sampling: SamplingParams
     stopping: ValidStopping
     priority: int
     num_prompt_tokens: int

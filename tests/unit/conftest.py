@@ -11,13 +11,13 @@ from pagoda.protos import step_pb2
 from pagoda.scheduler_svc.core import (
     FinishReason,
     RequestOutput,
+    SamplingParams,
     Scheduler,
     SchedulerConfig,
     StepOutputs,
     StepPlan,
     StepResult,
     ValidRequest,
-    ValidSampling,
     ValidStopping,
     WorkerGeometry,
 )
@@ -31,8 +31,8 @@ from pagoda.common.dummy_tokens import dummy_next_token
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
-def make_sampling(num_logprobs: int = 0, seed: int = 0) -> ValidSampling:
-    return ValidSampling(
+def make_sampling(num_logprobs: int = 0, seed: int = 0) -> SamplingParams:
+    return SamplingParams(
         temperature=0.0,
         top_p=1.0,
         top_k=0,

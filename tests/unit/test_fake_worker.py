@@ -21,7 +21,9 @@ def plan(
     step_plan = StepPlan(step_id=step_id, forget_seq_ids=list(forget))
     for seq_id in new:
         cached_ids = (cached or {}).get(seq_id, [])
-        step_plan.new_sequences.append(NewSequence(seq_id, make_sampling(), cached_ids, 4))
+        step_plan.new_sequences.append(
+            NewSequence(seq_id, make_sampling(), num_prompt_tokens=4, cached_token_ids=cached_ids)
+        )
     for seq_id, start, token_ids, block_ids, sample in rows:
         step_plan.seq_ids.append(seq_id)
         step_plan.start_positions.append(start)

@@ -11,10 +11,9 @@ import json
 import llguidance
 import numpy as np
 import pytest
-from pagoda.gpu_worker.codec import decode_plan
 from pagoda.gpu_worker.sequence_table import SequenceTable
 from pagoda.protos import generation_pb2 as pb
-from pagoda.scheduler_svc import grammars, step_codec
+from pagoda.scheduler_svc import grammars
 from pagoda.scheduler_svc.core import NewSequence, StepPlan
 from pagoda.scheduler_svc.core.request import Request, token_array
 from pagoda.scheduler_svc.grammars import (
@@ -26,7 +25,9 @@ from pagoda.scheduler_svc.grammars import (
 )
 from pagoda.scheduler_svc.validation import ValidationError, validate_constraint
 
+from pagoda.common import step_codec
 from pagoda.common.plan_check import PlanError
+from pagoda.common.step_codec import decode_plan
 from tests.conftest import TINY_VOCAB_SIZE
 from tests.unit.conftest import make_geometry, make_request, make_scheduler
 

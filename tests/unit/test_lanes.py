@@ -12,13 +12,13 @@ import re
 
 import pytest
 from pagoda.protos import step_pb2
-from pagoda.scheduler_svc import step_codec
 from pagoda.scheduler_svc.core import DuplicateRequestError, FinishReason, SchedulerConfig
 from pagoda.scheduler_svc.lanes import Lanes
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.testing import FakeWorker
 from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLost
 
+from pagoda.common import step_codec
 from tests.unit.conftest import LetterDetokenizer, expected_generation, make_hello, make_request
 from tests.unit.test_step_loop import (
     HELLO_FIELDS,

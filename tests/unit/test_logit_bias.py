@@ -5,10 +5,10 @@ the new sequence's sampling parameters."""
 from __future__ import annotations
 
 import pytest
-from pagoda.gpu_worker.codec import decode_sampling
 from pagoda.protos import generation_pb2 as pb
-from pagoda.scheduler_svc.step_codec import _sampling_to_proto
 from pagoda.scheduler_svc.validation import Limits, ValidationError, validate_generate
+
+from pagoda.common.step_codec import decode_sampling, encode_sampling
 
 LIMITS = Limits(
     max_context_tokens=100,
@@ -55,6 +55,6 @@ def test_bad_biases_are_refused_by_name(logit_bias, phrases):
 
 def test_the_bias_reaches_the_worker_codec_unchanged():
     sampling = validated({9: -100.0, 3: 2.5}).sampling
-    params = decode_sampling(_sampling_to_proto(sampling))
+    params = decode_sampling(encode_sampling(sampling))
     assert params.logit_bias_token_ids == (3, 9)
     assert params.logit_bias_values == (2.5, -100.0)

@@ -18,16 +18,15 @@ from dataclasses import dataclass
 
 import pytest
 from pagoda.protos import step_pb2
-from pagoda.scheduler_svc import step_codec
 from pagoda.scheduler_svc.core import (
     FinishReason,
     NewSequence,
+    SamplingParams,
     Scheduler,
     SchedulerConfig,
     StepPlan,
     StepResult,
     ValidRequest,
-    ValidSampling,
 )
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.output_processor import OutputProcessor
@@ -36,7 +35,7 @@ from pagoda.scheduler_svc.step_loop import StepLoop, Unavailable
 from pagoda.scheduler_svc.testing import FakeWorker
 from pagoda.scheduler_svc.worker_link import WorkerEvents, WorkerInfo, WorkerLost
 
-from pagoda.common import wire
+from pagoda.common import step_codec, wire
 from tests.unit.conftest import (
     LetterDetokenizer,
     Stream,
@@ -67,7 +66,7 @@ def domain_plan_of(plan: step_pb2.StepPlan) -> StepPlan:
         new_sequences=[
             NewSequence(
                 seq_id=new.seq_id,
-                sampling=ValidSampling(
+                sampling=SamplingParams(
                     temperature=new.sampling.temperature,
                     top_p=new.sampling.top_p,
                     top_k=new.sampling.top_k,

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from pagoda.gpu_worker import codec
 from pagoda.protos import step_pb2
+
+from pagoda.common import step_codec
 
 # Small blocks so every prompt crosses several block boundaries.
 TEST_BLOCK_SIZE = 4
@@ -35,7 +36,7 @@ def diversify(model, seed: int = 0, std: float = 0.2) -> None:
 
 def run_plan(engine, plan: step_pb2.StepPlan) -> step_pb2.StepResult:
     """One step the way the server runs it: decode the message, step, encode the result."""
-    return codec.encode_result(engine.step(codec.decode_plan(plan)))
+    return step_codec.encode_result(engine.step(step_codec.decode_plan(plan)))
 
 
 @dataclass

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 from pagoda.gpu_worker.sampler import SampleRow, mask_disallowed_tokens, sample
-from pagoda.gpu_worker.step import SamplingParams
 
 from pagoda.common.dummy_tokens import OutsideMask, dummy_next_token
+from pagoda.common.step import SamplingParams
 
 VOCAB = 70  # three words a row, the last one partly past the vocabulary
 

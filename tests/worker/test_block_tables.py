@@ -8,7 +8,8 @@ import torch
 from pagoda.gpu_worker.block_tables import BlockTables
 from pagoda.gpu_worker.ragged_batch import build_ragged_batch
 from pagoda.gpu_worker.sequence_table import SequenceTable
-from pagoda.gpu_worker.step import NewSequence, SamplingParams, StepPlan
+
+from pagoda.common.step import NewSequence, SamplingParams, StepPlan
 
 BLOCK_SIZE = 4
 CPU = torch.device("cpu")

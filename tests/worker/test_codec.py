@@ -1,13 +1,15 @@
-"""The worker codec: protobuf plans into plain step objects and plain results back (no torch)."""
+"""The step codec as a worker uses it: protobuf plans into plain step objects and plain results
+back (no torch)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pagoda.gpu_worker
-from pagoda.gpu_worker.codec import decode_plan, decode_sampling, encode_result
-from pagoda.gpu_worker.step import SamplingParams, SequenceError, StepResult
 from pagoda.protos import step_pb2
+
+from pagoda.common.step import SamplingParams, StepResult
+from pagoda.common.step_codec import decode_plan, decode_sampling, encode_result
 
 
 def test_a_plan_decodes_column_for_column():
@@ -58,7 +60,7 @@ def test_a_result_encodes_every_column():
         top_offsets=[0, 2],
         top_token_ids=[99, 98],
         top_logprobs=[-0.5, -1.5],
-        errors=[SequenceError(3, "unknown sequence 3")],
+        errors={3: "unknown sequence 3"},
         forward_ms=1.5,
         sample_ms=0.25,
         total_ms=2.0,
@@ -76,6 +78,8 @@ def test_a_result_encodes_every_column():
 
 
 def test_only_the_codec_and_the_server_import_step_pb2():
+    """The worker's codec is pagoda.common.step_codec now; its server is the only other
+    worker module that sees step_pb2."""
     folder = Path(pagoda.gpu_worker.__file__).parent
     importers = sorted(p.name for p in folder.glob("*.py") if "step_pb2" in p.read_text())
-    assert importers == ["codec.py", "server.py"]
+    assert importers == ["server.py"]

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagoda.gpu_worker.codec import decode_sampling
 from pagoda.gpu_worker.sampler import SampleRow, apply_logit_bias, sample
 from pagoda.gpu_worker.sequence_table import SequenceTable
-from pagoda.gpu_worker.step import NewSequence, SamplingParams, StepPlan
 from pagoda.protos import step_pb2
+
+from pagoda.common.step import NewSequence, SamplingParams, StepPlan
+from pagoda.common.step_codec import decode_sampling
 
 VOCAB = 32
 FAVOURITE = 5  # the argmax of the test logits by far
@@ -100,4 +101,4 @@ def test_the_sequence_table_refuses_malformed_columns(bias, phrase):
     )
     admitted = table.admit(plan)
     assert admitted.chunks == [] and 1 not in table
-    assert "logit_bias" in admitted.refusals[0].message and phrase in admitted.refusals[0].message
+    assert "logit_bias" in admitted.refusals[1] and phrase in admitted.refusals[1]

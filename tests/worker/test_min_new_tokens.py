@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagoda.gpu_worker import codec
 from pagoda.gpu_worker.sampler import SampleRow, mask_min_new_tokens, sample
 from pagoda.gpu_worker.sequence_table import SequenceTable
-from pagoda.gpu_worker.step import NewSequence, SamplingParams, StepPlan
 from pagoda.protos import step_pb2
 
+from pagoda.common import step_codec
+from pagoda.common.step import NewSequence, SamplingParams, StepPlan
 from tests.worker.conftest import TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, random_prompts
 from tests.worker.toy_scheduler import ToyScheduler
 
@@ -29,11 +29,19 @@ def eos_heavy_logits(num_rows: int = 1) -> torch.Tensor:
     return logits
 
 
-def decode(params: SamplingParams, num_steps: int, prompt=(3, 4)) -> list[int]:
+def masked_row(
+    params: SamplingParams, history: list[int], num_prompt: int, position: int, mask=(0, ())
+) -> SampleRow:
+    """A SampleRow whose sequence masks mask[1] until mask[0] tokens were generated."""
+    min_new_tokens, banned_ids = mask
+    return SampleRow(params, history, num_prompt, position, None, min_new_tokens, banned_ids)
+
+
+def decode(params: SamplingParams, num_steps: int, prompt=(3, 4), mask=(0, ())) -> list[int]:
     """Sample num_steps tokens one at a time, feeding each back (logits never change)."""
     history = list(prompt)
     for _ in range(num_steps):
-        row = SampleRow(params, history, len(prompt), len(history))
+        row = masked_row(params, history, len(prompt), len(history), mask)
         history.append(sample(eos_heavy_logits(), [row]).token_ids[0])
     return history[len(prompt) :]
 
@@ -42,8 +50,8 @@ def decode(params: SamplingParams, num_steps: int, prompt=(3, 4)) -> list[int]:
     "knobs", [{}, {"temperature": 0.7, "seed": 11}, {"temperature": 1.0, "top_k": 3, "seed": 2}]
 )
 def test_ending_ids_are_masked_until_min_new_tokens(knobs):
-    params = SamplingParams(min_new_tokens=3, min_tokens_banned_ids=(EOS, STOP), **knobs)
-    tokens = decode(params, 5)
+    params = SamplingParams(**knobs)
+    tokens = decode(params, 5, mask=(3, (EOS, STOP)))
     assert EOS not in tokens[:3] and STOP not in tokens[:3]
     assert tokens[3] == EOS  # the 4th token may end the request, and here does
     # Without the mask EOS comes first.
@@ -53,13 +61,13 @@ def test_ending_ids_are_masked_until_min_new_tokens(knobs):
 def test_mask_counts_generated_positions_not_history_length():
     """After a recompute the history holds generated tokens: positions from
     num_prompt_tokens on count, whatever was fed in this sequence's lifetime."""
-    params = SamplingParams(min_new_tokens=3, min_tokens_banned_ids=(EOS,))
+    params, mask = SamplingParams(), (3, (EOS,))
     prompt = [3, 4, 6]
     generated_two = [*prompt, 7, 8]  # two generated: still masked
     generated_three = [*generated_two, 1]  # three generated: free
     rows = [
-        SampleRow(params, generated_two, len(prompt), len(generated_two)),
-        SampleRow(params, generated_three, len(prompt), len(generated_three)),
+        masked_row(params, generated_two, len(prompt), len(generated_two), mask),
+        masked_row(params, generated_three, len(prompt), len(generated_three), mask),
         SampleRow(SamplingParams(), generated_two, len(prompt), len(generated_two)),
     ]
     assert sample(eos_heavy_logits(3), rows).token_ids == [STOP, EOS, EOS]
@@ -72,42 +80,50 @@ def test_no_masked_row_returns_the_logits_untouched():
 
 
 def test_mask_is_per_row_in_a_mixed_batch():
-    masked = SamplingParams(min_new_tokens=1, min_tokens_banned_ids=(EOS, STOP))
+    mask = (1, (EOS, STOP))
     rows = [
-        SampleRow(masked, [1, 2], 2, 2),
+        masked_row(SamplingParams(), [1, 2], 2, 2, mask),
         SampleRow(SamplingParams(), [1, 2], 2, 2),
-        SampleRow(masked, [1, 2], 2, 2),
+        masked_row(SamplingParams(), [1, 2], 2, 2, mask),
     ]
     out = sample(eos_heavy_logits(3), rows)
     assert out.token_ids == [1, EOS, 1]
 
 
 def test_logprobs_follow_the_masked_distribution():
-    params = SamplingParams(min_new_tokens=1, min_tokens_banned_ids=(EOS,), num_logprobs=2)
-    out = sample(eos_heavy_logits(), [SampleRow(params, [1], 1, 1)])
+    params = SamplingParams(num_logprobs=2)
+    out = sample(eos_heavy_logits(), [masked_row(params, [1], 1, 1, (1, (EOS,)))])
     assert out.token_ids == [STOP]
     assert out.top_token_ids == [[STOP, 1]]
     assert out.logprobs[0] == pytest.approx(0.0, abs=1e-3)
 
 
 def test_codec_carries_the_mask_and_drops_half_of_one():
-    def decoded(**fields) -> SamplingParams:
-        return codec.decode_sampling(step_pb2.SamplingParams(**fields))
+    def decoded(**fields) -> NewSequence:
+        plan = step_pb2.StepPlan(new_sequences=[step_pb2.NewSequence(seq_id=1, **fields)])
+        return step_codec.decode_plan(plan).new_sequences[0]
 
     params = decoded(min_new_tokens=4, min_tokens_banned_ids=[2, 7])
-    assert (params.min_new_tokens, params.min_tokens_banned_ids) == (4, (2, 7))
+    assert (params.min_new_tokens, tuple(sorted(params.min_tokens_banned_ids))) == (4, (2, 7))
     assert decoded(min_new_tokens=4).min_new_tokens == 0  # no ids: nothing to mask
-    assert decoded(min_tokens_banned_ids=[2]).min_tokens_banned_ids == ()
+    assert tuple(decoded(min_tokens_banned_ids=[2]).min_tokens_banned_ids) == ()
 
 
 def test_sequence_table_refuses_a_banned_id_outside_the_vocabulary():
     table = SequenceTable(
         num_kv_blocks=8, block_size=4, vocab_size=VOCAB, max_context_tokens=64, max_logprobs=5
     )
-    bad = SamplingParams(min_new_tokens=2, min_tokens_banned_ids=(EOS, VOCAB))
     plan = StepPlan(
         step_id=0,
-        new_sequences=[NewSequence(seq_id=1, sampling=bad, num_prompt_tokens=2)],
+        new_sequences=[
+            NewSequence(
+                seq_id=1,
+                sampling=SamplingParams(),
+                num_prompt_tokens=2,
+                min_new_tokens=2,
+                min_tokens_banned_ids=frozenset((EOS, VOCAB)),
+            )
+        ],
         seq_ids=[1],
         start_positions=[0],
         sample=[True],
@@ -118,8 +134,8 @@ def test_sequence_table_refuses_a_banned_id_outside_the_vocabulary():
     )
     admitted = table.admit(plan)
     assert admitted.chunks == []
-    assert [e.seq_id for e in admitted.refusals] == [1]
-    assert "min_tokens_banned_ids" in admitted.refusals[0].message
+    assert list(admitted.refusals) == [1]
+    assert "min_tokens_banned_ids" in admitted.refusals[1]
     assert 1 not in table
 
 
@@ -154,10 +170,7 @@ def test_paged_engine_matches_generate_with_min_new_tokens(llama_models):
         scheduler = ToyScheduler(
             llama_models.engine(), num_blocks=TEST_NUM_BLOCKS, block_size=TEST_BLOCK_SIZE
         )
-        sampling = step_pb2.SamplingParams(
-            min_new_tokens=min_new_tokens, min_tokens_banned_ids=eos_ids
-        )
-        scheduler.add(0, prompt, sampling=sampling)
+        scheduler.add(0, prompt, min_new_tokens=min_new_tokens, min_tokens_banned_ids=eos_ids)
         ours = scheduler.run(num_new_tokens)[0]
         assert not set(ours[:min_new_tokens]) & set(eos_ids)
         assert ours[: len(theirs)] == theirs
@@ -173,8 +186,7 @@ def test_recomputed_sequence_stays_masked_until_min_new_tokens(llama_models):
     )
     unmasked = llama_models.greedy(prompt, 8)
     banned = sorted(set(unmasked))  # every token the model would pick unmasked
-    sampling = step_pb2.SamplingParams(min_new_tokens=4, min_tokens_banned_ids=banned)
-    scheduler.add(0, prompt, sampling=sampling)
+    scheduler.add(0, prompt, min_new_tokens=4, min_tokens_banned_ids=banned)
     scheduler.run(2)
     scheduler.recompute(0, 1)
     tokens = scheduler.run(4)[1]

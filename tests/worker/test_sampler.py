@@ -8,12 +8,13 @@ from collections import Counter
 import pytest
 import torch
 from pagoda.gpu_worker.sampler import SampleRow, apply_penalties, sample, seeded_uniform
-from pagoda.gpu_worker.step import SamplingParams
 from transformers import (
     RepetitionPenaltyLogitsProcessor,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+from pagoda.common.step import SamplingParams
 
 VOCAB = 64
 

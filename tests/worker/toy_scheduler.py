@@ -30,6 +30,8 @@ class Job:
     num_blocks_sent: int = 0
     is_new: bool = True
     cached_token_ids: list[int] = field(default_factory=list)
+    min_new_tokens: int = 0  # NewSequence's: the banned ids are masked until then
+    min_tokens_banned_ids: list[int] = field(default_factory=list)
 
     @property
     def known(self) -> list[int]:
@@ -69,10 +71,14 @@ class ToyScheduler:
         sampling: step_pb2.SamplingParams | None = None,
         chunk_sizes: list[int] | None = None,
         admit_at_step: int = 0,
+        min_new_tokens: int = 0,
+        min_tokens_banned_ids: list[int] | None = None,
     ) -> Job:
         job = Job(
             seq_id, list(prompt), sampling or greedy(), list(chunk_sizes or []), admit_at_step
         )
+        job.min_new_tokens = min_new_tokens
+        job.min_tokens_banned_ids = list(min_tokens_banned_ids or [])
         self.jobs[seq_id] = job
         return job
 
@@ -125,6 +131,8 @@ class ToyScheduler:
                     sampling=job.sampling,
                     cached_token_ids=job.cached_token_ids,
                     num_prompt_tokens=len(job.prompt),
+                    min_new_tokens=job.min_new_tokens,
+                    min_tokens_banned_ids=job.min_tokens_banned_ids,
                 )
                 job.is_new = False
             if not offsets_started:
