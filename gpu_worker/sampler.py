@@ -1,9 +1,11 @@
 """Batched sampling on the device: penalties, temperature, top-k/top-p/min-p, seeded draws.
 
 Order (Hugging Face's): repetition penalty, presence/frequency penalties, the logit
-bias, the min_new_tokens mask (-inf on the ending ids until enough tokens were generated),
-the structured-output mask (-inf where a constrained row's bitmask says no), then greedy argmax or temperature -> top-k -> top-p -> min-p -> draw. Logprobs are the
-log-softmax after temperature (1 for greedy rows), before any filtering.
+bias, the allowed/banned token ids (-inf outside the one and on the other), the
+min_new_tokens mask (-inf on the ending ids until enough tokens were generated), the
+structured-output mask (-inf where a constrained row's bitmask says no), then greedy argmax
+or temperature -> top-k -> top-p -> min-p -> draw. Logprobs are the log-softmax after
+temperature (1 for greedy rows), before any filtering.
 
 A seeded draw is a function of (seed, position of the sampled token) only: one
 uniform u = splitmix64(seed, position) picks the token by inverse CDF over the
@@ -140,6 +142,25 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     return _put_per_row(logits, token_ids, values, accumulate=True)
 
 
+def mask_allowed_and_banned(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """-inf on a row's banned_token_ids and, when it lists allowed_token_ids, on every other
+    id, in place; rows with neither are untouched (the sequence table checked the ids)."""
+    banned = {i: r.params.banned_token_ids for i, r in enumerate(rows) if r.params.banned_token_ids}
+    if banned:
+        _put_per_row(logits, banned, float("-inf"), accumulate=False)
+    limited = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
+    if not limited:
+        return logits
+    device = logits.device
+    allowed = torch.zeros(len(limited), logits.shape[-1], dtype=torch.bool, device=device)
+    row_index = [k for k, i in enumerate(limited) for _ in rows[i].params.allowed_token_ids]
+    tokens = [t for i in limited for t in rows[i].params.allowed_token_ids]
+    allowed[torch.tensor(row_index, device=device), torch.tensor(tokens, device=device)] = True
+    index = torch.tensor(limited, dtype=torch.long, device=device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
 def mask_disallowed_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """-inf on the tokens a constrained row's bitmask does not allow (structured output),
     in place; unconstrained rows are untouched. One host-to-device copy of the masked
@@ -251,11 +272,12 @@ def sample(
     logits: torch.Tensor, rows: list[SampleRow], counts: TokenCountRows | None = None
 ) -> SampleOutput:
     """logits [S, vocab] (one row per sampling sequence, same order as `rows`); consumed:
-    the logit bias and the min_new_tokens mask may be written into them. `counts`: see
+    the logit bias and the masks may be written into them. `counts`: see
     apply_penalties. One device-to-host copy: the tokens, and the logprobs when asked, in
     one tensor."""
     logits = apply_logit_bias(apply_penalties(logits.float(), rows, counts), rows)
-    logits = mask_disallowed_tokens(mask_min_new_tokens(logits, rows), rows)
+    logits = mask_min_new_tokens(mask_allowed_and_banned(logits, rows), rows)
+    logits = mask_disallowed_tokens(logits, rows)
     params = [r.params for r in rows]
     device = logits.device
     token_ids = logits.argmax(dim=-1)

@@ -91,7 +91,7 @@ class Goodbye(_message.Message):
     def __init__(self, incarnation_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "num_logprobs", "logit_bias_token_ids", "logit_bias_values")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "num_logprobs", "logit_bias_token_ids", "logit_bias_values", "allowed_token_ids", "banned_token_ids")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,8 @@ class SamplingParams(_message.Message):
     NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BANNED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -114,7 +116,9 @@ class SamplingParams(_message.Message):
     num_logprobs: int
     logit_bias_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logit_bias_values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ..., logit_bias_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ...) -> None: ...
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    banned_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ..., logit_bias_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., banned_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("seq_id", "sampling", "cached_token_ids", "num_prompt_tokens", "min_new_tokens", "min_tokens_banned_ids")

@@ -29,6 +29,7 @@ MAX_ABS_PRIORITY = 1_000_000
 MAX_CHAT_MESSAGES = 256
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_ABS_LOGIT_BIAS = 100.0
+MAX_ALLOWED_OR_BANNED_IDS = 1024  # each of sampling.allowed_token_ids and banned_token_ids
 # Text is bounded before tokenizing or rendering, so a huge input costs no tokenizer time.
 MAX_PROMPT_BYTES_PER_TOKEN = 32
 
@@ -156,6 +157,10 @@ def validate_constraint(request, valid: ValidRequest) -> ValidConstraint | None:
         raise ValidationError("a constrained request cannot set stopping.ignore_eos")
     if valid.stopping.min_new_tokens:
         raise ValidationError("a constrained request cannot set stopping.min_new_tokens")
+    if valid.sampling.allowed_token_ids or valid.sampling.banned_token_ids:  # it may need any id
+        raise ValidationError(
+            "a constrained request cannot set sampling.allowed_token_ids or banned_token_ids"
+        )
     return ValidConstraint(kind, source)
 
 
@@ -254,6 +259,10 @@ def _sampling(sampling, num_logprobs: int, vocab_size: int) -> SamplingParams:
         if abs(value) > MAX_ABS_PRESENCE_FREQUENCY:
             raise ValidationError(f"sampling.{name} must be in [-2, 2], got {value:g}")
     logit_bias = _logit_bias(sampling.logit_bias, vocab_size)
+    allowed = _token_id_set("allowed_token_ids", sampling.allowed_token_ids, vocab_size)
+    banned = _token_id_set("banned_token_ids", sampling.banned_token_ids, vocab_size)
+    if allowed and set(allowed) <= set(banned):
+        raise ValidationError("sampling.banned_token_ids bans every one of allowed_token_ids")
     return SamplingParams(
         temperature=temperature,
         top_p=top_p,
@@ -267,6 +276,8 @@ def _sampling(sampling, num_logprobs: int, vocab_size: int) -> SamplingParams:
         num_logprobs=num_logprobs,
         logit_bias_token_ids=tuple(token_id for token_id, _ in logit_bias),
         logit_bias_values=tuple(bias for _, bias in logit_bias),
+        allowed_token_ids=allowed,
+        banned_token_ids=banned,
     )
 
 
@@ -288,6 +299,19 @@ def _logit_bias(logit_bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
                 f"sampling.logit_bias[{token_id}] must be in [-100, 100], got {bias:g}"
             )
     return tuple(pairs)
+
+
+def _token_id_set(name: str, token_ids, vocab_size: int) -> tuple[int, ...]:
+    """The ids ascending and distinct; at most MAX_ALLOWED_OR_BANNED_IDS, each in the vocabulary."""
+    if len(token_ids) > MAX_ALLOWED_OR_BANNED_IDS:
+        raise ValidationError(
+            f"sampling.{name} holds {len(token_ids)} ids; at most {MAX_ALLOWED_OR_BANNED_IDS}"
+        )
+    if token_ids and max(token_ids) >= vocab_size:
+        raise ValidationError(
+            f"sampling.{name} names token {max(token_ids)}, beyond the vocabulary of {vocab_size}"
+        )
+    return tuple(sorted(set(token_ids)))
 
 
 def _stopping(stopping, num_prompt_tokens: int, limits: Limits) -> ValidStopping:

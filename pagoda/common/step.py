@@ -36,6 +36,9 @@ class SamplingParams:
     # logit_bias): ascending distinct ids, one value each.
     logit_bias_token_ids: tuple[int, ...] = ()
     logit_bias_values: tuple[float, ...] = ()
+    # Only these ids may be sampled (empty: any), and never these; ascending, distinct.
+    allowed_token_ids: tuple[int, ...] = ()
+    banned_token_ids: tuple[int, ...] = ()
 
     @property
     def is_greedy(self) -> bool:
