@@ -95,21 +95,10 @@ class WorkerServer:
         self._pulse: StepPulse | None = None
 
     def hello(self) -> step_pb2.Hello:
-        facts = self.engine.facts
-        return step_pb2.Hello(
+        return step_codec.encode_hello(
+            self.engine.facts,
             protocol_version=wire.PROTOCOL_VERSION,
             incarnation_id=self.incarnation_id,
-            model_id=facts.model_id,
-            vocab_size=facts.vocab_size,
-            eos_token_ids=list(facts.eos_token_ids),
-            max_context_tokens=facts.max_context_tokens,
-            block_size=facts.block_size,
-            num_kv_blocks=facts.num_kv_blocks,
-            device=facts.device,
-            dtype=facts.dtype,
-            max_logprobs=facts.max_logprobs,
-            quantization=facts.quantization,
-            numerics=facts.numerics,
             feeds_last_sampled=True,  # SequenceTable substitutes last_sampled_rows
         )
 

@@ -196,6 +196,14 @@ def result_problem(
 # -- the hello: worker -> scheduler ------------------------------------------------------------
 
 
+def encode_hello(facts: object, **identity) -> step_pb2.Hello:
+    """A worker's hello: every field of the dataclass `facts` (its engine's, named as Hello's
+    fields) and `identity` (who it is, what it speaks)."""
+    on_wire = step_pb2.Hello.DESCRIPTOR.fields_by_name
+    values = {f.name: getattr(facts, f.name) for f in fields(facts) if f.name in on_wire}
+    return step_pb2.Hello(**values, **identity)
+
+
 def geometry_from_hello(hello: step_pb2.Hello) -> WorkerGeometry:
     return WorkerGeometry(
         num_kv_blocks=hello.num_kv_blocks,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 import pytest
+from pagoda.gpu_worker.engine import MAX_LOGPROBS, EngineFacts
 from pagoda.protos import step_pb2
 
 from pagoda.common import step_codec
@@ -109,6 +110,31 @@ def test_the_worker_clamps_sampling_it_cannot_trust():
     assert (clamped.temperature, clamped.top_p, clamped.top_k, clamped.min_p) == (0, 1, 0, 1)
     assert clamped.repetition_penalty == 1.0
     assert step_codec.decode_sampling(step_pb2.SamplingParams()) == SamplingParams()
+
+
+def test_a_hello_carries_every_engine_fact_and_gives_the_workers_geometry():
+    facts = EngineFacts(
+        model_id="tiny",
+        vocab_size=64,
+        eos_token_ids=(2, 3),
+        max_context_tokens=128,
+        block_size=16,
+        num_kv_blocks=9,
+        device="cpu",
+        dtype="float32",
+        quantization="int8",
+        numerics="exact",
+    )
+    hello = step_codec.encode_hello(facts, protocol_version=4, incarnation_id="w1")
+    assert (hello.protocol_version, hello.incarnation_id) == (4, "w1")
+    assert (hello.model_id, hello.device, hello.dtype) == ("tiny", "cpu", "float32")
+    assert (hello.quantization, hello.numerics, hello.max_logprobs) == (
+        "int8",
+        "exact",
+        MAX_LOGPROBS,
+    )
+    geometry = step_codec.geometry_from_hello(hello)
+    assert (geometry.vocab_size, geometry.eos_token_ids) == (64, frozenset({2, 3}))
 
 
 def test_a_hello_gives_the_workers_geometry():
