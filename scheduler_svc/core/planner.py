@@ -50,7 +50,7 @@ from pagoda.scheduler_svc.core.admission import (
 from pagoda.scheduler_svc.core.config import SchedulerConfig, WorkerGeometry
 from pagoda.scheduler_svc.core.kv import BlockAllocator, PrefixCache, extend_block_hashes
 from pagoda.scheduler_svc.core.outputs import NewSequence, StepPlan
-from pagoda.scheduler_svc.core.request import Request, RequestState, set_steady_window
+from pagoda.scheduler_svc.core.request import Request, RequestState, set_stop_rules
 from pagoda.scheduler_svc.core.tenants import (
     Ledger,
     by_least_served,
@@ -354,7 +354,7 @@ class Planner:
             # the worker's last sampled one, unless that token certainly ends the request,
             # or a grammar constrains the next one (its mask needs the token).
             if position == num_known and (
-                position + 1 >= request.steady_until or request.grammar is not None
+                position + 1 >= request.max_num_tokens or request.grammar is not None
             ):
                 continue
             slot = position % block_size
@@ -604,7 +604,7 @@ class Planner:
         request.num_blocks_sent = 0
         request.num_computed_tokens = num_cached_tokens
         request.admit_order = next(self._admit_orders)
-        set_steady_window(request, self.geometry.eos_token_ids, self.geometry.max_context_tokens)
+        set_stop_rules(request, self.geometry.eos_token_ids, self.geometry.max_context_tokens)
         if request.num_cached_prompt_tokens is None:
             request.num_cached_prompt_tokens = min(num_cached_tokens, request.num_prompt_tokens)
             if self.config.prefix_caching:
@@ -613,8 +613,8 @@ class Planner:
         if request.first_scheduled_s is None:
             request.first_scheduled_s = now
         self.running[seq_id] = request
-        # The worker masks the ending ids until min_new_tokens (check_stop never sees one).
-        masked = bool(request.ending_token_ids) and (
+        # The worker masks the stop ids until min_new_tokens (check_stop never sees one).
+        masked = bool(request.stop_token_ids) and (
             request.num_generated_tokens < request.stopping.min_new_tokens
         )
         plan.new_sequences.append(
@@ -624,7 +624,7 @@ class Planner:
                 cached_token_ids=request.token_ids[:num_cached_tokens].tolist(),
                 num_prompt_tokens=request.num_prompt_tokens,
                 min_new_tokens=request.stopping.min_new_tokens if masked else 0,
-                min_tokens_banned_ids=request.ending_token_ids if masked else frozenset(),
+                min_tokens_banned_ids=request.stop_token_ids if masked else frozenset(),
             )
         )
         self._feed(plan, request, num_tokens)
