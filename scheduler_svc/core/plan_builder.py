@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pagoda.scheduler_svc.core.kv import PrefixCache, extend_block_hashes
 from pagoda.scheduler_svc.core.outputs import NewSequence, StepPlan
-from pagoda.scheduler_svc.core.request import Request
+from pagoda.scheduler_svc.core.request import Request, RequestState
 
 # Shared int objects for token offsets: a decode step's offsets would otherwise allocate
 # one new int per sequence. Only grows.
@@ -48,16 +48,29 @@ class PlanBuilder:
         plan.num_prefill_tokens = plan.num_tokens - plan.num_decode_tokens
         return plan
 
-    def new_sequence(self, request: Request, num_cached_tokens: int) -> None:
-        """Name `request`'s sequence (just admitted: seq_id, blocks and stop rules set) to
-        the worker, its first `num_cached_tokens` tokens in prefix hits; feed it next."""
+    def start(
+        self, request: Request, seq_id: int, hit_block_ids: list[int], num_new_blocks: int
+    ) -> None:
+        """Start `request` (its stop rules set) as sequence `seq_id` on its prefix hits and
+        `num_new_blocks` new blocks (counted available), named to the worker in the plan;
+        feed it next."""
+        blocks = self.blocks
+        blocks.acquire(hit_block_ids)  # first, so allocating cannot evict them
+        new_block_ids = blocks.allocate(num_new_blocks)
+        assert new_block_ids is not None
+        num_cached_tokens = len(hit_block_ids) * blocks.block_size
+        request.seq_id = seq_id
+        request.state = RequestState.RUNNING
+        request.block_ids = hit_block_ids + new_block_ids
+        request.num_blocks_sent = 0
+        request.num_computed_tokens = num_cached_tokens
         # The worker masks the stop ids until min_new_tokens (check_stop never sees one).
         masked = bool(request.stop_token_ids) and (
             request.num_generated_tokens < request.stopping.min_new_tokens
         )
         self.plan.new_sequences.append(
             NewSequence(
-                seq_id=request.seq_id,
+                seq_id=seq_id,
                 sampling=request.sampling,
                 cached_token_ids=request.token_ids[:num_cached_tokens].tolist(),
                 num_prompt_tokens=request.num_prompt_tokens,
@@ -84,6 +97,15 @@ class PlanBuilder:
         request.last_scheduled_step = self.step_id
         if self._prefix_caching:
             key_blocks(self.blocks, request, start, end, self.keyed)
+
+    def give_blocks(self, requests: list[Request]) -> None:
+        """One new block for each of `requests` (decoders at a block boundary, promised
+        blocks that are available), in one allocation."""
+        if requests:
+            block_ids = self.blocks.allocate(len(requests))
+            assert block_ids is not None
+            for request, block_id in zip(requests, block_ids, strict=True):
+                request.block_ids.append(block_id)
 
     def feed_decodes(
         self,

@@ -1,9 +1,9 @@
 """The planner: who waits, who runs with which KV blocks, and what each step feeds.
 
-It owns the waiting queue, the running and prefilling sets and the KV pool, and is the
-only writer of a Request's sequence fields (see Request). Every block a sequence holds is
-released in `release`, the one path used by finish, preemption and requeue after a
-failed step.
+It owns the waiting queue, the running and prefilling sets and the KV pool, and is, with
+the PlanBuilder of the plan it builds (plan_builder.py: the columns), the only writer of
+a Request's sequence fields (see Request). Every block a sequence holds is released in
+`release`, the one path used by finish, preemption and requeue after a failed step.
 
 A step's token budget goes to decodes first (one token per running sequence, round-robin
 under a cap), then to prefill: partial prompts continue their chunks before new requests
@@ -12,18 +12,18 @@ reversed, and prefill then leaves one block to each decoder at a block boundary 
 would be preempted for (for an admission, every one). One exception to decodes first: a head
 that a forced FIFO round could not fit (reserved, unchunked) gets its tokens before the
 decodes of the next step when it fits a step alone, so it waits one step, not for the
-running set to drain. A chunk that finds the pool empty
-feeds what its last block still holds. Feeding a request
-advances its num_computed_tokens at once: the step in flight counts as computed (a
-failed step requeues its sequences). A request is never fed twice in one step.
+running set to drain. A chunk that finds the pool empty feeds what its last block still
+holds. Feeding a request advances its num_computed_tokens at once: the step in flight
+counts as computed (a failed step requeues its sequences). A request is never fed twice
+in one step.
 
 Preemption is by recompute: a sequence that needs a block when none is available takes
-one from the most recently admitted (pick_victim), whose blocks are released (its full
+one from the most recently admitted (preemption.py), whose blocks are released (its full
 blocks stay in the prefix cache, so the recompute is mostly hits) and who goes back to
 the head of the waiting queue. Under the priority policy the victim is the lowest
 priority, then the most recently admitted, even one already fed in the plan being built:
-its entry is taken out again (PlanBuilder.unfeed), as vLLM v1 does. A step that preempted admits
-nothing new, so an admission never costs an older request its blocks.
+its entry is taken out again (PlanBuilder.unfeed), as vLLM v1 does. A step that preempted
+admits nothing new, so an admission never costs an older request its blocks.
 
 Tenants (tenants.py): while two tenants or more have work, each admission round admits
 one request of the least-served waiting tenant (by its policy, within its own queue),
@@ -36,7 +36,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
 from pagoda.scheduler_svc.core.admission import (
@@ -50,14 +50,10 @@ from pagoda.scheduler_svc.core.admission import (
 from pagoda.scheduler_svc.core.config import SchedulerConfig, WorkerGeometry
 from pagoda.scheduler_svc.core.kv import BlockAllocator, PrefixCache, extend_block_hashes
 from pagoda.scheduler_svc.core.outputs import StepPlan
-from pagoda.scheduler_svc.core.plan_builder import PlanBuilder, key_blocks
+from pagoda.scheduler_svc.core.plan_builder import PlanBuilder
+from pagoda.scheduler_svc.core.preemption import choose_victim
 from pagoda.scheduler_svc.core.request import Request, RequestState, set_stop_rules
-from pagoda.scheduler_svc.core.tenants import (
-    Ledger,
-    by_least_served,
-    neediest_tenant,
-    victims_order,
-)
+from pagoda.scheduler_svc.core.tenants import Ledger, by_least_served, neediest_tenant
 from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
 
 _RUNNING = RequestState.RUNNING
@@ -201,13 +197,6 @@ class Planner:
         """The decodes the last plan fed ahead of their token (see _schedule_decodes)."""
         ahead, self._ahead = self._ahead, []
         return ahead
-
-    def key_known(self, request: Request, position: int) -> list[tuple[int, int]]:
-        """Key the block that `position` completes, its token now known (it was decoded
-        ahead of it); the (seq_id, block_id) keyed, for the plan that feeds it."""
-        keyed: list[tuple[int, int]] = []
-        key_blocks(self.blocks, request, position, position + 1, keyed)
-        return keyed
 
     def take_keyed_in_flight(self) -> list[tuple[int, int]]:
         """The blocks the plan in flight keyed; the plan is answered or failed."""
@@ -355,7 +344,7 @@ class Planner:
                     available -= 1
                     growing.append(request)
                 else:
-                    self._give_blocks(growing)  # promises first: _grow may preempt
+                    b.give_blocks(growing)  # promises first: _grow may preempt
                     growing = []
                     num_preemptions = self.num_preemptions
                     grown = self._grow(b, request)
@@ -372,19 +361,11 @@ class Planner:
             request.num_computed_tokens = position + 1
             fed.append(request)
             positions.append(position)
-        self._give_blocks(growing)
+        b.give_blocks(growing)
         b.feed_decodes(fed, positions, grown_indices, completing)
         if self.tenants.fair:
             self.tenants.charge_generated([request.tenant for request in fed])
         return len(fed)
-
-    def _give_blocks(self, requests: list[Request]) -> None:
-        """One new block for each of `requests`, in one allocation (they were counted)."""
-        if requests:
-            block_ids = self.blocks.allocate(len(requests))
-            assert block_ids is not None
-            for request, block_id in zip(requests, block_ids, strict=True):
-                request.block_ids.append(block_id)
 
     def _round_robin(self, decoders: list[Request], cap: int) -> list[Request]:
         """Decoders in the order to try under a cap: the `cap` after the last one served
@@ -581,17 +562,10 @@ class Planner:
         num_new_blocks = -(-num_tokens // block_size)
         if blocks.num_available_blocks - blocks.num_evictable(hit_block_ids) < num_new_blocks:
             return 0
-        blocks.acquire(hit_block_ids)  # first, so allocating cannot evict them
-        new_block_ids = blocks.allocate(num_new_blocks)
-        assert new_block_ids is not None
         seq_id = next(self._seq_ids)
-        request.seq_id = seq_id
-        request.state = _RUNNING
-        request.block_ids = hit_block_ids + new_block_ids
-        request.num_blocks_sent = 0
-        request.num_computed_tokens = num_cached_tokens
         request.admit_order = next(self._admit_orders)
         set_stop_rules(request, self.geometry.eos_token_ids, self.geometry.max_context_tokens)
+        b.start(request, seq_id, hit_block_ids, num_new_blocks)
         if request.num_cached_prompt_tokens is None:
             request.num_cached_prompt_tokens = min(num_cached_tokens, request.num_prompt_tokens)
             if self.config.prefix_caching:
@@ -600,7 +574,6 @@ class Planner:
         if request.first_scheduled_s is None:
             request.first_scheduled_s = now
         self.running[seq_id] = request
-        b.new_sequence(request, num_cached_tokens)
         self._feed(b, request, num_tokens)
         return num_tokens
 
@@ -640,20 +613,14 @@ class Planner:
     def _grow(self, b: PlanBuilder, request: Request) -> bool:
         """Append one block to a running request's table, preempting others while none is
         available. False when the request itself was the victim."""
-        blocks, step_id, only = self.blocks, b.step_id, b.only
+        blocks, step_id = self.blocks, b.step_id
+        # Under the priority policy a lower priority goes first even if fed in this step
+        # (as vLLM v1): its entry is taken out of the plan being built.
+        may_unfeed = b.may_unfeed if self.by_priority else None
         while blocks.num_available_blocks == 0:
-            if only is not None:
-                running = [r for r in self.running.values() if r.request_id in only]
-                victim = pick_victim(reversed(running), step_id, self.by_priority)
-            else:
-                # Under the priority policy a lower priority goes first even if fed in this
-                # step (as vLLM v1): its entry is taken out of the plan being built.
-                may_unfeed = b.may_unfeed if self.by_priority else None
-                victim = None
-                for candidates in self._victim_groups():
-                    victim = pick_victim(candidates, step_id, self.by_priority, may_unfeed)
-                    if victim is not None:
-                        break
+            victim = choose_victim(
+                self.running, step_id, self.by_priority, self.tenants, b.only, may_unfeed
+            )
             assert victim is not None  # the requester itself is always a candidate
             if victim is not request and victim.last_scheduled_step == step_id:
                 self.preempt(victim, worker_knows=b.unfeed(victim))
@@ -663,14 +630,6 @@ class Planner:
                 return False
         request.block_ids.extend(blocks.allocate(1))
         return True
-
-    def _victim_groups(self) -> Iterable[Iterable[Request]]:
-        """The running requests, newest admission first, as groups to take a victim from in
-        order: one group, or (fair share) one per tenant, the most served first."""
-        newest_first = reversed(self.running.values())
-        if not self.tenants.fair:
-            return (newest_first,)
-        return victims_order(newest_first, self.tenants.counters())
 
     # -- the plan's columns ----------------------------------------------------------------
 
@@ -683,36 +642,6 @@ class Planner:
             self.prefilling[request.seq_id] = request
         else:
             self.prefilling.pop(request.seq_id, None)
-
-
-def pick_victim(
-    candidates: Iterable[Request],
-    step_id: int,
-    by_priority: bool,
-    may_unfeed: Callable[[Request], bool] | None = None,
-) -> Request | None:
-    """The running request to preempt among `candidates` (newest admission first), those
-    already fed in step `step_id` excepted unless `may_unfeed` says they can be un-fed.
-
-    The most recently admitted; under the priority policy the lowest priority (highest
-    value) first, then the most recently admitted. The requester itself is a candidate,
-    so when it is the best victim it preempts itself and nothing deadlocks.
-    """
-    if not by_priority:
-        for request in candidates:
-            if request.last_scheduled_step != step_id:
-                return request
-        return None
-    victim: Request | None = None
-    for request in candidates:
-        if victim is not None and request.priority <= victim.priority:
-            continue  # newest first: ties keep the most recently admitted
-        if request.last_scheduled_step == step_id and (
-            may_unfeed is None or not may_unfeed(request)
-        ):
-            continue
-        victim = request
-    return victim
 
 
 def _waiting_only(only: dict[str, Request]) -> list[Request]:

@@ -38,6 +38,7 @@ from pagoda.scheduler_svc.core.outputs import (
     usage_of,
 )
 from pagoda.scheduler_svc.core.placement import LaneLoad
+from pagoda.scheduler_svc.core.plan_builder import key_blocks
 from pagoda.scheduler_svc.core.planner import Planner
 from pagoda.scheduler_svc.core.request import (
     DuplicateRequestError,
@@ -503,7 +504,8 @@ class Scheduler:
         planner = self._planner
         for request, seq_id, position in flight.key_later:
             if request.seq_id == seq_id and len(request.token_ids) > position:
-                flight.keyed.extend(planner.key_known(request, position))
+                # Its token is now known: key the block it completes.
+                key_blocks(planner.blocks, request, position, position + 1, flight.keyed)
         flight.key_later = []
 
     def _step_failed(self, flight: _Flight, error: str, now: float) -> list[RequestOutput]:
