@@ -10,6 +10,7 @@ imports the core from here; the modules behind it are:
   admission      the pure admission policies
   tenants        fair share between tenants (weighted tokens served) and their quotas
   planner        owns the waiting, running and prefilling sets and the pool; plans steps
+  plan_builder   the plan under construction: its columns, the blocks it keys, unfeed
   isolation      keeps the suspects of a failed step, planned alone
   scheduler      the facade: add, cancel, schedule, apply, fail_step, stats
   outputs        StepOutputs, RequestOutput, SchedulerStats

@@ -1,9 +1,9 @@
 """The planner: who waits, who runs with which KV blocks, and what each step feeds.
 
-It owns the waiting queue, the running and prefilling sets and the KV pool, and is the
-only writer of a Request's sequence fields (see Request). Every block a sequence holds is
-released in `release`, the one path used by finish, preemption and requeue after a
-failed step.
+It owns the waiting queue, the running and prefilling sets and the KV pool, and is, with
+the PlanBuilder of the plan it builds (plan_builder.py: the columns), the only writer of
+a Request's sequence fields (see Request). Every block a sequence holds is released in
+`release`, the one path used by finish, preemption and requeue after a failed step.
 
 A step's token budget goes to decodes first (one token per running sequence, round-robin
 under a cap), then to prefill: partial prompts continue their chunks before new requests
@@ -12,18 +12,18 @@ reversed, and prefill then leaves one block to each decoder at a block boundary 
 would be preempted for (for an admission, every one). One exception to decodes first: a head
 that a forced FIFO round could not fit (reserved, unchunked) gets its tokens before the
 decodes of the next step when it fits a step alone, so it waits one step, not for the
-running set to drain. A chunk that finds the pool empty
-feeds what its last block still holds. Feeding a request
-advances its num_computed_tokens at once: the step in flight counts as computed (a
-failed step requeues its sequences). A request is never fed twice in one step.
+running set to drain. A chunk that finds the pool empty feeds what its last block still
+holds. Feeding a request advances its num_computed_tokens at once: the step in flight
+counts as computed (a failed step requeues its sequences). A request is never fed twice
+in one step.
 
 Preemption is by recompute: a sequence that needs a block when none is available takes
-one from the most recently admitted (pick_victim), whose blocks are released (its full
+one from the most recently admitted (preemption.py), whose blocks are released (its full
 blocks stay in the prefix cache, so the recompute is mostly hits) and who goes back to
 the head of the waiting queue. Under the priority policy the victim is the lowest
 priority, then the most recently admitted, even one already fed in the plan being built:
-its entry is taken out again (_unfeed), as vLLM v1 does. A step that preempted admits
-nothing new, so an admission never costs an older request its blocks.
+its entry is taken out again (PlanBuilder.unfeed), as vLLM v1 does. A step that preempted
+admits nothing new, so an admission never costs an older request its blocks.
 
 Tenants (tenants.py): while two tenants or more have work, each admission round admits
 one request of the least-served waiting tenant (by its policy, within its own queue),
@@ -36,7 +36,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
 from pagoda.scheduler_svc.core.admission import (
@@ -49,14 +49,11 @@ from pagoda.scheduler_svc.core.admission import (
 )
 from pagoda.scheduler_svc.core.config import SchedulerConfig, WorkerGeometry
 from pagoda.scheduler_svc.core.kv import BlockAllocator, PrefixCache, extend_block_hashes
-from pagoda.scheduler_svc.core.outputs import NewSequence, StepPlan
-from pagoda.scheduler_svc.core.request import Request, RequestState, set_steady_window
-from pagoda.scheduler_svc.core.tenants import (
-    Ledger,
-    by_least_served,
-    neediest_tenant,
-    victims_order,
-)
+from pagoda.scheduler_svc.core.outputs import StepPlan
+from pagoda.scheduler_svc.core.plan_builder import PlanBuilder
+from pagoda.scheduler_svc.core.preemption import choose_victim
+from pagoda.scheduler_svc.core.request import Request, RequestState, set_stop_rules
+from pagoda.scheduler_svc.core.tenants import Ledger, by_least_served, neediest_tenant
 from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
 
 _RUNNING = RequestState.RUNNING
@@ -86,8 +83,10 @@ class Planner:
         self.forget_seq_ids: list[int] = []  # for the next plan
         # (seq_id, request) of each sequence preempted since the last take_victims().
         self._victims: list[tuple[int, Request]] = []
-        # (seq_id, block_id) keyed by the plan in flight: unkeyed if it fails.
+        # The last plan's keys and decodes fed ahead (PlanBuilder), until the scheduler
+        # takes them with the plan.
         self._keyed_in_flight: list[tuple[int, int]] = []
+        self._ahead: list[tuple[Request, int]] = []
         self._seq_ids = itertools.count(1)
         self._admit_orders = itertools.count(1)
         self.num_preemptions = 0
@@ -95,23 +94,11 @@ class Planner:
         self.num_prefix_hit_tokens = 0
         self._num_admission_rounds = 0
         self._decode_cursor = 0  # admit_order of the last sequence decoded under a cap
-        self._num_preemptions_before = 0  # the count when the step being planned began
-        # The only requests the step being planned may feed (by request id), or None: all.
-        self._only: dict[str, Request] | None = None
-        self._plan: StepPlan | None = None  # the plan being built (None between plans)
-        # Entries [start, end) of that plan are its decodes (an un-fed one is taken out).
-        self._decode_entries = (0, 0)
         # The head a forced FIFO round could not fit: admitted before anything else.
         self._reserved_head: Request | None = None
-        # (request, position) of the decodes fed ahead of their token (overlapped steps):
-        # the step in flight samples it, the worker feeds it (StepPlan.last_sampled_rows).
-        self._ahead: list[tuple[Request, int]] = []
         # Decoders are fed in the reverse of preemption order, so a victim is never one
         # already fed: oldest admission first (priority: lowest value, then oldest).
         self._feed_order = _priority_then_admission if self.by_priority else _admit_order_of
-        # Shared int objects for token offsets: a step's offsets would otherwise allocate
-        # one new int per sequence.
-        self._counting_numbers: list[int] = []
 
     # -- the pool and the sequences ------------------------------------------------------
 
@@ -211,12 +198,6 @@ class Planner:
         ahead, self._ahead = self._ahead, []
         return ahead
 
-    def key_known(self, request: Request, position: int) -> list[tuple[int, int]]:
-        """Key the block that `position` completes, its token now known (it was decoded
-        ahead of it); the (seq_id, block_id) keyed, for the plan that feeds it."""
-        self._key_blocks(request, position, position + 1)
-        return self.take_keyed_in_flight()
-
     def take_keyed_in_flight(self) -> list[tuple[int, int]]:
         """The blocks the plan in flight keyed; the plan is answered or failed."""
         keyed, self._keyed_in_flight = self._keyed_in_flight, []
@@ -246,33 +227,31 @@ class Planner:
         it still goes alone (admission's oversize head), so none waits forever.
         """
         config = self.config
-        plan = StepPlan(step_id=step_id)
-        self._only = {request.request_id: request for request in only} if only is not None else None
-        self._plan = plan
-        self._decode_entries = (0, 0)
-        self._num_preemptions_before = self.num_preemptions
+        b = PlanBuilder(
+            step_id,
+            self.blocks,
+            prefix_caching=config.prefix_caching,
+            only={request.request_id: request for request in only} if only is not None else None,
+        )
+        num_preemptions = self.num_preemptions
         budget = config.max_num_batched_tokens
         step_prefill_tokens = min(budget, config.prefill_max_tokens or budget)
         if max_prefill_tokens is not None:
             step_prefill_tokens = min(step_prefill_tokens, max_prefill_tokens)
         if config.decode_first:
-            room = self._room_for_reserved_head(step_prefill_tokens)
-            num_decode = self._schedule_decodes(plan, budget - room)
+            room = self._room_for_reserved_head(b, step_prefill_tokens)
+            num_decode = self._schedule_decodes(b, budget - room)
             prefill_left = min(budget - num_decode, step_prefill_tokens)
-            self._schedule_prefills(plan, prefill_left, step_prefill_tokens, now)
+            self._schedule_prefills(b, prefill_left, step_prefill_tokens, now, num_preemptions)
         else:
             num_prefill = self._schedule_prefills(
-                plan, step_prefill_tokens, step_prefill_tokens, now
+                b, step_prefill_tokens, step_prefill_tokens, now, num_preemptions
             )
-            self._schedule_decodes(plan, budget - num_prefill)
-        self._only = None
-        self._plan = None
-        # Every entry is a decode or prefill; counted at the end since a preemption under
-        # the priority policy may take an entry out again (_unfeed).
-        plan.num_prefill_tokens = plan.num_tokens - plan.num_decode_tokens
-        return plan
+            self._schedule_decodes(b, budget - num_prefill)
+        self._keyed_in_flight, self._ahead = b.keyed, b.ahead
+        return b.build()
 
-    def _room_for_reserved_head(self, step_prefill_tokens: int) -> int:
+    def _room_for_reserved_head(self, b: PlanBuilder, step_prefill_tokens: int) -> int:
         """Tokens the decodes leave for the reserved head (decode_first, unchunked): its
         cost when it fits a step of `step_prefill_tokens` alone, else 0.
 
@@ -286,7 +265,7 @@ class Planner:
         if (
             head is None
             or head.state is not _WAITING
-            or self._only is not None
+            or b.only is not None
             or self.config.chunked_prefill
             or len(self.running) >= self.config.max_active_requests
         ):
@@ -300,8 +279,8 @@ class Planner:
 
     # -- decode ----------------------------------------------------------------------------
 
-    def _decoders(self) -> list[Request]:
-        only, prefilling = self._only, self.prefilling
+    def _decoders(self, only: dict[str, Request] | None) -> list[Request]:
+        prefilling = self.prefilling
         if only is not None:
             return [
                 request
@@ -312,17 +291,17 @@ class Planner:
             return [request for seq_id, request in self.running.items() if seq_id not in prefilling]
         return list(self.running.values())
 
-    def _schedule_decodes(self, plan: StepPlan, num_tokens: int) -> int:
+    def _schedule_decodes(self, b: PlanBuilder, num_tokens: int) -> int:
         """One token for each decoding sequence (round-robin under a cap); tokens used."""
         if num_tokens <= 0 or not self.running:
             return 0
-        decoders = self._decoders()
+        decoders = self._decoders(b.only)
         cap = min(num_tokens, self.config.max_decode_batch_size or num_tokens)
         if len(decoders) > cap:
             decoders = self._round_robin(decoders, cap)
         elif self.by_priority:
             decoders.sort(key=self._feed_order)
-        step_id = plan.step_id
+        step_id = b.step_id
         blocks = self.blocks
         block_size = blocks.block_size
         # The hot loop: a few attribute reads per sequence; columns are built after it.
@@ -354,7 +333,7 @@ class Planner:
             # the worker's last sampled one, unless that token certainly ends the request,
             # or a grammar constrains the next one (its mask needs the token).
             if position == num_known and (
-                position + 1 >= request.steady_until or request.grammar is not None
+                position + 1 >= request.max_num_tokens or request.grammar is not None
             ):
                 continue
             slot = position % block_size
@@ -365,40 +344,28 @@ class Planner:
                     available -= 1
                     growing.append(request)
                 else:
-                    self._give_blocks(growing)  # promises first: _grow may preempt
+                    b.give_blocks(growing)  # promises first: _grow may preempt
                     growing = []
                     num_preemptions = self.num_preemptions
-                    grown = self._grow(request, step_id)
+                    grown = self._grow(b, request)
                     careful = careful or self.num_preemptions != num_preemptions
                     available = blocks.num_available_blocks
                     if not grown:
                         continue  # it preempted itself
                 grown_indices.append(len(fed))
             if position == num_known:
-                self._ahead.append((request, position))  # its block is keyed once known
+                b.ahead.append((request, position))  # its block is keyed once known
             elif slot == last_slot:
                 completing.append(len(fed))
             request.last_scheduled_step = step_id
             request.num_computed_tokens = position + 1
             fed.append(request)
             positions.append(position)
-        self._give_blocks(growing)
-        if fed:
-            first_entry = len(plan.seq_ids)
-            self._feed_decodes(plan, fed, positions, grown_indices, completing)
-            self._decode_entries = (first_entry, len(plan.seq_ids))
-        plan.num_decode_tokens += len(fed)
+        b.give_blocks(growing)
+        b.feed_decodes(fed, positions, grown_indices, completing)
         if self.tenants.fair:
             self.tenants.charge_generated([request.tenant for request in fed])
         return len(fed)
-
-    def _give_blocks(self, requests: list[Request]) -> None:
-        """One new block for each of `requests`, in one allocation (they were counted)."""
-        if requests:
-            block_ids = self.blocks.allocate(len(requests))
-            assert block_ids is not None
-            for request, block_id in zip(requests, block_ids, strict=True):
-                request.block_ids.append(block_id)
 
     def _round_robin(self, decoders: list[Request], cap: int) -> list[Request]:
         """Decoders in the order to try under a cap: the `cap` after the last one served
@@ -413,12 +380,17 @@ class Planner:
     # -- prefill and admission -------------------------------------------------------------
 
     def _schedule_prefills(
-        self, plan: StepPlan, num_tokens: int, step_prefill_tokens: int, now: float
+        self,
+        b: PlanBuilder,
+        num_tokens: int,
+        step_prefill_tokens: int,
+        now: float,
+        num_preemptions_before: int,
     ) -> int:
-        """Continue partial prefills, then admit from the waiting queue; tokens used."""
+        """Continue partial prefills, then admit from the waiting queue (unless the plan
+        preempted: `num_preemptions_before` is the count when it began); tokens used."""
         used = 0
-        step_id = plan.step_id
-        only = self._only
+        step_id, only = b.step_id, b.only
         continuing = list(self.prefilling.values())
         if only is not None:
             continuing = [request for request in continuing if request.request_id in only]
@@ -430,28 +402,28 @@ class Planner:
             if request.state is not _RUNNING or request.last_scheduled_step == step_id:
                 continue
             wanted = min(request.num_tokens_to_feed, num_tokens - used)
-            num_fed = self._fit_chunk(request, wanted, step_id)
+            num_fed = self._fit_chunk(b, request, wanted)
             if num_fed:
-                self._feed(plan, request, num_fed)
+                self._feed(b, request, num_fed)
                 used += num_fed
         # A step that had to preempt admits nothing: new work would only be preempted
         # next, and the budget it leaves lets the running requests move (no livelock).
-        if self.num_preemptions == self._num_preemptions_before:
-            used += self._admit(plan, num_tokens - used, step_prefill_tokens, now)
+        if self.num_preemptions == num_preemptions_before:
+            used += self._admit(b, num_tokens - used, step_prefill_tokens, now)
         return used
 
-    def _admit(self, plan: StepPlan, num_tokens: int, step_prefill_tokens: int, now: float) -> int:
+    def _admit(self, b: PlanBuilder, num_tokens: int, step_prefill_tokens: int, now: float) -> int:
         """Admission rounds until one admits nothing: a later round sees the prefix blocks
         an earlier one keyed, so identical prompts are computed once. Under `only` only
         those requests are admitted."""
-        config, blocks, waiting, only = self.config, self.blocks, self.waiting, self._only
+        config, blocks, waiting, only = self.config, self.blocks, self.waiting, b.only
         batch_cap = config.prefill_max_batch_size or config.max_active_requests
         used = num_admitted = 0
         first_round = True
         # Decodes come after admission (decode_first off): the blocks they will need are
         # theirs, so an admission never makes an older request preempt in its own step.
         num_reserved_blocks = -1  # counted on first need
-        while self._waiting_only() if only is not None else waiting:
+        while _waiting_only(only) if only is not None else waiting:
             num_running = len(self.running)
             num_requests = min(batch_cap - num_admitted, config.max_active_requests - num_running)
             tokens_left = num_tokens - used
@@ -461,7 +433,7 @@ class Planner:
             ):
                 break
             if num_reserved_blocks < 0:
-                num_reserved_blocks = self._num_decode_growth_blocks(plan.step_id)
+                num_reserved_blocks = self._num_decode_growth_blocks(b)
             num_free_blocks = blocks.num_available_blocks - num_reserved_blocks
             if num_free_blocks <= 0:
                 break  # nothing can start without a block: do not price the window
@@ -479,7 +451,7 @@ class Planner:
                 reserved = self._reserved_head = None  # it started, or ended while waiting
             if only is not None:
                 lookahead = config.admission_lookahead if policy == "pack" else num_requests
-                window = self._waiting_only()[:lookahead]
+                window = _waiting_only(only)[:lookahead]
             elif reserved is not None:
                 # A forced round could not fit it: nothing starts past it until it fits.
                 policy, window = "fifo", [reserved]
@@ -506,7 +478,7 @@ class Planner:
             admitted = []
             costs = LazyCosts(window, self._price)
             for admission in run_policy(policy, costs, budget, config.admission_lookahead):
-                num_fed = self._start(plan, window[admission.index], admission.num_tokens, now)
+                num_fed = self._start(b, window[admission.index], admission.num_tokens, now)
                 if num_fed == 0:
                     break
                 admitted.append(admission.index)
@@ -530,15 +502,11 @@ class Planner:
             return None  # the one tenant waiting: the whole window is its own
         return neediest_tenant(names, self.tenants.counters())
 
-    def _waiting_only(self) -> list[Request]:
-        """The requests of `only` still waiting, in the order given."""
-        return [request for request in self._only.values() if request.state is _WAITING]
-
-    def _num_decode_growth_blocks(self, step_id: int, before: Request | None = None) -> int:
+    def _num_decode_growth_blocks(self, b: PlanBuilder, before: Request | None = None) -> int:
         """Blocks the decodes still to plan in this step need: one for each running
         decoder at a block boundary (with `before`, those it would be preempted for:
         earlier in feed order). 0 when decodes were planned first (or under `only`)."""
-        if self.config.decode_first or self._only is not None:
+        if self.config.decode_first or b.only is not None:
             return 0
         block_size, prefilling = self.blocks.block_size, self.prefilling
         feed_order = self._feed_order
@@ -548,7 +516,7 @@ class Planner:
             for seq_id, request in self.running.items()
             if request.num_computed_tokens % block_size == 0
             and seq_id not in prefilling
-            and request.last_scheduled_step != step_id
+            and request.last_scheduled_step != b.step_id
             and (rank is None or feed_order(request) < rank)
         )
 
@@ -580,7 +548,7 @@ class Planner:
         )
         return blocks.match(request.block_hashes, max_blocks)
 
-    def _start(self, plan: StepPlan, request: Request, num_tokens: int, now: float) -> int:
+    def _start(self, b: PlanBuilder, request: Request, num_tokens: int, now: float) -> int:
         """Admit `request` as a new sequence feeding up to `num_tokens`. Returns the tokens
         fed; 0 when it no longer fits (a prefix block it counted on was evicted since)."""
         blocks = self.blocks
@@ -594,17 +562,10 @@ class Planner:
         num_new_blocks = -(-num_tokens // block_size)
         if blocks.num_available_blocks - blocks.num_evictable(hit_block_ids) < num_new_blocks:
             return 0
-        blocks.acquire(hit_block_ids)  # first, so allocating cannot evict them
-        new_block_ids = blocks.allocate(num_new_blocks)
-        assert new_block_ids is not None
         seq_id = next(self._seq_ids)
-        request.seq_id = seq_id
-        request.state = _RUNNING
-        request.block_ids = hit_block_ids + new_block_ids
-        request.num_blocks_sent = 0
-        request.num_computed_tokens = num_cached_tokens
         request.admit_order = next(self._admit_orders)
-        set_steady_window(request, self.geometry.eos_token_ids, self.geometry.max_context_tokens)
+        set_stop_rules(request, self.geometry.eos_token_ids, self.geometry.max_context_tokens)
+        b.start(request, seq_id, hit_block_ids, num_new_blocks)
         if request.num_cached_prompt_tokens is None:
             request.num_cached_prompt_tokens = min(num_cached_tokens, request.num_prompt_tokens)
             if self.config.prefix_caching:
@@ -613,26 +574,12 @@ class Planner:
         if request.first_scheduled_s is None:
             request.first_scheduled_s = now
         self.running[seq_id] = request
-        # The worker masks the ending ids until min_new_tokens (check_stop never sees one).
-        masked = bool(request.ending_token_ids) and (
-            request.num_generated_tokens < request.stopping.min_new_tokens
-        )
-        plan.new_sequences.append(
-            NewSequence(
-                seq_id=seq_id,
-                sampling=request.sampling,
-                cached_token_ids=request.token_ids[:num_cached_tokens].tolist(),
-                num_prompt_tokens=request.num_prompt_tokens,
-                min_new_tokens=request.stopping.min_new_tokens if masked else 0,
-                min_tokens_banned_ids=request.ending_token_ids if masked else frozenset(),
-            )
-        )
-        self._feed(plan, request, num_tokens)
+        self._feed(b, request, num_tokens)
         return num_tokens
 
     # -- blocks ----------------------------------------------------------------------------
 
-    def _fit_chunk(self, request: Request, num_tokens: int, step_id: int) -> int:
+    def _fit_chunk(self, b: PlanBuilder, request: Request, num_tokens: int) -> int:
         """Blocks for the next `num_tokens` of a partial prefill; the chunk shrinks to the
         blocks there are. 0 when the request had to preempt itself or older decoders need
         the blocks."""
@@ -642,7 +589,7 @@ class Planner:
         # Decoders it would be preempted for, planned after it (decode_first off), keep
         # their blocks as in _admit; when even those are short it is not fed, so it stays
         # their victim.
-        num_reserved = self._num_decode_growth_blocks(step_id, request)
+        num_reserved = self._num_decode_growth_blocks(b, request)
         available = blocks.num_available_blocks - num_reserved
         if available < 0:
             return 0
@@ -654,7 +601,7 @@ class Planner:
                     return min(num_tokens, room)  # what fits, rather than preempt for more
                 if num_reserved:
                     return 0
-                if not self._grow(request, step_id):
+                if not self._grow(b, request):
                     return 0
                 num_new_blocks -= 1
                 available = blocks.num_available_blocks
@@ -663,27 +610,20 @@ class Planner:
                 request.block_ids.extend(blocks.allocate(num_taken))
         return min(num_tokens, len(request.block_ids) * block_size - start)
 
-    def _grow(self, request: Request, step_id: int) -> bool:
+    def _grow(self, b: PlanBuilder, request: Request) -> bool:
         """Append one block to a running request's table, preempting others while none is
         available. False when the request itself was the victim."""
-        blocks = self.blocks
+        blocks, step_id = self.blocks, b.step_id
+        # Under the priority policy a lower priority goes first even if fed in this step
+        # (as vLLM v1): its entry is taken out of the plan being built.
+        may_unfeed = b.may_unfeed if self.by_priority else None
         while blocks.num_available_blocks == 0:
-            if self._only is not None:
-                only = self._only
-                running = [r for r in self.running.values() if r.request_id in only]
-                victim = pick_victim(reversed(running), step_id, self.by_priority)
-            else:
-                # Under the priority policy a lower priority goes first even if fed in this
-                # step (as vLLM v1): its entry is taken out of the plan being built.
-                may_unfeed = self._may_unfeed if self.by_priority else None
-                victim = None
-                for candidates in self._victim_groups():
-                    victim = pick_victim(candidates, step_id, self.by_priority, may_unfeed)
-                    if victim is not None:
-                        break
+            victim = choose_victim(
+                self.running, step_id, self.by_priority, self.tenants, b.only, may_unfeed
+            )
             assert victim is not None  # the requester itself is always a candidate
             if victim is not request and victim.last_scheduled_step == step_id:
-                self.preempt(victim, worker_knows=self._unfeed(victim))
+                self.preempt(victim, worker_knows=b.unfeed(victim))
             else:
                 self.preempt(victim)
             if victim is request:
@@ -691,170 +631,19 @@ class Planner:
         request.block_ids.extend(blocks.allocate(1))
         return True
 
-    def _victim_groups(self) -> Iterable[Iterable[Request]]:
-        """The running requests, newest admission first, as groups to take a victim from in
-        order: one group, or (fair share) one per tenant, the most served first."""
-        newest_first = reversed(self.running.values())
-        if not self.tenants.fair:
-            return (newest_first,)
-        return victims_order(newest_first, self.tenants.counters())
-
-    def _may_unfeed(self, request: Request) -> bool:
-        """Whether `request`, fed in the plan being built, can be taken out of it: its
-        entry is in the plan's columns (not a decode still being gathered) and no other
-        sequence of the step shares a block it keys (that one would read nothing)."""
-        plan = self._plan
-        if plan is None or request.seq_id not in plan.seq_ids:
-            return False
-        ref_count = self.blocks.allocator.ref_count
-        return all(
-            ref_count(block_id) == 1
-            for seq_id, block_id in self._keyed_in_flight
-            if seq_id == request.seq_id
-        )
-
-    def _unfeed(self, request: Request) -> bool:
-        """Take `request`'s entry out of the plan being built (see _may_unfeed) and drop
-        the keys it made. Returns whether the worker knows its sequence (else it was new
-        in this plan and is dropped from it too)."""
-        plan = self._plan
-        assert plan is not None
-        seq_id = request.seq_id
-        index = plan.seq_ids.index(seq_id)
-        for ids, offsets in (
-            (plan.token_ids, plan.token_offsets),
-            (plan.block_ids, plan.block_offsets),
-        ):
-            start, end = offsets[index], offsets[index + 1]
-            del ids[start:end]
-            offsets[index + 1 :] = [offset - (end - start) for offset in offsets[index + 2 :]]
-        del plan.seq_ids[index], plan.start_positions[index], plan.sample[index]
-        first, last = self._decode_entries
-        if first <= index < last:
-            plan.num_decode_tokens -= 1
-        if index < last:
-            self._decode_entries = (first - (index < first), last - 1)
-        keyed = self._keyed_in_flight
-        for block_id in [block_id for s, block_id in keyed if s == seq_id]:
-            self.blocks.unregister(block_id)
-        self._keyed_in_flight = [entry for entry in keyed if entry[0] != seq_id]
-        news = plan.new_sequences
-        for position, new in enumerate(news):
-            if new.seq_id == seq_id:
-                del news[position]
-                return False
-        return True
-
-    def _key_blocks(self, request: Request, start: int, end: int) -> None:
-        """Key the blocks that positions [start, end) complete: the worker writes them before
-        any read in this step, so a later admission of this step may share them."""
-        blocks = self.blocks
-        block_size = blocks.block_size
-        first, last = start // block_size, end // block_size
-        if first == last:
-            return
-        extend_block_hashes(
-            request.token_ids, request.block_hashes, last, block_size, request.cache_root_hash
-        )
-        for index in range(first, last):
-            block_id = request.block_ids[index]
-            if blocks.register(block_id, request.block_hashes[index]):
-                self._keyed_in_flight.append((request.seq_id, block_id))
-
     # -- the plan's columns ----------------------------------------------------------------
 
-    def _feed(self, plan: StepPlan, request: Request, num_tokens: int) -> None:
-        """Put the request's next `num_tokens` tokens, and its unsent blocks, in the plan."""
-        start = request.num_computed_tokens
-        end = start + num_tokens
-        token_ids, table = request.token_ids, request.block_ids
-        plan.seq_ids.append(request.seq_id)
-        plan.start_positions.append(start)
-        plan.sample.append(end == len(token_ids))
-        plan.token_ids.extend(token_ids[start:end])
-        plan.token_offsets.append(len(plan.token_ids))
-        plan.block_ids.extend(table[request.num_blocks_sent :])
-        plan.block_offsets.append(len(plan.block_ids))
-        request.num_blocks_sent = len(table)
-        request.num_computed_tokens = end
-        request.last_scheduled_step = plan.step_id
+    def _feed(self, b: PlanBuilder, request: Request, num_tokens: int) -> None:
+        """Feed the request's next `num_tokens` tokens in the plan, charged to its tenant."""
+        b.feed(request, num_tokens)
         if self.tenants.fair:
             self.tenants.charge_prompt(request.tenant, num_tokens)
-        if end < len(token_ids):
+        if request.num_tokens_to_feed:
             self.prefilling[request.seq_id] = request
         else:
             self.prefilling.pop(request.seq_id, None)
-        if self.config.prefix_caching:
-            self._key_blocks(request, start, end)
-
-    def _feed_decodes(
-        self,
-        plan: StepPlan,
-        fed: list[Request],
-        positions: list[int],
-        grown_indices: list[int],
-        completing: list[int],
-    ) -> None:
-        """The columns of decoding sequences `fed`, each feeding its last token at
-        `positions[i]`. Their counters are advanced already, and those at `grown_indices`
-        (ascending) got a new block; the others have sent their whole table. Those at
-        `completing` fill their last block: it is keyed for the prefix cache.
-
-        The hot path: comprehensions rather than one append per column per sequence; only
-        the 1/block_size that grew or complete a block are visited one by one.
-        """
-        num_fed = len(fed)
-        plan.seq_ids.extend([request.seq_id for request in fed])
-        plan.start_positions.extend(positions)
-        plan.sample.extend([True] * num_fed)
-        token_ids = plan.token_ids
-        base = len(token_ids)
-        token_ids.extend([request.token_ids[-1] for request in fed])
-        stop = base + num_fed + 1
-        numbers = self._counting_numbers
-        if stop > len(numbers):
-            numbers.extend(range(len(numbers), 2 * stop))
-        plan.token_offsets.extend(numbers[base + 1 : stop])
-        block_ids, block_offsets = plan.block_ids, plan.block_offsets
-        done = 0
-        for index in grown_indices:
-            block_offsets.extend([len(block_ids)] * (index - done))
-            request = fed[index]
-            table = request.block_ids
-            block_ids.extend(table[request.num_blocks_sent :])
-            request.num_blocks_sent = len(table)
-            block_offsets.append(len(block_ids))
-            done = index + 1
-        block_offsets.extend([len(block_ids)] * (num_fed - done))
-        for index in completing:
-            self._key_blocks(fed[index], positions[index], positions[index] + 1)
 
 
-def pick_victim(
-    candidates: Iterable[Request],
-    step_id: int,
-    by_priority: bool,
-    may_unfeed: Callable[[Request], bool] | None = None,
-) -> Request | None:
-    """The running request to preempt among `candidates` (newest admission first), those
-    already fed in step `step_id` excepted unless `may_unfeed` says they can be un-fed.
-
-    The most recently admitted; under the priority policy the lowest priority (highest
-    value) first, then the most recently admitted. The requester itself is a candidate,
-    so when it is the best victim it preempts itself and nothing deadlocks.
-    """
-    if not by_priority:
-        for request in candidates:
-            if request.last_scheduled_step != step_id:
-                return request
-        return None
-    victim: Request | None = None
-    for request in candidates:
-        if victim is not None and request.priority <= victim.priority:
-            continue  # newest first: ties keep the most recently admitted
-        if request.last_scheduled_step == step_id and (
-            may_unfeed is None or not may_unfeed(request)
-        ):
-            continue
-        victim = request
-    return victim
+def _waiting_only(only: dict[str, Request]) -> list[Request]:
+    """The requests of `only` still waiting, in the order given."""
+    return [request for request in only.values() if request.state is _WAITING]

@@ -67,10 +67,10 @@ def token_array(token_ids: Iterable[int]) -> array[int]:
 class Request:
     """The scheduler's truth about one request.
 
-    Two writers, by field: the planner writes the sequence fields (from `state` to
-    `first_scheduled_s`, and the steady window: admission, feeding, preemption,
-    release); Scheduler.apply() appends generated tokens and stamps `first_token_s` and
-    `finish_s`. Nothing else writes a Request.
+    Two writers, by field: the planner and the PlanBuilder of its plan write the sequence
+    fields (from `state` to `first_scheduled_s`, and the stop rules: admission, feeding,
+    preemption, release); Scheduler.apply() appends generated tokens and stamps
+    `first_token_s` and `finish_s`. Nothing else writes a Request.
 
     A running request feeds `token_ids[num_computed_tokens:]`: prefill, chunked
     prefill, prefix hits, recompute after preemption and decode are all "give it n
@@ -105,13 +105,12 @@ class Request:
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
     finish_s: float | None = None
-    # check_stop's shortcut (set_steady_window, by the planner at each admission since it
-    # depends on the worker): while steady_from <= len(token_ids) < steady_until, the new
-    # token counted, only a token id in ending_token_ids can end the request. Empty (0, 0)
-    # until the first admission.
-    steady_from: int = 0
-    steady_until: int = 0
-    ending_token_ids: frozenset[int] = frozenset()
+    # The stop rules as two plain fields (set_stop_rules, by the planner at each admission
+    # since they depend on the worker): the ids that end it (its stop ids, and EOS unless
+    # ignore_eos; also the worker's min_new_tokens mask), and the length (prompt plus
+    # generated) at which it ends: max_new_tokens or a full context. Empty until admitted.
+    stop_token_ids: frozenset[int] = frozenset()
+    max_num_tokens: int = 0
     grammar: object | None = None  # ValidRequest.grammar
 
     @property
@@ -124,13 +123,12 @@ class Request:
         return len(self.token_ids) - self.num_computed_tokens
 
 
-def check_stop(
-    request: Request, token_id: int, eos_token_ids: frozenset[int], max_context_tokens: int
-) -> FinishReason | None:
-    """How `token_id`, just appended to `request.token_ids`, ends the request by its id and
-    the lengths alone: STOP for a stop token id or EOS (unless ignore_eos), LENGTH at
-    max_new_tokens or a full context, else None. Stop strings are the service's output
-    processor's. A stop token's id is returned to the client, its text is not.
+def check_stop(request: Request, token_id: int) -> FinishReason | None:
+    """How `token_id`, just appended to `request.token_ids`, ends the admitted request by its
+    id and the lengths alone: STOP for one of its stop_token_ids (EOS among them unless
+    ignore_eos), LENGTH at max_new_tokens or a full context (max_num_tokens), else None.
+    Stop strings are the service's output processor's. A stop token's id is returned to
+    the client, its text is not.
 
     min_new_tokens is not checked here: the worker masks these ids out of the logits until
     then (NewSequence.min_tokens_banned_ids, as transformers' and vLLM's min_new_tokens),
@@ -138,23 +136,12 @@ def check_stop(
     second rule here would only hide a worker that broke the contract, by feeding back
     a token the model was told it could not produce.
 
-    Inside the request's steady window the answer is None unless the id is one of its
-    ending ids, and is known without reading its stopping rules (another object per
-    request, a memory miss per token at hundreds running: see docs/benchmarks.md).
+    Two reads of the request itself, as vLLM's: its stopping rules (another object per
+    request, a memory miss per token at hundreds running) are read once, at admission.
     """
-    num_tokens = len(request.token_ids)
-    if (
-        request.steady_from <= num_tokens < request.steady_until
-        and token_id not in request.ending_token_ids
-    ):
-        return None
-    stopping = request.stopping
-    if token_id in stopping.stop_token_ids or (
-        token_id in eos_token_ids and not stopping.ignore_eos
-    ):
+    if token_id in request.stop_token_ids:
         return FinishReason.STOP
-    num_generated = num_tokens - request.num_prompt_tokens
-    if num_generated >= stopping.max_new_tokens or num_tokens >= max_context_tokens:
+    if len(request.token_ids) >= request.max_num_tokens:
         return FinishReason.LENGTH
     return None
 
@@ -192,20 +179,18 @@ def too_large_reason(
     return None
 
 
-def set_steady_window(
+def set_stop_rules(
     request: Request, eos_token_ids: frozenset[int], max_context_tokens: int
 ) -> None:
-    """The lengths (prompt plus generated, the new token counted) at which check_stop's
-    rules can end the request only by a token id, and those ids: neither max_new_tokens
-    nor the context reached. The ids are also the worker's min_new_tokens mask."""
+    """Set the request's stop_token_ids and max_num_tokens (see Request) for a worker of
+    these EOS ids and context."""
     stopping = request.stopping
-    request.steady_from = request.num_prompt_tokens + 1
-    request.steady_until = min(
+    request.max_num_tokens = min(
         request.num_prompt_tokens + stopping.max_new_tokens, max_context_tokens
     )
     if stopping.ignore_eos:
-        request.ending_token_ids = stopping.stop_token_ids
+        request.stop_token_ids = stopping.stop_token_ids
     elif stopping.stop_token_ids:
-        request.ending_token_ids = stopping.stop_token_ids | eos_token_ids
+        request.stop_token_ids = stopping.stop_token_ids | eos_token_ids
     else:
-        request.ending_token_ids = eos_token_ids  # one set for most requests: stays cached
+        request.stop_token_ids = eos_token_ids  # one set for most requests: stays cached

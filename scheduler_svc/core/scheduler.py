@@ -38,6 +38,7 @@ from pagoda.scheduler_svc.core.outputs import (
     usage_of,
 )
 from pagoda.scheduler_svc.core.placement import LaneLoad
+from pagoda.scheduler_svc.core.plan_builder import key_blocks
 from pagoda.scheduler_svc.core.planner import Planner
 from pagoda.scheduler_svc.core.request import (
     DuplicateRequestError,
@@ -503,7 +504,8 @@ class Scheduler:
         planner = self._planner
         for request, seq_id, position in flight.key_later:
             if request.seq_id == seq_id and len(request.token_ids) > position:
-                flight.keyed.extend(planner.key_known(request, position))
+                # Its token is now known: key the block it completes.
+                key_blocks(planner.blocks, request, position, position + 1, flight.keyed)
         flight.key_later = []
 
     def _step_failed(self, flight: _Flight, error: str, now: float) -> list[RequestOutput]:
@@ -538,8 +540,6 @@ class Scheduler:
 
     def _take_tokens(self, result: StepResult, now: float, step_outputs: StepOutputs) -> None:
         """The hot loop of apply(): one sampled token per running request, no logprobs."""
-        geometry = self._planner.geometry
-        eos_token_ids, max_context_tokens = geometry.eos_token_ids, geometry.max_context_tokens
         running = self._planner.running
         request_ids, token_ids = step_outputs.request_ids, step_outputs.token_ids
         outputs = step_outputs.outputs
@@ -552,7 +552,7 @@ class Scheduler:
             request.token_ids.append(token_id)
             if request.first_token_s is None:
                 request.first_token_s = now
-            finish_reason = check_stop(request, token_id, eos_token_ids, max_context_tokens)
+            finish_reason = check_stop(request, token_id)
             if finish_reason is None:
                 request_ids.append(request.request_id)
                 token_ids.append(token_id)
@@ -562,7 +562,6 @@ class Scheduler:
     def _take_tokens_with_logprobs(
         self, result: StepResult, now: float, outputs: list[RequestOutput]
     ) -> None:
-        geometry = self._planner.geometry
         running = self._planner.running
         for index, seq_id in enumerate(result.seq_ids):
             request = running.get(seq_id)
@@ -572,9 +571,7 @@ class Scheduler:
             request.token_ids.append(token_id)
             if request.first_token_s is None:
                 request.first_token_s = now
-            finish_reason = check_stop(
-                request, token_id, geometry.eos_token_ids, geometry.max_context_tokens
-            )
+            finish_reason = check_stop(request, token_id)
             logprobs = [token_logprob(result, index)] if request.sampling.num_logprobs else None
             if finish_reason is None:
                 outputs.append(RequestOutput(request.request_id, "", [token_id], logprobs))

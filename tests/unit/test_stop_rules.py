@@ -11,7 +11,7 @@ from pagoda.scheduler_svc.core import FinishReason, StepResult, ValidStopping
 from pagoda.scheduler_svc.core.request import (
     Request,
     check_stop,
-    set_steady_window,
+    set_stop_rules,
     token_array,
 )
 from pagoda.scheduler_svc.output_processor import (
@@ -62,7 +62,7 @@ def token_verdict(
     max_context_tokens: int,
 ) -> FinishReason | None:
     """check_stop on a request of `num_tokens` tokens whose last, `token_id`, is its
-    `num_generated_tokens`-th generated one."""
+    `num_generated_tokens`-th generated one, its stop rules set as an admission sets them."""
     valid = make_request()
     token_ids = [7] * (num_tokens - 1) + [token_id]
     request = Request(
@@ -74,7 +74,24 @@ def token_verdict(
         token_ids=token_array(token_ids),
         arrival_s=0.0,
     )
-    return check_stop(request, token_id, eos_token_ids, max_context_tokens)
+    set_stop_rules(request, eos_token_ids, max_context_tokens)
+    return check_stop(request, token_id)
+
+
+def rules_verdict(
+    request: Request, token_id: int, eos_token_ids: frozenset[int], max_context_tokens: int
+) -> FinishReason | None:
+    """The token-id stop rules read from the request's stopping rules, one by one."""
+    stopping = request.stopping
+    if token_id in stopping.stop_token_ids or (
+        token_id in eos_token_ids and not stopping.ignore_eos
+    ):
+        return FinishReason.STOP
+    num_tokens = len(request.token_ids)
+    num_generated = num_tokens - request.num_prompt_tokens
+    if num_generated >= stopping.max_new_tokens or num_tokens >= max_context_tokens:
+        return FinishReason.LENGTH
+    return None
 
 
 def run_alone(
@@ -131,10 +148,10 @@ def test_token_verdict():
     tokens=st.lists(st.integers(0, 6), min_size=12, max_size=12),
 )
 @settings(max_examples=300, deadline=None)
-def test_the_steady_window_never_changes_check_stops_answer(
+def test_the_stop_fields_set_at_admission_give_the_rules_answer(
     stopping, eos_token_ids, num_prompt_tokens, spare_context_tokens, tokens
 ):
-    """check_stop's shortcut inside the window set at admission gives what its rules give."""
+    """check_stop's two reads of the fields set at admission give what the rules give."""
     valid = make_request(prompt=num_prompt_tokens, **stopping)
     max_context_tokens = num_prompt_tokens + 1 + spare_context_tokens
 
@@ -149,13 +166,13 @@ def test_the_steady_window_never_changes_check_stops_answer(
             arrival_s=0.0,
         )
 
-    windowed, plain = request(), request()  # plain: no window, (0, 0), the rules alone
-    set_steady_window(windowed, eos_token_ids, max_context_tokens)
+    windowed, plain = request(), request()  # plain: never admitted, the rules read one by one
+    set_stop_rules(windowed, eos_token_ids, max_context_tokens)
     for token_id in tokens:
         windowed.token_ids.append(token_id)
         plain.token_ids.append(token_id)
-        expected = check_stop(plain, token_id, eos_token_ids, max_context_tokens)
-        assert check_stop(windowed, token_id, eos_token_ids, max_context_tokens) is expected
+        expected = rules_verdict(plain, token_id, eos_token_ids, max_context_tokens)
+        assert check_stop(windowed, token_id) is expected
         if expected is not None:
             break
 
