@@ -1,6 +1,6 @@
 """The gRPC edge: a thin pagoda.v1.Generation servicer, health, reflection and auth.
 
-Validation lives in validation.py and scheduling in the step loop; this module maps
+Validation lives in validation.py and admission and streams in the serving front; this module maps
 between protobuf and the domain and turns failures into status codes with a sentence.
 """
 
@@ -30,12 +30,11 @@ from pagoda.scheduler_svc.core import (
     RequestTooLargeError,
     ValidRequest,
 )
+from pagoda.scheduler_svc.front import Front, Unavailable
 from pagoda.scheduler_svc.grammars import GrammarCompiler, GrammarError
-from pagoda.scheduler_svc.lanes import Lanes
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.rpc_limit import RpcLimit
 from pagoda.scheduler_svc.settings import ServiceConfig
-from pagoda.scheduler_svc.step_loop import StepLoop, Unavailable
 from pagoda.scheduler_svc.tenants import (
     KeyEntry,
     Tenant,
@@ -201,13 +200,13 @@ def _generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(
         self,
-        loop: StepLoop | Lanes,
+        front: Front,
         metrics: Metrics,
         tokenizer: TextTokenizer,
         config: ServiceConfig,
         model_id: str,
     ) -> None:
-        self._loop = loop
+        self._front = front
         self._metrics = metrics
         self._tokenizer = tokenizer
         self._config = config
@@ -234,7 +233,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
     def _limits(self) -> Limits | None:
-        worker = self._loop.worker
+        worker = self._front.worker
         if worker is not None:
             self._last_hello = worker.hello
         hello = self._last_hello
@@ -313,7 +312,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # Reached on normal end, refusal, client cancel, deadline, disconnect or a
             # stalled write (grpc.aio raises CancelledError at the pending await): a live
             # request is cancelled so its blocks are free before the next step is planned.
-            self._loop.release(slot)
+            self._front.release(slot)
 
     async def _write(self, context, response: generation_pb2.GenerateResponse) -> None:
         """Write one message; a client that takes none for stream_write_timeout_s (flow
@@ -353,14 +352,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _admit(self, validate, request, context) -> ValidRequest:
         self._reject_undecodable(request)
-        if self._loop.draining:
+        if self._front.draining:
             raise self._refused(grpc.StatusCode.UNAVAILABLE, "the server is draining for shutdown")
         limits = self._limits()
         if limits is None:
             raise self._refused(grpc.StatusCode.UNAVAILABLE, "no worker is connected yet")
         # Before any tokenizer time: a full queue refuses cheaply (submit checks it again).
         max_waiting = self._config.scheduler.max_waiting_requests
-        if self._loop.stats.num_waiting >= max_waiting:
+        if self._front.stats.num_waiting >= max_waiting:
             raise self._refused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the waiting queue is full ({max_waiting} requests); retry later",
@@ -413,7 +412,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _submit(self, valid: ValidRequest):
         try:
-            return self._loop.submit(valid)
+            return self._front.submit(valid)
         except Unavailable as exc:
             code, sentence = grpc.StatusCode.UNAVAILABLE, str(exc)
         except QueueFullError as exc:
@@ -483,7 +482,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             model_id=self._model_id,
             vocab_size=self._tokenizer.vocab_size,
             eos_token_ids=sorted(self._tokenizer.eos_token_ids),
-            worker_connected=self._loop.worker is not None,
+            worker_connected=self._front.worker is not None,
             has_chat_template=self._tokenizer.chat_template is not None,
         )
         if hello is not None:
@@ -507,7 +506,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _own_tenant_stats(self, context) -> generation_pb2.TenantStats:
         """The caller's tenant's figures; zeros for a tenant with no request yet."""
         tenant = self._tenant(context).name
-        figures = next((s for s in self._loop.tenant_stats() if s.tenant == tenant), None)
+        figures = next((s for s in self._front.tenant_stats() if s.tenant == tenant), None)
         bounds, counts, total_s = self._metrics.tenant_ttft(tenant)
         stats = generation_pb2.TenantStats(
             tenant=tenant, ttft_bucket_le_s=bounds, ttft_bucket_counts=counts, ttft_sum_s=total_s
@@ -522,8 +521,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _server_stats(self, request, context) -> generation_pb2.ServerStats:
         self._reject_undecodable(request)
-        stats = self._loop.stats
-        worker = self._loop.worker
+        stats = self._front.stats
+        worker = self._front.worker
         return generation_pb2.ServerStats(
             num_waiting=stats.num_waiting,
             num_running=stats.num_running,
@@ -538,7 +537,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             num_generated_tokens=stats.num_generated_tokens,
             worker_connected=worker is not None,
             worker_incarnation_id=worker.hello.incarnation_id if worker else "",
-            draining=self._loop.draining,
+            draining=self._front.draining,
             worker_busy_fraction=self._metrics.worker_busy.fraction(),
             worker_busy_s=self._metrics.worker_busy.total_s,
             workers=[
@@ -552,7 +551,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     num_steps=each.num_steps,
                     num_generated_tokens=each.num_generated_tokens,
                 )
-                for each in self._loop.worker_stats()
+                for each in self._front.worker_stats()
             ],
             tenants=[self._own_tenant_stats(context)],
         )
