@@ -12,18 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagoda.scheduler_svc import settings
-from pagoda.scheduler_svc.api import (
-    SERVICE_NAME,
-    GenerationServicer,
-    build_server,
-    resolve_cache_salting,
-    resolve_tenant_quotas,
-)
+from pagoda.scheduler_svc.api import SERVICE_NAME, GenerationServicer
+from pagoda.scheduler_svc.auth import resolve_cache_salting, resolve_tenant_quotas
 from pagoda.scheduler_svc.core import ConfigError
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
 from pagoda.scheduler_svc.front import Front
 from pagoda.scheduler_svc.gc_tuning import collect_young_when_quiet, tune_gc
 from pagoda.scheduler_svc.metrics import Metrics
+from pagoda.scheduler_svc.server import build_server
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
 from pagoda.scheduler_svc.worker_link import WorkerLink
