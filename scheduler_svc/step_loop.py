@@ -5,9 +5,10 @@ step N+1 is planned and sent as soon as N is sent, so the worker computes N+1 wh
 loop awaits, decodes and applies N and plans N+2: at most two steps are in flight, their
 results applied in order (see Scheduler). Without, one step at a time.
 
-It is the only code that mutates its Scheduler between steps. The serving front (front.py)
-adds requests to that Scheduler (adding is safe mid-step: apply() touches running sequences
-only), then asks the loop to `wake`, `cancel` or `stop`, and passes on the worker link's
+One loop turns one Scheduler (one lane of the serving front, front.py). The front adds
+requests to it (safe mid-step: apply() touches running sequences only) and moves a lost
+lane's requests; everything else that changes it happens here, in the loop's turn: the
+front asks the loop to `wake`, `cancel` or `stop`, and passes on the worker link's
 attaches and detaches (`worker_attached` / `worker_detached`), all on the same asyncio
 event loop. The loop publishes every output to the front's OutputStreams.
 """
@@ -32,7 +33,8 @@ from pagoda.scheduler_svc.core import (
     StepPlan,
     StepResult,
 )
-from pagoda.scheduler_svc.metrics import Metrics, WorkerBusy
+from pagoda.scheduler_svc.loop_report import LoopReport
+from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.output_processor import OutputProcessor
 from pagoda.scheduler_svc.output_streams import OutputStreams
 from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLost
@@ -147,13 +149,10 @@ class StepLoop:
         self._processor = processor
         self._link = link
         self._streams = streams
-        self._metrics = metrics
         self._settings = settings
         self._on_worker_change = on_worker_change
         self._clock = clock
-        # This worker's share of the wall time inside steps (its WorkerStats); the
-        # metrics' worker_busy counts every worker's.
-        self.worker_busy = WorkerBusy(clock=clock)
+        self._report = LoopReport(metrics, settings.status_interval_s, clock)
         self._flights: deque[_Flight] = deque()  # oldest first, at most two
         self._last_received_s = 0.0
         # The outputs of the step applied last, published once its successor is sent: the
@@ -165,8 +164,6 @@ class StepLoop:
         self._worker_events: list[WorkerInfo | _Detach] = []
         self._worker_lost_at_s: float | None = None
         self._stopped = False
-        self._last_status_s = clock()
-        self._tokens_since_status = 0
         self._last_turn_s = clock()
 
     # -- for the front (same event loop) --------------------------------------------------
@@ -181,8 +178,8 @@ class StepLoop:
         worker = self._worker
         if worker is None:
             return []
-        stats = self._scheduler.stats
-        return [worker_stats_of(worker.hello.incarnation_id, stats, self.worker_busy.fraction())]
+        busy_fraction = self._report.worker_busy.fraction()
+        return [worker_stats_of(worker.hello.incarnation_id, self._scheduler.stats, busy_fraction)]
 
     def wake(self) -> None:
         """New work was queued in the scheduler: plan now."""
@@ -245,10 +242,10 @@ class StepLoop:
             self._publish_applied()
             if self._flights:
                 await self._finish_oldest()
-                self._log_status(self._clock())
+                self._report.log_status(self._clock(), lambda: self._scheduler.stats)
                 continue
             self._expire_without_worker(now)
-            self._log_status(now)
+            self._report.log_status(now, lambda: self._scheduler.stats)
             self._streams.end_holds()  # no step comes to end a stalled writer's hold
             await self._idle()
 
@@ -299,16 +296,13 @@ class StepLoop:
             log.error("worker failed step %d: %s", decision.step_id, outcome.step_error)
         events = apply_step(self._scheduler, self._processor, outcome, received_s)
         self._unpublished = events
-        self._tokens_since_status += len(events.token_ids)
-        self._observe(events.outputs)
-        self.worker_busy.record(result.total_ms / 1000)
-        self._metrics.observe_step(
+        self._report.observe_step(
+            decision,
+            events,
             schedule_s=flight.encoded_s - flight.started_s,
             transport_s=max(0.0, received_s - sent_s - result.total_ms / 1000),
             forward_s=result.forward_ms / 1000,
             worker_s=result.total_ms / 1000,
-            num_prefill_tokens=decision.num_prefill_tokens,
-            num_decode_tokens=decision.num_decode_tokens,
         )
 
     async def _idle(self) -> None:
@@ -380,44 +374,4 @@ class StepLoop:
         self._publish_applied()  # a request's tokens go out before its end
         self._processor.process(outputs)
         self._streams.publish(outputs)
-        self._observe(outputs)
-
-    def _observe(self, outputs: list[RequestOutput]) -> None:
-        """Count published outputs' tokens; record and log the finished ones."""
-        for output in outputs:
-            self._tokens_since_status += len(output.token_ids)
-            if output.finish_reason is not None:
-                self._metrics.observe_finish(output)
-                _log_finished(output)
-
-    def _log_status(self, now: float) -> None:
-        elapsed_s = now - self._last_status_s
-        if elapsed_s < self._settings.status_interval_s:
-            return
-        stats = self._scheduler.stats
-        if stats.num_running or stats.num_waiting or self._tokens_since_status:
-            log.info(
-                "status: %d running, %d waiting, KV %d/%d blocks, %.1f tokens/s",
-                stats.num_running,
-                stats.num_waiting,
-                stats.num_kv_blocks_used,
-                stats.num_kv_blocks_total,
-                self._tokens_since_status / elapsed_s,
-            )
-        self._last_status_s = now
-        self._tokens_since_status = 0
-
-
-def _log_finished(output: RequestOutput) -> None:
-    usage, timings = output.usage, output.timings
-    log.info(
-        "request %s %s: prompt %d tokens (%d cached), %d generated, TTFT %.1f ms, total %.1f ms%s",
-        output.request_id,
-        output.finish_reason.name.lower() if output.finish_reason else "?",
-        usage.prompt_tokens if usage else 0,
-        usage.cached_prompt_tokens if usage else 0,
-        usage.completion_tokens if usage else 0,
-        timings.first_token_ms if timings else 0.0,
-        timings.total_ms if timings else 0.0,
-        f" ({output.error_message})" if output.error_message else "",
-    )
+        self._report.observe(outputs)
