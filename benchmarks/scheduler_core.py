@@ -43,6 +43,7 @@ from pagoda.scheduler_svc.core import (
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
 from pagoda.scheduler_svc.gc_tuning import tune_gc
 from pagoda.scheduler_svc.output_processor import OutputProcessor
+from pagoda.scheduler_svc.step_loop import apply_step
 from pagoda.scheduler_svc.testing import FakeWorker
 from pagoda.scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
 
@@ -143,12 +144,12 @@ def run(
         max_waiting_requests=4 * num_running,
     )
     scheduler = Scheduler(config)
-    processor = OutputProcessor(scheduler, lambda: IncrementalDetokenizer(tokenizer))
+    processor = OutputProcessor(lambda: IncrementalDetokenizer(tokenizer))
     scheduler.attach_worker(geometry)
     worker = FakeWorker(geometry, check=False)
     workload = Workload(tokenizer.vocab_size)
     for _ in range(num_running):
-        processor.add(workload.next_request(), 0.0)
+        add(scheduler, processor, workload.next_request(), 0.0)
     # Warm up until the running set is full and finishing times are spread out.
     num_warmup_steps = MAX_NEW_TOKENS + num_running * PROMPT_TOKENS // 2048
     samples_us: list[float] = []
@@ -171,11 +172,11 @@ def run(
         if token_map is not None:
             result.token_ids = [token_map[token_id] for token_id in result.token_ids]
         answered = time.perf_counter_ns()
-        outputs = processor.process_step(scheduler.apply(result, now), now)
+        outputs = apply_step(scheduler, processor, result, now)
         applied = time.perf_counter_ns()
         for output in outputs.outputs:
             if output.finish_reason is not None:
-                processor.add(workload.next_request(), now)
+                add(scheduler, processor, workload.next_request(), now)
         if step >= num_warmup_steps:
             samples_us.append(((planned - started) + (applied - answered)) / 1000)
             running.append(len(plan.seq_ids))
@@ -190,6 +191,12 @@ def run(
         preemptions_per_step=(scheduler.stats.num_preemptions - preemptions_before) / num_steps,
         tokens_per_step=statistics.mean(tokens),
     )
+
+
+def add(scheduler: Scheduler, processor: OutputProcessor, request: ValidRequest, now: float):
+    """As the serving front admits a request: into the core, then its text state."""
+    scheduler.add(request, now)
+    processor.open(request)
 
 
 def markdown(results: list[Result]) -> str:

@@ -1,5 +1,5 @@
 """`python -m pagoda.scheduler_svc` / `pagoda-scheduler`: the gRPC API in front of one worker,
-or of several (--max-workers, lanes.py)."""
+or of several (--max-workers, one lane each: front.py)."""
 
 from __future__ import annotations
 
@@ -12,21 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagoda.scheduler_svc import settings
-from pagoda.scheduler_svc.api import (
-    SERVICE_NAME,
-    GenerationServicer,
-    build_server,
-    resolve_cache_salting,
-    resolve_tenant_quotas,
-)
-from pagoda.scheduler_svc.core import ConfigError, Scheduler
+from pagoda.scheduler_svc.api import SERVICE_NAME, GenerationServicer
+from pagoda.scheduler_svc.auth import resolve_cache_salting, resolve_tenant_quotas
+from pagoda.scheduler_svc.core import ConfigError
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
+from pagoda.scheduler_svc.front import Front
 from pagoda.scheduler_svc.gc_tuning import collect_young_when_quiet, tune_gc
-from pagoda.scheduler_svc.lanes import Lanes
 from pagoda.scheduler_svc.metrics import Metrics
-from pagoda.scheduler_svc.output_processor import OutputProcessor
+from pagoda.scheduler_svc.server import build_server
 from pagoda.scheduler_svc.settings import ServiceConfig
-from pagoda.scheduler_svc.step_loop import StepLoop
 from pagoda.scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
 from pagoda.scheduler_svc.worker_link import WorkerLink
 
@@ -84,7 +78,7 @@ async def serve(
     background: set[asyncio.Task] = set()
 
     def on_worker_change(attached: bool) -> None:
-        status = "SERVING" if attached and not loop.draining else "NOT_SERVING"
+        status = "SERVING" if attached and not front.draining else "NOT_SERVING"
         for service in ("", SERVICE_NAME):
             task = asyncio.create_task(health_servicer.set(service, _health_status(status)))
             background.add(task)
@@ -95,82 +89,73 @@ async def serve(
     except transport.UnsafeSocketDirectory as exc:
         raise ConfigError(str(exc)) from None
     link = WorkerLink(config.zmq_endpoint, *curve_settings, max_workers=config.max_workers)
-    loop_options = dict(
+    front = Front(
+        config.scheduler,
+        link,
+        metrics,
+        detokenizer_factory=lambda: IncrementalDetokenizer(tokenizer),
         worker_timeout_s=config.worker_timeout_s,
         worker_grace_s=config.worker_grace_s,
         status_interval_s=config.status_interval_s,
         on_worker_change=on_worker_change,
         overlap_steps=config.overlap_steps,
     )
-    loop: StepLoop | Lanes
-    if config.max_workers > 1:
-        loop = Lanes(
-            config.scheduler,
-            link,
-            metrics,
-            detokenizer_factory=lambda: IncrementalDetokenizer(tokenizer),
-            **loop_options,
-        )
-    else:
-        scheduler = Scheduler(config.scheduler)
-        output_processor = OutputProcessor(scheduler, lambda: IncrementalDetokenizer(tokenizer))
-        loop = StepLoop(scheduler, link, metrics, output_processor=output_processor, **loop_options)
     config = resolve_cache_salting(config)
     if config.cache_salt_by_api_key:
         log.info("the prefix cache is salted by API key: tenants share no cached block")
-    servicer = GenerationServicer(loop, metrics, tokenizer, config, model_id)
+    servicer = GenerationServicer(front, metrics, tokenizer, config, model_id)
     server, health_servicer = build_server(config, servicer)
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, _health_status("NOT_SERVING"))
-    metrics.watch(lambda: loop.stats, lambda: loop.worker is not None)
-    metrics.watch_workers(loop.worker_stats)
-    metrics.watch_tenants(loop.tenant_stats)
+    metrics.watch(lambda: front.stats, lambda: front.worker is not None)
+    metrics.watch_workers(front.worker_stats)
+    metrics.watch_tenants(front.tenant_stats)
     metrics_server = None
     if config.metrics_address:
         metrics_server = await metrics.serve(config.metrics_address)
         log.info("metrics on http://%s/metrics", config.metrics_address)
 
     await server.start()
-    await link.start(loop)
-    loop_task = asyncio.create_task(loop.run(), name="step-loop")
+    await link.start(front)
+    front_task = asyncio.create_task(front.run(), name="front")
     log.info("serving pagoda.v1.Generation on %s", config.grpc_address)
     notify("READY=1", f"STATUS=serving on {config.grpc_address}")
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    watchdog = asyncio.create_task(_watchdog(loop_task, loop.is_turning))
+    watchdog = asyncio.create_task(_watchdog(front_task, front.is_turning))
     collector = asyncio.create_task(collect_young_when_quiet(), name="gc-young")
     done, _ = await asyncio.wait(
-        {asyncio.create_task(stop.wait()), loop_task}, return_when=asyncio.FIRST_COMPLETED
+        {asyncio.create_task(stop.wait()), front_task}, return_when=asyncio.FIRST_COMPLETED
     )
-    if loop_task in done and loop_task.exception() is not None:
-        log.error("the step loop failed", exc_info=loop_task.exception())
+    if front_task in done and front_task.exception() is not None:
+        log.error("the step loop failed", exc_info=front_task.exception())
         await server.stop(grace=None)
         return 1
 
     notify("STOPPING=1")
-    loop.stop_accepting()
+    front.stop_accepting()
     await health_servicer.enter_graceful_shutdown()
-    await loop.drain(config.drain_timeout_s)
+    await front.drain(config.drain_timeout_s)
     watchdog.cancel()
     collector.cancel()
     if metrics_server is not None:
         metrics_server.close()
-    loop.stop()
+    front.stop()
     await server.stop(grace=1.0)
-    await asyncio.gather(loop_task, return_exceptions=True)
+    await asyncio.gather(front_task, return_exceptions=True)
     await link.close()
     log.info("stopped")
     return 0
 
 
-async def _watchdog(loop_task: asyncio.Task, is_turning: Callable[[], bool]) -> None:
+async def _watchdog(front_task: asyncio.Task, is_turning: Callable[[], bool]) -> None:
     """systemd WatchdogSec keep-alives while the step loop turns: a loop stuck in an await
     gets none, so systemd restarts the service (Restart=on-failure)."""
     interval_s = watchdog_interval_s()
     withheld = False
-    while not loop_task.done():
+    while not front_task.done():
         if is_turning():
             notify("WATCHDOG=1")
             withheld = False

@@ -1,48 +1,35 @@
-"""The gRPC edge: a thin pagoda.v1.Generation servicer, health, reflection and auth.
+"""The gRPC edge: a thin pagoda.v1.Generation servicer.
 
-Validation lives in validation.py and scheduling in the step loop; this module maps
-between protobuf and the domain and turns failures into status codes with a sentence.
+Validation lives in validation.py, admission and streams in the serving front (front.py),
+auth in auth.py and the server around the servicer in server.py; this module maps between
+protobuf and the domain and turns failures into status codes with a sentence.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from pagoda.protos import generation_pb2, generation_pb2_grpc
+from pagoda.scheduler_svc.auth import bearer_token, tenant_cache_salt, tenant_directory
 from pagoda.scheduler_svc.core import (
-    ConfigError,
     FinishReason,
     QueueFullError,
     RequestOutput,
     RequestTooLargeError,
     ValidRequest,
 )
+from pagoda.scheduler_svc.front import Front, Unavailable
 from pagoda.scheduler_svc.grammars import GrammarCompiler, GrammarError
-from pagoda.scheduler_svc.lanes import Lanes
 from pagoda.scheduler_svc.metrics import Metrics
-from pagoda.scheduler_svc.rpc_limit import RpcLimit
 from pagoda.scheduler_svc.settings import ServiceConfig
-from pagoda.scheduler_svc.step_loop import StepLoop, Unavailable
-from pagoda.scheduler_svc.tenants import (
-    KeyEntry,
-    Tenant,
-    TenantDirectory,
-    TokenBucket,
-    parse_key_file,
-)
+from pagoda.scheduler_svc.tenants import Tenant, TokenBucket
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
 from pagoda.scheduler_svc.validation import (
     MAX_CHAT_MESSAGES,
@@ -54,8 +41,6 @@ from pagoda.scheduler_svc.validation import (
     validate_tokenize_text,
 )
 from pagoda.scheduler_svc.write_watch import StalledWrite, WriteWatch
-
-from pagoda.common.secret_files import exposure_warning
 
 log = logging.getLogger("pagoda.api")
 
@@ -70,9 +55,6 @@ NUM_TOKENIZER_THREADS = 2
 STALLED_ABORT_TIMEOUT_S = 1.0
 # Bounds a Tokenize text before any worker said hello (the limit then follows its context).
 FALLBACK_MAX_CONTEXT_TOKENS = 32_768
-# Replies are bounded by validation (a Tokenize reply by the context), not by the request
-# cap (--max-grpc-message-bytes); the client accepts up to this much.
-MIN_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
 # A refusal's sentence is cut here: whatever it quotes, it stays far below the 8 KiB of
 # metadata a client accepts (security review N11).
 MAX_DETAILS_CHARS = 1024
@@ -156,58 +138,16 @@ class Undecodable:
         self.sentence = f"the request is not a valid {type_name} message"
 
 
-def _tolerant_parser(message_class):
-    """A deserializer that never raises: grpc.aio would answer UNKNOWN and log a traceback."""
-
-    def parse(data: bytes):
-        try:
-            return message_class.FromString(data)
-        except DecodeError:
-            return Undecodable(message_class.DESCRIPTOR.full_name)
-
-    return parse
-
-
-def _generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
-    """The Generation service, registered with parsers that turn bad bytes into INVALID_ARGUMENT."""
-    pb = generation_pb2
-    streams = {"Generate": pb.GenerateRequest, "Chat": pb.ChatRequest}
-    unaries = {
-        "Tokenize": pb.TokenizeRequest,
-        "GetModelInfo": pb.ModelInfoRequest,
-        "GetServerStats": pb.ServerStatsRequest,
-    }
-    handlers = {
-        name: grpc.unary_stream_rpc_method_handler(
-            getattr(servicer, name),
-            request_deserializer=_tolerant_parser(request_class),
-            response_serializer=pb.GenerateResponse.SerializeToString,
-        )
-        for name, request_class in streams.items()
-    }
-    handlers.update(
-        {
-            name: grpc.unary_unary_rpc_method_handler(
-                getattr(servicer, name),
-                request_deserializer=_tolerant_parser(request_class),
-                response_serializer=lambda message: message.SerializeToString(),
-            )
-            for name, request_class in unaries.items()
-        }
-    )
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
-
-
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(
         self,
-        loop: StepLoop | Lanes,
+        front: Front,
         metrics: Metrics,
         tokenizer: TextTokenizer,
         config: ServiceConfig,
         model_id: str,
     ) -> None:
-        self._loop = loop
+        self._front = front
         self._metrics = metrics
         self._tokenizer = tokenizer
         self._config = config
@@ -234,7 +174,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
     def _limits(self) -> Limits | None:
-        worker = self._loop.worker
+        worker = self._front.worker
         if worker is not None:
             self._last_hello = worker.hello
         hello = self._last_hello
@@ -290,7 +230,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._check_tokens_per_minute(tenant, valid)
         valid = dataclasses.replace(valid, tenant=tenant.name, tenant_weight=tenant.weight)
         if self._config.cache_salt_by_api_key:
-            salt = tenant_cache_salt(_bearer_token(context), valid.cache_salt)
+            salt = tenant_cache_salt(bearer_token(context), valid.cache_salt)
             valid = dataclasses.replace(valid, cache_salt=salt)
         slot = self._submit(valid)
         try:
@@ -313,7 +253,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # Reached on normal end, refusal, client cancel, deadline, disconnect or a
             # stalled write (grpc.aio raises CancelledError at the pending await): a live
             # request is cancelled so its blocks are free before the next step is planned.
-            self._loop.release(slot)
+            self._front.release(slot)
 
     async def _write(self, context, response: generation_pb2.GenerateResponse) -> None:
         """Write one message; a client that takes none for stream_write_timeout_s (flow
@@ -353,14 +293,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _admit(self, validate, request, context) -> ValidRequest:
         self._reject_undecodable(request)
-        if self._loop.draining:
+        if self._front.draining:
             raise self._refused(grpc.StatusCode.UNAVAILABLE, "the server is draining for shutdown")
         limits = self._limits()
         if limits is None:
             raise self._refused(grpc.StatusCode.UNAVAILABLE, "no worker is connected yet")
         # Before any tokenizer time: a full queue refuses cheaply (submit checks it again).
         max_waiting = self._config.scheduler.max_waiting_requests
-        if self._loop.stats.num_waiting >= max_waiting:
+        if self._front.stats.num_waiting >= max_waiting:
             raise self._refused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the waiting queue is full ({max_waiting} requests); retry later",
@@ -413,7 +353,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _submit(self, valid: ValidRequest):
         try:
-            return self._loop.submit(valid)
+            return self._front.submit(valid)
         except Unavailable as exc:
             code, sentence = grpc.StatusCode.UNAVAILABLE, str(exc)
         except QueueFullError as exc:
@@ -483,7 +423,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             model_id=self._model_id,
             vocab_size=self._tokenizer.vocab_size,
             eos_token_ids=sorted(self._tokenizer.eos_token_ids),
-            worker_connected=self._loop.worker is not None,
+            worker_connected=self._front.worker is not None,
             has_chat_template=self._tokenizer.chat_template is not None,
         )
         if hello is not None:
@@ -507,7 +447,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _own_tenant_stats(self, context) -> generation_pb2.TenantStats:
         """The caller's tenant's figures; zeros for a tenant with no request yet."""
         tenant = self._tenant(context).name
-        figures = next((s for s in self._loop.tenant_stats() if s.tenant == tenant), None)
+        figures = next((s for s in self._front.tenant_stats() if s.tenant == tenant), None)
         bounds, counts, total_s = self._metrics.tenant_ttft(tenant)
         stats = generation_pb2.TenantStats(
             tenant=tenant, ttft_bucket_le_s=bounds, ttft_bucket_counts=counts, ttft_sum_s=total_s
@@ -522,8 +462,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _server_stats(self, request, context) -> generation_pb2.ServerStats:
         self._reject_undecodable(request)
-        stats = self._loop.stats
-        worker = self._loop.worker
+        stats = self._front.stats
+        worker = self._front.worker
         return generation_pb2.ServerStats(
             num_waiting=stats.num_waiting,
             num_running=stats.num_running,
@@ -538,7 +478,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             num_generated_tokens=stats.num_generated_tokens,
             worker_connected=worker is not None,
             worker_incarnation_id=worker.hello.incarnation_id if worker else "",
-            draining=self._loop.draining,
+            draining=self._front.draining,
             worker_busy_fraction=self._metrics.worker_busy.fraction(),
             worker_busy_s=self._metrics.worker_busy.total_s,
             workers=[
@@ -552,7 +492,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     num_steps=each.num_steps,
                     num_generated_tokens=each.num_generated_tokens,
                 )
-                for each in self._loop.worker_stats()
+                for each in self._front.worker_stats()
             ],
             tenants=[self._own_tenant_stats(context)],
         )
@@ -566,215 +506,3 @@ def _input_chars(request) -> int:
     if len(messages) > MAX_CHAT_MESSAGES:
         return 0  # refused before any rendering
     return sum(len(message.content) for message in messages)
-
-
-# Connection liveness: the server pings a connection silent for a minute and closes it
-# if no answer comes in 20 s (a vanished client's streams end); clients may ping every
-# 30 s, also between calls, and more often is refused (GOAWAY) as abuse.
-KEEPALIVE_OPTIONS = [
-    ("grpc.keepalive_time_ms", 60_000),
-    ("grpc.keepalive_timeout_ms", 20_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
-    ("grpc.http2.max_ping_strikes", 2),
-]
-# A connection that has not finished its TLS and HTTP/2 handshake by then is closed (grpc's
-# default is 120 s): silent connections cost a descriptor each, before authentication
-# (security review N2).
-SERVER_HANDSHAKE_TIMEOUT_MS = 10_000
-
-# The one RPC open without the token: a load balancer's or orchestrator's probe. Watch
-# is a stream a client keeps open, so it is authenticated like the API.
-_OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
-# Longest service name a health Watch may name: each watched name is a key the health
-# servicer keeps while watched; real ones are "" and "pagoda.v1.Generation".
-MAX_HEALTH_SERVICE_NAME_CHARS = 128
-
-
-class BoundedHealthServicer(health.aio.HealthServicer):
-    """grpc's health servicer with a bound on concurrent Watch streams (and their names)."""
-
-    def __init__(self, max_watchers: int) -> None:
-        super().__init__()
-        self._max_watchers = max_watchers
-        self._num_watchers = 0
-
-    async def Watch(self, request, context) -> None:
-        # Refusals set the status and return: no abort (see Refused).
-        if len(request.service) > MAX_HEALTH_SERVICE_NAME_CHARS:
-            context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
-            context.set_details(
-                f"service name longer than {MAX_HEALTH_SERVICE_NAME_CHARS} characters"
-            )
-            return
-        if self._num_watchers >= self._max_watchers:
-            context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
-            context.set_details(
-                f"{self._max_watchers} health watchers are open; use Check, or retry later"
-            )
-            return
-        self._num_watchers += 1
-        try:
-            await super().Watch(request, context)
-        finally:
-            self._num_watchers -= 1
-
-
-def _bearer_token(context) -> str:
-    """The caller's `authorization` metadata ("Bearer <key>"), "" when absent."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            return value if isinstance(value, str) else value.decode(errors="replace")
-    return ""
-
-
-def tenant_cache_salt(authorization: str, cache_salt: str) -> str:
-    """The cache salt of a request under --cache-salt-by-api-key: a digest of the caller's
-    key (never the key itself, which then lives in no request) then the request's own salt.
-    The digest's fixed length keeps the two parts apart: no (key, salt) pair can pose as
-    another, and a tenant's own salts still split its cache further."""
-    digest = hashlib.sha256(authorization.encode()).hexdigest()
-    return f"{digest}:{cache_salt}"
-
-
-def resolve_cache_salting(config: ServiceConfig) -> ServiceConfig:
-    """`config` with cache_salt_by_api_key decided: unset, it is on when the key file
-    holds several keys (several tenants), so that one tenant cannot read another's cached
-    prefix from its hits or its time to first token (security review N9)."""
-    if config.cache_salt_by_api_key is not None:
-        return config
-    num_keys = len(read_api_keys(config.api_key_file, warn=False)) if config.api_key_file else 0
-    return dataclasses.replace(config, cache_salt_by_api_key=num_keys > 1)
-
-
-def resolve_tenant_quotas(config: ServiceConfig) -> ServiceConfig:
-    """`config` with max_tenant_waiting_requests decided: unset with several keys (several
-    tenants), half the waiting queue, so that one tenant cannot fill it (review N3)."""
-    scheduler = config.scheduler
-    if scheduler.max_tenant_waiting_requests is not None or not config.api_key_file:
-        return config
-    if len(read_api_keys(config.api_key_file, warn=False)) < 2:
-        return config
-    cap = max(1, scheduler.max_waiting_requests // 2)
-    scheduler = dataclasses.replace(scheduler, max_tenant_waiting_requests=cap)
-    return dataclasses.replace(config, scheduler=scheduler)
-
-
-def read_api_keys(path: str, *, warn: bool = True) -> list[str]:
-    """The bearer tokens of an api_key_file (see read_key_entries)."""
-    return [entry.key for entry in read_key_entries(path, warn=warn)]
-
-
-def read_key_entries(path: str, *, warn: bool = True) -> list[KeyEntry]:
-    """The lines of an api_key_file: a key, or `name:weight:key`, per line (one tenant
-    each); blank lines and # comments skipped; a file holding one key is one line."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read api_key_file: {exc}") from None
-    entries = parse_key_file(text, f"api_key_file {path}")
-    if not entries:
-        raise ConfigError(f"api_key_file {path} is empty")
-    if warn:  # once, when the server is built
-        _warn_if_exposed(path, "the api_key_file")
-    return entries
-
-
-def tenant_directory(config: ServiceConfig) -> TenantDirectory:
-    """Who each caller is: the key file's tenants (none without one), and whether the
-    front's tenant header is trusted."""
-    entries = read_key_entries(config.api_key_file, warn=False) if config.api_key_file else []
-    return TenantDirectory(entries, trust_header=config.trust_tenant_header)
-
-
-def _warn_if_exposed(path: str, what: str) -> None:
-    warning = exposure_warning(path, what)
-    if warning is not None:
-        log.warning("%s", warning)
-
-
-class BearerAuth(grpc.aio.ServerInterceptor):
-    """Refuses every RPC but the health Check without `authorization: Bearer <key>` for
-    one of the keys (one per tenant)."""
-
-    def __init__(self, api_keys: list[str]) -> None:
-        self._expected = [f"Bearer {key}".encode() for key in api_keys]
-
-        async def refuse(request, context) -> None:
-            # Status set, no abort (see Refused); the body was dropped unparsed.
-            context.set_code(grpc.StatusCode.UNAUTHENTICATED)
-            context.set_details("a valid bearer token is required")
-
-        self._refusal = grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=_drop_body)
-        self._stream_refusal = grpc.unary_stream_rpc_method_handler(
-            refuse, request_deserializer=_drop_body
-        )
-
-    async def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method in _OPEN_METHODS:
-            return await continuation(handler_call_details)
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        token = str(metadata.get("authorization", "")).encode()
-        # Every key compared (no early exit), so the time taken tells nothing of which.
-        if sum(hmac.compare_digest(token, expected) for expected in self._expected):
-            return await continuation(handler_call_details)
-        streaming = handler_call_details.method.endswith(("/Generate", "/Chat", "/Watch"))
-        return self._stream_refusal if streaming else self._refusal
-
-
-def _drop_body(data: bytes) -> None:
-    """The body of a call refused before authentication: never parsed, never kept."""
-    return None
-
-
-def build_server(
-    config: ServiceConfig, servicer: GenerationServicer
-) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """The grpc.aio server with Generation, health (NOT_SERVING until a worker) and reflection."""
-    interceptors = []
-    if config.api_key_file:
-        interceptors.append(BearerAuth(read_api_keys(config.api_key_file)))
-    # Beyond max_concurrent_rpcs (all connections together) running handlers, the next RPC
-    # gets RESOURCE_EXHAUSTED: counted by handler, not by grpc's maximum_concurrent_rpcs,
-    # whose count a stalled stream keeps for as long as its connection lives (rpc_limit).
-    interceptors.append(RpcLimit(config.max_concurrent_rpcs))
-    options = [
-        # A larger request is refused by grpc before any handler or authentication: each
-        # call in flight holds one, so the cap bounds what strangers can make us hold.
-        ("grpc.max_receive_message_length", config.max_grpc_message_bytes),
-        (
-            "grpc.max_send_message_length",
-            max(config.max_grpc_message_bytes, MIN_SEND_MESSAGE_BYTES),
-        ),
-        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
-        ("grpc.so_reuseport", 0),
-        *KEEPALIVE_OPTIONS,
-        ("grpc.server_handshake_timeout_ms", SERVER_HANDSHAKE_TIMEOUT_MS),
-        ("grpc.max_connection_idle_ms", int(config.max_connection_idle_s * 1000)),
-    ]
-    server = grpc.aio.server(interceptors=interceptors, options=options)
-    server.add_generic_rpc_handlers((_generation_handler(servicer),))
-    health_servicer = BoundedHealthServicer(config.max_health_watchers)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (
-            SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
-    if config.tls_cert:
-        _warn_if_exposed(config.tls_key, "the TLS key")
-        try:
-            credentials = grpc.ssl_server_credentials(
-                [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
-            )
-        except OSError as exc:
-            raise ConfigError(f"cannot read the TLS files: {exc}") from None
-        port = server.add_secure_port(config.grpc_address, credentials)
-    else:
-        port = server.add_insecure_port(config.grpc_address)
-    if port == 0:
-        raise ConfigError(f"cannot listen on {config.grpc_address}")
-    return server, health_servicer

@@ -162,7 +162,7 @@ class _LiveStats(Collector):
 
 class _PerWorker(Collector):
     """Gauges of each attached worker, labelled by its incarnation id (several workers,
-    lanes.py; one series with one worker)."""
+    one lane each in front.py; one series with one worker)."""
 
     def __init__(self, workers: Callable[[], list[WorkerStats]]) -> None:
         self._workers = workers

@@ -1,22 +1,25 @@
 """The text side of each step: incremental detokenization and stop strings, run by the step
 loop once per step right after Scheduler.apply() (and on every other output it publishes).
+It comes after the core and never calls it: the loop ends in the core what it ends.
 
 The core streams token ids and ends requests on their ids and lengths alone
 (`check_stop`). This module turns each request's tokens into what its client may see:
 - whole UTF-8 characters only (IncrementalDetokenizer); a character left incomplete when
   the request ends becomes U+FFFD, as tokenizer.decode does;
 - stop strings are matched on the text, across token boundaries. A match ends the request
-  with STOP through Scheduler.stop() before the next schedule(): the token that completed
-  it is returned, the stop string and anything after it are not. Text that could be the
+  with STOP: process_step returns its finishing output, and the step loop ends it in the
+  core (Scheduler.stop) before the next schedule(). The token that completed it is
+  returned, the stop string and anything after it are not. Text that could be the
   start of a stop string is held back until the next tokens settle it, and released when
   the request ends any other way;
 - no stop string counts until min_new_tokens tokens precede the token (as for stop ids);
 - a stop token id or EOS ended the request in the core: its text is not streamed.
 
 One OutputProcessor per scheduler, called from the step loop only; it owns the text state
-of every unfinished request, opened by `add` and dropped with the request's last output
-(the lanes' processors share one dict of them). A token of a request with no text state
-breaks that invariant: the request ends with ERROR and the step goes on for the others.
+of every unfinished request, opened by `open` once the scheduler took the request and
+dropped with the request's last output (the lanes' processors share one dict of them). A
+token of a request with no text state breaks that invariant: the request ends with ERROR
+and the step goes on for the others.
 """
 
 from __future__ import annotations
@@ -24,13 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from pagoda.scheduler_svc.core import (
-    FinishReason,
-    RequestOutput,
-    Scheduler,
-    StepOutputs,
-    ValidRequest,
-)
+from pagoda.scheduler_svc.core import FinishReason, RequestOutput, StepOutputs, ValidRequest
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("pagoda.output_processor")
@@ -138,11 +135,9 @@ TextState = tuple[IncrementalDetokenizer, StopStringMatcher | None]
 class OutputProcessor:
     def __init__(
         self,
-        scheduler: Scheduler,
         detokenizer_factory: Callable[[], IncrementalDetokenizer],
         texts: dict[str, TextState] | None = None,
     ) -> None:
-        self._scheduler = scheduler
         self._new_detokenizer = detokenizer_factory
         # The text state of each unfinished request, by request id; `texts` when given:
         # the lanes' processors share theirs, so it follows a request from lane to lane.
@@ -156,10 +151,8 @@ class OutputProcessor:
         self._last_detokenizers: list[IncrementalDetokenizer] = []
         self._last_matchers: list[StopStringMatcher | None] = []
 
-    def add(self, request: ValidRequest, now: float) -> None:
-        """Queue `request` in the scheduler (which may refuse it: see Scheduler.add) and
-        open its text state."""
-        self._scheduler.add(request, now)
+    def open(self, request: ValidRequest) -> None:
+        """Open the text state of `request`, which the scheduler has just taken."""
         stopping = request.stopping
         matcher = (
             StopStringMatcher(stopping.stop_strings, stopping.min_new_tokens)
@@ -172,9 +165,11 @@ class OutputProcessor:
         """Requests whose text state is open."""
         return len(self._texts)
 
-    def process_step(self, step: StepOutputs, now: float) -> StepOutputs:
-        """Fill in the text of apply()'s outputs, in place, and end the requests whose text
-        reached a stop string (their blocks are free before this returns)."""
+    def process_step(self, step: StepOutputs) -> list[RequestOutput]:
+        """Fill in the text of apply()'s outputs, in place, and finish the requests whose
+        text reached a stop string: returns their finishing outputs (in `step.outputs`,
+        their column entries gone), for the caller to end in the core (Scheduler.stop, or
+        cancel with ERROR for one without a text state) before the next schedule()."""
         texts = step.texts
         stopped: list[int] = []
         orphans: list[int] = []  # entries with no text state (an invariant broke)
@@ -216,12 +211,11 @@ class OutputProcessor:
                 if hit:
                     stopped.append(len(texts))  # this entry's index
             texts.append(text)
-        for output in step.outputs:
-            self._process(output, now)
+        ended = [output for output in step.outputs if self._process(output)]
         if orphans:
             stopped = sorted(stopped + orphans)
         if stopped:
-            self._end_stopped(step, stopped, now)
+            ended += self._end_stopped(step, stopped)
             for index in reversed(stopped):
                 del detokenizers[index], matchers[index]
         self._last_ids, self._last_detokenizers, self._last_matchers = (
@@ -229,7 +223,7 @@ class OutputProcessor:
             detokenizers,
             matchers,
         )
-        return step
+        return ended
 
     def _find(
         self, request_id: str, cursor: int
@@ -256,14 +250,17 @@ class OutputProcessor:
             # no longer to be found by the id alone.
             self._last_ids, self._last_detokenizers, self._last_matchers = [], [], []
         for output in outputs:
-            self._process(output, None)
+            hit = self._process(output)
+            assert not hit, "a stop string outside a step"
         return outputs
 
-    def _process(self, output: RequestOutput, now: float | None) -> None:
+    def _process(self, output: RequestOutput) -> bool:
+        """Fill in the text of one whole output; True if it reached a stop string, which
+        makes it a STOP (the request is still to end in the core)."""
         request_id = output.request_id
         state = self._texts.get(request_id)
         if state is None:
-            return  # not added through this processor
+            return False  # not opened through this processor
         detokenizer, matcher = state
         reason = output.finish_reason
         text = ""
@@ -272,14 +269,9 @@ class OutputProcessor:
             if matcher is not None:
                 text, hit = matcher.push(text)
                 if hit:
-                    if reason is None:
-                        assert now is not None, "a token outside a step"
-                        finished = self._scheduler.stop(request_id, now)
-                        assert finished is not None
-                        output.usage, output.timings = finished.usage, finished.timings
                     output.text, output.finish_reason = text, _STOP
                     self._close(request_id)
-                    return
+                    return reason is None  # the core ended it already otherwise
         if reason is not None:
             # Text that waited (a possible stop string's start, a partial character) is
             # final now.
@@ -287,23 +279,29 @@ class OutputProcessor:
             text += held + detokenizer.flush()
             self._close(request_id)
         output.text = text
+        return False
 
-    def _end_stopped(self, step: StepOutputs, indices: list[int], now: float) -> None:
-        """Move the column entries at `indices` to finishing outputs: STOP, with the text
-        before the stop string; ERROR for a request without a text state."""
+    def _end_stopped(self, step: StepOutputs, indices: list[int]) -> list[RequestOutput]:
+        """Move the column entries at `indices` to finishing outputs, appended to
+        `step.outputs` and returned: STOP, with the text before the stop string; ERROR for
+        a request without a text state."""
         request_ids, token_ids, texts = step.request_ids, step.token_ids, step.texts
+        ended: list[RequestOutput] = []
         for index in reversed(indices):
             request_id = request_ids[index]
             if request_id in self._texts:
-                output = self._scheduler.stop(request_id, now)
-                assert output is not None
-                output.text, output.token_ids = texts[index], [token_ids[index]]
+                output = RequestOutput(
+                    request_id, texts[index], [token_ids[index]], None, finish_reason=_STOP
+                )
                 self._close(request_id)
             else:
-                output = self._scheduler.cancel(request_id, now, _ERROR, _NO_TEXT_STATE)
-            if output is not None:
-                step.outputs.append(output)
+                output = RequestOutput(
+                    request_id, "", [], None, finish_reason=_ERROR, error_message=_NO_TEXT_STATE
+                )
+            ended.append(output)
             del request_ids[index], token_ids[index], texts[index]
+        step.outputs += ended
+        return ended
 
     def _close(self, request_id: str) -> None:
         del self._texts[request_id]

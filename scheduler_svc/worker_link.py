@@ -6,7 +6,7 @@ worker is gone, reported to the WorkerEvents given to start(), and the result of
 the future start_step() returns. Called only from the event loop.
 
 One worker by default: a new one replaces the one attached. With max_workers above 1
-(data parallel, scheduler_svc/lanes.py), up to that many attach side by side, each by its
+(data parallel, one lane each in scheduler_svc/front.py), up to that many attach side by side, each by its
 own routing identity, all serving the same model; a detach then names its worker.
 """
 
@@ -82,7 +82,7 @@ class WorkerLost(Exception):
 
 
 class WorkerEvents(Protocol):
-    """Who hears of attaches and detaches (the step loop); called on the event loop."""
+    """Who hears of attaches and detaches (the serving front); called on the event loop."""
 
     def worker_attached(self, info: WorkerInfo) -> None: ...
 

@@ -211,7 +211,7 @@ class Scheduler:
 
     def stop(self, request_id: str, now: float) -> RequestOutput | None:
         """A stop string matched the request's text: it ends with STOP, as a stop token would.
-        Called by the output processor right after apply(); None if already finished."""
+        Called by the step loop right after apply(); None if already finished."""
         return self.cancel(request_id, now, FinishReason.STOP)
 
     def request_of(self, seq_id: int) -> Request | None:
@@ -222,7 +222,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._planner.waiting) or bool(self._planner.running)
 
-    # -- lanes: one Scheduler per worker (scheduler_svc/lanes.py) ---------------------------
+    # -- lanes: one Scheduler per worker (scheduler_svc/front.py) ---------------------------
 
     def holds(self, request_id: str) -> bool:
         """Whether `request_id` is unfinished here."""

@@ -23,6 +23,7 @@ from pagoda.scheduler_svc.core import (
 )
 from pagoda.scheduler_svc.core.request import RequestState
 from pagoda.scheduler_svc.output_processor import OutputProcessor
+from pagoda.scheduler_svc.step_loop import apply_step
 from pagoda.scheduler_svc.testing import FakeWorker
 
 from pagoda.common import wire
@@ -120,9 +121,10 @@ class LetterDetokenizer:
 
 
 class TextScheduler:
-    """The core Scheduler as the step loop drives it: requests added through the output
-    processor, and every output it returns given its text by the processor at once (a
-    step's right after apply()). Other attributes are the Scheduler's."""
+    """The core Scheduler as the front and the step loop drive it: a request added to the
+    core, then its text state opened; every output it returns given its text by the
+    processor at once (a step's right after apply(), with its stop strings ended in the
+    core: step_loop.apply_step). Other attributes are the Scheduler's."""
 
     def __init__(self, scheduler: Scheduler, processor: OutputProcessor) -> None:
         self.core = scheduler
@@ -132,10 +134,11 @@ class TextScheduler:
         return getattr(self.core, name)
 
     def add(self, request: ValidRequest, now: float) -> None:
-        self.processor.add(request, now)
+        self.core.add(request, now)
+        self.processor.open(request)
 
     def apply(self, result: StepResult, now: float) -> StepOutputs:
-        return self.processor.process_step(self.core.apply(result, now), now)
+        return apply_step(self.core, self.processor, result, now)
 
     def cancel(self, request_id: str, now: float, *args) -> RequestOutput | None:
         output = self.core.cancel(request_id, now, *args)
@@ -156,7 +159,7 @@ def make_scheduler(
     """A Scheduler with a worker of `geometry` (make_geometry() by default) attached, and
     its output processor."""
     scheduler = Scheduler(SchedulerConfig(**knobs))
-    processor = OutputProcessor(scheduler, detokenizer_factory)  # type: ignore[arg-type]
+    processor = OutputProcessor(detokenizer_factory)  # type: ignore[arg-type]
     text_scheduler = TextScheduler(scheduler, processor)
     text_scheduler.attach_worker(geometry or make_geometry())
     return text_scheduler

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc import settings
-from pagoda.scheduler_svc.api import read_api_keys, resolve_cache_salting, tenant_cache_salt
+from pagoda.scheduler_svc.auth import read_api_keys, resolve_cache_salting, tenant_cache_salt
 from pagoda.scheduler_svc.core.config import ConfigError
 from pagoda.scheduler_svc.validation import (
     MAX_CACHE_SALT_BYTES,

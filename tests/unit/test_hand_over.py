@@ -24,27 +24,10 @@ from tests.unit.conftest import (
 )
 
 
-class _Router:
-    """Two cores behind one output processor, as the service's lanes are: added to the
-    target core, stopped wherever the request is."""
-
-    def __init__(self, cores: list[Scheduler]) -> None:
-        self.cores = cores
-        self.target = 0
-
-    def add(self, request, now: float) -> None:
-        self.cores[self.target].add(request, now)
-
-    def stop(self, request_id: str, now: float):
-        for core in self.cores:
-            if core.holds(request_id):
-                return core.stop(request_id, now)
-        return None
-
-
 def shared_lanes(geometry) -> tuple[TextScheduler, TextScheduler]:
+    """Two cores behind one output processor, as the front's lanes share their text states."""
     cores = [Scheduler(SchedulerConfig()), Scheduler(SchedulerConfig())]
-    processor = OutputProcessor(_Router(cores), LetterDetokenizer)  # type: ignore[arg-type]
+    processor = OutputProcessor(LetterDetokenizer)  # type: ignore[arg-type]
     lanes = TextScheduler(cores[0], processor), TextScheduler(cores[1], processor)
     for lane in lanes:
         lane.attach_worker(geometry)
@@ -58,7 +41,6 @@ def test_requests_of_a_lost_worker_stream_on_elsewhere_without_repeats():
     requests = [make_request(f"r{i}", 6 + i, max_new_tokens=12) for i in range(4)]
     for request in requests[:3]:
         lost.add(request, 0.0)
-    lost.processor._scheduler.target = 1
     kept.add(requests[3], 0.0)
     streams: dict[str, Stream] = defaultdict(Stream)
     for step in range(4):  # everything on the lost worker has streamed some tokens

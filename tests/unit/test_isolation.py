@@ -136,13 +136,13 @@ def test_a_request_preempted_while_the_next_step_is_planned_stays_a_suspect(how)
 
 
 def lanes_sharing_texts(*geometries) -> tuple[TextScheduler, TextScheduler]:
-    """Two cores with an output processor each over shared text states, as Lanes runs
+    """Two cores with an output processor each over shared text states, as the front runs
     them, so a request's text state follows it when it is handed over."""
     texts: dict = {}
     lanes = []
     for geometry in geometries:
         core = Scheduler(SchedulerConfig())
-        lane = TextScheduler(core, OutputProcessor(core, LetterDetokenizer, texts=texts))
+        lane = TextScheduler(core, OutputProcessor(LetterDetokenizer, texts=texts))
         lane.attach_worker(geometry)
         lanes.append(lane)
     return lanes[0], lanes[1]
@@ -172,7 +172,7 @@ def lanes_after_a_loss(num_lost: int, num_own: int, lost_prompts=None):
                 streams[output.request_id].take(output)
     lost.schedule(3.0)  # in flight when the worker goes away
     lost.detach_worker("its connection closed")
-    requests, suspects = lost.core.hand_over()  # as Lanes._hand_over
+    requests, suspects = lost.core.hand_over()  # as Front._hand_over
     assert [s for s, _ in suspects] == [r.request_id for r in lost_requests]
     healthy.core.take_over(requests, suspects, 3.0)
     return healthy, worker, lost_requests + own, streams

@@ -1,4 +1,4 @@
-"""Lanes in process: two fake workers behind one scheduler (data parallel).
+"""Lanes in process: two fake workers behind one serving front (data parallel).
 
 Plans cross the same codec and framing as in test_step_loop; each worker is a
 plan-checking FakeWorker. Every stream is compared with what the dummy model gives the
@@ -13,7 +13,7 @@ import re
 import pytest
 from pagoda.protos import step_pb2
 from pagoda.scheduler_svc.core import DuplicateRequestError, FinishReason, SchedulerConfig
-from pagoda.scheduler_svc.lanes import Lanes
+from pagoda.scheduler_svc.front import Front
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.testing import FakeWorker
 from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLost
@@ -42,7 +42,7 @@ class FleetLink:
         self.workers: dict[bytes, FakeWorker] = {}
         self.num_plans: dict[bytes, int] = {}
         self.lose_during: tuple[bytes, int] | None = None
-        self.lanes: Lanes | None = None
+        self.lanes: Front | None = None
 
     def attach(self, name: str) -> None:
         hello = make_hello(incarnation_id=name, **HELLO_FIELDS)
@@ -72,8 +72,8 @@ class FleetLink:
         return result
 
 
-def make_lanes(link: FleetLink) -> Lanes:
-    lanes = Lanes(
+def make_lanes(link: FleetLink) -> Front:
+    lanes = Front(
         SchedulerConfig(),
         link,  # type: ignore[arg-type]
         Metrics(),

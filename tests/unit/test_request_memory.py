@@ -53,7 +53,7 @@ def test_refused_requests_are_freed_by_reference_counting_alone():
     too_long = pb.TokenizeRequest(text="a" * 4_000_000)
     queue_full = pb.GenerateRequest(prompt="hello")
     full_service, _, _ = servicer()
-    full_service._loop = QueueFullLoop(num_waiting=0)
+    full_service._front = QueueFullLoop(num_waiting=0)
 
     async def scenario() -> list[grpc.StatusCode | None]:
         calls = [

@@ -8,7 +8,7 @@ import os
 import stat
 
 import pytest
-from pagoda.scheduler_svc.api import read_api_keys
+from pagoda.scheduler_svc.auth import read_api_keys
 
 from pagoda.common import curve
 

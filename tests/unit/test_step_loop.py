@@ -1,4 +1,5 @@
-"""StepLoop in process, against a fake link whose worker is the plan-checking FakeWorker.
+"""The serving front with one worker (one StepLoop) in process, against a fake link whose
+worker is the plan-checking FakeWorker.
 
 Plans leave the loop as protobuf (step_codec.encode_plan), cross the wire framing, are
 turned back into a domain StepPlan for FakeWorker, and its result returns as a StepResult
@@ -22,16 +23,14 @@ from pagoda.scheduler_svc.core import (
     FinishReason,
     NewSequence,
     SamplingParams,
-    Scheduler,
     SchedulerConfig,
     StepPlan,
     StepResult,
     ValidRequest,
 )
+from pagoda.scheduler_svc.front import Front, Unavailable
 from pagoda.scheduler_svc.metrics import Metrics
-from pagoda.scheduler_svc.output_processor import OutputProcessor
 from pagoda.scheduler_svc.output_streams import OutputSlot
-from pagoda.scheduler_svc.step_loop import StepLoop, Unavailable
 from pagoda.scheduler_svc.testing import FakeWorker
 from pagoda.scheduler_svc.worker_link import WorkerEvents, WorkerInfo, WorkerLost
 
@@ -150,10 +149,12 @@ class FakeLink:
         """Plan `num_plans` runs on the worker but its result never comes back."""
         self._lose_during_plan = num_plans
 
-    def start_step(self, plan: step_pb2.StepPlan, timeout_s: float) -> asyncio.Future:
+    def start_step(
+        self, plan: step_pb2.StepPlan, timeout_s: float, identity: bytes | None = None
+    ) -> asyncio.Future:
         return asyncio.ensure_future(self.run_step(plan, timeout_s))
 
-    def heard_within(self, seconds: float) -> bool:
+    def heard_within(self, seconds: float, identity: bytes | None = None) -> bool:
         return self.heard
 
     async def run_step(self, plan: step_pb2.StepPlan, timeout_s: float) -> step_pb2.StepResult:
@@ -190,7 +191,7 @@ class ManualClock:
 
 @dataclass
 class Harness:
-    loop: StepLoop
+    loop: Front
     link: FakeLink
     clock: ManualClock
     worker_changes: asyncio.Queue[bool]  # what on_worker_change said, in order
@@ -227,16 +228,15 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def running() -> AsyncIterator[Harness]:
-    """A StepLoop turning on a FakeLink with no worker attached yet."""
+    """The front turning on a FakeLink with no worker attached yet."""
     link = FakeLink()
     clock = ManualClock()
     worker_changes: asyncio.Queue[bool] = asyncio.Queue()
-    scheduler = Scheduler(SchedulerConfig())
-    loop = StepLoop(
-        scheduler,
-        link,
+    loop = Front(
+        SchedulerConfig(),
+        link,  # type: ignore[arg-type]
         Metrics(),
-        output_processor=OutputProcessor(scheduler, LetterDetokenizer),  # type: ignore[arg-type]
+        detokenizer_factory=LetterDetokenizer,  # type: ignore[arg-type]
         worker_timeout_s=10.0,
         worker_grace_s=GRACE_S,
         status_interval_s=60.0,
@@ -258,7 +258,7 @@ def scenario(body: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(body(), SCENARIO_LIMIT_S))
 
 
-async def read_to_end(loop: StepLoop, slot: OutputSlot, stream: Stream | None = None) -> Stream:
+async def read_to_end(loop: Front, slot: OutputSlot, stream: Stream | None = None) -> Stream:
     """What the servicer does: take outputs until the last one, then release the slot."""
     stream = stream if stream is not None else Stream()
     try:
@@ -299,7 +299,7 @@ def geometry():
     return step_codec.geometry_from_hello(make_hello(**HELLO_FIELDS))
 
 
-def assert_idle(loop: StepLoop) -> None:
+def assert_idle(loop: Front) -> None:
     stats = loop.stats
     assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (0, 0, 0)
 

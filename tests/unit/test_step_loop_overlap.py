@@ -76,9 +76,9 @@ def test_the_worker_gets_its_next_plan_before_a_steps_outputs_wake_their_readers
             start_step, streams = h.link.start_step, h.loop._streams
             publish_step = streams.publish_step
 
-            def recording_start_step(plan, timeout_s):
+            def recording_start_step(plan, timeout_s, identity=None):
                 events.append("send")
-                return start_step(plan, timeout_s)
+                return start_step(plan, timeout_s, identity)
 
             def recording_publish_step(step):
                 events.append("publish")

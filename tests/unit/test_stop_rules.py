@@ -7,7 +7,13 @@ import tracemalloc
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pagoda.scheduler_svc.core import FinishReason, StepResult, ValidStopping
+from pagoda.scheduler_svc.core import (
+    FinishReason,
+    Scheduler,
+    SchedulerConfig,
+    StepResult,
+    ValidStopping,
+)
 from pagoda.scheduler_svc.core.request import (
     Request,
     check_stop,
@@ -15,10 +21,12 @@ from pagoda.scheduler_svc.core.request import (
     token_array,
 )
 from pagoda.scheduler_svc.output_processor import (
+    OutputProcessor,
     StopStringMatcher,
     find_stop_string,
     held_back_length,
 )
+from pagoda.scheduler_svc.step_loop import apply_step
 from pagoda.scheduler_svc.testing import FakeWorker
 
 from tests.unit.conftest import (
@@ -399,3 +407,39 @@ def test_a_request_id_used_again_after_a_cancel_gets_fresh_text_state():
     scheduler.add(again, 1.0)
     streams = drive(scheduler, FakeWorker(geometry))
     assert (streams["r0"].text, streams["r0"].finish_reason) == (text, FinishReason.LENGTH)
+
+
+def test_the_text_stage_returns_stop_string_hits_and_the_loop_ends_them_in_the_core():
+    """Text after the core (issue 25, item 2): the output processor holds no scheduler; it
+    returns the outputs its stop strings finished, and apply_step ends them in the core,
+    with their usage, before the next schedule()."""
+    pieces = {50: "ab", 51: "cd"}
+    core = Scheduler(SchedulerConfig())
+    core.attach_worker(make_geometry(eos_token_ids=[EOS]))
+    processor = OutputProcessor(lambda: ScriptedDetokenizer(pieces))
+
+    def add(request_id: str) -> None:
+        request = make_request(request_id, prompt=[7, 7, 7], stop_strings=("c",))
+        core.add(request, 0.0)
+        processor.open(request)
+
+    def result(token_id: int) -> StepResult:
+        plan = core.schedule(0.0)
+        return StepResult(plan.step_id, plan.seq_ids, [token_id])
+
+    add("r0")
+    step = core.apply(result(50), 0.0)
+    assert processor.process_step(step) == [] and step.texts == ["ab"]
+    step = core.apply(result(51), 0.0)
+    (stopped,) = processor.process_step(step)
+    assert (stopped.request_id, stopped.text, stopped.token_ids) == ("r0", "", [51])
+    assert stopped.finish_reason is FinishReason.STOP and stopped.usage is None
+    assert step.request_ids == [] and step.outputs == [stopped]
+    assert core.holds("r0")  # the text stage ended nothing in the core
+    core.stop("r0", 0.0)
+    add("r1")
+    apply_step(core, processor, result(50), 0.0)
+    step = apply_step(core, processor, result(51), 0.0)
+    (stopped,) = step.outputs
+    assert stopped.finish_reason is FinishReason.STOP and stopped.usage is not None
+    assert not core.holds("r1")

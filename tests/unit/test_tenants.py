@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 from pagoda.scheduler_svc import settings
-from pagoda.scheduler_svc.api import (
+from pagoda.scheduler_svc.auth import (
     read_api_keys,
     read_key_entries,
     resolve_tenant_quotas,

@@ -1,22 +1,23 @@
-"""Data parallel: several workers under one scheduler, one lane each.
+"""The serving front: the one door of the servicer and the worker link, for 1 to N workers.
 
-A lane is one worker's Scheduler (its own KV pool, waiting queue and running set) turned
-by its own StepLoop, so each keeps one worker's semantics (overlapped steps, isolation,
-the grace period); the lanes' loops run concurrently as asyncio tasks over the one
-WorkerLink endpoint. They share the output slots and the text states (each lane has its
-own output processor over them), so a request's stream and text follow it from lane to
-lane; a request id is refused while any lane holds it. Lanes offers the servicer
-and the link what one StepLoop does:
-- a new request joins the lane placement.choose_lane picks (prefix-cache affinity among
-  the lanes whose KV use, counting queued demand, is within a gap of the least; then
-  least KV use; then fewer running);
-- cancels, releases and stop strings reach the lane that holds the request;
-- an attaching worker gets the lane left without a worker if there is one, else a new
-  lane;
-- a lost worker's lane hands its requests over to the lanes that still have a worker,
-  with the tokens they streamed (nothing a client received is lost or repeated), and
-  closes; the last lane keeps them for the grace period and the next worker, as one
-  worker does.
+Each worker gets a lane: a Scheduler of its own (its KV pool, waiting queue and running
+set) turned by its own StepLoop, so each keeps one worker's semantics (overlapped steps,
+isolation, the grace period); the lanes' loops run concurrently as asyncio tasks over the
+one WorkerLink endpoint. With one worker there is one lane. The front owns what the lanes
+share, so a request's stream and text follow it from lane to lane:
+- the output slots (OutputStreams) and the text states (each lane's OutputProcessor reads
+  and writes the one dict); a request id is refused while any lane holds it;
+- admission: `submit` adds the request to the Scheduler of the lane placement.choose_lane
+  picks (prefix-cache affinity among the lanes whose KV use, counting queued demand, is
+  within affinity_max_kv_use_gap of the least; then least KV use; then fewer running),
+  then opens its text state and its slot;
+- availability (no worker yet, draining, past the grace period without one) and drain;
+- cancels and releases, sent to the lane that holds the request;
+- attaches and detaches (WorkerEvents): an attaching worker gets the lane left without a
+  worker if there is one, else a new lane; a lost worker's lane hands its requests over
+  to the lanes that still have a worker, with the tokens they streamed (nothing a client
+  received is lost or repeated), and closes; the last lane keeps them for the grace
+  period and the next worker, as one worker does.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from pagoda.scheduler_svc.core.kv import cache_root_hash
 from pagoda.scheduler_svc.core.placement import choose_lane
 from pagoda.scheduler_svc.core.request import Request, token_array
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
-from pagoda.scheduler_svc.metrics import Metrics, WorkerBusy
+from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.output_processor import OutputProcessor, TextState
 from pagoda.scheduler_svc.output_streams import (
     MAX_UNREAD_TOKENS,
@@ -51,11 +52,14 @@ from pagoda.scheduler_svc.output_streams import (
     OutputStreams,
     unread_message,
 )
-from pagoda.scheduler_svc.step_loop import IDLE_TICK_S, StepLoop, Unavailable, drain_streams
+from pagoda.scheduler_svc.step_loop import IDLE_TICK_S, LoopSettings, StepLoop
 from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLink, WorkerLost
 from pagoda.scheduler_svc.worker_stats import WorkerStats
 
-log = logging.getLogger("pagoda.lanes")
+log = logging.getLogger("pagoda.front")
+
+# After the drain timeout, how long cancelled streams get to see their last output.
+CANCEL_PUBLISH_S = 2.0
 
 # Counters of a closed lane that the totals keep (its gauges leave with it).
 _CUMULATIVE_STATS = (
@@ -67,24 +71,11 @@ _CUMULATIVE_STATS = (
     "num_prefix_queries_tokens",
     "num_prefix_hit_tokens",
 )
-
-
 _TENANT_COUNTS = tuple(f.name for f in dataclasses.fields(TenantStats) if f.name != "tenant")
 
 
-class _LaneMetrics:
-    """The shared Metrics, plus this lane's own worker busy time (its WorkerStats)."""
-
-    def __init__(self, metrics: Metrics, clock: Callable[[], float]) -> None:
-        self._metrics = metrics
-        self.worker_busy = WorkerBusy(clock=clock)
-
-    def observe_step(self, **step) -> None:
-        self.worker_busy.record(step["worker_s"])
-        self._metrics.observe_step(**step)
-
-    def observe_finish(self, output: RequestOutput) -> None:
-        self._metrics.observe_finish(output)
+class Unavailable(Exception):
+    """No worker can serve a new request now (none attached, or draining); a sentence."""
 
 
 @dataclass(slots=True, eq=False)
@@ -92,7 +83,7 @@ class _Lane:
     number: int  # for logs: lanes are numbered from 1 as they open
     scheduler: Scheduler
     # Its own, for its own cursor over its steps' columns; the text states are shared.
-    output_processor: OutputProcessor
+    processor: OutputProcessor
     loop: StepLoop
     # The worker given to this lane (set at the link's attach, before its loop takes
     # it): None once the link reported it lost.
@@ -122,7 +113,7 @@ class _LaneLink:
         return identity is not None and self._link.heard_within(seconds, identity)
 
 
-class Lanes:
+class Front:
     def __init__(
         self,
         config: SchedulerConfig,
@@ -138,6 +129,8 @@ class Lanes:
         idle_tick_s: float = IDLE_TICK_S,
         overlap_steps: bool | None = None,
     ) -> None:
+        """`on_worker_change`: told when the front starts serving (a first worker is
+        attached) or stops (the last one left)."""
         self._config = config
         self._link = link
         self._metrics = metrics
@@ -145,20 +138,19 @@ class Lanes:
         # Every unfinished request's text state, shared by the lanes' output processors so
         # that it follows a request handed over from lane to lane.
         self._texts: dict[str, TextState] = {}
+        # A client that stops reading has its request ended, not its output piled up.
         self._streams = OutputStreams(
             on_overflow=lambda request_id: self.cancel(
                 request_id, FinishReason.ERROR, unread_message(MAX_UNREAD_TOKENS)
             )
         )
-        self._loop_options = dict(
+        self._settings = LoopSettings(
             worker_timeout_s=worker_timeout_s,
             worker_grace_s=worker_grace_s,
             status_interval_s=status_interval_s,
-            clock=clock,
             idle_tick_s=idle_tick_s,
             overlap_steps=overlap_steps,
         )
-        self._worker_grace_s = worker_grace_s
         self._on_worker_change = on_worker_change
         self._clock = clock
         self._lanes: list[_Lane] = []
@@ -175,7 +167,7 @@ class Lanes:
         self._draining = False
         self._stopped = False
 
-    # -- for the servicer (same event loop), as StepLoop ------------------------------------
+    # -- for the servicer (same event loop) --------------------------------------------------
 
     @property
     def worker(self) -> WorkerInfo | None:
@@ -186,6 +178,8 @@ class Lanes:
     def stats(self) -> SchedulerStats:
         """The lanes' figures added up (closed lanes' counters included)."""
         per_lane = [lane.scheduler.stats for lane in self._lanes]
+        if len(per_lane) == 1 and not any(self._closed_stats.values()):
+            return per_lane[0]
         totals: dict[str, float] = {}
         for field in dataclasses.fields(SchedulerStats):
             values = [getattr(stats, field.name) for stats in per_lane]
@@ -217,7 +211,12 @@ class Lanes:
         return self._draining
 
     def submit(self, request: ValidRequest) -> OutputSlot:
-        """Place a validated request on a lane and open its output slot (StepLoop.submit)."""
+        """Queue a validated request on a lane and open its output slot; `release` it when
+        done reading.
+
+        Raises Unavailable, or the scheduler's QueueFullError / RequestTooLargeError /
+        DuplicateRequestError.
+        """
         self._check_available()
         request_id = request.request_id
         # Refused while any lane holds the id, as one scheduler refuses it (its slot may be
@@ -225,14 +224,18 @@ class Lanes:
         # id's, so the old request's end would be the new one's.
         if request_id in self._streams or self.holder(request_id) is not None:
             raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
-        self._cancels.pop(request_id, None)  # the old request's: it ended
         lane = self._place(token_array(request.prompt_token_ids), request.cache_salt)
-        lane.output_processor.add(request, self._clock())
+        lane.scheduler.add(request, self._clock())
+        self._cancels.pop(request_id, None)  # the old request's: it ended
+        lane.processor.open(request)
         slot = self._streams.open(request_id)
         lane.loop.wake()
         return slot
 
     def release(self, slot: OutputSlot) -> None:
+        """The slot's reader is gone (it read the end, or its client left): close the slot,
+        and cancel the request if it has not finished, so its blocks are free before the
+        next step is planned."""
         self._streams.close(slot.request_id)
         if not slot.finished:
             self.cancel(slot.request_id)
@@ -243,6 +246,7 @@ class Lanes:
         reason: FinishReason = FinishReason.CANCELLED,
         message: str | None = None,
     ) -> None:
+        """Ask for a request to end; its blocks are freed before its lane plans again."""
         lane = self.holder(request_id)
         if lane is None:
             return  # finished, or never here
@@ -252,12 +256,21 @@ class Lanes:
         lane.loop.cancel(request_id, reason, message)
 
     def stop_accepting(self) -> None:
+        """From now on submit() raises Unavailable; requests in flight go on."""
         self._draining = True
 
     async def drain(self, timeout_s: float) -> None:
-        """As StepLoop.drain, over every lane's streams."""
+        """Stop accepting, let the open streams end for up to `timeout_s`, then cancel the
+        rest and give the loops CANCEL_PUBLISH_S to publish their cancellations."""
         self.stop_accepting()
-        await drain_streams(self._streams, self.cancel, timeout_s)
+        streams = self._streams
+        log.info("draining %d streams for up to %g s", len(streams), timeout_s)
+        if await streams.wait_empty(timeout_s):
+            return
+        log.warning("cancelling %d streams still running after the drain timeout", len(streams))
+        for request_id in streams.request_ids():
+            self.cancel(request_id)
+        await streams.wait_empty(CANCEL_PUBLISH_S)
 
     def stop(self) -> None:
         self._stopped = True
@@ -266,6 +279,7 @@ class Lanes:
         self._changed.set()
 
     def is_turning(self) -> bool:
+        """Whether no lane's loop is stuck (the systemd watchdog's question)."""
         return all(lane.loop.is_turning() for lane in self._lanes)
 
     def holder(self, request_id: str) -> _Lane | None:
@@ -285,8 +299,10 @@ class Lanes:
     def worker_detached(
         self, reason: str, identity: bytes | None = None, *, suspect: bool = True
     ) -> None:
-        for lane in self._lanes:
-            if lane.identity is not None and lane.identity == identity:
+        """The worker of `identity` is gone (None: the first lane's, as a link of one
+        worker reports it)."""
+        for lane in self._live_lanes():
+            if identity is None or lane.identity == identity:
                 lane.identity = None
                 lane.loop.worker_detached(reason, suspect=suspect)
                 return
@@ -305,8 +321,9 @@ class Lanes:
                 )
                 changed.cancel()
                 for task in done - {changed}:
-                    if not task.cancelled() and task.exception() is not None:
-                        raise task.exception()  # type: ignore[misc]
+                    failure = None if task.cancelled() else task.exception()
+                    if failure is not None:
+                        raise failure
         finally:
             for lane in self._lanes:
                 lane.loop.stop()
@@ -315,16 +332,17 @@ class Lanes:
     def _open_lane(self) -> _Lane:
         self._num_lanes_opened += 1
         scheduler = Scheduler(self._config)
-        processor = OutputProcessor(scheduler, self._detokenizer_factory, texts=self._texts)
+        processor = OutputProcessor(self._detokenizer_factory, texts=self._texts)
         # `lane` is bound below, before the loop runs: the closures read it when called.
         loop = StepLoop(
             scheduler,
+            processor,
             _LaneLink(self._link, lambda: lane.identity),
-            _LaneMetrics(self._metrics, self._clock),  # type: ignore[arg-type]
-            output_processor=processor,
-            streams=self._streams,
+            self._streams,
+            self._metrics,
+            self._settings,
             on_worker_change=lambda attached: self._lane_changed(lane, attached),
-            **self._loop_options,  # type: ignore[arg-type]
+            clock=self._clock,
         )
         lane = _Lane(self._num_lanes_opened, scheduler, processor, loop)
         lane.task = asyncio.create_task(loop.run(), name=f"step-loop-{lane.number}")
@@ -378,7 +396,7 @@ class Lanes:
                 lane.loop.cancel(request_id, *self._cancels[request_id])
             lane.loop.wake()
         for lane, output in finished:  # too large for the worker it was placed on
-            self._streams.publish(lane.output_processor.process([output]))
+            self._streams.publish(lane.processor.process([output]))
             self._metrics.observe_finish(output)
         log.warning(
             "lane %d closed with its worker; %d requests moved to the %d lanes left",
@@ -391,6 +409,8 @@ class Lanes:
         """The lane a request of `token_ids` joins: among those with a worker given, by
         placement.choose_lane; the lane waiting for a worker when none has one."""
         lanes = self._live_lanes() or self._lanes
+        if len(lanes) == 1:
+            return lanes[0]
         if root_hash is None:
             root_hash = cache_root_hash(cache_salt)
         loads = [lane.scheduler.lane_load(token_ids, root_hash) for lane in lanes]
@@ -405,6 +425,6 @@ class Lanes:
             return
         if not self._ever_attached or not self._lanes:
             raise Unavailable("no worker is connected yet")
-        lost_at = self._lost_at_s
-        if lost_at is not None and self._clock() - lost_at > self._worker_grace_s:
-            raise Unavailable(f"no worker has been connected for over {self._worker_grace_s:g} s")
+        lost_at, grace_s = self._lost_at_s, self._settings.worker_grace_s
+        if lost_at is not None and self._clock() - lost_at > grace_s:
+            raise Unavailable(f"no worker has been connected for over {grace_s:g} s")
