@@ -47,8 +47,9 @@ def max_positions_of(model) -> int:
 
 
 class PagedEngine(Engine):
-    samples = True  # False on tensor-parallel ranks but 0: they take rank 0's tokens
     """Executes step plans on one model and one KV pool. Called only from the step loop."""
+
+    samples = True  # False on tensor-parallel ranks but 0: they take rank 0's tokens
 
     def __init__(
         self,
