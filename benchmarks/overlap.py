@@ -18,18 +18,16 @@ import sys
 import threading
 import time
 
-import grpc
+from pagoda.client import Client, ServerStats
 from pagoda.client.bench import run_bench
 from pagoda.client.bench_config import BenchConfig
-from pagoda.protos import generation_pb2, generation_pb2_grpc
 
 from benchmarks.suite_service import LocalService, resolve_model_dir
 
 
-def server_stats(address: str) -> generation_pb2.ServerStats:
-    with grpc.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        return stub.GetServerStats(generation_pb2.ServerStatsRequest(), timeout=10)
+def server_stats(address: str) -> ServerStats:
+    with Client(address, timeout_s=10) as client:
+        return client.server_stats()
 
 
 class SteadyWindow:

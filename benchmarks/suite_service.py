@@ -20,8 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pagoda.client import Client, DeadlineExceededError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The first start converts the default model (about 30 s on 2 cores) before loading it.
@@ -46,19 +45,16 @@ def wait_serving(
     """Poll grpc health until SERVING; the seconds it took. Raises ServiceError if a process
     exits or the timeout passes."""
     start = time.monotonic()
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    with Client(address) as client:
         while time.monotonic() - start < timeout_s:
             for process in processes:
                 if process.poll() is not None:
                     raise ServiceError(f"{process.args[2]} exited with {process.returncode}")
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return time.monotonic() - start
-            except grpc.RpcError:
+                client.wait_ready(timeout_s=POLL_INTERVAL_S)
+                return time.monotonic() - start
+            except DeadlineExceededError:
                 pass
-            time.sleep(POLL_INTERVAL_S)
     raise ServiceError(f"{address} did not report SERVING within {timeout_s:.0f} s")
 
 

@@ -1,25 +1,19 @@
-"""The blocking client: one gRPC channel, every Generation RPC, and readiness polling."""
+"""The blocking client: `AsyncClient` driven from a private event loop on a thread of its own."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Unpack
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import CancelledError
+from typing import Unpack
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pagoda.client import convert
-from pagoda.client.connection import (
-    CHANNEL_OPTIONS,
-    DEFAULT_TARGET,
-    READY_CHECK_TIMEOUT_S,
-    READY_POLL_INTERVAL_S,
-    ConnectionSettings,
-)
+from pagoda.client.async_client import AsyncChunkStream, AsyncClient
+from pagoda.client.connection import DEFAULT_TARGET
 from pagoda.client.convert import GenerationOptions
-from pagoda.client.errors import DeadlineExceededError, error_from_rpc
+from pagoda.client.errors import RequestCancelledError
+from pagoda.client.loop_thread import LoopThread
 from pagoda.client.results import Chunk, Completion, ModelInfo, ServerStats
-from pagoda.protos import generation_pb2, generation_pb2_grpc
 
 
 class ChunkStream(Iterator[Chunk]):
@@ -30,32 +24,30 @@ class ChunkStream(Iterator[Chunk]):
     server frees the request. Errors raise PagodaError subclasses.
     """
 
-    def __init__(self, call: Any) -> None:
-        self._call = call
-        self._done = False
-        self._cancelled = False
+    def __init__(self, stream: AsyncChunkStream, loop: LoopThread) -> None:
+        self._stream = stream
+        self._loop = loop
+        self._ended = False
 
     def __next__(self) -> Chunk:
-        if self._done:
+        if self._ended:
             raise StopIteration
         try:
-            response = next(self._call)
-        except StopIteration:
-            self._done = True
-            raise
-        except grpc.RpcError as exc:
-            self._done = True
-            if self._cancelled:
-                raise StopIteration from None
-            raise error_from_rpc(exc) from None
-        return convert.chunk_from_response(response)
+            return self._loop.run(self._stream.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
+        except CancelledError:
+            # The client was closed under the stream (grpc's own words for it).
+            self._ended = True
+            raise RequestCancelledError(
+                grpc.StatusCode.CANCELLED, "Stream removed (Channel closed!)"
+            ) from None
 
     def cancel(self) -> None:
         """Cancel the RPC if it is still running; later iteration ends the stream."""
-        if not self._done:
-            self._cancelled = True
-            self._done = True
-            self._call.cancel()
+        self._ended = True
+        # Ordered before any later `__next__`: both go through the loop's one queue.
+        self._loop.call_soon(self._stream.cancel)
 
     close = cancel
 
@@ -66,7 +58,7 @@ class ChunkStream(Iterator[Chunk]):
         self.cancel()
 
     def __del__(self) -> None:
-        if hasattr(self, "_call"):
+        if hasattr(self, "_loop"):
             self.cancel()
 
 
@@ -75,7 +67,8 @@ class Client:
 
     `timeout_s` is the deadline of every call, a whole stream included (None: no deadline).
     `api_key` is sent as `authorization: Bearer <key>`; `tls_root_cert` (PEM) turns on TLS.
-    Thread-safe; close it (or use it as a context manager) to release the channel.
+    Thread-safe: every call runs on the client's own event loop thread, which owns the channel
+    (an `AsyncClient`). Close it (or use it as a context manager) to release both.
     """
 
     def __init__(
@@ -86,26 +79,22 @@ class Client:
         tls_root_cert: bytes | None = None,
         timeout_s: float | None = None,
     ) -> None:
-        self._settings = ConnectionSettings(target, api_key, tls_root_cert, timeout_s)
-        credentials = self._settings.credentials
-        options = list(CHANNEL_OPTIONS)
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=options)
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=options)
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._client = AsyncClient(
+            target, api_key=api_key, tls_root_cert=tls_root_cert, timeout_s=timeout_s
+        )
+        self._loop = LoopThread("pagoda client")
+        # A client dropped without close() still stops its thread, as a dropped channel closes.
+        self._close = weakref.finalize(self, _close, self._loop, self._client)
 
     @property
     def target(self) -> str:
-        return self._settings.target
+        return self._client.target
 
     def generate(
         self, prompt: str | Sequence[int], **options: Unpack[GenerationOptions]
     ) -> ChunkStream:
         """Stream the generation for a text prompt or a list of prompt token ids."""
-        request = convert.generate_request(prompt, **options)
-        return ChunkStream(self._stub.Generate(request, **self._call_kwargs()))
+        return self._open(lambda: self._client.generate(prompt, **options))
 
     def chat(
         self,
@@ -113,57 +102,29 @@ class Client:
         **options: Unpack[GenerationOptions],
     ) -> ChunkStream:
         """Stream the assistant's answer to `messages` ({"role", "content"} dicts or pairs)."""
-        request = convert.chat_request(messages, **options)
-        return ChunkStream(self._stub.Chat(request, **self._call_kwargs()))
+        return self._open(lambda: self._client.chat(messages, **options))
 
     def complete(
         self, prompt: str | Sequence[int], **options: Unpack[GenerationOptions]
     ) -> Completion:
         """Generate and wait for the whole text."""
-        with self.generate(prompt, **options) as stream:
-            return convert.join_chunks(stream)
+        return self._loop.run(self._client.complete(prompt, **options))
 
     def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        request = convert.tokenize_request(text, add_special_tokens=add_special_tokens)
-        return convert.token_ids_from_response(self._unary(self._stub.Tokenize, request))
+        return self._loop.run(self._client.tokenize(text, add_special_tokens=add_special_tokens))
 
     def model_info(self) -> ModelInfo:
-        response = self._unary(self._stub.GetModelInfo, generation_pb2.ModelInfoRequest())
-        return convert.model_info_from_proto(response)
+        return self._loop.run(self._client.model_info())
 
     def server_stats(self) -> ServerStats:
-        response = self._unary(self._stub.GetServerStats, generation_pb2.ServerStatsRequest())
-        return convert.server_stats_from_proto(response)
+        return self._loop.run(self._client.server_stats())
 
     def wait_ready(self, timeout_s: float) -> None:
         """Return once grpc.health.v1 reports SERVING; DeadlineExceededError after timeout_s."""
-        deadline = time.monotonic() + timeout_s
-        last_seen = "no answer"
-        while True:
-            remaining_s = deadline - time.monotonic()
-            if remaining_s <= 0:
-                raise DeadlineExceededError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"the server at {self.target} was not SERVING within {timeout_s:g} s "
-                    f"(last seen: {last_seen})",
-                )
-            try:
-                response = self._health.Check(
-                    health_pb2.HealthCheckRequest(service=""),
-                    timeout=min(remaining_s, READY_CHECK_TIMEOUT_S),
-                    metadata=self._settings.metadata,
-                    wait_for_ready=True,
-                )
-            except grpc.RpcError as exc:
-                last_seen = str(error_from_rpc(exc))
-            else:
-                if response.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                last_seen = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-            time.sleep(min(READY_POLL_INTERVAL_S, max(deadline - time.monotonic(), 0)))
+        self._loop.run(self._client.wait_ready(timeout_s))
 
     def close(self) -> None:
-        self._channel.close()
+        self._close()
 
     def __enter__(self) -> Client:
         return self
@@ -171,11 +132,14 @@ class Client:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _call_kwargs(self) -> dict[str, Any]:
-        return {"metadata": self._settings.metadata, "timeout": self._settings.timeout_s}
+    def _open(self, open_stream: Callable[[], AsyncChunkStream]) -> ChunkStream:
+        """Start a stream on the loop: a grpc.aio call belongs to the loop it starts in."""
 
-    def _unary(self, method: Any, request: Any) -> Any:
-        try:
-            return method(request, **self._call_kwargs())
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from None
+        async def opened() -> AsyncChunkStream:
+            return open_stream()
+
+        return ChunkStream(self._loop.run(opened()), self._loop)
+
+
+def _close(loop: LoopThread, client: AsyncClient) -> None:
+    loop.stop(client.close())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from pagoda.gpu_worker import paged_attention
@@ -27,6 +28,9 @@ from pagoda.gpu_worker.ragged_batch import build_ragged_batch
 from pagoda.gpu_worker.sampler import SampleRow, sample
 from pagoda.gpu_worker.sequence_table import ScheduledChunk
 from pagoda.gpu_worker.token_counts import TokenCounts, has_penalty
+
+if TYPE_CHECKING:
+    from pagoda.gpu_worker.tensor_parallel import GroupSampling
 
 log = logging.getLogger("pagoda.worker.engine")
 
@@ -47,8 +51,11 @@ def max_positions_of(model) -> int:
 
 
 class PagedEngine(Engine):
-    samples = True  # False on tensor-parallel ranks but 0: they take rank 0's tokens
-    """Executes step plans on one model and one KV pool. Called only from the step loop."""
+    """Executes step plans on one model and one KV pool. Called only from the step loop.
+
+    On a tensor-parallel rank `group_sampling` (set by tensor_parallel.join_engine) runs
+    each step's forward and says who samples: rank 0 alone, which shares its tokens.
+    """
 
     def __init__(
         self,
@@ -100,6 +107,7 @@ class PagedEngine(Engine):
         max_blocks_per_seq = -(-facts.max_context_tokens // block_size)
         self.block_tables = BlockTables(max_blocks_per_seq, self.device)
         self.decode_graphs: DecodeGraphs | None = None
+        self.group_sampling: GroupSampling | None = None  # one device: None
         if graphs:  # captured by load_engine, before the hello
             self.decode_graphs = DecodeGraphs(self, scratch_block=num_kv_blocks)
 
@@ -107,13 +115,19 @@ class PagedEngine(Engine):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    @torch.inference_mode()
     def compute(self, chunks: list[ScheduledChunk]) -> SampledTokens:
+        if self.group_sampling is None:
+            return self.forward_and_sample(chunks, samples=True)
+        return self.group_sampling.compute(chunks, self.forward_and_sample)
+
+    @torch.inference_mode()
+    def forward_and_sample(self, chunks: list[ScheduledChunk], *, samples: bool) -> SampledTokens:
+        """The forward over `chunks`, then their sampling when `samples` (else no token ids)."""
         started_s = time.perf_counter()
         self.token_counts.update(chunks, self.table)
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(chunks):
-            return self._sample(graphs.run(chunks), chunks, started_s)
+            return self._sample(graphs.run(chunks), chunks, started_s, samples)
         rows_of = self.block_tables.update(chunks, self.table)
         batch = build_ragged_batch(
             chunks, self.block_size, self.device, (self.block_tables.table, rows_of)
@@ -128,10 +142,14 @@ class PagedEngine(Engine):
             kv_pool=self.pool,
             attention_backend=self.attention_backend,
         ).logits[0]
-        return self._sample(logits, batch.sample_chunks, started_s)
+        return self._sample(logits, batch.sample_chunks, started_s, samples)
 
     def _sample(
-        self, logits: torch.Tensor, sample_chunks: list[ScheduledChunk], started_s: float
+        self,
+        logits: torch.Tensor,
+        sample_chunks: list[ScheduledChunk],
+        started_s: float,
+        samples: bool,
     ) -> SampledTokens:
         """Sample the rows of `logits` (one per chunk of `sample_chunks`, in order)."""
         self._synchronize()
@@ -158,7 +176,7 @@ class PagedEngine(Engine):
                     for c in sample_chunks
                 ),
             )
-        output = sample(logits, rows, counts) if rows and self.samples else None
+        output = sample(logits, rows, counts) if rows and samples else None
         sample_done_s = time.perf_counter()
         if output is None:
             return SampledTokens([], forward_ms=(forward_done_s - started_s) * 1e3)

@@ -51,16 +51,20 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
 from pagoda.gpu_worker.config import WorkerConfig
-from pagoda.gpu_worker.engine import Engine, one_line
+from pagoda.gpu_worker.engine import SampledTokens, one_line
 from pagoda.gpu_worker.kv_pool import TENSOR_PARALLEL_ATTRIBUTE
 from pagoda.gpu_worker.server import EXIT_GROUP_LOST, EXIT_OK, EXIT_REFUSED
 
 from pagoda.common import step_codec, wire
+
+if TYPE_CHECKING:
+    from pagoda.gpu_worker.paged_engine import PagedEngine
+    from pagoda.gpu_worker.sequence_table import ScheduledChunk
 
 log = logging.getLogger("pagoda.worker.tensor_parallel")
 
@@ -74,6 +78,13 @@ REPLICATED_STYLES = frozenset({"replicated_with_grad_allreduce"})
 GROUP_TIMEOUT_S = 1800
 KEEPALIVE_INTERVAL_S = 5.0
 CHILD_JOIN_TIMEOUT_S = 30.0
+
+
+class ForwardAndSample(Protocol):
+    """PagedEngine.forward_and_sample: the forward, then the sampling when `samples`."""
+
+    def __call__(self, chunks: list[ScheduledChunk], *, samples: bool) -> SampledTokens: ...
+
 
 # What rank 0 broadcasts, the header's first element.
 KEEPALIVE, PLAN, RESET, STOP = 0, 1, 2, 3
@@ -435,44 +446,56 @@ class GroupLeader:
 # -- ranks 1..N-1 ---------------------------------------------------------------------------
 
 
-def join_engine(engine: Engine, group: Group) -> Engine:
-    """Make `engine` this rank's part of the group's steps: ranks but 0 skip sampling
-    (PagedEngine.samples) and take rank 0's tokens instead, which rank 0 broadcasts after
-    sampling; every rank's sequence table thus records the same sampled tokens (a later
-    plan may feed them as placeholders). Returns the engine."""
-    forward_and_sample = engine.compute
+class GroupSampling:
+    """A rank's share of every step (PagedEngine.group_sampling): every rank runs the
+    forward, only rank 0 samples, and it broadcasts the sampled token ids, which the other
+    ranks take as theirs; every rank's sequence table thus records the same tokens (a later
+    plan may feed them as placeholders)."""
 
-    def leader_compute(chunks):
+    def __init__(self, group: Group) -> None:
+        self.group = group
+
+    def compute(
+        self, chunks: list[ScheduledChunk], forward_and_sample: ForwardAndSample
+    ) -> SampledTokens:
+        if self.group.rank == 0:
+            return self._sample_and_share(chunks, forward_and_sample)
+        return self._take_rank_0s(chunks, forward_and_sample)
+
+    def _sample_and_share(
+        self, chunks: list[ScheduledChunk], forward_and_sample: ForwardAndSample
+    ) -> SampledTokens:
         samples = any(chunk.sample for chunk in chunks)
         try:
-            sampled = forward_and_sample(chunks)
+            sampled = forward_and_sample(chunks, samples=True)
         except Exception:
             if samples:  # the others wait for this step's tokens: tell them there are none
-                group.broadcast_message(SAMPLING_FAILED)
+                self.group.broadcast_message(SAMPLING_FAILED)
             raise
         if samples:
             tokens = torch.tensor(sampled.token_ids, dtype=torch.int64)
-            group.broadcast_message(SAMPLED, tokens.numpy().tobytes())
+            self.group.broadcast_message(SAMPLED, tokens.numpy().tobytes())
         return sampled
 
-    def follower_compute(chunks):
-        sampled = forward_and_sample(chunks)  # the forward alone (samples is False)
+    def _take_rank_0s(
+        self, chunks: list[ScheduledChunk], forward_and_sample: ForwardAndSample
+    ) -> SampledTokens:
+        sampled = forward_and_sample(chunks, samples=False)
         if any(chunk.sample for chunk in chunks):
-            kind, payload = group.receive_message()
+            kind, payload = self.group.receive_message()
             if kind != SAMPLED:
                 raise RuntimeError("rank 0 sampled nothing in this step")
             sampled.token_ids = torch.frombuffer(bytearray(payload), dtype=torch.int64).tolist()
         return sampled
 
-    if group.rank == 0:
-        engine.compute = leader_compute
-    else:
-        engine.samples = False
-        engine.compute = follower_compute
+
+def join_engine(engine: PagedEngine, group: Group) -> PagedEngine:
+    """Make `engine` this rank's part of the group's steps (see GroupSampling); returns it."""
+    engine.group_sampling = GroupSampling(group)
     return engine
 
 
-def follow(engine: Engine, group: Group) -> int:
+def follow(engine: PagedEngine, group: Group) -> int:
     """Run every plan rank 0 broadcasts (see join_engine) until STOP (EXIT_OK) or the
     group breaks (EXIT_GROUP_LOST)."""
     join_engine(engine, group)

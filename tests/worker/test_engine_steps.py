@@ -131,3 +131,9 @@ def test_forget_after_the_forward_and_plans_without_tokens(llama_models):
     assert 1 not in engine.table
     empty = run_plan(engine, step_pb2.StepPlan(step_id=2, forget_seq_ids=[1, 42]))
     assert not empty.step_error and not empty.seq_ids and empty.num_tokens == 0
+
+
+def test_the_paged_engine_keeps_its_docstring():
+    from pagoda.gpu_worker.paged_engine import PagedEngine
+
+    assert PagedEngine.__doc__.startswith("Executes step plans on one model and one KV pool.")

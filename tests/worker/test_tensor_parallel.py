@@ -144,6 +144,72 @@ def test_the_server_forwards_plans_and_resets_and_exits_when_the_group_is_lost(t
         server._socket.close(linger=0)
 
 
+# -- one rank's share of a step (no collectives: a fake group records them) -----------------
+
+
+class RecordingGroup:
+    """What one rank sees of its group: records its broadcasts, hands out `incoming`."""
+
+    def __init__(self, rank: int, incoming: list[tuple[int, bytes]] = ()) -> None:
+        self.rank = rank
+        self.sent: list[tuple[int, bytes]] = []
+        self.incoming = list(incoming)
+
+    def broadcast_message(self, kind: int, payload: bytes = b"") -> None:
+        self.sent.append((kind, payload))
+
+    def receive_message(self) -> tuple[int, bytes]:
+        return self.incoming.pop(0)
+
+
+def int64_bytes(token_ids: list[int]) -> bytes:
+    return torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes()
+
+
+def generate(engine, prompt: list[int], num_new_tokens: int) -> list[int]:
+    scheduler = toy_scheduler.ToyScheduler(
+        engine, num_blocks=TEST_NUM_BLOCKS, block_size=TEST_BLOCK_SIZE
+    )
+    scheduler.add(0, prompt)
+    return scheduler.run(num_new_tokens)[0]
+
+
+def test_joining_the_group_replaces_no_method_of_the_engine(llama_models):
+    for rank in (0, 1):
+        engine = llama_models.engine()
+        tensor_parallel.join_engine(engine, RecordingGroup(rank))
+        methods = [name for name in vars(engine) if callable(getattr(type(engine), name, None))]
+        assert methods == []
+
+
+def test_rank_0_broadcasts_its_tokens_and_the_others_record_them(llama_models):
+    prompt = random_prompts(1, seed=3)[0]
+    group = RecordingGroup(rank=0)
+    tokens = generate(tensor_parallel.join_engine(llama_models.engine(), group), prompt, 4)
+    assert tokens == llama_models.greedy(prompt, 4)
+    assert group.sent == [(tensor_parallel.SAMPLED, int64_bytes([t])) for t in tokens]
+
+    sent_by_rank_0 = [(tensor_parallel.SAMPLED, int64_bytes([7]))] * 4
+    follower = tensor_parallel.join_engine(llama_models.engine(), RecordingGroup(1, sent_by_rank_0))
+    assert generate(follower, prompt, 4) == [7, 7, 7, 7]
+
+
+def test_rank_0_tells_the_others_when_its_step_fails(llama_models):
+    def broken_model(**kwargs):
+        raise RuntimeError("out of memory")
+
+    group = RecordingGroup(rank=0)
+    engine = tensor_parallel.join_engine(llama_models.engine(), group)
+    engine.model = broken_model
+    scheduler = toy_scheduler.ToyScheduler(
+        engine, num_blocks=TEST_NUM_BLOCKS, block_size=TEST_BLOCK_SIZE
+    )
+    scheduler.add(0, [5, 6, 7])
+    with pytest.raises(AssertionError, match="out of memory"):  # the toy's check of the result
+        scheduler.step(lambda job: False)
+    assert group.sent == [(tensor_parallel.SAMPLING_FAILED, b"")]
+
+
 # -- two ranks --------------------------------------------------------------------------------
 
 PARITY_ARCHITECTURES = ("llama", "qwen2")  # GQA; biased q/k/v (column-sliced biases)

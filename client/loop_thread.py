@@ -1,0 +1,87 @@
+"""An asyncio event loop on a thread of its own, so that blocking code can await coroutines."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """A private event loop running on a daemon thread until `stop()`.
+
+    `run` and `call_soon` may be called from any number of threads at once; `run` must not be
+    called from the loop's own thread (it would wait for itself). Everything the loop owns
+    (here: one grpc.aio channel and its calls) is touched only on that thread.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        # Guards `_stopped` against a `run` that schedules work after `stop` stopped the loop.
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._last: Coroutine[Any, Any, object] | None = None
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run `coroutine` on the loop and return its result or raise its exception.
+
+        Anything that interrupts the wait (KeyboardInterrupt) cancels the coroutine's task
+        before it propagates, so an RPC it awaits is cancelled too.
+        """
+        with self._lock:
+            if self._stopped:
+                coroutine.close()
+                # The type grpc raises for a call on a closed channel.
+                raise ValueError(f"{self._thread.name} is closed")
+            future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    def call_soon(self, callback: Callable[[], object]) -> bool:
+        """Schedule `callback` on the loop without waiting; False once the loop is stopped."""
+        with self._lock:
+            if self._stopped:
+                return False
+            self._loop.call_soon_threadsafe(callback)
+            return True
+
+    def stop(self, last: Coroutine[Any, Any, object] | None = None) -> None:
+        """Stop the loop and join its thread; idempotent, and safe from the loop's own thread.
+
+        Tasks still pending are cancelled and awaited, then `last` (e.g. closing a channel)
+        runs, then the loop closes.
+        """
+        with self._lock:
+            if self._stopped:
+                if last is not None:
+                    last.close()
+                return
+            self._stopped = True
+            self._last = last
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            pending = asyncio.all_tasks(self._loop)
+            for task in pending:
+                task.cancel()
+            try:
+                self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                if self._last is not None:
+                    self._loop.run_until_complete(self._last)
+                self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            finally:
+                self._loop.close()
