@@ -1,11 +1,12 @@
 """pagoda.common.step <-> protos/step.proto, both ways, for both processes.
 
-A dataclass field and the message field of the same name are copied as they are (lists
-for repeated fields, tuples into the frozen SamplingParams), so a new plan column or a
-new sampling knob needs no edit here. What is not a plain copy is written out: the new
-sequences and their sampling, the result's errors, "" meaning no step_error, and on the
-way into a worker the clamping of sampling values it cannot trust. Besides the servicer
-and the client converter, the only module that touches step_pb2's plans and results.
+A dataclass field and the message field of the same name (a scalar, bytes or a repeated
+scalar) are copied as they are: lists for repeated fields, tuples into the frozen
+SamplingParams. So a new plan column or sampling knob needs no edit here. Written out are
+the rest: the new sequences and their sampling, the result's errors, "" for no step_error,
+the hello, and on the way into a worker the clamping of sampling values it cannot trust.
+The only module that builds step_pb2 plans, results and hellos or turns them into the
+schema's dataclasses (worker_link, the step loop and the worker's server pass them along).
 """
 
 from __future__ import annotations
