@@ -1,9 +1,11 @@
-"""The worker's view of live sequences, and admitting a StepPlan as validated chunks.
+"""The worker's view of live sequences, and admitting a StepPlan: validated, still columns.
 
 The scheduler owns the truth; the worker keeps, per live sequence, only what a step
 needs: the block table (append-only, grown from plan deltas), the sampling
-parameters, and the token at every position fed so far (for penalties). Imports no
-torch, so the weightless dummy engine validates plans with the very same code.
+parameters, and the token at every position fed so far (for penalties). Admitting a
+plan returns it as the same column-wise StepPlan (refused rows dropped, placeholders
+filled in), so every consumer reads columns and looks sequences up here by seq_id.
+Imports no torch, so the weightless dummy engine validates plans with the very same code.
 """
 
 from __future__ import annotations
@@ -26,39 +28,6 @@ class Sequence:
     # that feeds it as a placeholder (StepPlan.last_sampled_rows).
     last_sampled_token_id: int = -1
     last_sampled_position: int = -1
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    """Tokens one sequence feeds in one step, at positions [start_position, end_position)."""
-
-    seq: Sequence
-    start_position: int
-    token_ids: list[int]
-    sample: bool
-    # Structured output: the allowed tokens of the sampled one (StepPlan's bitmask row).
-    allowed_token_mask: bytes | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def end_position(self) -> int:
-        """Position of the token sampled after this chunk (if it samples)."""
-        return self.start_position + len(self.token_ids)
-
-
-@dataclass(slots=True)
-class AdmittedPlan:
-    step_id: int
-    chunks: list[ScheduledChunk]  # the valid entries, in plan order
-    refusals: list[SequenceError]
-    forget_seq_ids: list[int]  # dropped after the forward
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(chunk.num_tokens for chunk in self.chunks)
 
 
 class SequenceTable:
@@ -89,6 +58,10 @@ class SequenceTable:
     def get(self, seq_id: int) -> Sequence | None:
         return self._sequences.get(seq_id)
 
+    def sequences_of(self, seq_ids: list[int]) -> list[Sequence]:
+        """The live sequence of each id, in order (an admitted plan's rows: all live)."""
+        return list(map(self._sequences.__getitem__, seq_ids))
+
     def forget(self, seq_ids) -> None:
         for seq_id in seq_ids:
             self._sequences.pop(seq_id, None)
@@ -96,16 +69,18 @@ class SequenceTable:
     def clear(self) -> None:
         self._sequences.clear()
 
-    def admit(self, plan: StepPlan) -> AdmittedPlan:
-        """Register new sequences, apply block deltas and fed tokens; refuse bad entries.
+    def admit(self, plan: StepPlan) -> tuple[StepPlan, list[SequenceError]]:
+        """Register new sequences, apply block deltas and fed tokens; refuse bad rows.
 
-        A refused entry samples nothing and its sequence is forgotten (its block table
-        would no longer match the scheduler's); every other entry runs. Raises
-        PlanError when the columns themselves are inconsistent.
+        Returns the plan to run and the refusals. The plan is `plan` itself when every
+        row is valid and none is a placeholder; otherwise a copy without the refused
+        rows (allowed_token_rows renumbered) and with each last_sampled row's token in
+        token_ids (its last_sampled_rows then empty). A refused row samples nothing and
+        its sequence is forgotten (its block table would no longer match the
+        scheduler's). Raises PlanError when the columns themselves are inconsistent.
         """
         seq_ids = plan.seq_ids
         start_positions = plan.start_positions
-        samples = plan.sample
         token_offsets = plan.token_offsets
         token_ids = plan.token_ids
         block_offsets = plan.block_offsets
@@ -113,19 +88,20 @@ class SequenceTable:
         check_columns(
             num_entries=len(seq_ids),
             start_positions=start_positions,
-            sample=samples,
+            sample=plan.sample,
             token_offsets=token_offsets,
             num_token_ids=len(token_ids),
             block_offsets=block_offsets,
             num_block_ids=len(block_ids),
         )
-
-        refusals: list[SequenceError] = []
-        refused: set[int] = set()
         last_sampled_rows = set(plan.last_sampled_rows)
         if last_sampled_rows and not all(0 <= row < len(seq_ids) for row in last_sampled_rows):
             raise PlanError("last_sampled_rows names a row the plan does not have")
-        masks = self._allowed_token_masks(plan) if plan.allowed_token_rows else {}
+        if plan.allowed_token_rows:
+            self._check_allowed_token_rows(plan)
+
+        refusals: list[SequenceError] = []
+        refused: set[int] = set()
 
         def refuse(seq_id: int, message: str) -> None:
             refusals.append(SequenceError(seq_id, message))
@@ -133,19 +109,11 @@ class SequenceTable:
             self._sequences.pop(seq_id, None)
 
         for new in plan.new_sequences:
-            problem = self._check_tokens(new.cached_token_ids)
+            problem = self._new_sequence_problem(new.cached_token_ids, new.sampling)
             if problem:
-                refuse(new.seq_id, f"cached_token_ids: {problem}")
+                refuse(new.seq_id, problem)
                 continue
             sampling = new.sampling
-            bad = [t for t in sampling.min_tokens_banned_ids if t >= self.vocab_size]
-            if bad:  # the sampler would index the logits with it
-                refuse(new.seq_id, f"min_tokens_banned_ids: token id {bad[0]} out of range")
-                continue
-            problem = _logit_bias_problem(sampling, self.vocab_size)
-            if problem:
-                refuse(new.seq_id, f"logit_bias: {problem}")
-                continue
             if sampling.num_logprobs > self.max_logprobs:
                 sampling = replace(sampling, num_logprobs=self.max_logprobs)
             # A new sequence with a live id replaces it (the scheduler reused the id).
@@ -156,47 +124,71 @@ class SequenceTable:
                 token_ids=list(new.cached_token_ids),
             )
 
-        chunks: list[ScheduledChunk] = []
+        # The fed tokens, placeholders filled in (a copy: the caller's plan is not written).
+        fed_ids = list(token_ids) if last_sampled_rows else token_ids
+        # Ids out of range are rare: when there are none, a row is checked with a few
+        # comparisons and _entry_problem (the messages) runs only for a row that fails one.
+        ids_in_range = (not token_ids or max(token_ids) < self.vocab_size) and (
+            not block_ids or max(block_ids) < self.num_kv_blocks
+        )
+        sequences = self._sequences
+        block_size = self.block_size
+        max_context_tokens = self.max_context_tokens
         scheduled: set[int] = set()
         for i, seq_id in enumerate(seq_ids):
             if seq_id in refused:
                 continue  # already reported once
             if seq_id in scheduled:
                 refuse(seq_id, f"sequence {seq_id} appears twice in the plan")
-                chunks = [chunk for chunk in chunks if chunk.seq.seq_id != seq_id]
-                continue
+                continue  # its earlier row is dropped with it
             scheduled.add(seq_id)
-            fed = token_ids[token_offsets[i] : token_offsets[i + 1]]
-            new_blocks = block_ids[block_offsets[i] : block_offsets[i + 1]]
-            seq = self._sequences.get(seq_id)
-            if i in last_sampled_rows:
-                problem = _last_sampled_problem(seq, seq_id, start_positions[i], fed)
+            start = start_positions[i]
+            first, last = token_offsets[i], token_offsets[i + 1]
+            first_block, last_block = block_offsets[i], block_offsets[i + 1]
+            seq = sequences.get(seq_id)
+            placeholder = i in last_sampled_rows
+            if placeholder:
+                problem = _last_sampled_problem(seq, seq_id, start, last - first)
                 if problem:
                     refuse(seq_id, problem)
                     continue
-                fed = [seq.last_sampled_token_id]
-            problem = self._check_entry(seq, seq_id, start_positions[i], fed, new_blocks)
-            if problem:
-                refuse(seq_id, problem)
-                continue
-            assert seq is not None
-            seq.block_ids.extend(new_blocks)
-            # Truncate then extend: a rewound start position (recompute) overwrites history.
-            del seq.token_ids[start_positions[i] :]
-            seq.token_ids.extend(fed)
-            chunks.append(ScheduledChunk(seq, start_positions[i], fed, samples[i], masks.get(i)))
+                fed_ids[first] = seq.last_sampled_token_id
+            end = start + last - first
+            if (
+                not ids_in_range
+                or seq is None
+                or last == first
+                or end > max_context_tokens
+                or not 0 <= start <= len(seq.token_ids)
+                or end > (len(seq.block_ids) + last_block - first_block) * block_size
+                or (placeholder and fed_ids[first] >= self.vocab_size)
+            ):
+                problem = self._entry_problem(
+                    seq, seq_id, start, fed_ids[first:last], block_ids[first_block:last_block]
+                )
+                if problem:
+                    refuse(seq_id, problem)
+                    continue
+            if last_block > first_block:
+                seq.block_ids.extend(block_ids[first_block:last_block])
+            history = seq.token_ids
+            if last - first == 1 and start == len(history):
+                history.append(fed_ids[first])
+            else:
+                # Truncate then extend: a rewound start position (recompute) overwrites history.
+                del history[start:]
+                history.extend(fed_ids[first:last])
 
-        return AdmittedPlan(
-            step_id=plan.step_id,
-            chunks=chunks,
-            refusals=refusals,
-            forget_seq_ids=plan.forget_seq_ids,
-        )
+        if refused:
+            return _without_rows(plan, fed_ids, refused), refusals
+        if last_sampled_rows:
+            return replace(plan, token_ids=fed_ids, last_sampled_rows=[]), refusals
+        return plan, refusals
 
-    def _allowed_token_masks(self, plan: StepPlan) -> dict[int, bytes]:
-        """Row index -> its allowed-token bitmask; PlanError when the columns disagree."""
+    def _check_allowed_token_rows(self, plan: StepPlan) -> None:
+        """PlanError when the allowed-token columns disagree with each other or the plan."""
         rows = plan.allowed_token_rows
-        num_bytes = (self.vocab_size + 31) // 32 * 4
+        num_bytes = allowed_token_mask_bytes(self.vocab_size)
         if len(plan.allowed_token_bitmask) != len(rows) * num_bytes:
             raise PlanError(
                 f"allowed_token_bitmask holds {len(plan.allowed_token_bitmask)} bytes for "
@@ -208,17 +200,30 @@ class SequenceTable:
             raise PlanError("allowed_token_rows must be ascending rows of the plan")
         if not all(plan.sample[row] for row in rows):
             raise PlanError("allowed_token_rows names a row that does not sample")
-        bitmask = plan.allowed_token_bitmask
-        return {row: bitmask[k * num_bytes : (k + 1) * num_bytes] for k, row in enumerate(rows)}
 
-    @staticmethod
-    def record_sampled(chunks: list[ScheduledChunk], token_ids: list[int]) -> None:
-        """The tokens sampled by the chunks that sample (in order), for the next plans."""
-        sampling = [chunk for chunk in chunks if chunk.sample]
-        for chunk, token_id in zip(sampling, token_ids, strict=True):
-            seq = chunk.seq
+    def record_sampled(self, plan: StepPlan, token_ids: list[int]) -> None:
+        """The tokens sampled by an admitted plan's rows that sample (in order), for the
+        next plans."""
+        sequences = self._sequences
+        offsets = plan.token_offsets
+        starts = plan.start_positions
+        rows = [i for i, sample in enumerate(plan.sample) if sample]
+        for i, token_id in zip(rows, token_ids, strict=True):
+            seq = sequences[plan.seq_ids[i]]
             seq.last_sampled_token_id = token_id
-            seq.last_sampled_position = chunk.end_position
+            seq.last_sampled_position = starts[i] + offsets[i + 1] - offsets[i]
+
+    def _new_sequence_problem(self, cached_token_ids, sampling: SamplingParams) -> str | None:
+        problem = self._check_tokens(cached_token_ids)
+        if problem:
+            return f"cached_token_ids: {problem}"
+        bad = [t for t in sampling.min_tokens_banned_ids if t >= self.vocab_size]
+        if bad:  # the sampler would index the logits with it
+            return f"min_tokens_banned_ids: token id {bad[0]} out of range"
+        problem = _logit_bias_problem(sampling, self.vocab_size)
+        if problem:
+            return f"logit_bias: {problem}"
+        return None
 
     def _check_tokens(self, token_ids) -> str | None:
         bad = [t for t in token_ids if t >= self.vocab_size]
@@ -228,7 +233,7 @@ class SequenceTable:
             return f"{len(token_ids)} tokens exceed the context of {self.max_context_tokens}"
         return None
 
-    def _check_entry(
+    def _entry_problem(
         self,
         seq: Sequence | None,
         seq_id: int,
@@ -236,6 +241,7 @@ class SequenceTable:
         fed: list[int],
         new_blocks: list[int],
     ) -> str | None:
+        """Why a row cannot run (the first problem, in this order), or None."""
         if seq is None:
             return f"unknown sequence {seq_id}: neither live nor new in this plan"
         bad_blocks = [b for b in new_blocks if b >= self.num_kv_blocks]
@@ -265,14 +271,62 @@ class SequenceTable:
         return None
 
 
+def allowed_token_mask_bytes(vocab_size: int) -> int:
+    """Bytes of one row's allowed-token bitmask: ceil(vocab / 32) 32-bit words."""
+    return (vocab_size + 31) // 32 * 4
+
+
+def allowed_token_masks(plan: StepPlan, vocab_size: int) -> dict[int, bytes]:
+    """Row -> its allowed-token bitmask, for an admitted plan's constrained rows."""
+    num_bytes = allowed_token_mask_bytes(vocab_size)
+    bitmask = plan.allowed_token_bitmask
+    return {
+        row: bitmask[k * num_bytes : (k + 1) * num_bytes]
+        for k, row in enumerate(plan.allowed_token_rows)
+    }
+
+
+def _without_rows(plan: StepPlan, fed_ids: list[int], refused: set[int]) -> StepPlan:
+    """A copy of `plan` without the rows of `refused` sequences; token_ids from `fed_ids`
+    (placeholders filled in)."""
+    kept = [i for i, seq_id in enumerate(plan.seq_ids) if seq_id not in refused]
+    token_offsets, block_offsets = plan.token_offsets, plan.block_offsets
+    valid = StepPlan(
+        step_id=plan.step_id,
+        new_sequences=[new for new in plan.new_sequences if new.seq_id not in refused],
+        seq_ids=[plan.seq_ids[i] for i in kept],
+        start_positions=[plan.start_positions[i] for i in kept],
+        sample=[plan.sample[i] for i in kept],
+        token_offsets=[0] if kept else [],
+        block_offsets=[0] if kept else [],
+        forget_seq_ids=plan.forget_seq_ids,
+    )
+    for i in kept:
+        valid.token_ids.extend(fed_ids[token_offsets[i] : token_offsets[i + 1]])
+        valid.token_offsets.append(len(valid.token_ids))
+        valid.block_ids.extend(plan.block_ids[block_offsets[i] : block_offsets[i + 1]])
+        valid.block_offsets.append(len(valid.block_ids))
+    rows = plan.allowed_token_rows
+    if rows:
+        num_bytes = len(plan.allowed_token_bitmask) // len(rows)  # admit checked the length
+        row_of = {i: k for k, i in enumerate(kept)}
+        bitmask = plan.allowed_token_bitmask
+        kept_masks = [(row_of[row], k) for k, row in enumerate(rows) if row in row_of]
+        valid.allowed_token_rows = [row for row, _ in kept_masks]
+        valid.allowed_token_bitmask = b"".join(
+            bitmask[k * num_bytes : (k + 1) * num_bytes] for _, k in kept_masks
+        )
+    return valid
+
+
 def _last_sampled_problem(
-    seq: Sequence | None, seq_id: int, start_position: int, fed: list[int]
+    seq: Sequence | None, seq_id: int, start_position: int, num_fed: int
 ) -> str | None:
     """Why a last_sampled row cannot take the sequence's last sampled token, or None."""
     if seq is None:
         return f"unknown sequence {seq_id}: neither live nor new in this plan"
-    if len(fed) != 1:
-        return f"sequence {seq_id} feeds {len(fed)} tokens in a last_sampled row (1 expected)"
+    if num_fed != 1:
+        return f"sequence {seq_id} feeds {num_fed} tokens in a last_sampled row (1 expected)"
     if seq.last_sampled_position < 0:
         return f"sequence {seq_id} has sampled no token to feed"
     if start_position != seq.last_sampled_position:

@@ -443,10 +443,10 @@ def join_engine(engine: Engine, group: Group) -> Engine:
     plan may feed them as placeholders). Returns the engine."""
     forward_and_sample = engine.compute
 
-    def leader_compute(chunks):
-        samples = any(chunk.sample for chunk in chunks)
+    def leader_compute(plan):
+        samples = any(plan.sample)
         try:
-            sampled = forward_and_sample(chunks)
+            sampled = forward_and_sample(plan)
         except Exception:
             if samples:  # the others wait for this step's tokens: tell them there are none
                 group.broadcast_message(SAMPLING_FAILED)
@@ -456,9 +456,9 @@ def join_engine(engine: Engine, group: Group) -> Engine:
             group.broadcast_message(SAMPLED, tokens.numpy().tobytes())
         return sampled
 
-    def follower_compute(chunks):
-        sampled = forward_and_sample(chunks)  # the forward alone (samples is False)
-        if any(chunk.sample for chunk in chunks):
+    def follower_compute(plan):
+        sampled = forward_and_sample(plan)  # the forward alone (samples is False)
+        if any(plan.sample):
             kind, payload = group.receive_message()
             if kind != SAMPLED:
                 raise RuntimeError("rank 0 sampled nothing in this step")

@@ -98,6 +98,6 @@ def test_the_sequence_table_refuses_malformed_columns(bias, phrase):
         block_offsets=[0, 1],
         block_ids=[0],
     )
-    admitted = table.admit(plan)
-    assert admitted.chunks == [] and 1 not in table
-    assert "logit_bias" in admitted.refusals[0].message and phrase in admitted.refusals[0].message
+    admitted, refusals = table.admit(plan)
+    assert admitted.seq_ids == [] and 1 not in table
+    assert "logit_bias" in refusals[0].message and phrase in refusals[0].message

@@ -116,10 +116,10 @@ def test_sequence_table_refuses_a_banned_id_outside_the_vocabulary():
         block_offsets=[0, 1],
         block_ids=[0],
     )
-    admitted = table.admit(plan)
-    assert admitted.chunks == []
-    assert [e.seq_id for e in admitted.refusals] == [1]
-    assert "min_tokens_banned_ids" in admitted.refusals[0].message
+    admitted, refusals = table.admit(plan)
+    assert admitted.seq_ids == []
+    assert [e.seq_id for e in refusals] == [1]
+    assert "min_tokens_banned_ids" in refusals[0].message
     assert 1 not in table
 
 
