@@ -92,10 +92,13 @@ def build_ragged_batch(
                 slots.append(block_ids[start // block_size] * block_size + start % block_size)
             else:
                 positions.extend(range(start, end))
-                slots.extend(
-                    block_ids[p // block_size] * block_size + p % block_size
-                    for p in range(start, end)
-                )
+                # One run of consecutive slots per block the row touches.
+                for index in range(start // block_size, (end - 1) // block_size + 1):
+                    first = index * block_size
+                    base = block_ids[index] * block_size - first
+                    slots.extend(
+                        range(base + max(start, first), base + min(end, first + block_size))
+                    )
             query_start_loc.append(len(input_ids))
             context_lens.append(end)
             packed_end[i] = len(input_ids) - 1
