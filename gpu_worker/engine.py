@@ -3,9 +3,9 @@
 An engine turns one plain StepPlan into one StepResult (pagoda.gpu_worker.step; the
 server's codec converts them to and from the wire). `Engine.step` admits the plan into
 the sequence table, runs the subclass's `compute` over the admitted plan (its valid
-rows, still columns), forgets what the plan says to forget, and packs the result; an exception in the compute becomes
-`step_error` and every sequence the plan named is forgotten. A subclass supplies only
-its facts and its compute. Imports no torch.
+rows, still columns), forgets what the plan says to forget, and packs the result; an
+exception in the compute becomes `step_error` and every sequence the plan named is
+forgotten. A subclass supplies only its facts and its compute. Imports no torch.
 """
 
 from __future__ import annotations
