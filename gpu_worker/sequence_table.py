@@ -12,6 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from pagoda.gpu_worker.refusals import (
+    check_allowed_token_rows,
+    last_sampled_problem,
+    new_sequence_problem,
+    row_problem,
+)
 from pagoda.gpu_worker.step import SamplingParams, SequenceError, StepPlan
 
 from pagoda.common.plan_check import PlanError, check_columns
@@ -98,7 +104,7 @@ class SequenceTable:
         if last_sampled_rows and not all(0 <= row < len(seq_ids) for row in last_sampled_rows):
             raise PlanError("last_sampled_rows names a row the plan does not have")
         if plan.allowed_token_rows:
-            self._check_allowed_token_rows(plan)
+            check_allowed_token_rows(plan, allowed_token_mask_bytes(self.vocab_size))
 
         refusals: list[SequenceError] = []
         refused: set[int] = set()
@@ -109,7 +115,7 @@ class SequenceTable:
             self._sequences.pop(seq_id, None)
 
         for new in plan.new_sequences:
-            problem = self._new_sequence_problem(new.cached_token_ids, new.sampling)
+            problem = new_sequence_problem(self, new.cached_token_ids, new.sampling)
             if problem:
                 refuse(new.seq_id, problem)
                 continue
@@ -127,7 +133,7 @@ class SequenceTable:
         # The fed tokens, placeholders filled in (a copy: the caller's plan is not written).
         fed_ids = list(token_ids) if last_sampled_rows else token_ids
         # Ids out of range are rare: when there are none, a row is checked with a few
-        # comparisons and _entry_problem (the messages) runs only for a row that fails one.
+        # comparisons, and row_problem (the sentences) runs only for one that fails.
         ids_in_range = (not token_ids or max(token_ids) < self.vocab_size) and (
             not block_ids or max(block_ids) < self.num_kv_blocks
         )
@@ -148,7 +154,7 @@ class SequenceTable:
             seq = sequences.get(seq_id)
             placeholder = i in last_sampled_rows
             if placeholder:
-                problem = _last_sampled_problem(seq, seq_id, start, last - first)
+                problem = last_sampled_problem(seq, seq_id, start, last - first)
                 if problem:
                     refuse(seq_id, problem)
                     continue
@@ -163,8 +169,8 @@ class SequenceTable:
                 or end > (len(seq.block_ids) + last_block - first_block) * block_size
                 or (placeholder and fed_ids[first] >= self.vocab_size)
             ):
-                problem = self._entry_problem(
-                    seq, seq_id, start, fed_ids[first:last], block_ids[first_block:last_block]
+                problem = row_problem(
+                    self, seq, seq_id, start, fed_ids[first:last], block_ids[first_block:last_block]
                 )
                 if problem:
                     refuse(seq_id, problem)
@@ -185,22 +191,6 @@ class SequenceTable:
             return replace(plan, token_ids=fed_ids, last_sampled_rows=[]), refusals
         return plan, refusals
 
-    def _check_allowed_token_rows(self, plan: StepPlan) -> None:
-        """PlanError when the allowed-token columns disagree with each other or the plan."""
-        rows = plan.allowed_token_rows
-        num_bytes = allowed_token_mask_bytes(self.vocab_size)
-        if len(plan.allowed_token_bitmask) != len(rows) * num_bytes:
-            raise PlanError(
-                f"allowed_token_bitmask holds {len(plan.allowed_token_bitmask)} bytes for "
-                f"{len(rows)} rows of {num_bytes}"
-            )
-        if any(b <= a for a, b in zip(rows, rows[1:], strict=False)) or not (
-            rows[0] >= 0 and rows[-1] < len(plan.seq_ids)
-        ):
-            raise PlanError("allowed_token_rows must be ascending rows of the plan")
-        if not all(plan.sample[row] for row in rows):
-            raise PlanError("allowed_token_rows names a row that does not sample")
-
     def record_sampled(self, plan: StepPlan, token_ids: list[int]) -> None:
         """The tokens sampled by an admitted plan's rows that sample (in order), for the
         next plans."""
@@ -212,63 +202,6 @@ class SequenceTable:
             seq = sequences[plan.seq_ids[i]]
             seq.last_sampled_token_id = token_id
             seq.last_sampled_position = starts[i] + offsets[i + 1] - offsets[i]
-
-    def _new_sequence_problem(self, cached_token_ids, sampling: SamplingParams) -> str | None:
-        problem = self._check_tokens(cached_token_ids)
-        if problem:
-            return f"cached_token_ids: {problem}"
-        bad = [t for t in sampling.min_tokens_banned_ids if t >= self.vocab_size]
-        if bad:  # the sampler would index the logits with it
-            return f"min_tokens_banned_ids: token id {bad[0]} out of range"
-        problem = _logit_bias_problem(sampling, self.vocab_size)
-        if problem:
-            return f"logit_bias: {problem}"
-        return None
-
-    def _check_tokens(self, token_ids) -> str | None:
-        bad = [t for t in token_ids if t >= self.vocab_size]
-        if bad:
-            return f"token id {bad[0]} out of range (vocabulary has {self.vocab_size} tokens)"
-        if len(token_ids) > self.max_context_tokens:
-            return f"{len(token_ids)} tokens exceed the context of {self.max_context_tokens}"
-        return None
-
-    def _entry_problem(
-        self,
-        seq: Sequence | None,
-        seq_id: int,
-        start_position: int,
-        fed: list[int],
-        new_blocks: list[int],
-    ) -> str | None:
-        """Why a row cannot run (the first problem, in this order), or None."""
-        if seq is None:
-            return f"unknown sequence {seq_id}: neither live nor new in this plan"
-        bad_blocks = [b for b in new_blocks if b >= self.num_kv_blocks]
-        if bad_blocks:
-            return (
-                f"block id {bad_blocks[0]} out of range (the pool has {self.num_kv_blocks} blocks)"
-            )
-        if not fed:
-            return f"sequence {seq_id} feeds no tokens"
-        problem = self._check_tokens(fed)
-        if problem:
-            return problem
-        if start_position > len(seq.token_ids):
-            return (
-                f"sequence {seq_id} starts at position {start_position} "
-                f"but only {len(seq.token_ids)} earlier tokens are known"
-            )
-        end_position = start_position + len(fed)
-        if end_position > self.max_context_tokens:
-            return f"positions up to {end_position} exceed the context of {self.max_context_tokens}"
-        num_covered = (len(seq.block_ids) + len(new_blocks)) * self.block_size
-        if end_position > num_covered:
-            return (
-                f"positions up to {end_position} are not covered by the block table "
-                f"({num_covered} slots)"
-            )
-        return None
 
 
 def allowed_token_mask_bytes(vocab_size: int) -> int:
@@ -317,33 +250,3 @@ def _without_rows(plan: StepPlan, fed_ids: list[int], refused: set[int]) -> Step
             bitmask[k * num_bytes : (k + 1) * num_bytes] for _, k in kept_masks
         )
     return valid
-
-
-def _last_sampled_problem(
-    seq: Sequence | None, seq_id: int, start_position: int, num_fed: int
-) -> str | None:
-    """Why a last_sampled row cannot take the sequence's last sampled token, or None."""
-    if seq is None:
-        return f"unknown sequence {seq_id}: neither live nor new in this plan"
-    if num_fed != 1:
-        return f"sequence {seq_id} feeds {num_fed} tokens in a last_sampled row (1 expected)"
-    if seq.last_sampled_position < 0:
-        return f"sequence {seq_id} has sampled no token to feed"
-    if start_position != seq.last_sampled_position:
-        return (
-            f"sequence {seq_id} feeds its last sampled token at position {start_position}, "
-            f"but that token belongs at {seq.last_sampled_position}"
-        )
-    return None
-
-
-def _logit_bias_problem(sampling: SamplingParams, vocab_size: int) -> str | None:
-    """Why a sequence's logit_bias columns cannot be applied (a sentence), or None."""
-    token_ids, values = sampling.logit_bias_token_ids, sampling.logit_bias_values
-    if len(token_ids) != len(values):
-        return f"{len(token_ids)} token ids for {len(values)} values"
-    if token_ids and max(token_ids) >= vocab_size:
-        return f"token id {max(token_ids)} out of range"
-    if len(set(token_ids)) != len(token_ids):
-        return "a token id is listed twice"
-    return None
