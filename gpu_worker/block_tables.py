@@ -12,7 +12,9 @@ which no backend reads (a row's keys end at its context length, padding is maske
 from __future__ import annotations
 
 import torch
-from pagoda.gpu_worker.sequence_table import ScheduledChunk, Sequence, SequenceTable
+from pagoda.gpu_worker.sequence_table import Sequence, SequenceTable
+
+from pagoda.common.step import StepPlan
 
 
 class BlockTables:
@@ -33,16 +35,15 @@ class BlockTables:
     def num_rows_in_use(self) -> int:
         return len(self._rows)
 
-    def update(self, chunks: list[ScheduledChunk], table: SequenceTable) -> dict[int, int]:
-        """Bring the chunks' sequences' rows up to date (one copy, one scatter); returns
-        each chunk's sequence's row, by seq_id."""
+    def update(self, plan: StepPlan, table: SequenceTable) -> dict[int, int]:
+        """Bring the rows of an admitted plan's sequences up to date (one copy, one
+        scatter); returns each one's row, by seq_id."""
         self._reclaim(table)
         rows_of: dict[int, int] = {}
         rows: list[int] = []
         columns: list[int] = []
         block_ids: list[int] = []
-        for chunk in chunks:
-            seq = chunk.seq
+        for seq in table.sequences_of(plan.seq_ids):
             entry = self._rows.get(seq.seq_id)
             if entry is None:
                 row, synced = self._take_row(seq), 0

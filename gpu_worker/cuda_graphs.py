@@ -1,6 +1,6 @@
 """CUDA graphs for decode-only steps: one captured forward per padded batch size.
 
-A decode step of n sequences (every chunk feeds one token) is padded to the smallest
+A decode step of n sequences (every plan row feeds one token) is padded to the smallest
 bucket B >= n of DECODE_BUCKETS (1, 2, 4, 8, then every 8 up to 256) and replayed from
 the graph captured for B, so its ~1,300 kernel launches cost one. Padded rows feed
 token 0 at position 0 into the scratch slot (the first slot of a block the engine keeps
@@ -93,11 +93,12 @@ def pad_decode(
     )
 
 
-def is_decode_only(chunks) -> bool:
-    """Every chunk feeds one token and samples after it: a step a graph replays. A
-    one-token chunk inside a prompt (the planner cuts one where blocks run short)
-    samples nothing, and the graph's logits hold a row for every chunk."""
-    return all(len(chunk.token_ids) == 1 and chunk.sample for chunk in chunks)
+def is_decode_only(plan) -> bool:
+    """Every row of an admitted plan feeds one token (each feeds at least one) and samples
+    after it: a step a graph replays. A one-token chunk inside a prompt (the planner cuts
+    one where blocks run short) samples nothing, and the graph's logits hold a row for
+    every plan row."""
+    return len(plan.token_ids) == len(plan.seq_ids) and all(plan.sample)
 
 
 def can_capture(backend_name: str, device_type: str) -> bool:
@@ -152,11 +153,11 @@ class DecodeGraphs:
     def captured_buckets(self) -> tuple[int, ...]:
         return tuple(sorted(self._graphs))
 
-    def fits(self, chunks) -> bool:
-        """A decode-only step whose padded bucket was captured."""
-        if not is_decode_only(chunks):
+    def fits(self, plan) -> bool:
+        """A decode-only step (an admitted plan) whose padded bucket was captured."""
+        if not is_decode_only(plan):
             return False
-        bucket = bucket_for(len(chunks), self.buckets)
+        bucket = bucket_for(len(plan.seq_ids), self.buckets)
         return bucket is not None and bucket in self._graphs
 
     def capture(self, budget_s: float = CAPTURE_BUDGET_S) -> None:
@@ -203,27 +204,28 @@ class DecodeGraphs:
             self._forward(bucket)
         self._graphs[bucket] = graph
 
-    def run(self, chunks):
-        """The logits of a decode step that `fits`, one row per chunk in order. A bucket
+    def run(self, plan):
+        """The logits of a decode step that `fits`, one row per plan row in order. A bucket
         not captured runs the same padded forward eagerly (how the CPU tests run it)."""
-        bucket = bucket_for(len(chunks), self.buckets)
+        num_seqs = len(plan.seq_ids)
+        bucket = bucket_for(num_seqs, self.buckets)
         engine = self._engine
-        rows_of = engine.block_tables.update(chunks, engine.table)
+        rows_of = engine.block_tables.update(plan, engine.table)
         padded = pad_decode(
-            [chunk.token_ids[0] for chunk in chunks],
-            [chunk.start_position for chunk in chunks],
-            [chunk.seq.block_ids for chunk in chunks],
+            plan.token_ids,  # one per row
+            plan.start_positions,
+            [seq.block_ids for seq in engine.table.sequences_of(plan.seq_ids)],
             block_size=self.block_size,
             bucket=bucket,
             width=self.width,
             scratch_block=self.scratch_block,
         )
-        self._stage(padded, [rows_of[chunk.seq.seq_id] for chunk in chunks])
+        self._stage(padded, [rows_of[seq_id] for seq_id in plan.seq_ids])
         graph = self._graphs.get(bucket)
         if graph is None:
-            return self._forward(bucket)[: len(chunks)]
+            return self._forward(bucket)[:num_seqs]
         graph.replay()
-        return self._logits[: len(chunks)]
+        return self._logits[:num_seqs]
 
     def _stage(self, padded: PaddedDecode, table_rows: list[int] | None) -> None:
         """Copy a padded step into the static buffers (through pinned memory); the block

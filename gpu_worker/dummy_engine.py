@@ -19,9 +19,10 @@ import os
 import time
 
 from pagoda.gpu_worker.engine import Engine, EngineFacts, SampledTokens
-from pagoda.gpu_worker.sequence_table import ScheduledChunk
+from pagoda.gpu_worker.sequence_table import allowed_token_masks
 
 from pagoda.common.dummy_tokens import OutsideMask, dummy_banned_token_ids, dummy_next_token
+from pagoda.common.step import StepPlan
 
 log = logging.getLogger("pagoda.worker.dummy")
 
@@ -59,33 +60,37 @@ class DummyEngine(Engine):
         # Tests only: a request that kills its worker (the scheduler must isolate it).
         self.crash_on_token_id = crash_on_token_id
 
-    def compute(self, chunks: list[ScheduledChunk]) -> SampledTokens:
+    def compute(self, plan: StepPlan) -> SampledTokens:
         started_s = time.perf_counter()
         crash_id = self.crash_on_token_id
-        if crash_id is not None and any(crash_id in chunk.token_ids for chunk in chunks):
+        if crash_id is not None and crash_id in plan.token_ids:
             log.error("fault injected: token %d was fed; the worker dies now", crash_id)
             logging.shutdown()
             os._exit(DUMMY_CRASH_EXIT_CODE)  # no cleanup, no goodbye: as a segfault
         sampled = SampledTokens([])
-        wants_logprobs = any(c.sample and c.seq.sampling.num_logprobs for c in chunks)
-        for chunk in chunks:
-            if not chunk.sample:
-                continue
+        rows = [i for i, sample in enumerate(plan.sample) if sample]
+        sequences = self.table.sequences_of([plan.seq_ids[i] for i in rows])
+        wants_logprobs = any(seq.sampling.num_logprobs for seq in sequences)
+        masks = allowed_token_masks(plan, DUMMY_VOCAB_SIZE) if plan.allowed_token_rows else {}
+        offsets, token_ids = plan.token_offsets, plan.token_ids
+        for i, seq in zip(rows, sequences, strict=True):
+            sampling = seq.sampling
+            position = plan.start_positions[i] + offsets[i + 1] - offsets[i] - 1  # last fed
             banned = dummy_banned_token_ids(
-                chunk.end_position - 1,
-                chunk.seq.num_prompt_tokens,
-                chunk.seq.min_new_tokens,
-                chunk.seq.min_tokens_banned_ids,
+                position,
+                seq.num_prompt_tokens,
+                seq.min_new_tokens,
+                seq.min_tokens_banned_ids,
             )
-            if chunk.allowed_token_mask is not None:
-                banned = OutsideMask(chunk.allowed_token_mask, banned)
+            if i in masks:
+                banned = OutsideMask(masks[i], banned)
             token_id = dummy_next_token(
-                chunk.token_ids[-1], chunk.end_position - 1, DUMMY_VOCAB_SIZE, banned
+                token_ids[offsets[i + 1] - 1], position, DUMMY_VOCAB_SIZE, banned
             )
             sampled.token_ids.append(token_id)
             if wants_logprobs:
                 # Placeholders: the dummy is certain of its token; alternatives rank below.
-                n = chunk.seq.sampling.num_logprobs
+                n = sampling.num_logprobs
                 sampled.logprobs.append(0.0)
                 sampled.top_token_ids.append([(token_id + k) % DUMMY_VOCAB_SIZE for k in range(n)])
                 sampled.top_logprobs.append([-float(k) for k in range(n)])

@@ -1,11 +1,11 @@
 """What an engine is to the server, and the step every engine (paged or dummy) runs.
 
-An engine turns one plain StepPlan into one StepResult (pagoda.common.step; the server's
-step_codec converts them to and from the wire). `Engine.step` admits the plan into the
-sequence table, runs the subclass's `compute` over the valid chunks, forgets what
-the plan says to forget, and packs the result; an exception in the compute becomes
-`step_error` and every sequence the plan named is forgotten. A subclass supplies only
-its facts and its compute. Imports no torch.
+An engine turns one plain StepPlan into one StepResult (pagoda.common.step; the
+server's step_codec converts them to and from the wire). `Engine.step` admits the plan into
+the sequence table, runs the subclass's `compute` over the admitted plan (its valid
+rows, still columns), forgets what the plan says to forget, and packs the result; an
+exception in the compute becomes `step_error` and every sequence the plan named is
+forgotten. A subclass supplies only its facts and its compute. Imports no torch.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from pagoda.gpu_worker.sequence_table import AdmittedPlan, ScheduledChunk, SequenceTable
+from pagoda.gpu_worker.sequence_table import SequenceTable
 
 from pagoda.common.plan_check import PlanError
 from pagoda.common.step import StepPlan, StepResult
@@ -44,7 +44,7 @@ class EngineFacts:
 
 @dataclass(slots=True)
 class SampledTokens:
-    """One entry per chunk that samples, in plan order."""
+    """One entry per plan row that samples, in plan order."""
 
     token_ids: list[int]
     # Filled only when some sequence asked for logprobs; then one entry per token.
@@ -74,19 +74,20 @@ class Engine(ABC):
         )
 
     @abstractmethod
-    def compute(self, chunks: list[ScheduledChunk]) -> SampledTokens:
-        """The forward and sampling over admitted chunks (at least one)."""
+    def compute(self, plan: StepPlan) -> SampledTokens:
+        """The forward and sampling over an admitted plan (at least one row); each row's
+        sequence is in self.table."""
 
     def step(self, plan: StepPlan) -> StepResult:
         """Admit, compute, forget, pack. Never raises for a bad plan or a failing forward."""
         started_s = time.perf_counter()
         try:
-            admitted = self.table.admit(plan)
-            if admitted.chunks:
-                self._check_injected_fault(admitted.chunks)
-                sampled = self.compute(admitted.chunks)
+            admitted, refusals = self.table.admit(plan)
+            if admitted.seq_ids:
+                self._check_injected_fault(admitted)
+                sampled = self.compute(admitted)
                 # Before the next plan, which may feed these tokens as placeholders.
-                self.table.record_sampled(admitted.chunks, sampled.token_ids)
+                self.table.record_sampled(admitted, sampled.token_ids)
             else:
                 sampled = SampledTokens([])
         except Exception as exc:  # any failure in the forward must not kill the worker
@@ -102,7 +103,7 @@ class Engine(ABC):
                 total_ms=(time.perf_counter() - started_s) * 1e3,
             )
         self.table.forget(admitted.forget_seq_ids)
-        result = pack_result(admitted, sampled)
+        result = pack_result(admitted, refusals, sampled)
         result.total_ms = (time.perf_counter() - started_s) * 1e3
         return result
 
@@ -110,9 +111,9 @@ class Engine(ABC):
         """Forget every sequence (a new scheduler knows none of them)."""
         self.table.clear()
 
-    def _check_injected_fault(self, chunks: list[ScheduledChunk]) -> None:
+    def _check_injected_fault(self, plan: StepPlan) -> None:
         token_id = self.fail_on_token_id
-        if token_id is not None and any(token_id in chunk.token_ids for chunk in chunks):
+        if token_id is not None and token_id in plan.token_ids:
             raise InjectedFault(f"fault injected: token {token_id} was fed")
 
 
@@ -122,15 +123,16 @@ def one_line(exc: Exception, max_chars: int = 300) -> str:
     return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
-def pack_result(admitted: AdmittedPlan, sampled: SampledTokens) -> StepResult:
+def pack_result(admitted: StepPlan, refusals: dict[int, str], sampled: SampledTokens) -> StepResult:
+    """The result of an admitted plan (SequenceTable.admit) and its refusals."""
     result = StepResult(
         step_id=admitted.step_id,
-        seq_ids=[chunk.seq.seq_id for chunk in admitted.chunks if chunk.sample],
+        seq_ids=[s for s, sample in zip(admitted.seq_ids, admitted.sample, strict=True) if sample],
         token_ids=sampled.token_ids,
-        errors=admitted.refusals,
+        errors=refusals,
         forward_ms=sampled.forward_ms,
         sample_ms=sampled.sample_ms,
-        num_tokens=admitted.num_tokens,
+        num_tokens=len(admitted.token_ids),
     )
     if sampled.logprobs:
         result.logprobs = sampled.logprobs

@@ -26,8 +26,10 @@ from pagoda.gpu_worker.numerics import describe_numerics, make_batch_invariant
 from pagoda.gpu_worker.quantization import quantize, resolve_quantization
 from pagoda.gpu_worker.ragged_batch import build_ragged_batch
 from pagoda.gpu_worker.sampler import SampleRow, sample
-from pagoda.gpu_worker.sequence_table import ScheduledChunk
+from pagoda.gpu_worker.sequence_table import allowed_token_masks
 from pagoda.gpu_worker.token_counts import TokenCounts, has_penalty
+
+from pagoda.common.step import StepPlan
 
 if TYPE_CHECKING:
     from pagoda.gpu_worker.tensor_parallel import GroupSampling
@@ -115,22 +117,23 @@ class PagedEngine(Engine):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def compute(self, chunks: list[ScheduledChunk]) -> SampledTokens:
+    def compute(self, plan: StepPlan) -> SampledTokens:
         if self.group_sampling is None:
-            return self.forward_and_sample(chunks, samples=True)
-        return self.group_sampling.compute(chunks, self.forward_and_sample)
+            return self.forward_and_sample(plan, samples=True)
+        return self.group_sampling.compute(plan, self.forward_and_sample)
 
     @torch.inference_mode()
-    def forward_and_sample(self, chunks: list[ScheduledChunk], *, samples: bool) -> SampledTokens:
-        """The forward over `chunks`, then their sampling when `samples` (else no token ids)."""
+    def forward_and_sample(self, plan: StepPlan, *, samples: bool) -> SampledTokens:
+        """The forward over the admitted `plan`, then its sampling when `samples` (else no
+        token ids)."""
         started_s = time.perf_counter()
-        self.token_counts.update(chunks, self.table)
+        self.token_counts.update(plan, self.table)
         graphs = self.decode_graphs
-        if graphs is not None and graphs.fits(chunks):
-            return self._sample(graphs.run(chunks), chunks, started_s, samples)
-        rows_of = self.block_tables.update(chunks, self.table)
+        if graphs is not None and graphs.fits(plan):
+            return self._sample(graphs.run(plan), plan, started_s, samples)
+        rows_of = self.block_tables.update(plan, self.table)
         batch = build_ragged_batch(
-            chunks, self.block_size, self.device, (self.block_tables.table, rows_of)
+            plan, self.table, self.block_size, self.device, (self.block_tables.table, rows_of)
         )
         logits = self.model(
             input_ids=batch.input_ids,
@@ -142,38 +145,43 @@ class PagedEngine(Engine):
             kv_pool=self.pool,
             attention_backend=self.attention_backend,
         ).logits[0]
-        return self._sample(logits, batch.sample_chunks, started_s, samples)
+        return self._sample(logits, plan, started_s, samples)
 
     def _sample(
         self,
         logits: torch.Tensor,
-        sample_chunks: list[ScheduledChunk],
+        plan: StepPlan,
         started_s: float,
         samples: bool,
     ) -> SampledTokens:
-        """Sample the rows of `logits` (one per chunk of `sample_chunks`, in order)."""
+        """Sample the rows of `logits` (one per row of the admitted `plan` that samples, in
+        order)."""
         self._synchronize()
         forward_done_s = time.perf_counter()
+        sample_rows = [i for i, sample in enumerate(plan.sample) if sample]
+        sequences = self.table.sequences_of([plan.seq_ids[i] for i in sample_rows])
+        masks = allowed_token_masks(plan, self.facts.vocab_size) if plan.allowed_token_rows else {}
+        offsets, starts = plan.token_offsets, plan.start_positions
         rows = [
             SampleRow(
-                c.seq.sampling,
-                c.seq.token_ids,
-                c.seq.num_prompt_tokens,
-                c.end_position,
-                c.allowed_token_mask,
-                c.seq.min_new_tokens,
-                c.seq.min_tokens_banned_ids,
+                seq.sampling,
+                seq.token_ids,
+                seq.num_prompt_tokens,
+                starts[i] + offsets[i + 1] - offsets[i],  # the sampled token's position
+                masks.get(i),
+                seq.min_new_tokens,
+                seq.min_tokens_banned_ids,
             )
-            for c in sample_chunks
+            for i, seq in zip(sample_rows, sequences, strict=True)
         ]
         counts = None
-        if any(has_penalty(c.seq.sampling) for c in sample_chunks):
+        if any(has_penalty(seq.sampling) for seq in sequences):
             token_counts = self.token_counts
             counts = token_counts.gather(
-                [token_counts.row_of(c.seq) for c in sample_chunks],
+                [token_counts.row_of(seq) for seq in sequences],
                 with_counts=any(
-                    c.seq.sampling.presence_penalty or c.seq.sampling.frequency_penalty
-                    for c in sample_chunks
+                    seq.sampling.presence_penalty or seq.sampling.frequency_penalty
+                    for seq in sequences
                 ),
             )
         output = sample(logits, rows, counts) if rows and samples else None

@@ -1,10 +1,10 @@
 """One step's tokens packed as a single [1, T] sequence, plus the attention metadata
 that lets every layer find each sequence's keys in the paged pool.
 
-Packing order: single-token (decode) chunks first, then multi-token (prefill) chunks
+Packing order: single-token (decode) rows first, then multi-token (prefill) rows
 (the order pagoda.gpu_worker.attention.backend defines). Built once per step on the
-host, in two flat buffers (int64 and int32) so that reaching the device costs two
-copies, from pinned memory on CUDA.
+host from the admitted plan's columns, in two flat buffers (int64 and int32) so that
+reaching the device costs two copies, from pinned memory on CUDA.
 """
 
 from __future__ import annotations
@@ -13,15 +13,16 @@ from dataclasses import dataclass
 
 import torch
 from pagoda.gpu_worker.attention.backend import AttentionMetadata
-from pagoda.gpu_worker.sequence_table import ScheduledChunk
+from pagoda.gpu_worker.sequence_table import SequenceTable
+
+from pagoda.common.step import StepPlan
 
 
 @dataclass(slots=True)
 class RaggedBatch:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
-    sample_token_indices: torch.Tensor  # [S]: packed row of each sampling chunk, plan order
-    sample_chunks: list[ScheduledChunk]  # the S sampling chunks, plan order
+    sample_token_indices: torch.Tensor  # [S]: packed row of each sampling plan row, plan order
     attention: AttentionMetadata
 
     @property
@@ -39,64 +40,89 @@ def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> t
 
 
 def build_ragged_batch(
-    chunks: list[ScheduledChunk],
+    plan: StepPlan,
+    table: SequenceTable,
     block_size: int,
     device: torch.device,
     block_tables: tuple[torch.Tensor, dict[int, int]] | None = None,
 ) -> RaggedBatch:
-    """Pack `chunks` (validated: their block tables cover every fed position).
+    """Pack an admitted `plan` (SequenceTable.admit: every row's sequence is in `table`
+    and its block table covers every fed position).
 
     block_tables: (the device table [rows, max_blocks], each sequence's row by seq_id) from
     pagoda.gpu_worker.block_tables, up to date: the step's table is gathered on the device
     from B row numbers. None: built from the sequences' lists on the host.
     """
-    decode = [c for c in chunks if len(c.token_ids) == 1]
-    if len(decode) == len(chunks):
-        ordered = chunks
+    seq_ids = plan.seq_ids
+    starts = plan.start_positions
+    offsets = plan.token_offsets
+    num_seqs = len(seq_ids)
+    num_tokens = len(plan.token_ids)
+    sequences = table.sequences_of(seq_ids)
+    if num_tokens == num_seqs:  # every row feeds one token (an admitted row feeds some)
+        num_decode = num_seqs
+        order = None  # plan order
+        input_ids = plan.token_ids
+        positions = starts
+        slots = [
+            seq.block_ids[p // block_size] * block_size + p % block_size
+            for seq, p in zip(sequences, starts, strict=True)
+        ]
+        query_start_loc = list(range(num_seqs + 1))
+        context_lens = [p + 1 for p in starts]
+        sample_rows = [i for i, sample in enumerate(plan.sample) if sample]
+        max_query_len = 1
     else:
-        ordered = decode + [c for c in chunks if len(c.token_ids) > 1]
-    num_seqs = len(ordered)
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_start_loc = [0]
-    context_lens: list[int] = []
-    packed_end: dict[int, int] = {}  # id(chunk) -> packed row of its last token
-    for chunk in ordered:
-        start = chunk.start_position
-        end = start + len(chunk.token_ids)
-        input_ids.extend(chunk.token_ids)
-        block_ids = chunk.seq.block_ids
-        if end - start == 1:
-            positions.append(start)
-            slots.append(block_ids[start // block_size] * block_size + start % block_size)
-        else:
-            positions.extend(range(start, end))
-            slots.extend(
-                block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)
-            )
-        query_start_loc.append(len(input_ids))
-        context_lens.append(end)
-        packed_end[id(chunk)] = len(input_ids) - 1
-    num_tokens = len(input_ids)
+        decode = [i for i in range(num_seqs) if offsets[i + 1] - offsets[i] == 1]
+        num_decode = len(decode)
+        order = decode + [i for i in range(num_seqs) if offsets[i + 1] - offsets[i] > 1]
+        token_ids = plan.token_ids
+        input_ids = []
+        positions = []
+        slots = []
+        query_start_loc = [0]
+        context_lens = []
+        packed_end = [0] * num_seqs  # plan row -> packed row of its last token
+        for i in order:
+            start = starts[i]
+            end = start + offsets[i + 1] - offsets[i]
+            input_ids.extend(token_ids[offsets[i] : offsets[i + 1]])
+            block_ids = sequences[i].block_ids
+            if end - start == 1:
+                positions.append(start)
+                slots.append(block_ids[start // block_size] * block_size + start % block_size)
+            else:
+                positions.extend(range(start, end))
+                # One run of consecutive slots per block the row touches.
+                for index in range(start // block_size, (end - 1) // block_size + 1):
+                    first = index * block_size
+                    base = block_ids[index] * block_size - first
+                    slots.extend(
+                        range(base + max(start, first), base + min(end, first + block_size))
+                    )
+            query_start_loc.append(len(input_ids))
+            context_lens.append(end)
+            packed_end[i] = len(input_ids) - 1
+        sample_rows = [packed_end[i] for i, sample in enumerate(plan.sample) if sample]
+        max_query_len = max(offsets[i + 1] - offsets[i] for i in range(num_seqs))
     max_context_len = max(context_lens)
     width = -(-max_context_len // block_size)
     if block_tables is None:
-        table: list[int] = []
-        for chunk in ordered:
-            row = chunk.seq.block_ids[:width]
-            table.extend(row)
+        table_ids: list[int] = []
+        for i in range(num_seqs) if order is None else order:
+            row = sequences[i].block_ids[:width]
+            table_ids.extend(row)
             if len(row) < width:
-                table.extend([0] * (width - len(row)))
+                table_ids.extend([0] * (width - len(row)))
     else:
         device_table, rows_of = block_tables
-        table = [rows_of[chunk.seq.seq_id] for chunk in ordered]  # one row number each
-    sample_chunks = [c for c in chunks if c.sample]
-    sample_rows = [packed_end[id(c)] for c in sample_chunks]
+        ordered_ids = seq_ids if order is None else [seq_ids[i] for i in order]
+        table_ids = [rows_of[seq_id] for seq_id in ordered_ids]  # one row number each
 
-    longs_host, longs = _to_device(input_ids + positions + slots + sample_rows, torch.long, device)
-    ints_host, ints = _to_device(query_start_loc + context_lens + table, torch.int32, device)
-    num_decode = len(decode)
+    longs_host, longs = _to_device(
+        [*input_ids, *positions, *slots, *sample_rows], torch.long, device
+    )
+    ints_host, ints = _to_device([*query_start_loc, *context_lens, *table_ids], torch.int32, device)
     if block_tables is None:
         block_table = ints[2 * num_seqs + 1 :].view(num_seqs, width)
     else:
@@ -106,7 +132,7 @@ def build_ragged_batch(
         num_tokens=num_tokens,
         num_seqs=num_seqs,
         num_decode_seqs=num_decode,
-        max_query_len=max(len(c.token_ids) for c in ordered),
+        max_query_len=max_query_len,
         max_context_len=max_context_len,
         max_decode_context_len=max(context_lens[:num_decode], default=0),
         block_size=block_size,
@@ -121,6 +147,5 @@ def build_ragged_batch(
         input_ids=longs[:num_tokens][None, :],
         position_ids=longs[num_tokens : 2 * num_tokens][None, :],
         sample_token_indices=longs[3 * num_tokens :],
-        sample_chunks=sample_chunks,
         attention=attention,
     )

@@ -1,17 +1,26 @@
-"""The worker's view of live sequences, and admitting a StepPlan as validated chunks.
+"""The worker's view of live sequences, and admitting a StepPlan: validated, still columns.
 
 The scheduler owns the truth; the worker keeps, per live sequence, only what a step
 needs: the block table (append-only, grown from plan deltas), the sampling
-parameters, and the token at every position fed so far (for penalties). Imports no
-torch, so the weightless dummy engine validates plans with the very same code.
+parameters, and the token at every position fed so far (for penalties). Admitting a
+plan returns it as the same column-wise StepPlan (refused rows dropped, placeholders
+filled in), so every consumer reads columns and looks sequences up here by seq_id.
+Imports no torch, so the weightless dummy engine validates plans with the very same code.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from pagoda.gpu_worker.refusals import (
+    check_allowed_token_rows,
+    last_sampled_problem,
+    new_sequence_problem,
+    row_problem,
+)
+
 from pagoda.common.plan_check import PlanError, check_columns
-from pagoda.common.step import NewSequence, SamplingParams, StepPlan
+from pagoda.common.step import SamplingParams, StepPlan
 
 
 @dataclass(slots=True)
@@ -19,48 +28,15 @@ class Sequence:
     seq_id: int
     sampling: SamplingParams
     num_prompt_tokens: int  # tokens at positions >= this were generated
+    block_ids: list[int] = field(default_factory=list)  # append-only
+    token_ids: list[int] = field(default_factory=list)  # token_ids[p] is the token at position p
     # The ids masked until min_new_tokens tokens were generated (NewSequence's).
     min_new_tokens: int = 0
     min_tokens_banned_ids: frozenset[int] = frozenset()
-    block_ids: list[int] = field(default_factory=list)  # append-only
-    token_ids: list[int] = field(default_factory=list)  # token_ids[p] is the token at position p
     # The token sampled last and the position it belongs at (-1: none yet), for a plan
     # that feeds it as a placeholder (StepPlan.last_sampled_rows).
     last_sampled_token_id: int = -1
     last_sampled_position: int = -1
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    """Tokens one sequence feeds in one step, at positions [start_position, end_position)."""
-
-    seq: Sequence
-    start_position: int
-    token_ids: list[int]
-    sample: bool
-    # Structured output: the allowed tokens of the sampled one (StepPlan's bitmask row).
-    allowed_token_mask: bytes | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def end_position(self) -> int:
-        """Position of the token sampled after this chunk (if it samples)."""
-        return self.start_position + len(self.token_ids)
-
-
-@dataclass(slots=True)
-class AdmittedPlan:
-    step_id: int
-    chunks: list[ScheduledChunk]  # the valid entries, in plan order
-    refusals: dict[int, str]  # seq_id -> why it was refused (StepResult.errors)
-    forget_seq_ids: list[int]  # dropped after the forward
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(chunk.num_tokens for chunk in self.chunks)
 
 
 class SequenceTable:
@@ -91,6 +67,10 @@ class SequenceTable:
     def get(self, seq_id: int) -> Sequence | None:
         return self._sequences.get(seq_id)
 
+    def sequences_of(self, seq_ids: list[int]) -> list[Sequence]:
+        """The live sequence of each id, in order (an admitted plan's rows: all live)."""
+        return list(map(self._sequences.__getitem__, seq_ids))
+
     def forget(self, seq_ids) -> None:
         for seq_id in seq_ids:
             self._sequences.pop(seq_id, None)
@@ -98,16 +78,18 @@ class SequenceTable:
     def clear(self) -> None:
         self._sequences.clear()
 
-    def admit(self, plan: StepPlan) -> AdmittedPlan:
-        """Register new sequences, apply block deltas and fed tokens; refuse bad entries.
+    def admit(self, plan: StepPlan) -> tuple[StepPlan, dict[int, str]]:
+        """Register new sequences, apply block deltas and fed tokens; refuse bad rows.
 
-        A refused entry samples nothing and its sequence is forgotten (its block table
-        would no longer match the scheduler's); every other entry runs. Raises
-        PlanError when the columns themselves are inconsistent.
+        Returns the plan to run and the refusals. The plan is `plan` itself when every
+        row is valid and none is a placeholder; otherwise a copy without the refused
+        rows (allowed_token_rows renumbered) and with each last_sampled row's token in
+        token_ids (its last_sampled_rows then empty). A refused row samples nothing and
+        its sequence is forgotten (its block table would no longer match the
+        scheduler's). Raises PlanError when the columns themselves are inconsistent.
         """
         seq_ids = plan.seq_ids
         start_positions = plan.start_positions
-        samples = plan.sample
         token_offsets = plan.token_offsets
         token_ids = plan.token_ids
         block_offsets = plan.block_offsets
@@ -115,33 +97,30 @@ class SequenceTable:
         check_columns(
             num_entries=len(seq_ids),
             start_positions=start_positions,
-            sample=samples,
+            sample=plan.sample,
             token_offsets=token_offsets,
             num_token_ids=len(token_ids),
             block_offsets=block_offsets,
             num_block_ids=len(block_ids),
         )
-
-        refusals: dict[int, str] = {}
         last_sampled_rows = set(plan.last_sampled_rows)
         if last_sampled_rows and not all(0 <= row < len(seq_ids) for row in last_sampled_rows):
             raise PlanError("last_sampled_rows names a row the plan does not have")
-        masks = self._allowed_token_masks(plan) if plan.allowed_token_rows else {}
+        if plan.allowed_token_rows:
+            check_allowed_token_rows(plan, allowed_token_mask_bytes(self.vocab_size))
+
+        refusals: dict[int, str] = {}  # seq_id -> why (StepResult.errors)
 
         def refuse(seq_id: int, message: str) -> None:
             refusals[seq_id] = message
             self._sequences.pop(seq_id, None)
 
         for new in plan.new_sequences:
-            problem = self._check_tokens(new.cached_token_ids)
-            if problem:
-                refuse(new.seq_id, f"cached_token_ids: {problem}")
-                continue
-            sampling = new.sampling
-            problem = _token_ids_problem(new, self.vocab_size) or _logit_bias_problem(sampling)
+            problem = new_sequence_problem(self, new)
             if problem:
                 refuse(new.seq_id, problem)
                 continue
+            sampling = new.sampling
             if sampling.num_logprobs > self.max_logprobs:
                 sampling = replace(sampling, num_logprobs=self.max_logprobs)
             # A new sequence with a live id replaces it (the scheduler reused the id).
@@ -149,152 +128,128 @@ class SequenceTable:
                 seq_id=new.seq_id,
                 sampling=sampling,
                 num_prompt_tokens=new.num_prompt_tokens,
+                token_ids=list(new.cached_token_ids),
                 min_new_tokens=new.min_new_tokens,
                 min_tokens_banned_ids=new.min_tokens_banned_ids,
-                token_ids=list(new.cached_token_ids),
             )
 
-        chunks: list[ScheduledChunk] = []
+        # The fed tokens, placeholders filled in (a copy: the caller's plan is not written).
+        fed_ids = list(token_ids) if last_sampled_rows else token_ids
+        # Ids out of range are rare: when there are none, a row is checked with a few
+        # comparisons, and row_problem (the sentences) runs only for one that fails.
+        ids_in_range = (not token_ids or max(token_ids) < self.vocab_size) and (
+            not block_ids or max(block_ids) < self.num_kv_blocks
+        )
+        sequences = self._sequences
+        block_size = self.block_size
+        max_context_tokens = self.max_context_tokens
         scheduled: set[int] = set()
         for i, seq_id in enumerate(seq_ids):
             if seq_id in refusals:
                 continue  # already reported once
             if seq_id in scheduled:
                 refuse(seq_id, f"sequence {seq_id} appears twice in the plan")
-                chunks = [chunk for chunk in chunks if chunk.seq.seq_id != seq_id]
-                continue
+                continue  # its earlier row is dropped with it
             scheduled.add(seq_id)
-            fed = token_ids[token_offsets[i] : token_offsets[i + 1]]
-            new_blocks = block_ids[block_offsets[i] : block_offsets[i + 1]]
-            seq = self._sequences.get(seq_id)
-            if i in last_sampled_rows:
-                problem = _last_sampled_problem(seq, seq_id, start_positions[i], fed)
+            start = start_positions[i]
+            first, last = token_offsets[i], token_offsets[i + 1]
+            first_block, last_block = block_offsets[i], block_offsets[i + 1]
+            seq = sequences.get(seq_id)
+            placeholder = i in last_sampled_rows
+            if placeholder:
+                problem = last_sampled_problem(seq, seq_id, start, last - first)
                 if problem:
                     refuse(seq_id, problem)
                     continue
-                fed = [seq.last_sampled_token_id]
-            problem = self._check_entry(seq, seq_id, start_positions[i], fed, new_blocks)
-            if problem:
-                refuse(seq_id, problem)
-                continue
-            assert seq is not None
-            seq.block_ids.extend(new_blocks)
-            # Truncate then extend: a rewound start position (recompute) overwrites history.
-            del seq.token_ids[start_positions[i] :]
-            seq.token_ids.extend(fed)
-            chunks.append(ScheduledChunk(seq, start_positions[i], fed, samples[i], masks.get(i)))
+                fed_ids[first] = seq.last_sampled_token_id
+            end = start + last - first
+            if (
+                not ids_in_range
+                or seq is None
+                or last == first
+                or end > max_context_tokens
+                or not 0 <= start <= len(seq.token_ids)
+                or end > (len(seq.block_ids) + last_block - first_block) * block_size
+                or (placeholder and fed_ids[first] >= self.vocab_size)
+            ):
+                problem = row_problem(
+                    self, seq, seq_id, start, fed_ids[first:last], block_ids[first_block:last_block]
+                )
+                if problem:
+                    refuse(seq_id, problem)
+                    continue
+            if last_block > first_block:
+                seq.block_ids.extend(block_ids[first_block:last_block])
+            history = seq.token_ids
+            if last - first == 1 and start == len(history):
+                history.append(fed_ids[first])
+            else:
+                # Truncate then extend: a rewound start position (recompute) overwrites history.
+                del history[start:]
+                history.extend(fed_ids[first:last])
 
-        return AdmittedPlan(
-            step_id=plan.step_id,
-            chunks=chunks,
-            refusals=refusals,
-            forget_seq_ids=plan.forget_seq_ids,
-        )
+        if refusals:
+            return _without_rows(plan, fed_ids, refusals.keys()), refusals
+        if last_sampled_rows:
+            return replace(plan, token_ids=fed_ids, last_sampled_rows=[]), refusals
+        return plan, refusals
 
-    def _allowed_token_masks(self, plan: StepPlan) -> dict[int, bytes]:
-        """Row index -> its allowed-token bitmask; PlanError when the columns disagree."""
-        rows = plan.allowed_token_rows
-        num_bytes = (self.vocab_size + 31) // 32 * 4
-        if len(plan.allowed_token_bitmask) != len(rows) * num_bytes:
-            raise PlanError(
-                f"allowed_token_bitmask holds {len(plan.allowed_token_bitmask)} bytes for "
-                f"{len(rows)} rows of {num_bytes}"
-            )
-        if any(b <= a for a, b in zip(rows, rows[1:], strict=False)) or not (
-            rows[0] >= 0 and rows[-1] < len(plan.seq_ids)
-        ):
-            raise PlanError("allowed_token_rows must be ascending rows of the plan")
-        if not all(plan.sample[row] for row in rows):
-            raise PlanError("allowed_token_rows names a row that does not sample")
-        bitmask = plan.allowed_token_bitmask
-        return {row: bitmask[k * num_bytes : (k + 1) * num_bytes] for k, row in enumerate(rows)}
-
-    @staticmethod
-    def record_sampled(chunks: list[ScheduledChunk], token_ids: list[int]) -> None:
-        """The tokens sampled by the chunks that sample (in order), for the next plans."""
-        sampling = [chunk for chunk in chunks if chunk.sample]
-        for chunk, token_id in zip(sampling, token_ids, strict=True):
-            seq = chunk.seq
+    def record_sampled(self, plan: StepPlan, token_ids: list[int]) -> None:
+        """The tokens sampled by an admitted plan's rows that sample (in order), for the
+        next plans."""
+        sequences = self._sequences
+        offsets = plan.token_offsets
+        starts = plan.start_positions
+        rows = [i for i, sample in enumerate(plan.sample) if sample]
+        for i, token_id in zip(rows, token_ids, strict=True):
+            seq = sequences[plan.seq_ids[i]]
             seq.last_sampled_token_id = token_id
-            seq.last_sampled_position = chunk.end_position
-
-    def _check_tokens(self, token_ids) -> str | None:
-        bad = [t for t in token_ids if t >= self.vocab_size]
-        if bad:
-            return f"token id {bad[0]} out of range (vocabulary has {self.vocab_size} tokens)"
-        if len(token_ids) > self.max_context_tokens:
-            return f"{len(token_ids)} tokens exceed the context of {self.max_context_tokens}"
-        return None
-
-    def _check_entry(
-        self,
-        seq: Sequence | None,
-        seq_id: int,
-        start_position: int,
-        fed: list[int],
-        new_blocks: list[int],
-    ) -> str | None:
-        if seq is None:
-            return f"unknown sequence {seq_id}: neither live nor new in this plan"
-        bad_blocks = [b for b in new_blocks if b >= self.num_kv_blocks]
-        if bad_blocks:
-            return (
-                f"block id {bad_blocks[0]} out of range (the pool has {self.num_kv_blocks} blocks)"
-            )
-        if not fed:
-            return f"sequence {seq_id} feeds no tokens"
-        problem = self._check_tokens(fed)
-        if problem:
-            return problem
-        if start_position > len(seq.token_ids):
-            return (
-                f"sequence {seq_id} starts at position {start_position} "
-                f"but only {len(seq.token_ids)} earlier tokens are known"
-            )
-        end_position = start_position + len(fed)
-        if end_position > self.max_context_tokens:
-            return f"positions up to {end_position} exceed the context of {self.max_context_tokens}"
-        num_covered = (len(seq.block_ids) + len(new_blocks)) * self.block_size
-        if end_position > num_covered:
-            return (
-                f"positions up to {end_position} are not covered by the block table "
-                f"({num_covered} slots)"
-            )
-        return None
+            seq.last_sampled_position = starts[i] + offsets[i + 1] - offsets[i]
 
 
-def _last_sampled_problem(
-    seq: Sequence | None, seq_id: int, start_position: int, fed: list[int]
-) -> str | None:
-    """Why a last_sampled row cannot take the sequence's last sampled token, or None."""
-    if seq is None:
-        return f"unknown sequence {seq_id}: neither live nor new in this plan"
-    if len(fed) != 1:
-        return f"sequence {seq_id} feeds {len(fed)} tokens in a last_sampled row (1 expected)"
-    if seq.last_sampled_position < 0:
-        return f"sequence {seq_id} has sampled no token to feed"
-    if start_position != seq.last_sampled_position:
-        return (
-            f"sequence {seq_id} feeds its last sampled token at position {start_position}, "
-            f"but that token belongs at {seq.last_sampled_position}"
+def allowed_token_mask_bytes(vocab_size: int) -> int:
+    """Bytes of one row's allowed-token bitmask: ceil(vocab / 32) 32-bit words."""
+    return (vocab_size + 31) // 32 * 4
+
+
+def allowed_token_masks(plan: StepPlan, vocab_size: int) -> dict[int, bytes]:
+    """Row -> its allowed-token bitmask, for an admitted plan's constrained rows."""
+    num_bytes = allowed_token_mask_bytes(vocab_size)
+    bitmask = plan.allowed_token_bitmask
+    return {
+        row: bitmask[k * num_bytes : (k + 1) * num_bytes]
+        for k, row in enumerate(plan.allowed_token_rows)
+    }
+
+
+def _without_rows(plan: StepPlan, fed_ids: list[int], refused) -> StepPlan:
+    """A copy of `plan` without the rows of `refused` sequences; token_ids from `fed_ids`
+    (placeholders filled in)."""
+    kept = [i for i, seq_id in enumerate(plan.seq_ids) if seq_id not in refused]
+    token_offsets, block_offsets = plan.token_offsets, plan.block_offsets
+    valid = StepPlan(
+        step_id=plan.step_id,
+        new_sequences=[new for new in plan.new_sequences if new.seq_id not in refused],
+        seq_ids=[plan.seq_ids[i] for i in kept],
+        start_positions=[plan.start_positions[i] for i in kept],
+        sample=[plan.sample[i] for i in kept],
+        token_offsets=[0] if kept else [],
+        block_offsets=[0] if kept else [],
+        forget_seq_ids=plan.forget_seq_ids,
+    )
+    for i in kept:
+        valid.token_ids.extend(fed_ids[token_offsets[i] : token_offsets[i + 1]])
+        valid.token_offsets.append(len(valid.token_ids))
+        valid.block_ids.extend(plan.block_ids[block_offsets[i] : block_offsets[i + 1]])
+        valid.block_offsets.append(len(valid.block_ids))
+    rows = plan.allowed_token_rows
+    if rows:
+        num_bytes = len(plan.allowed_token_bitmask) // len(rows)  # admit checked the length
+        row_of = {i: k for k, i in enumerate(kept)}
+        bitmask = plan.allowed_token_bitmask
+        kept_masks = [(row_of[row], k) for k, row in enumerate(rows) if row in row_of]
+        valid.allowed_token_rows = [row for row, _ in kept_masks]
+        valid.allowed_token_bitmask = b"".join(
+            bitmask[k * num_bytes : (k + 1) * num_bytes] for _, k in kept_masks
         )
-    return None
-
-
-def _token_ids_problem(new: NewSequence, vocab_size: int) -> str | None:
-    """Why a token id a new sequence's knobs name cannot index the logits, or None."""
-    named = [*new.sampling.token_id_fields, ("min_tokens_banned_ids", new.min_tokens_banned_ids)]
-    for name, token_ids in named:
-        if token_ids and max(token_ids) >= vocab_size:
-            return f"{name}: token id {max(token_ids)} out of range"
-    return None
-
-
-def _logit_bias_problem(sampling: SamplingParams) -> str | None:
-    """Why a sequence's logit_bias columns cannot be applied (a sentence), or None."""
-    token_ids, values = sampling.logit_bias_token_ids, sampling.logit_bias_values
-    if len(token_ids) != len(values):
-        return f"logit_bias: {len(token_ids)} token ids for {len(values)} values"
-    if len(set(token_ids)) != len(token_ids):
-        return "logit_bias: a token id is listed twice"
-    return None
+    return valid

@@ -61,10 +61,10 @@ from pagoda.gpu_worker.kv_pool import TENSOR_PARALLEL_ATTRIBUTE
 from pagoda.gpu_worker.server import EXIT_GROUP_LOST, EXIT_OK, EXIT_REFUSED
 
 from pagoda.common import step_codec, wire
+from pagoda.common.step import StepPlan
 
 if TYPE_CHECKING:
     from pagoda.gpu_worker.paged_engine import PagedEngine
-    from pagoda.gpu_worker.sequence_table import ScheduledChunk
 
 log = logging.getLogger("pagoda.worker.tensor_parallel")
 
@@ -83,7 +83,7 @@ CHILD_JOIN_TIMEOUT_S = 30.0
 class ForwardAndSample(Protocol):
     """PagedEngine.forward_and_sample: the forward, then the sampling when `samples`."""
 
-    def __call__(self, chunks: list[ScheduledChunk], *, samples: bool) -> SampledTokens: ...
+    def __call__(self, plan: StepPlan, *, samples: bool) -> SampledTokens: ...
 
 
 # What rank 0 broadcasts, the header's first element.
@@ -455,19 +455,17 @@ class GroupSampling:
     def __init__(self, group: Group) -> None:
         self.group = group
 
-    def compute(
-        self, chunks: list[ScheduledChunk], forward_and_sample: ForwardAndSample
-    ) -> SampledTokens:
+    def compute(self, plan: StepPlan, forward_and_sample: ForwardAndSample) -> SampledTokens:
         if self.group.rank == 0:
-            return self._sample_and_share(chunks, forward_and_sample)
-        return self._take_rank_0s(chunks, forward_and_sample)
+            return self._sample_and_share(plan, forward_and_sample)
+        return self._take_rank_0s(plan, forward_and_sample)
 
     def _sample_and_share(
-        self, chunks: list[ScheduledChunk], forward_and_sample: ForwardAndSample
+        self, plan: StepPlan, forward_and_sample: ForwardAndSample
     ) -> SampledTokens:
-        samples = any(chunk.sample for chunk in chunks)
+        samples = any(plan.sample)
         try:
-            sampled = forward_and_sample(chunks, samples=True)
+            sampled = forward_and_sample(plan, samples=True)
         except Exception:
             if samples:  # the others wait for this step's tokens: tell them there are none
                 self.group.broadcast_message(SAMPLING_FAILED)
@@ -477,11 +475,9 @@ class GroupSampling:
             self.group.broadcast_message(SAMPLED, tokens.numpy().tobytes())
         return sampled
 
-    def _take_rank_0s(
-        self, chunks: list[ScheduledChunk], forward_and_sample: ForwardAndSample
-    ) -> SampledTokens:
-        sampled = forward_and_sample(chunks, samples=False)
-        if any(chunk.sample for chunk in chunks):
+    def _take_rank_0s(self, plan: StepPlan, forward_and_sample: ForwardAndSample) -> SampledTokens:
+        sampled = forward_and_sample(plan, samples=False)
+        if any(plan.sample):
             kind, payload = self.group.receive_message()
             if kind != SAMPLED:
                 raise RuntimeError("rank 0 sampled nothing in this step")

@@ -15,9 +15,9 @@ its history. Rows of sequences the table no longer holds are reclaimed each step
 from __future__ import annotations
 
 import torch
-from pagoda.gpu_worker.sequence_table import ScheduledChunk, Sequence, SequenceTable
+from pagoda.gpu_worker.sequence_table import Sequence, SequenceTable
 
-from pagoda.common.step import SamplingParams
+from pagoda.common.step import SamplingParams, StepPlan
 
 
 def has_penalty(params: SamplingParams) -> bool:
@@ -49,21 +49,22 @@ class TokenCounts:
         entry = self._rows.get(seq.seq_id)
         return entry[1] if entry is not None and entry[0] is seq else 0
 
-    def update(self, chunks: list[ScheduledChunk], table: SequenceTable) -> None:
-        """Count the tokens `chunks` feed (admitted: in their sequences' histories)."""
+    def update(self, plan: StepPlan, table: SequenceTable) -> None:
+        """Count the tokens an admitted `plan` feeds (in its sequences' histories now)."""
         self._reclaim(table)
         # (row, token) pairs: every token sets its bit, generated ones also add one each.
         prompt_rows: list[int] = []
         prompt_tokens: list[int] = []
         output_rows: list[int] = []
         output_tokens: list[int] = []
-        for chunk in chunks:
-            seq = chunk.seq
+        offsets = plan.token_offsets
+        for i, seq in enumerate(table.sequences_of(plan.seq_ids)):
             if not has_penalty(seq.sampling):
                 continue
+            start = plan.start_positions[i]
             entry = self._rows.get(seq.seq_id)
             counted = self._num_counted.get(seq.seq_id, 0)
-            if entry is None or chunk.start_position < counted:
+            if entry is None or start < counted:
                 # New (count the whole history, prefix-cache hits included; a reclaimed row
                 # holds its last sequence's counts) or rewound (recompute): count again.
                 row = self._take_row(seq) if entry is None else entry[1]
@@ -74,7 +75,7 @@ class TokenCounts:
                 row = entry[1]
             history = seq.token_ids
             num_prompt = seq.num_prompt_tokens
-            end = chunk.end_position
+            end = start + offsets[i + 1] - offsets[i]
             for position in range(counted, min(end, num_prompt)):
                 prompt_rows.append(row)
                 prompt_tokens.append(history[position])

@@ -367,7 +367,7 @@ def engine() -> None:
 
                 eng.decode_graphs = DecodeGraphs(eng, scratch_block=2047)
                 eng.decode_graphs.fits = lambda ch: (
-                    is_decode_only(ch) and bucket_for(len(ch)) is not None
+                    is_decode_only(ch) and bucket_for(len(ch.seq_ids)) is not None
                 )
         if eng.decode_graphs is not None and not SMOKE:
             t = time.time()

@@ -11,7 +11,7 @@ import json
 import llguidance
 import numpy as np
 import pytest
-from pagoda.gpu_worker.sequence_table import SequenceTable
+from pagoda.gpu_worker.sequence_table import SequenceTable, allowed_token_masks
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc import grammars
 from pagoda.scheduler_svc.core import NewSequence, StepPlan
@@ -174,8 +174,9 @@ def test_the_mask_columns_reach_the_worker_row_for_row():
     table = SequenceTable(
         num_kv_blocks=8, block_size=4, vocab_size=vocab_size, max_context_tokens=64, max_logprobs=5
     )
-    chunks = table.admit(decoded).chunks
-    assert [c.allowed_token_mask for c in chunks] == [
+    admitted, _ = table.admit(decoded)
+    masks = allowed_token_masks(admitted, vocab_size)
+    assert [masks.get(row) for row in range(len(admitted.seq_ids))] == [
         bytes(range(16)),
         None,
         bytes(range(100, 116)),

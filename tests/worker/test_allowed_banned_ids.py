@@ -81,9 +81,9 @@ def test_the_sequence_table_refuses_an_id_outside_the_vocabulary(field):
         block_offsets=[0, 1],
         block_ids=[0],
     )
-    admitted = table.admit(plan)
-    assert admitted.chunks == [] and 1 not in table
-    assert field in admitted.refusals[1] and "out of range" in admitted.refusals[1]
+    admitted, refusals = table.admit(plan)
+    assert admitted.seq_ids == [] and 1 not in table
+    assert field in refusals[1] and "out of range" in refusals[1]
 
 
 def test_greedy_output_on_a_tiny_model_uses_only_the_allowed_ids(llama_models):

@@ -38,15 +38,15 @@ class Steps:
             plan.block_ids.extend(range(self.next_block, self.next_block - num_blocks, -1))
             self.next_block -= num_blocks
             plan.block_offsets.append(len(plan.block_ids))
-        admitted = self.table.admit(plan)
-        assert not admitted.refusals, admitted.refusals
-        rows_of = self.tables.update(admitted.chunks, self.table)
-        for chunk in admitted.chunks:
-            ids = chunk.seq.block_ids
-            assert self.tables.table[rows_of[chunk.seq.seq_id], : len(ids)].tolist() == ids
-        host = build_ragged_batch(admitted.chunks, BLOCK_SIZE, CPU).attention
+        admitted, refusals = self.table.admit(plan)
+        assert not refusals, refusals
+        rows_of = self.tables.update(admitted, self.table)
+        for seq in self.table.sequences_of(admitted.seq_ids):
+            ids = seq.block_ids
+            assert self.tables.table[rows_of[seq.seq_id], : len(ids)].tolist() == ids
+        host = build_ragged_batch(admitted, self.table, BLOCK_SIZE, CPU).attention
         device = build_ragged_batch(
-            admitted.chunks, BLOCK_SIZE, CPU, (self.tables.table, rows_of)
+            admitted, self.table, BLOCK_SIZE, CPU, (self.tables.table, rows_of)
         ).attention
         lens = host.context_lens.tolist()
         for i, context_len in enumerate(lens):  # the columns a backend may read

@@ -87,9 +87,12 @@ def test_only_steps_whose_every_chunk_feeds_one_token_and_samples_are_replayed()
     step holding one runs eagerly (it once took the graph and sampled one token too many,
     which failed the step)."""
 
-    def chunk(token_ids, sample):
-        return SimpleNamespace(token_ids=token_ids, sample=sample)
+    def plan(*rows):
+        """An admitted plan of rows (token_ids, sample)."""
+        token_ids = [t for tokens, _ in rows for t in tokens]
+        return SimpleNamespace(seq_ids=list(range(len(rows))), token_ids=token_ids,
+                               sample=[sample for _, sample in rows])  # fmt: skip
 
-    assert is_decode_only([chunk([5], True), chunk([6], True)])
-    assert not is_decode_only([chunk([5], True), chunk([6], False)])
-    assert not is_decode_only([chunk([5, 6], True)])
+    assert is_decode_only(plan(([5], True), ([6], True)))
+    assert not is_decode_only(plan(([5], True), ([6], False)))
+    assert not is_decode_only(plan(([5, 6], True)))

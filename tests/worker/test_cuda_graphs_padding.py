@@ -29,25 +29,26 @@ def test_padded_decode_steps_give_the_eager_engines_tokens(llama_models, num_pro
     graphs = DecodeGraphs(engine, scratch_block=TEST_NUM_BLOCKS, buckets=(1, 2, 4, 8))
     decode_steps = []
 
-    def every_decode_step(chunks):
-        decode = is_decode_only(chunks)
+    def every_decode_step(plan):
+        decode = is_decode_only(plan)
         if decode:
-            decode_steps.append(len(chunks))
+            decode_steps.append(len(plan.seq_ids))
         return decode
 
     graphs.fits = every_decode_step  # no graph is captured: run() pads and runs eagerly
     run = graphs.run
 
-    def run_and_check_the_table(chunks):
+    def run_and_check_the_table(plan):
         """The static block table: each row gathered from the engine's device table, each
         padded row pointing at the scratch block."""
-        logits = run(chunks)
+        logits = run(plan)
         table = graphs._block_table
-        for row, chunk in enumerate(chunks):
-            block_ids = chunk.seq.block_ids
+        for row, seq in enumerate(engine.table.sequences_of(plan.seq_ids)):
+            block_ids = seq.block_ids
             assert table[row, : len(block_ids)].tolist() == block_ids
-        bucket = bucket_for(len(chunks), graphs.buckets)
-        assert table[len(chunks) : bucket, 0].tolist() == [TEST_NUM_BLOCKS] * (bucket - len(chunks))
+        num_seqs = len(plan.seq_ids)
+        bucket = bucket_for(num_seqs, graphs.buckets)
+        assert table[num_seqs:bucket, 0].tolist() == [TEST_NUM_BLOCKS] * (bucket - num_seqs)
         return logits
 
     graphs.run = run_and_check_the_table

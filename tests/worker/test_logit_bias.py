@@ -99,6 +99,6 @@ def test_the_sequence_table_refuses_malformed_columns(bias, phrase):
         block_offsets=[0, 1],
         block_ids=[0],
     )
-    admitted = table.admit(plan)
-    assert admitted.chunks == [] and 1 not in table
-    assert "logit_bias" in admitted.refusals[1] and phrase in admitted.refusals[1]
+    admitted, refusals = table.admit(plan)
+    assert admitted.seq_ids == [] and 1 not in table
+    assert "logit_bias" in refusals[1] and phrase in refusals[1]

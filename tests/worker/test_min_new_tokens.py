@@ -132,10 +132,10 @@ def test_sequence_table_refuses_a_banned_id_outside_the_vocabulary():
         block_offsets=[0, 1],
         block_ids=[0],
     )
-    admitted = table.admit(plan)
-    assert admitted.chunks == []
-    assert list(admitted.refusals) == [1]
-    assert "min_tokens_banned_ids" in admitted.refusals[1]
+    admitted, refusals = table.admit(plan)
+    assert admitted.seq_ids == []
+    assert list(refusals) == [1]
+    assert "min_tokens_banned_ids" in refusals[1]
     assert 1 not in table
 
 

@@ -3,12 +3,13 @@ Exercised through the dummy engine too, which shares the table."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 from pagoda.gpu_worker.dummy_engine import DUMMY_VOCAB_SIZE, DummyEngine
-from pagoda.gpu_worker.sequence_table import SequenceTable
+from pagoda.gpu_worker.sequence_table import SequenceTable, allowed_token_masks
 from pagoda.protos import step_pb2
 
 from pagoda.common.dummy_tokens import dummy_next_token
@@ -26,7 +27,7 @@ def make_table(**overrides) -> SequenceTable:
 
 
 def admit(table: SequenceTable, plan: step_pb2.StepPlan):
-    """The table admits the plan as the server decodes it."""
+    """The table admits the plan as the server decodes it: (the rows to run, refusals)."""
     return table.admit(decode_plan(plan))
 
 
@@ -64,8 +65,8 @@ def test_block_tables_grow_from_deltas_and_history_follows_positions():
 
 def test_cached_prefix_tokens_count_as_known_history():
     table = make_table()
-    admitted = admit(table, plan_of([(1, 4, [4, 5], [0, 1])], new=[(1, [0, 1, 2, 3], 6)]))
-    assert admitted.chunks[0].end_position == 6
+    admitted, _ = admit(table, plan_of([(1, 4, [4, 5], [0, 1])], new=[(1, [0, 1, 2, 3], 6)]))
+    assert admitted.start_positions[0] + admitted.token_offsets[1] == 6  # its end position
     assert table.get(1).token_ids == [0, 1, 2, 3, 4, 5]
 
 
@@ -84,11 +85,11 @@ def test_cached_prefix_tokens_count_as_known_history():
 def test_bad_entry_is_refused_and_the_sequence_forgotten(entry, new, message):
     table = make_table()
     admit(table, plan_of([(5, 0, [1, 2], [3])], new=[(5, [], 2)]))
-    admitted = admit(table, plan_of([entry, (5, 2, [3], [])], new=new))
-    assert list(admitted.refusals) == [entry[0]]
-    assert message in admitted.refusals[entry[0]]
+    admitted, refusals = admit(table, plan_of([entry, (5, 2, [3], [])], new=new))
+    assert list(refusals) == [entry[0]]
+    assert message in refusals[entry[0]]
     assert entry[0] not in table
-    assert [c.seq.seq_id for c in admitted.chunks] == [5]
+    assert admitted.seq_ids == [5]
 
 
 def test_a_new_sequence_with_a_live_id_replaces_it():
@@ -101,9 +102,64 @@ def test_a_new_sequence_with_a_live_id_replaces_it():
 
 def test_duplicate_entries_are_refused():
     table = make_table()
-    admitted = admit(table, plan_of([(1, 0, [1], [0]), (1, 1, [2], [])], new=[(1, [], 1)]))
-    assert list(admitted.refusals) == [1]
-    assert admitted.chunks == []
+    admitted, refusals = admit(
+        table, plan_of([(1, 0, [1], [0]), (1, 1, [2], [])], new=[(1, [], 1)])
+    )
+    assert list(refusals) == [1]
+    assert admitted.seq_ids == []
+
+
+def test_an_all_valid_plan_is_admitted_as_itself():
+    """The common step (every row valid, no placeholder) runs the decoded plan's own
+    columns: nothing is copied or converted per row."""
+    table = make_table()
+    plan = decode_plan(
+        plan_of([(1, 0, [1, 2], [0]), (2, 0, [3], [1])], new=[(1, [], 2), (2, [], 1)])
+    )
+    admitted, refusals = table.admit(plan)
+    assert admitted is plan and refusals == {}
+
+
+def test_refused_rows_are_dropped_from_the_admitted_columns():
+    """Rows of refused sequences leave every column; the rest keep their tokens, blocks
+    and bitmasks, renumbered; the caller's plan is left as it was."""
+    table = make_table()
+    admit(table, plan_of([(3, 0, [5], [4])], new=[(3, [], 1)]))
+    wire = plan_of(
+        [(1, 0, [10, 11], [0]), (9, 0, [1], [1]), (3, 1, [12], []), (2, 0, [13, 14, 15], [2, 3])],
+        new=[(1, [], 2), (2, [], 3)],
+    )
+    wire.allowed_token_rows[:] = [0, 1, 2]
+    wire.allowed_token_bitmask = bytes([1] * 16 + [2] * 16 + [3] * 16)
+    plan = decode_plan(wire)
+    before = dataclasses.replace(plan)
+    admitted, refusals = table.admit(plan)
+    assert list(refusals) == [9]
+    assert admitted.seq_ids == [1, 3, 2]
+    assert admitted.start_positions == [0, 1, 0]
+    assert admitted.token_offsets == [0, 2, 3, 6]
+    assert admitted.token_ids == [10, 11, 12, 13, 14, 15]
+    assert admitted.block_offsets == [0, 1, 1, 3]
+    assert admitted.block_ids == [0, 2, 3]
+    assert admitted.allowed_token_rows == [0, 1]
+    assert admitted.allowed_token_bitmask == bytes([1] * 16 + [3] * 16)
+    assert allowed_token_masks(admitted, 100) == {0: bytes([1] * 16), 1: bytes([3] * 16)}
+    assert plan == before
+
+
+def test_placeholders_are_filled_into_the_admitted_token_ids():
+    table = make_table()
+    admitted, _ = admit(
+        table, plan_of([(1, 0, [10, 11], [0]), (2, 0, [12], [1])], new=[(1, [], 2), (2, [], 1)])
+    )
+    table.record_sampled(admitted, [42, 43])
+    wire = plan_of([(1, 2, [0], []), (2, 1, [0], [])])
+    wire.last_sampled_rows.append(1)
+    plan = decode_plan(wire)
+    admitted, refusals = table.admit(plan)
+    assert refusals == {} and admitted.token_ids == [0, 43] and admitted.last_sampled_rows == []
+    assert plan.token_ids == [0, 0] and plan.last_sampled_rows == [1]  # the caller's, as sent
+    assert table.get(2).token_ids == [12, 43]
 
 
 @pytest.mark.parametrize(

@@ -48,25 +48,27 @@ class Steps:
             plan.block_ids.extend(range(self.next_block, self.next_block + 3))  # ample
             self.next_block += 3
             plan.block_offsets.append(len(plan.block_ids))
-        admitted = self.table.admit(plan)
-        assert not admitted.refusals
-        self.counts.update(admitted.chunks, self.table)
-        self.check(admitted.chunks)
+        admitted, refusals = self.table.admit(plan)
+        assert not refusals
+        self.counts.update(admitted, self.table)
+        self.check(admitted)
         self.table.forget(admitted.forget_seq_ids)
         self.step_id += 1
 
-    def check(self, chunks) -> None:
+    def check(self, plan) -> None:
+        sequences = self.table.sequences_of(plan.seq_ids)
+        ends = [plan.start_positions[i] + plan.token_offsets[i + 1] - plan.token_offsets[i]
+                for i in range(len(sequences))]  # fmt: skip
         rows = [
-            SampleRow(c.seq.sampling, c.seq.token_ids[: c.end_position], c.seq.num_prompt_tokens,
-                      c.end_position)
-            for c in chunks
-        ]  # fmt: skip
-        seen, generated = self.counts.gather([self.counts.row_of(c.seq) for c in chunks])
+            SampleRow(seq.sampling, seq.token_ids[:end], seq.num_prompt_tokens, end)
+            for seq, end in zip(sequences, ends, strict=True)
+        ]
+        seen, generated = self.counts.gather([self.counts.row_of(seq) for seq in sequences])
         want_seen, want_generated = counts_from_histories(rows, VOCAB, "cpu")
-        for i, chunk in enumerate(chunks):
-            if chunk.seq.sampling in (REPEAT, FREQUENT):
-                assert torch.equal(seen[i], want_seen[i]), chunk.seq.seq_id
-                assert torch.equal(generated[i], want_generated[i]), chunk.seq.seq_id
+        for i, seq in enumerate(sequences):
+            if seq.sampling in (REPEAT, FREQUENT):
+                assert torch.equal(seen[i], want_seen[i]), seq.seq_id
+                assert torch.equal(generated[i], want_generated[i]), seq.seq_id
             else:  # no penalty, no row: the zero row
                 assert not seen[i].any() and not generated[i].any()
 
