@@ -38,6 +38,7 @@ TEXT_FILE = DATA_DIR / "perplexity_text.txt"
 BLOCK_SIZE = 16
 DECODE_BATCHES = (1, 8, 32, 64)
 PREFILL_TOKENS = 512
+CONTEXT = 128  # decode steps' context, tokens
 
 
 def chat_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
@@ -195,6 +196,10 @@ VARIANTS = {
     "int8+rescored-head": Variant(
         "int8+rescored-head", lambda model: quantize_int8(model, head="rescored")
     ),
+    "int8-per-token+rescored-head": Variant(
+        "int8-per-token+rescored-head",
+        lambda model: quantize_int8(model, head="rescored", q4=False),
+    ),
     "int8+rescored-head+float-down": Variant(
         "int8+rescored-head+float-down",
         lambda model: quantize_int8(model, head="rescored", keep_float=("down_proj",)),
@@ -206,7 +211,9 @@ VARIANTS = {
 }
 
 
-def llama_server_greedy(prompts: list[list[int]], num_new_tokens: int) -> list[list[int]] | str:
+def llama_server_greedy(
+    prompts: list[list[int]], num_new_tokens: int, threads: int | None = None
+) -> list[list[int]] | str:
     """llama.cpp's greedy tokens for the same token-id prompts on the same Q4_1 weights
     (one slot, `ignore_eos`, temperature 0, no prompt cache), or the line saying why the
     peer was skipped (the binary is built by `make llama-server`)."""
@@ -226,7 +233,7 @@ def llama_server_greedy(prompts: list[list[int]], num_new_tokens: int) -> list[l
         port,
         parallel=1,
         context_per_slot=peer.context_per_slot(prompts, num_new_tokens),
-        threads=os.cpu_count() or 1,
+        threads=threads or os.cpu_count() or 1,
     )
     generated = []
     with peer.LlamaServer(argv, port) as server:
@@ -252,7 +259,9 @@ def llama_server_greedy(prompts: list[list[int]], num_new_tokens: int) -> list[l
     return generated
 
 
-def quality(resolved, variants: list[Variant], num_prompts: int, num_new_tokens: int) -> str:
+def quality(
+    resolved, variants: list[Variant], num_prompts: int, num_new_tokens: int, with_peer: bool = True
+) -> str:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolved.path)
@@ -271,7 +280,9 @@ def quality(resolved, variants: list[Variant], num_prompts: int, num_new_tokens:
         del engine, model
         print(f"  {variant.name}: perplexity {scores[variant.name].perplexity:.3f}", flush=True)
     base = variants[0].name
-    peer = llama_server_greedy(prompts, num_new_tokens)
+    peer = (
+        llama_server_greedy(prompts, num_new_tokens) if with_peer else "llama-server not asked for"
+    )
     if isinstance(peer, str):
         print(f"  {peer}: no greedy comparison with llama.cpp", flush=True)
     lines = [
@@ -323,7 +334,9 @@ def quality(resolved, variants: list[Variant], num_prompts: int, num_new_tokens:
     return "\n".join(lines)
 
 
-def speed(resolved, variants: list[Variant], rounds: int) -> str:
+def speed(
+    resolved, variants: list[Variant], rounds: int, batches: tuple[int, ...] = DECODE_BATCHES
+) -> str:
     from benchmarks.worker_step import Bench
 
     benches = {}
@@ -334,12 +347,12 @@ def speed(resolved, variants: list[Variant], rounds: int) -> str:
         )
         benches[variant.name] = Bench(engine, None, rounds)
     cases: list[tuple[str, dict[str, Callable[[], object]]]] = []
-    for batch in DECODE_BATCHES:
+    for batch in batches:
         steps = {}
         for name, bench in benches.items():
-            plan = bench.decode_plan(bench.decode_sequences(batch))
+            plan = bench.decode_plan(bench.decode_sequences(batch, CONTEXT), CONTEXT)
             steps[name] = lambda bench=bench, plan=plan: bench._step(plan)
-        cases.append((f"decode, batch {batch}, context 128", steps))
+        cases.append((f"decode, batch {batch}, context {CONTEXT}", steps))
     steps = {}
     for name, bench in benches.items():
         seq_id, first = bench.prefill_plan(PREFILL_TOKENS)
@@ -381,6 +394,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per speed case")
     parser.add_argument(
+        "--no-peer",
+        dest="peer",
+        action="store_false",
+        help="skip llama-server's greedy tokens in the quality check",
+    )
+    parser.add_argument(
+        "--batches",
+        default=",".join(map(str, DECODE_BATCHES)),
+        help="decode batch sizes of the speed check",
+    )
+    parser.add_argument(
         "--variants",
         default="fp32,int8+rescored-head,int8+rescored-head+float-down",
         help=f"from {', '.join(VARIANTS)}; fp32 first",
@@ -396,10 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.check in ("quality", "all"):
         started_s = time.monotonic()
-        print(quality(resolved, variants, args.num_prompts, args.num_new_tokens))
+        print(quality(resolved, variants, args.num_prompts, args.num_new_tokens, args.peer))
         print(f"(quality took {time.monotonic() - started_s:.0f} s)", flush=True)
     if args.check in ("speed", "all"):
-        print(speed(resolved, variants, args.rounds))
+        batches = tuple(int(b) for b in args.batches.split(","))
+        print(speed(resolved, variants, args.rounds, batches))
     return 0
 
 
