@@ -90,13 +90,19 @@ def describe_numerics(model, quantization: str) -> str:
                 name
                 for module in model.modules()
                 for name, child in module.named_children()
-                if isinstance(child, kind) and child is not head and name != "int8"
+                if isinstance(child, kind) and child is not head and name not in ("int8", "layer")
             }
         )
 
     head = model.get_output_embeddings()
     head = getattr(head, "inner", head)
-    q4_names, int8_names = named(int8.Q4Linear), named(int8.Int8Linear)
+    q4_names = sorted({*named(int8.Q4Linear), *named(int8.Q4Slice)})
+    int8_names = named(int8.Int8Linear)
+    fused = [
+        "/".join(group)
+        for group in int8.FUSED_GROUPS
+        if all(name in named(int8.Q4Slice) for name in group)
+    ]
     float_names = [n for n in named(BatchInvariantLinear) if n != "lm_head"]
     head_text = (
         f"int8 logits, each row's top {head.num_rescored} recomputed in float32"
@@ -108,6 +114,7 @@ def describe_numerics(model, quantization: str) -> str:
         parts.append(
             f"{', '.join(q4_names)} as Q4_1 (the weights' exact 4-bit groups of "
             f"{int8.Q4_GROUP}, scale and offset in bfloat16), {int8.Q4_ACTIVATION_SCHEME}"
+            + (f", {' and '.join(fused)} in one call each" if fused else "")
         )
     if int8_names:
         parts.append(

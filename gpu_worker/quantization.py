@@ -108,6 +108,7 @@ def quantize_int8(
     }
     int8_modules = [child for _, _, child, _ in targets if child not in blocks]
     input_max = _calibrate(model, int8_modules) if smooth and int8_modules else {}
+    made: dict = {}
     with warnings.catch_warnings():
         # PyTorch announces the end of its quantized tensors (the weight's packing goes
         # through one); their int8 GEMM is still the fastest CPU path measured here.
@@ -115,13 +116,16 @@ def quantize_int8(
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         for parent, name, child, weight in targets:
             if child in blocks:
-                setattr(parent, name, Q4Linear(blocks[child], child.bias))
+                layer = Q4Linear(blocks[child], child.bias)
+                made[layer] = (blocks[child], child.bias)
+                setattr(parent, name, layer)
                 continue
             scales = smoothing_scales(input_max[child], weight) if child in input_max else None
             replacement = Int8Linear(weight, child.bias, scales)
             if child is output and head == "rescored":
                 replacement = RescoredHead(replacement, weight, child.bias)
             setattr(parent, name, replacement)
+    _fuse_siblings(model, made)
     return model
 
 
@@ -332,6 +336,87 @@ class Q4Linear(torch.nn.Module):
 
 
 _int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+# Sibling layers that read the same input, run as one Q4Linear (one bfloat16 conversion and
+# one kernel call instead of three or two): transformers' attention calls q, k and v on the
+# same hidden states in this order, its MLP gate and then up. A row's output columns are
+# the same bits either way (each is its own dot product; tests/worker/test_q4_linear.py).
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class FusedQ4Linear(torch.nn.Module):
+    """One Q4Linear over the concatenated outputs of sibling layers, called through their
+    Q4Slice: the first sibling's call computes all of them for its input, the others take
+    their columns when called on that same tensor, else compute afresh (never stale)."""
+
+    def __init__(self, blocks: list[Q4Blocks], biases: list[torch.Tensor | None]) -> None:
+        super().__init__()
+        joined = Q4Blocks(
+            torch.cat([part.levels for part in blocks]),
+            torch.cat([part.scales for part in blocks]),
+            torch.cat([part.minimums for part in blocks]),
+        )
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat(
+                [
+                    torch.zeros(part.levels.shape[0]) if b is None else b.detach().float()
+                    for part, b in zip(blocks, biases, strict=True)
+                ]
+            )
+        self.layer = Q4Linear(joined, bias)
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._pending = 0
+
+    def columns(self, x: torch.Tensor, first: bool, num_others: int) -> torch.Tensor:
+        if not first and self._pending and x is self._input:
+            out = self._output
+            self._pending -= 1
+            if not self._pending:
+                self._input = self._output = None
+            return out
+        out = self.layer(x)
+        if first:
+            self._input, self._output, self._pending = x, out, num_others
+        return out
+
+
+class Q4Slice(torch.nn.Module):
+    """One sibling of a FusedQ4Linear: its columns [start, end) of the joined output."""
+
+    def __init__(self, fused: FusedQ4Linear, start: int, end: int, first: bool, others: int):
+        super().__init__()
+        self.fused = fused
+        self.start, self.end, self.first, self.others = start, end, first, others
+        self.in_features, self.out_features = fused.layer.in_features, end - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.columns(x, self.first, self.others)[..., self.start : self.end]
+
+    def extra_repr(self) -> str:
+        return f"columns {self.start}:{self.end} of a fused q4_1 layer"
+
+
+def _fuse_siblings(model, made: dict) -> None:
+    """Replace each FUSED_GROUPS set of sibling Q4Linear layers (`made`: layer -> its Q4Blocks
+    and bias) by Q4Slices of one FusedQ4Linear."""
+    for parent in list(model.modules()):
+        for names in FUSED_GROUPS:
+            layers = [getattr(parent, name, None) for name in names]
+            if not all(layer in made for layer in layers):
+                continue
+            if len({layer.in_features for layer in layers}) != 1:
+                continue
+            fused = FusedQ4Linear([made[x][0] for x in layers], [made[x][1] for x in layers])
+            start = 0
+            for index, (name, layer) in enumerate(zip(names, layers, strict=True)):
+                end = start + layer.out_features
+                others = len(names) - 1 if index == 0 else 0
+                setattr(parent, name, Q4Slice(fused, start, end, index == 0, others))
+                start = end
+
+
 Q4_ACTIVATION_SCHEME = "bfloat16 activations, float32 accumulation"
 
 
@@ -383,4 +468,8 @@ def count_int8_linear(model) -> int:
 
 
 def count_q4_linear(model) -> int:
-    return sum(isinstance(m, Q4Linear) for m in model.modules())
+    """Layers that run as Q4_1: Q4Linear, and each sibling of a fused one."""
+    modules = list(model.modules())
+    return sum(
+        int(isinstance(m, (Q4Linear, Q4Slice))) - int(isinstance(m, FusedQ4Linear)) for m in modules
+    )

@@ -72,10 +72,19 @@ def test_int8_runs_q4_1_decoder_layers_as_q4_and_the_rest_as_before(llama_models
     assert count_q4_linear(model) == 7 * model.config.num_hidden_layers
     assert not any(isinstance(m, Int8Linear) for m in model.model.layers.modules())
     assert isinstance(model.get_output_embeddings(), RescoredHead)
+    from pagoda.gpu_worker.quantization import FusedQ4Linear
+
+    calls = []
+    for module in model.modules():
+        if isinstance(module, FusedQ4Linear):
+            module.layer.register_forward_hook(lambda *_: calls.append(1))
     logits = model(torch.tensor([[5, 6, 7, 8]])).logits
     assert torch.equal(logits.argmax(-1), float_logits.argmax(-1))
+    # q/k/v and gate/up: one kernel call per group and layer.
+    assert len(calls) == 2 * model.config.num_hidden_layers
     numerics = describe_numerics(model, "int8")
     assert "q_proj" in numerics and "as Q4_1" in numerics and "bfloat16 activations" in numerics
+    assert "q_proj/k_proj/v_proj and gate_proj/up_proj in one call each" in numerics
     assert "head: int8 logits, each row's top 32 recomputed in float32" in numerics
 
 
@@ -84,3 +93,23 @@ def test_int8_keeps_per_token_int8_for_weights_that_are_not_q4_1(llama_models):
     assert count_q4_linear(model) == 0
     numerics = describe_numerics(model, "int8")
     assert "per-token symmetric int8 (absmax / 127)" in numerics and "Q4_1" not in numerics
+
+
+def test_fused_siblings_give_the_bits_of_separate_layers_and_never_a_stale_result():
+    from pagoda.gpu_worker.quantization import FusedQ4Linear, Q4Slice
+
+    weights = [q4_1_weight(n, 128, seed) for seed, n in enumerate((64, 32, 32))]
+    biases = [torch.randn(64), None, torch.randn(32)]
+    separate = [Q4Linear(q4_1_blocks(w), b) for w, b in zip(weights, biases, strict=True)]
+    fused = FusedQ4Linear([q4_1_blocks(w) for w in weights], biases)
+    q, k, v = (
+        Q4Slice(fused, 0, 64, True, 2),
+        Q4Slice(fused, 64, 96, False, 0),
+        Q4Slice(fused, 96, 128, False, 0),
+    )
+    x, y = torch.randn(3, 128), torch.randn(3, 128)
+    for first, second in ((x, x), (x, y)):
+        assert torch.equal(q(first), separate[0](first))
+        assert torch.equal(k(second), separate[1](second))  # another input: computed afresh
+        assert torch.equal(v(second), separate[2](second))
+    assert torch.equal(v(x), separate[2](x))  # called alone, out of order
