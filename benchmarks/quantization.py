@@ -1,12 +1,15 @@
 """The int8 forward against float32 on the same model: quality, then speed.
 
   .venv/bin/python -m benchmarks.quantization [--check quality|speed|all] [--model default]
-      [--num-prompts 64] [--num-new-tokens 32] [--rounds 5] [--lm-head]
+      [--num-prompts 64] [--num-new-tokens 48] [--rounds 5] [--batches 1,8,32,64]
+      [--variants fp32,...] [--no-peer] [--peer-threads N]
 
 Quality: greedy agreement over the chat prompts in benchmarks/data/quantization_prompts.txt,
 all prefilled in one step and decoded together through the paged engine (how the worker
-serves them: the int8 activations are quantized per step, so batch mates matter), and the
-perplexity of benchmarks/data/perplexity_text.txt in one plain forward.
+serves them; every shipped path is batch-invariant, so batch mates do not matter), and
+the perplexity and teacher-forced top-1 of benchmarks/data/perplexity_text.txt in one
+plain forward. When llama-server is built (`make llama-server`), its greedy tokens for the
+same token-id prompts on the same Q4_1 weights are compared too (`--no-peer`: skipped).
 
 Speed: paged engine steps (benchmarks.worker_step's plans) at decode batch 1/8/32/64 over
 128-token contexts and a 512-token prefill; the variants alternate inside every round so
@@ -38,6 +41,7 @@ TEXT_FILE = DATA_DIR / "perplexity_text.txt"
 BLOCK_SIZE = 16
 DECODE_BATCHES = (1, 8, 32, 64)
 PREFILL_TOKENS = 512
+CONTEXT = 128  # decode steps' context, tokens
 
 
 def chat_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
@@ -195,6 +199,10 @@ VARIANTS = {
     "int8+rescored-head": Variant(
         "int8+rescored-head", lambda model: quantize_int8(model, head="rescored")
     ),
+    "int8-per-token+rescored-head": Variant(
+        "int8-per-token+rescored-head",
+        lambda model: quantize_int8(model, head="rescored", q4=False),
+    ),
     "int8+rescored-head+float-down": Variant(
         "int8+rescored-head+float-down",
         lambda model: quantize_int8(model, head="rescored", keep_float=("down_proj",)),
@@ -206,7 +214,9 @@ VARIANTS = {
 }
 
 
-def llama_server_greedy(prompts: list[list[int]], num_new_tokens: int) -> list[list[int]] | str:
+def llama_server_greedy(
+    prompts: list[list[int]], num_new_tokens: int, threads: int | None = None
+) -> list[list[int]] | str:
     """llama.cpp's greedy tokens for the same token-id prompts on the same Q4_1 weights
     (one slot, `ignore_eos`, temperature 0, no prompt cache), or the line saying why the
     peer was skipped (the binary is built by `make llama-server`)."""
@@ -226,7 +236,7 @@ def llama_server_greedy(prompts: list[list[int]], num_new_tokens: int) -> list[l
         port,
         parallel=1,
         context_per_slot=peer.context_per_slot(prompts, num_new_tokens),
-        threads=os.cpu_count() or 1,
+        threads=threads or os.cpu_count() or 1,
     )
     generated = []
     with peer.LlamaServer(argv, port) as server:
@@ -252,7 +262,14 @@ def llama_server_greedy(prompts: list[list[int]], num_new_tokens: int) -> list[l
     return generated
 
 
-def quality(resolved, variants: list[Variant], num_prompts: int, num_new_tokens: int) -> str:
+def quality(
+    resolved,
+    variants: list[Variant],
+    num_prompts: int,
+    num_new_tokens: int,
+    with_peer: bool = True,
+    peer_threads: int | None = None,
+) -> str:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolved.path)
@@ -271,7 +288,11 @@ def quality(resolved, variants: list[Variant], num_prompts: int, num_new_tokens:
         del engine, model
         print(f"  {variant.name}: perplexity {scores[variant.name].perplexity:.3f}", flush=True)
     base = variants[0].name
-    peer = llama_server_greedy(prompts, num_new_tokens)
+    peer = (
+        llama_server_greedy(prompts, num_new_tokens, peer_threads)
+        if with_peer
+        else "llama-server not asked for"
+    )
     if isinstance(peer, str):
         print(f"  {peer}: no greedy comparison with llama.cpp", flush=True)
     lines = [
@@ -310,7 +331,7 @@ def quality(resolved, variants: list[Variant], num_prompts: int, num_new_tokens:
         lines += [
             "",
             f"Issue 26's targets for {shipped} (the default): perplexity within 1% of fp32: "
-            f"{'pass' if delta < 0.01 else 'FAIL'} ({delta:+.2%}); teacher-forced top-1 >= 97%: "
+            f"{'pass' if abs(delta) < 0.01 else 'FAIL'} ({delta:+.2%}); teacher-forced top-1 >= 97%: "
             f"{'pass' if top1 >= 0.97 else 'FAIL'} ({top1:.1%}); mean first divergence >= "
             + (
                 "llama-server's: not compared (no binary)"
@@ -323,7 +344,9 @@ def quality(resolved, variants: list[Variant], num_prompts: int, num_new_tokens:
     return "\n".join(lines)
 
 
-def speed(resolved, variants: list[Variant], rounds: int) -> str:
+def speed(
+    resolved, variants: list[Variant], rounds: int, batches: tuple[int, ...] = DECODE_BATCHES
+) -> str:
     from benchmarks.worker_step import Bench
 
     benches = {}
@@ -334,12 +357,12 @@ def speed(resolved, variants: list[Variant], rounds: int) -> str:
         )
         benches[variant.name] = Bench(engine, None, rounds)
     cases: list[tuple[str, dict[str, Callable[[], object]]]] = []
-    for batch in DECODE_BATCHES:
+    for batch in batches:
         steps = {}
         for name, bench in benches.items():
-            plan = bench.decode_plan(bench.decode_sequences(batch))
+            plan = bench.decode_plan(bench.decode_sequences(batch, CONTEXT), CONTEXT)
             steps[name] = lambda bench=bench, plan=plan: bench._step(plan)
-        cases.append((f"decode, batch {batch}, context 128", steps))
+        cases.append((f"decode, batch {batch}, context {CONTEXT}", steps))
     steps = {}
     for name, bench in benches.items():
         seq_id, first = bench.prefill_plan(PREFILL_TOKENS)
@@ -381,6 +404,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per speed case")
     parser.add_argument(
+        "--no-peer",
+        dest="peer",
+        action="store_false",
+        help="skip llama-server's greedy tokens in the quality check",
+    )
+    parser.add_argument(
+        "--peer-threads",
+        type=int,
+        default=None,
+        help="llama-server's threads (default: every core; 1 on a loaded machine)",
+    )
+    parser.add_argument(
+        "--batches",
+        default=",".join(map(str, DECODE_BATCHES)),
+        help="decode batch sizes of the speed check",
+    )
+    parser.add_argument(
         "--variants",
         default="fp32,int8+rescored-head,int8+rescored-head+float-down",
         help=f"from {', '.join(VARIANTS)}; fp32 first",
@@ -396,10 +436,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.check in ("quality", "all"):
         started_s = time.monotonic()
-        print(quality(resolved, variants, args.num_prompts, args.num_new_tokens))
+        print(
+            quality(
+                resolved,
+                variants,
+                args.num_prompts,
+                args.num_new_tokens,
+                args.peer,
+                args.peer_threads,
+            )
+        )
         print(f"(quality took {time.monotonic() - started_s:.0f} s)", flush=True)
     if args.check in ("speed", "all"):
-        print(speed(resolved, variants, args.rounds))
+        batches = tuple(int(b) for b in args.batches.split(","))
+        print(speed(resolved, variants, args.rounds, batches))
     return 0
 
 

@@ -83,33 +83,47 @@ def describe_numerics(model, quantization: str) -> str:
     )
     if quantization != "int8":
         return f"none: {dtype} weights and activations as loaded; {invariance}"
-    names = sorted(
-        {
-            name
-            for module in model.modules()
-            for name, child in module.named_children()
-            if isinstance(child, int8.Int8Linear)
-        }
-    )
-    float_names = sorted(
-        {
-            name
-            for module in model.modules()
-            for name, child in module.named_children()
-            if isinstance(child, BatchInvariantLinear)
-        }
-    )
+
+    def named(kind) -> list[str]:
+        return sorted(
+            {
+                name
+                for module in model.modules()
+                for name, child in module.named_children()
+                if isinstance(child, kind) and child is not head and name not in ("int8", "layer")
+            }
+        )
+
     head = model.get_output_embeddings()
     head = getattr(head, "inner", head)
+    q4_names = sorted({*named(int8.Q4Linear), *named(int8.Q4Slice)})
+    int8_names = named(int8.Int8Linear)
+    fused = [
+        "/".join(group)
+        for group in int8.FUSED_GROUPS
+        if all(name in named(int8.Q4Slice) for name in group)
+    ]
+    float_names = [n for n in named(BatchInvariantLinear) if n != "lm_head"]
     head_text = (
         f"int8 logits, each row's top {head.num_rescored} recomputed in float32"
         if isinstance(head, int8.RescoredHead)
         else ("int8" if isinstance(head, int8.Int8Linear) else "float32")
     )
+    parts = []
+    if q4_names:
+        parts.append(
+            f"{', '.join(q4_names)} as Q4_1 (the weights' exact 4-bit groups of "
+            f"{int8.Q4_GROUP}, scale and offset in bfloat16), {int8.Q4_ACTIVATION_SCHEME}"
+            + (f", {' and '.join(fused)} in one call each" if fused else "")
+        )
+    if int8_names:
+        parts.append(
+            f"{', '.join(int8_names)} as int8 (per-output-channel symmetric weights, "
+            f"SmoothQuant input scales), activations {int8.ACTIVATION_SCHEME}"
+        )
     return (
-        f"int8: {', '.join(n for n in names if n not in ('lm_head', 'int8'))} as int8 (per-output-channel "
-        f"symmetric weights, SmoothQuant input scales); activations {int8.ACTIVATION_SCHEME}; "
-        f"float32: embeddings, norms, attention"
-        + (f", {', '.join(n for n in float_names if n != 'lm_head')}" if float_names else "")
+        f"int8: {'; '.join(parts) or 'no quantized layer'}; float32: embeddings, norms, "
+        "attention"
+        + (f", {', '.join(float_names)}" if float_names else "")
         + f"; head: {head_text}; {invariance}"
     )

@@ -1,14 +1,20 @@
-"""Int8 weights for the CPU forward: int8 Linear layers on fbgemm's int8 GEMM.
+"""Quantized Linear layers for the CPU forward (`--quantization int8`, the CPU default).
 
 On a CPU the decode forward is bound by reading the weights (SmolLM2-135M: 540 MB of
-float32 per step). `int8` swaps every Linear layer of the decoder (and GPT-2's Conv1D)
-for an Int8Linear: int8 weights with one symmetric scale per output channel,
-activations quantized per token to symmetric 8 bits (-127..127, absmax / 127), int32
-accumulation (batch-invariant by construction), and SmoothQuant-style input-channel
-scales calibrated at load on one forward of random token ids (data-free; about a
-second). Embeddings, norms, attention and the KV pool stay
-float32. The output head (`head`, HEAD_MODE by default) is float32, int8, or `rescored`:
-int8 logits whose top RESCORED_TOP of each row are then recomputed in float32.
+float32 per step). `int8` swaps every Linear layer of the decoder (and GPT-2's Conv1D):
+- a layer whose float weights are exactly Q4_1 groups (llama.cpp's 4-bit format: each 32
+  inputs of a row are d * q + m, q in 0..15; the default model is its Q4_1 GGUF
+  dequantized) becomes a Q4Linear: those groups kept as 4-bit levels, activations rounded
+  to bfloat16, float32 sums on PyTorch's CPU int4 GEMM. Nearly the float model (default
+  model: top-1 99.2%, perplexity -0.4%, docs/benchmarks.md "int8 forward");
+- any other becomes an Int8Linear: int8 weights with one symmetric scale per output
+  channel, activations quantized per token to symmetric 8 bits (-127..127, absmax / 127),
+  int32 accumulation, and SmoothQuant-style input-channel scales calibrated at load on one
+  forward of random token ids (data-free; about a second).
+Both are batch-invariant by construction (a row's result never depends on the other rows
+of the call). Embeddings, norms, attention and the KV pool stay float32. The output head
+(`head`, HEAD_MODE by default) is float32, int8, or `rescored`: int8 logits whose top
+RESCORED_TOP of each row are then recomputed in float32.
 
 `auto` is int8 on the CPU with float32 weights and none otherwise: the int8 kernels
 exist only for the CPU, so an explicit `int8` on CUDA is refused rather than ignored.
@@ -21,6 +27,7 @@ Quality and speed on the default model: docs/benchmarks.md, "int8 forward"
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 from pagoda.gpu_worker.config import QUANTIZATIONS, QuantizationError
@@ -74,12 +81,13 @@ def quantize_int8(
     head: str = HEAD_MODE,
     smooth: bool = True,
     keep_float: tuple[str, ...] = FLOAT_LAYERS,
+    q4: bool = True,
 ):
-    """Every Linear of the decoder becomes an Int8Linear, GPT-2's Conv1D (a Linear stored
-    transposed) too, but those named in `keep_float` (by their attribute name, such as
-    "down_proj"), and the output head as `head` says (HEAD_MODES). Call it before the
-    engine switches the model to the paged attention: `smooth` runs one calibration
-    forward."""
+    """Every Linear of the decoder becomes a Q4Linear when its weight is exactly Q4_1 (and
+    `q4`), else an Int8Linear, GPT-2's Conv1D (a Linear stored transposed) too, but those
+    named in `keep_float` (by their attribute name, such as "down_proj"), and the output
+    head as `head` says (HEAD_MODES). Call it before the engine switches the model to the
+    paged attention: `smooth` runs one calibration forward (when an int8 layer is left)."""
     if head not in HEAD_MODES:
         raise ValueError(f"head must be one of {', '.join(HEAD_MODES)}, got {head!r}")
     if next(model.parameters()).device.type != "cpu":
@@ -93,18 +101,31 @@ def quantize_int8(
         and (child is output or name not in keep_float)
         and (weight := _linear_weight(child)) is not None
     ]
-    input_max = _calibrate(model, [child for _, _, child, _ in targets]) if smooth else {}
+    blocks = {
+        child: found
+        for _, _, child, weight in targets
+        if q4 and child is not output and (found := q4_1_blocks(weight)) is not None
+    }
+    int8_modules = [child for _, _, child, _ in targets if child not in blocks]
+    input_max = _calibrate(model, int8_modules) if smooth and int8_modules else {}
+    made: dict = {}
     with warnings.catch_warnings():
         # PyTorch announces the end of its quantized tensors (the weight's packing goes
         # through one); their int8 GEMM is still the fastest CPU path measured here.
         warnings.filterwarnings("ignore", message=".*quantize_per_channel.*")
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         for parent, name, child, weight in targets:
+            if child in blocks:
+                layer = Q4Linear(blocks[child], child.bias)
+                made[layer] = (blocks[child], child.bias)
+                setattr(parent, name, layer)
+                continue
             scales = smoothing_scales(input_max[child], weight) if child in input_max else None
             replacement = Int8Linear(weight, child.bias, scales)
             if child is output and head == "rescored":
                 replacement = RescoredHead(replacement, weight, child.bias)
             setattr(parent, name, replacement)
+    _fuse_siblings(model, made)
     return model
 
 
@@ -232,6 +253,173 @@ _SIGNS = torch.tensor([1.0, -1.0]).view(2, 1, 1)
 ACTIVATION_SCHEME = "per-token symmetric int8 (absmax / 127), int32 accumulation"
 
 
+# Q4_1 (llama.cpp's 4-bit format): each group of Q4_GROUP consecutive input weights of an
+# output row is d * q + m, q in 0..15, d and m float16.
+Q4_GROUP = 32
+Q4_LEVELS = 15
+
+
+@dataclass(frozen=True, slots=True)
+class Q4Blocks:
+    """A [out, in] weight as Q4_1 groups: levels [out, in] (0..15, int32), and per group
+    scales and minimums [out, in / Q4_GROUP] (float32 holding float16 values)."""
+
+    levels: torch.Tensor
+    scales: torch.Tensor
+    minimums: torch.Tensor
+
+
+def q4_1_blocks(weight: torch.Tensor) -> Q4Blocks | None:
+    """The Q4_1 groups that reproduce `weight` exactly (a GGUF Q4_1 model dequantized to
+    float32, as the default model's decoder), or None when no such groups exist: a
+    weight it does not hold exactly is left to Int8Linear, never rounded to 4 bits."""
+    out_features, in_features = weight.shape
+    if in_features % Q4_GROUP or out_features % 8:
+        return None
+    groups = weight.detach().float().reshape(out_features, -1, Q4_GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    minimums = low.half().float()
+    scales = ((high - low) / Q4_LEVELS).half().float()
+    if not torch.isfinite(scales).all() or not torch.equal(minimums, low):
+        return None
+    levels = ((groups - minimums.unsqueeze(-1)) / scales.clamp(min=1e-30).unsqueeze(-1)).round()
+    levels = levels.clamp_(0, Q4_LEVELS)
+    if not torch.equal(levels * scales.unsqueeze(-1) + minimums.unsqueeze(-1), groups):
+        return None
+    return Q4Blocks(levels.reshape(out_features, in_features).int(), scales, minimums)
+
+
+def round_to_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` quantized to Q4_1 and dequantized (llama.cpp's rounding: the group's min
+    is level 0, its max level 15): a float weight that q4_1_blocks holds exactly. For
+    tests and benchmarks that need a Q4_1 model without a GGUF file."""
+    out_features, in_features = weight.shape
+    groups = weight.detach().float().reshape(out_features, -1, Q4_GROUP)
+    minimums = groups.amin(dim=-1, keepdim=True).half().float()
+    scales = ((groups.amax(dim=-1, keepdim=True) - minimums) / Q4_LEVELS).half().float()
+    levels = ((groups - minimums) / scales.clamp(min=1e-30)).round().clamp(0, Q4_LEVELS)
+    return (levels * scales + minimums).reshape(out_features, in_features)
+
+
+class Q4Linear(torch.nn.Module):
+    """y = x W^T + b with W held as its exact Q4_1 groups (4-bit levels, a scale and an
+    offset per 32 inputs) and x rounded to bfloat16, on PyTorch's CPU int4 GEMM
+    (`_weight_int4pack_mm_for_cpu`, float32 accumulation, bfloat16 output).
+
+    The kernel computes (q - 8) * scale + zero per weight, with zero = m + 8 * scale and
+    scale and zero in bfloat16 (so the weight is Q4_1's up to bfloat16's rounding of the
+    float16 scale and offset). Batch-invariant: each output element is one dot product
+    over the input in a fixed order, whatever the number of rows in the call (tested with
+    random batch mates from 1 to 600 rows, tests/worker/test_batch_invariance.py).
+    """
+
+    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = blocks.levels.shape
+        self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.levels, 1)
+        zeros = blocks.minimums + 8 * blocks.scales
+        # [in / Q4_GROUP, out, 2]: the kernel's layout of scale and zero.
+        self._scales_and_zeros = (
+            torch.stack([blocks.scales, zeros], dim=-1).transpose(0, 1).contiguous().bfloat16()
+        )
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = _int4_mm(rows, self._packed, Q4_GROUP, self._scales_and_zeros).float()
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, q4_1"
+
+
+_int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+# Sibling layers that read the same input, run as one Q4Linear (one bfloat16 conversion and
+# one kernel call instead of three or two): transformers' attention calls q, k and v on the
+# same hidden states in this order, its MLP gate and then up. A row's output columns are
+# the same bits either way (each is its own dot product; tests/worker/test_q4_linear.py).
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class FusedQ4Linear(torch.nn.Module):
+    """One Q4Linear over the concatenated outputs of sibling layers, called through their
+    Q4Slice: the first sibling's call computes all of them for its input, the others take
+    their columns when called on that same tensor, else compute afresh (never stale)."""
+
+    def __init__(self, blocks: list[Q4Blocks], biases: list[torch.Tensor | None]) -> None:
+        super().__init__()
+        joined = Q4Blocks(
+            torch.cat([part.levels for part in blocks]),
+            torch.cat([part.scales for part in blocks]),
+            torch.cat([part.minimums for part in blocks]),
+        )
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat(
+                [
+                    torch.zeros(part.levels.shape[0]) if b is None else b.detach().float()
+                    for part, b in zip(blocks, biases, strict=True)
+                ]
+            )
+        self.layer = Q4Linear(joined, bias)
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._pending = 0
+
+    def columns(self, x: torch.Tensor, first: bool, num_others: int) -> torch.Tensor:
+        if not first and self._pending and x is self._input:
+            out = self._output
+            self._pending -= 1
+            if not self._pending:
+                self._input = self._output = None
+            return out
+        out = self.layer(x)
+        if first:
+            self._input, self._output, self._pending = x, out, num_others
+        return out
+
+
+class Q4Slice(torch.nn.Module):
+    """One sibling of a FusedQ4Linear: its columns [start, end) of the joined output."""
+
+    def __init__(self, fused: FusedQ4Linear, start: int, end: int, first: bool, others: int):
+        super().__init__()
+        self.fused = fused
+        self.start, self.end, self.first, self.others = start, end, first, others
+        self.in_features, self.out_features = fused.layer.in_features, end - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.columns(x, self.first, self.others)[..., self.start : self.end]
+
+    def extra_repr(self) -> str:
+        return f"columns {self.start}:{self.end} of a fused q4_1 layer"
+
+
+def _fuse_siblings(model, made: dict) -> None:
+    """Replace each FUSED_GROUPS set of sibling Q4Linear layers (`made`: layer -> its Q4Blocks
+    and bias) by Q4Slices of one FusedQ4Linear."""
+    for parent in list(model.modules()):
+        for names in FUSED_GROUPS:
+            layers = [getattr(parent, name, None) for name in names]
+            if not all(layer in made for layer in layers):
+                continue
+            if len({layer.in_features for layer in layers}) != 1:
+                continue
+            fused = FusedQ4Linear([made[x][0] for x in layers], [made[x][1] for x in layers])
+            start = 0
+            for index, (name, layer) in enumerate(zip(names, layers, strict=True)):
+                end = start + layer.out_features
+                others = len(names) - 1 if index == 0 else 0
+                setattr(parent, name, Q4Slice(fused, start, end, index == 0, others))
+                start = end
+
+
+Q4_ACTIVATION_SCHEME = "bfloat16 activations, float32 accumulation"
+
+
 class RescoredHead(torch.nn.Module):
     """An output head whose logits come from `int8` (an Int8Linear of `weight`), except
     each row's RESCORED_TOP highest, which are recomputed from the float32 `weight`.
@@ -277,3 +465,11 @@ class RescoredHead(torch.nn.Module):
 
 def count_int8_linear(model) -> int:
     return sum(isinstance(m, Int8Linear) for m in model.modules())
+
+
+def count_q4_linear(model) -> int:
+    """Layers that run as Q4_1: Q4Linear, and each sibling of a fused one."""
+    modules = list(model.modules())
+    return sum(
+        int(isinstance(m, (Q4Linear, Q4Slice))) - int(isinstance(m, FusedQ4Linear)) for m in modules
+    )

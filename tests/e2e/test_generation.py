@@ -83,13 +83,14 @@ def test_greedy_output_equals_transformers_generate(tmp_path, default_reference,
 
 
 def test_the_cpu_default_int8_answers_and_reports_itself(tmp_path):
-    """The worker's defaults (int8 Linear layers on the CPU) serve a sensible chat."""
+    """The worker's defaults (the default model's Q4_1 Linear layers on the CPU) serve a
+    sensible chat."""
     with running_service(tmp_path, model="default") as service, service.channel() as channel:
         stub = service.stub(channel)
         info = stub.GetModelInfo(generation_pb2.ModelInfoRequest(), timeout=10)
         assert info.quantization == ("int8" if info.device == "cpu" else "none")
         if info.device == "cpu":
-            assert info.numerics.startswith("int8: ") and "per-token" in info.numerics
+            assert info.numerics.startswith("int8: ") and "as Q4_1" in info.numerics
             assert "batch-invariant (" in info.numerics
         # Not "What is the capital of France?": float32 starts its answer with "The" by a
         # hair over "L" (logits 25.33 and 25.24), and int8 rounding flips that tie on an

@@ -23,6 +23,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 NUM_PROMPTS = 64
 NUM_NEW_TOKENS = 48
+# llama-server's mean first divergence from float32 on these prompts, same Q4_1 weights
+# (`python -m benchmarks.quantization --check quality` measures it when the binary is built).
+LLAMA_SERVER_DIVERGENCE = 24.5
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +56,21 @@ def runs(default_model_dir, tokenizer):
 
 
 def test_int8_perplexity_stays_within_1_percent_of_float(runs):
-    # Measured +0.41% (7-bit activations with one scale per call before issue 26: +3.1%).
+    # Measured -0.44% (per-token int8 weights and activations: +0.41%; 7-bit activations
+    # with one scale per call before issue 26: +3.1%).
     exact, approx = runs["none"][0], runs["int8"][0]
-    assert approx.perplexity / exact.perplexity - 1 < 0.01, (exact, approx)
+    assert abs(approx.perplexity / exact.perplexity - 1) < 0.01, (exact, approx)
 
 
 def test_int8_teacher_forced_top1_agrees_with_float(runs):
-    # Measured 93.1%. The issue's target of 97% is not reached by per-channel int8
-    # weights: with float activations they alone agree 96.1% (docs/benchmarks.md).
-    assert top1_agreement(runs["none"][0], runs["int8"][0]) >= 0.92
+    # Measured 99.2% with the decoder as Q4Linear (per-token int8: 93.1%, capped at 96.1%
+    # by its per-channel weights; docs/benchmarks.md).
+    assert top1_agreement(runs["none"][0], runs["int8"][0]) >= 0.97
 
 
 def test_int8_greedy_text_starts_as_the_float_model_s(runs):
     # Greedy chains part at the first near-tie and never meet again; measured over these
-    # 64 prompts x 48 tokens: mean first divergence 17.5 (13.9 with alpha 0.5; 7-bit
-    # per-call activations, before issue 26: 7.2 over 16 prompts).
+    # 64 prompts x 48 tokens: mean first divergence 40.0 (45/64 identical), llama-server
+    # on the same Q4_1 weights 24.5 (per-token int8: 17.5).
     agree = agreement(runs["none"][1], runs["int8"][1])
-    assert agree.mean_first_divergence >= 14, agree
+    assert agree.mean_first_divergence >= LLAMA_SERVER_DIVERGENCE, agree

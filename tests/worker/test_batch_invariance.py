@@ -5,9 +5,11 @@ logprobs are compared with ==, so a row whose logits moved by one ulp fails."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
+from pagoda.gpu_worker.quantization import count_q4_linear
 from pagoda.protos import step_pb2
 
 from tests.worker.conftest import TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, TinyModels, random_prompts
@@ -97,16 +99,48 @@ def in_a_random_batch(
     return traced(scheduler, TARGET)
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])
+_Q4_MODELS: dict[int, TinyModels] = {}
+
+
+def q4_1_version(models: TinyModels) -> TinyModels:
+    """`models` with the decoder's Linear weights rounded to Q4_1 (as the default model's
+    GGUF holds them), so that int8 runs them as Q4Linear, the default's path; one per
+    architecture, kept for the session."""
+    import torch
+    from pagoda.gpu_worker.quantization import round_to_q4_1
+
+    if id(models) not in _Q4_MODELS:
+        reference = copy.deepcopy(models.reference)
+        head = reference.get_output_embeddings()
+        with torch.no_grad():
+            for module in reference.modules():
+                if isinstance(module, torch.nn.Linear) and module is not head:
+                    module.weight.copy_(round_to_q4_1(module.weight))
+                elif type(module).__name__ == "Conv1D":  # GPT-2's, stored [in, out]
+                    module.weight.copy_(round_to_q4_1(module.weight.t()).t())
+        _Q4_MODELS[id(models)] = TinyModels(None, reference)
+    return _Q4_MODELS[id(models)]
+
+
+@pytest.mark.parametrize(
+    ("quantization", "weights"),
+    [("none", "float"), ("int8", "float"), ("int8", "q4_1")],
+    ids=["none", "int8", "int8-q4_1"],
+)
 @pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
 def test_a_request_is_the_same_alone_in_any_batch_chunked_and_recomputed(
-    tiny_models, quantization, seed
+    tiny_models, quantization, weights, seed
 ):
-    rng = random.Random(f"{quantization}-{seed}")
+    models = tiny_models
+    if weights == "q4_1":
+        models = q4_1_version(tiny_models)
+        engine = models.engine(quantization=quantization)
+        assert count_q4_linear(engine.model) > 0, "the Q4_1 path is not exercised"
+    rng = random.Random(f"{quantization}-{weights}-{seed}")
     (prompt,) = random_prompts(1, seed=rng.randrange(1000), min_len=20, max_len=45)
-    expected = alone(tiny_models, quantization, prompt, seed)
+    expected = alone(models, quantization, prompt, seed)
     assert len(expected[0]) == NUM_NEW_TOKENS
     for trial in range(NUM_TRIALS):
-        got = in_a_random_batch(tiny_models, quantization, prompt, seed, rng)
+        got = in_a_random_batch(models, quantization, prompt, seed, rng)
         assert got[0] == expected[0], f"trial {trial}: tokens differ"
         assert got[1:] == expected[1:], f"trial {trial}: same tokens, other logprobs"
