@@ -22,15 +22,11 @@ from pagoda.scheduler_svc.core.config import (
     ADMISSION_POLICIES,
     ConfigError,
     SchedulerConfig,
-    WorkerGeometry,
 )
 from pagoda.scheduler_svc.core.outputs import (
-    NewSequence,
     RequestOutput,
     SchedulerStats,
     StepOutputs,
-    StepPlan,
-    StepResult,
     Timings,
     TokenLogprob,
     Usage,
@@ -46,7 +42,7 @@ from pagoda.scheduler_svc.core.request import (
 from pagoda.scheduler_svc.core.scheduler import Scheduler
 from pagoda.scheduler_svc.core.tenants import TenantQuotaError, TenantStats
 
-from pagoda.common.step import SamplingParams
+from pagoda.common.step import NewSequence, SamplingParams, StepPlan, StepResult, WorkerGeometry
 
 __all__ = [
     "ADMISSION_POLICIES",

@@ -1,5 +1,4 @@
-"""The scheduling knobs of DESIGN §3 (one frozen value, validated once at start); the
-attached worker's geometry (WorkerGeometry) is pagoda.common.step's, re-exported here."""
+"""The scheduling knobs of DESIGN §3 (one frozen value, validated once at start)."""
 
 from __future__ import annotations
 
@@ -7,8 +6,6 @@ import math
 from dataclasses import dataclass
 
 from pagoda.scheduler_svc.core.placement import DEFAULT_AFFINITY_MAX_KV_USE_GAP
-
-from pagoda.common.step import WorkerGeometry as WorkerGeometry
 
 ADMISSION_POLICIES = ("fifo", "pack", "priority")
 # pack re-prices its whole lookahead every admission round: a bound keeps a step's cost flat.

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from pagoda.scheduler_svc.core.outputs import StepPlan
 from pagoda.scheduler_svc.core.planner import Planner
 from pagoda.scheduler_svc.core.request import Request, RequestState
+
+from pagoda.common.step import StepPlan
 
 SOLO_FAILURES_TO_CONVICT = 2
 

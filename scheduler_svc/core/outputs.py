@@ -1,8 +1,7 @@
 """What the core hands out: the outputs of a step for clients and the scheduler's stats.
 
-The plan of a step and the worker's result of it (StepPlan, StepResult, NewSequence) are
-pagoda.common.step's, shared with the worker and re-exported here. Durations sent to
-clients are milliseconds (`*_ms`).
+The plan of a step and the worker's result of it are pagoda.common.step's, shared with the
+worker. Durations sent to clients are milliseconds (`*_ms`).
 """
 
 from __future__ import annotations
@@ -12,9 +11,7 @@ from dataclasses import dataclass, field
 
 from pagoda.scheduler_svc.core.request import FinishReason, Request
 
-from pagoda.common.step import NewSequence as NewSequence
-from pagoda.common.step import StepPlan as StepPlan
-from pagoda.common.step import StepResult as StepResult
+from pagoda.common.step import StepResult
 
 # -- what clients get --------------------------------------------------------------------------
 

@@ -47,14 +47,15 @@ from pagoda.scheduler_svc.core.admission import (
     prefill_cost,
     run_policy,
 )
-from pagoda.scheduler_svc.core.config import SchedulerConfig, WorkerGeometry
+from pagoda.scheduler_svc.core.config import SchedulerConfig
 from pagoda.scheduler_svc.core.kv import BlockAllocator, PrefixCache, extend_block_hashes
-from pagoda.scheduler_svc.core.outputs import StepPlan
 from pagoda.scheduler_svc.core.plan_builder import PlanBuilder
 from pagoda.scheduler_svc.core.preemption import choose_victim
 from pagoda.scheduler_svc.core.request import Request, RequestState, set_stop_rules
 from pagoda.scheduler_svc.core.tenants import Ledger, by_least_served, neediest_tenant
 from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
+
+from pagoda.common.step import StepPlan, WorkerGeometry
 
 _RUNNING = RequestState.RUNNING
 _WAITING = RequestState.WAITING

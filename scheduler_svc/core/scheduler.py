@@ -23,15 +23,13 @@ from array import array
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from pagoda.scheduler_svc.core.config import SchedulerConfig, WorkerGeometry
+from pagoda.scheduler_svc.core.config import SchedulerConfig
 from pagoda.scheduler_svc.core.isolation import Isolation
 from pagoda.scheduler_svc.core.kv import ROOT_HASH, cache_root_hash, extend_block_hashes
 from pagoda.scheduler_svc.core.outputs import (
     RequestOutput,
     SchedulerStats,
     StepOutputs,
-    StepPlan,
-    StepResult,
     TokenLogprob,
     timings_of,
     token_logprob,
@@ -54,6 +52,8 @@ from pagoda.scheduler_svc.core.request import (
 )
 from pagoda.scheduler_svc.core.step_budget import StepBudget
 from pagoda.scheduler_svc.core.tenants import TenantStats, check_quota
+
+from pagoda.common.step import StepPlan, StepResult, WorkerGeometry
 
 _WAITING = RequestState.WAITING
 _RUNNING = RequestState.RUNNING
