@@ -11,7 +11,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagoda.client import convert
 from pagoda.client.connection import (
-    CHANNEL_OPTIONS,
     DEFAULT_TARGET,
     READY_CHECK_TIMEOUT_S,
     READY_POLL_INTERVAL_S,
@@ -182,14 +181,7 @@ class AsyncClient:
 
     def _stubs(self) -> tuple[generation_pb2_grpc.GenerationStub, health_pb2_grpc.HealthStub]:
         if self._stub is None or self._health is None:
-            credentials = self._settings.credentials
-            target = self._settings.target
-            if credentials is None:
-                self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-            else:
-                self._channel = grpc.aio.secure_channel(
-                    target, credentials, options=CHANNEL_OPTIONS
-                )
+            self._channel = self._settings.open_channel()
             self._stub = generation_pb2_grpc.GenerationStub(self._channel)
             self._health = health_pb2_grpc.HealthStub(self._channel)
         return self._stub, self._health

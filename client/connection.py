@@ -1,4 +1,4 @@
-"""How both clients reach a server: target, TLS, bearer key, deadline and channel options."""
+"""How the client reaches a server: target, TLS, bearer key, deadline and channel options."""
 
 from __future__ import annotations
 
@@ -53,3 +53,11 @@ class ConnectionSettings:
         if self.tls_root_cert is None:
             return None
         return grpc.ssl_channel_credentials(root_certificates=self.tls_root_cert)
+
+    def open_channel(self) -> grpc.aio.Channel:
+        """A grpc.aio channel to `target` (TLS when `tls_root_cert` is set); call it inside the
+        event loop that will own the channel."""
+        credentials = self.credentials
+        if credentials is None:
+            return grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(self.target, credentials, options=CHANNEL_OPTIONS)

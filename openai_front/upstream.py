@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagoda.client import convert
 from pagoda.client.async_client import AsyncChunkStream
-from pagoda.client.connection import CHANNEL_OPTIONS
+from pagoda.client.connection import ConnectionSettings
 from pagoda.client.errors import error_from_rpc
 from pagoda.client.results import ModelInfo
 from pagoda.openai_front.errors import FrontError
@@ -66,13 +66,10 @@ class Upstream:
         return self._target
 
     def open(self) -> None:
-        if self._tls_root_cert is None:
-            self._channel = grpc.aio.insecure_channel(self._target, options=CHANNEL_OPTIONS)
-        else:
-            credentials = grpc.ssl_channel_credentials(root_certificates=self._tls_root_cert)
-            self._channel = grpc.aio.secure_channel(
-                self._target, credentials, options=CHANNEL_OPTIONS
-            )
+        # The client's channel (options and TLS); the bearer key travels per call instead.
+        self._channel = ConnectionSettings(
+            self._target, tls_root_cert=self._tls_root_cert
+        ).open_channel()
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
