@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pagoda.protos import step_pb2
 from pagoda.scheduler_svc.core import (
@@ -180,7 +181,7 @@ class Front:
         per_lane = [lane.scheduler.stats for lane in self._lanes]
         if len(per_lane) == 1 and not any(self._closed_stats.values()):
             return per_lane[0]
-        totals: dict[str, float] = {}
+        totals: dict[str, Any] = {}
         for field in dataclasses.fields(SchedulerStats):
             values = [getattr(stats, field.name) for stats in per_lane]
             if field.type in (int, "int") and not field.name.startswith("step_"):
@@ -191,7 +192,7 @@ class Front:
         totals["prefix_cache_hit_rate"] = (
             totals["num_prefix_hit_tokens"] / queried if queried else 0.0
         )
-        return SchedulerStats(**totals)  # type: ignore[arg-type]
+        return SchedulerStats(**totals)
 
     def worker_stats(self) -> list[WorkerStats]:
         return [stats for lane in self._lanes for stats in lane.loop.worker_stats()]
