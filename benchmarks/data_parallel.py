@@ -18,11 +18,10 @@ import subprocess
 import sys
 import time
 
-from pagoda.client.bench import run_bench
-from pagoda.client.bench_config import BenchConfig
-
 from benchmarks.overlap import server_stats
 from benchmarks.suite_service import LocalService, resolve_model_dir, stop_process
+from pagoda.client.bench import run_bench
+from pagoda.client.bench_config import BenchConfig
 
 
 def main(argv: list[str] | None = None) -> int:

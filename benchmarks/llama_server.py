@@ -32,12 +32,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.suite_service import REPO_ROOT, free_port, stop_process
 from pagoda.client.bench_config import BenchConfig
 from pagoda.client.bench_report import BenchReport, RequestResult, summarize
 from pagoda.client.bench_workload import arrival_offsets_s
 from pagoda.client.results import Usage
-
-from benchmarks.suite_service import REPO_ROOT, free_port, stop_process
 
 # The llama-cpp-python release whose vendored llama.cpp `make llama-server` builds; the
 # Makefile's LLAMA_CPP_PYTHON_VERSION must say the same (a test checks).

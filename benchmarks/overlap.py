@@ -18,11 +18,10 @@ import sys
 import threading
 import time
 
+from benchmarks.suite_service import LocalService, resolve_model_dir
 from pagoda.client import Client, ServerStats
 from pagoda.client.bench import run_bench
 from pagoda.client.bench_config import BenchConfig
-
-from benchmarks.suite_service import LocalService, resolve_model_dir
 
 
 def server_stats(address: str) -> ServerStats:

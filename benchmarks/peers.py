@@ -22,12 +22,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks.scenarios import PEER_CONTINUOUS, PEER_GENERATE, PEER_STATIC, STATIC_BATCH_SIZE
 from pagoda.client.bench_config import BenchConfig
 from pagoda.client.bench_report import BenchReport, RequestResult, summarize
 from pagoda.client.bench_workload import build_prompts
 from pagoda.client.results import Usage
-
-from benchmarks.scenarios import PEER_CONTINUOUS, PEER_GENERATE, PEER_STATIC, STATIC_BATCH_SIZE
 
 # generate_batch's step budget and KV page size (tokens); its cache gets enough pages for the
 # whole burst at once.

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
 from pagoda.gpu_worker.paged_engine import PagedEngine
 from pagoda.gpu_worker.quantization import quantize_int8

@@ -46,6 +46,7 @@ import dataclasses
 import math
 import random
 
+from benchmarks.scheduler_core import SAMPLING  # greedy, no penalties
 from pagoda.scheduler_svc.core import (
     Scheduler,
     SchedulerConfig,
@@ -56,8 +57,6 @@ from pagoda.scheduler_svc.core import (
 )
 from pagoda.scheduler_svc.core.step_budget import StepBudget
 from pagoda.scheduler_svc.testing import FakeWorker
-
-from benchmarks.scheduler_core import SAMPLING  # greedy, no penalties
 
 # ms: intercept, per prompt token, per decode, per KV token read (see the docstring).
 COST_PRESETS = {"int8": (18.0, 0.63, 0.35, 0.008), "fp32": (51.0, 1.37, 0.73, 0.0115)}

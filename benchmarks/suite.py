@@ -35,10 +35,6 @@ import signal
 import sys
 import time
 
-from pagoda.client.bench import run_bench
-from pagoda.client.bench_config import BenchConfig
-from pagoda.client.bench_report import BenchReport, format_report_table
-
 from benchmarks.docs_section import section_body, write_section
 from benchmarks.scenarios import (
     ALL_PEERS,
@@ -53,6 +49,9 @@ from benchmarks.scenarios import (
 )
 from benchmarks.suite_report import SuiteResults, compare_variants, peer_verdict, plot_cdfs
 from benchmarks.suite_service import LocalService, resolve_model_dir
+from pagoda.client.bench import run_bench
+from pagoda.client.bench_config import BenchConfig
+from pagoda.client.bench_report import BenchReport, format_report_table
 
 PAGODA = "pagoda"
 TARGET_NOTE = "server's own knobs"

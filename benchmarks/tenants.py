@@ -20,11 +20,10 @@ import sys
 import threading
 import time
 
+from benchmarks.suite_service import LocalService, resolve_model_dir
 from pagoda.client import AsyncClient
 from pagoda.client.bench import run_bench
 from pagoda.client.bench_config import BenchConfig
-
-from benchmarks.suite_service import LocalService, resolve_model_dir
 
 FLOOD_KEY, PROBE_KEY = "flood-key-0123456789", "probe-key-0123456789"
 

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from benchmarks import docs_section
+from pagoda.common import step_codec
 from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
 from pagoda.gpu_worker.paged_engine import PagedEngine, pick_device
 from pagoda.gpu_worker.quantization import quantize, resolve_quantization
 from pagoda.protos import step_pb2
-
-from benchmarks import docs_section
-from pagoda.common import step_codec
 
 BLOCK_SIZE = 16
 DECODE_BATCHES = {"cpu": (1, 8, 32, 64), "cuda": (1, 8, 32, 64, 128, 256)}

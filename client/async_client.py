@@ -9,6 +9,7 @@ from typing import Any, Unpack
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from pagoda.client import convert
 from pagoda.client.connection import (
     DEFAULT_TARGET,

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypedDict, Unpack
 
 import grpc
+
 from pagoda.client.errors import InvalidArgumentError
 from pagoda.client.results import (
     Chunk,

@@ -8,6 +8,7 @@ from concurrent.futures import CancelledError
 from typing import Unpack
 
 import grpc
+
 from pagoda.client.async_client import AsyncChunkStream, AsyncClient
 from pagoda.client.connection import DEFAULT_TARGET
 from pagoda.client.convert import GenerationOptions

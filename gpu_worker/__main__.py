@@ -7,6 +7,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from pagoda.common import curve
+from pagoda.common.settings import insecure_tcp_warning
+from pagoda.common.transport import UnsafeSocketDirectory
 from pagoda.gpu_worker.config import (
     QuantizationError,
     WorkerConfig,
@@ -17,10 +20,6 @@ from pagoda.gpu_worker.config import (
 from pagoda.gpu_worker.engine import Engine
 from pagoda.gpu_worker.model_loader import ModelNotFoundError
 from pagoda.gpu_worker.server import EXIT_REFUSED, WorkerServer, prepare_endpoint
-
-from pagoda.common import curve
-from pagoda.common.settings import insecure_tcp_warning
-from pagoda.common.transport import UnsafeSocketDirectory
 
 log = logging.getLogger("pagoda.worker")
 

@@ -12,9 +12,9 @@ which no backend reads (a row's keys end at its context length, padding is maske
 from __future__ import annotations
 
 import torch
-from pagoda.gpu_worker.sequence_table import Sequence, SequenceTable
 
 from pagoda.common.step import StepPlan
+from pagoda.gpu_worker.sequence_table import Sequence, SequenceTable
 
 
 class BlockTables:

@@ -12,14 +12,13 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pagoda.gpu_worker.attention import BACKEND_NAMES
-
 from pagoda.common.settings import (
     LoadedConfig,
     default_zmq_endpoint,
     insecure_tcp_problem,
     load_flags,
 )
+from pagoda.gpu_worker.attention import BACKEND_NAMES
 
 ENV_PREFIX = "PAGODA_WORKER_"
 DEVICES = ("auto", "cpu", "cuda")

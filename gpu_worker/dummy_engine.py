@@ -18,11 +18,10 @@ import logging
 import os
 import time
 
-from pagoda.gpu_worker.engine import Engine, EngineFacts, SampledTokens
-from pagoda.gpu_worker.sequence_table import allowed_token_masks
-
 from pagoda.common.dummy_tokens import OutsideMask, dummy_banned_token_ids, dummy_next_token
 from pagoda.common.step import StepPlan
+from pagoda.gpu_worker.engine import Engine, EngineFacts, SampledTokens
+from pagoda.gpu_worker.sequence_table import allowed_token_masks
 
 log = logging.getLogger("pagoda.worker.dummy")
 

@@ -15,10 +15,9 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from pagoda.gpu_worker.sequence_table import SequenceTable
-
 from pagoda.common.plan_check import PlanError
 from pagoda.common.step import StepPlan, StepResult
+from pagoda.gpu_worker.sequence_table import SequenceTable
 
 log = logging.getLogger("pagoda.worker.step")
 

@@ -13,6 +13,7 @@ then attends.
 from __future__ import annotations
 
 import torch
+
 from pagoda.gpu_worker.attention.backend import AttentionBackend, AttentionMetadata
 from pagoda.gpu_worker.kv_pool import KVPool
 

@@ -13,6 +13,8 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+
+from pagoda.common.step import StepPlan
 from pagoda.gpu_worker import paged_attention
 from pagoda.gpu_worker.attention import create_backend
 from pagoda.gpu_worker.block_tables import BlockTables
@@ -28,8 +30,6 @@ from pagoda.gpu_worker.ragged_batch import build_ragged_batch
 from pagoda.gpu_worker.sampler import SampleRow, sample
 from pagoda.gpu_worker.sequence_table import allowed_token_masks
 from pagoda.gpu_worker.token_counts import TokenCounts, has_penalty
-
-from pagoda.common.step import StepPlan
 
 if TYPE_CHECKING:
     from pagoda.gpu_worker.tensor_parallel import GroupSampling
@@ -206,8 +206,9 @@ def pick_device(requested: str) -> str:
 
 def load_engine(config: WorkerConfig) -> PagedEngine:
     """Load the model named by the config, size the KV pool, build the engine; logs both."""
-    from pagoda.gpu_worker import tensor_parallel
     from transformers.utils import logging as transformers_logging
+
+    from pagoda.gpu_worker import tensor_parallel
 
     transformers_logging.disable_progress_bar()  # one log line per event, no bars
     device = pick_device(config.device)

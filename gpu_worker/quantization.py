@@ -30,6 +30,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+
 from pagoda.gpu_worker.config import QUANTIZATIONS, QuantizationError
 
 # How the output head runs under int8; docs/benchmarks.md "int8 forward" has the figures.

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from pagoda.gpu_worker.attention.backend import AttentionMetadata
-from pagoda.gpu_worker.sequence_table import SequenceTable
 
 from pagoda.common.step import StepPlan
+from pagoda.gpu_worker.attention.backend import AttentionMetadata
+from pagoda.gpu_worker.sequence_table import SequenceTable
 
 
 @dataclass(slots=True)

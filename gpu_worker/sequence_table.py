@@ -12,15 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from pagoda.common.plan_check import PlanError, check_columns
+from pagoda.common.step import SamplingParams, StepPlan
 from pagoda.gpu_worker.refusals import (
     check_allowed_token_rows,
     last_sampled_problem,
     new_sequence_problem,
     row_problem,
 )
-
-from pagoda.common.plan_check import PlanError, check_columns
-from pagoda.common.step import SamplingParams, StepPlan
 
 
 @dataclass(slots=True)

@@ -25,12 +25,12 @@ import time
 import uuid
 
 import zmq
-from pagoda.gpu_worker.engine import Engine, one_line
-from pagoda.gpu_worker.step_pulse import StepPulse
-from pagoda.protos import step_pb2
 
 from pagoda.common import curve, step_codec, transport, wire
 from pagoda.common.systemd import notify, watchdog_interval_s
+from pagoda.gpu_worker.engine import Engine, one_line
+from pagoda.gpu_worker.step_pulse import StepPulse
+from pagoda.protos import step_pb2
 
 log = logging.getLogger("pagoda.worker.server")
 

@@ -55,13 +55,13 @@ from typing import TYPE_CHECKING, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
+
+from pagoda.common import step_codec, wire
+from pagoda.common.step import StepPlan
 from pagoda.gpu_worker.config import WorkerConfig
 from pagoda.gpu_worker.engine import SampledTokens, one_line
 from pagoda.gpu_worker.kv_pool import TENSOR_PARALLEL_ATTRIBUTE
 from pagoda.gpu_worker.server import EXIT_GROUP_LOST, EXIT_OK, EXIT_REFUSED
-
-from pagoda.common import step_codec, wire
-from pagoda.common.step import StepPlan
 
 if TYPE_CHECKING:
     from pagoda.gpu_worker.paged_engine import PagedEngine

@@ -15,9 +15,9 @@ its history. Rows of sequences the table no longer holds are reclaimed each step
 from __future__ import annotations
 
 import torch
-from pagoda.gpu_worker.sequence_table import Sequence, SequenceTable
 
 from pagoda.common.step import SamplingParams, StepPlan
+from pagoda.gpu_worker.sequence_table import Sequence, SequenceTable
 
 
 def has_penalty(params: SamplingParams) -> bool:

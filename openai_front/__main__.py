@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import uvicorn
+
+from pagoda.common.systemd import notify, watchdog_interval_s
 from pagoda.openai_front.app import build_app
 from pagoda.openai_front.config import FrontConfig, describe, load_config
 from pagoda.openai_front.upstream import Upstream
-
-from pagoda.common.systemd import notify, watchdog_interval_s
 
 log = logging.getLogger("pagoda.openai")
 EXIT_CONFIG = 2  # as the other services: a configuration error; restarting cannot fix it

@@ -17,6 +17,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
 from pagoda.client.errors import PagodaError
 from pagoda.client.results import Chunk
 from pagoda.openai_front import responses
@@ -35,7 +37,6 @@ from pagoda.openai_front.streaming import (
 )
 from pagoda.openai_front.translation import Call, Plan, plan_chat, plan_completion
 from pagoda.openai_front.upstream import Upstream, call_metadata
-from starlette.exceptions import HTTPException
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer; never read
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
 from pagoda.client.errors import PagodaError
 
 # gRPC status -> (HTTP status, OpenAI error type, OpenAI error code).

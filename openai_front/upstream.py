@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from pagoda.client import convert
 from pagoda.client.async_client import AsyncChunkStream
 from pagoda.client.connection import ConnectionSettings

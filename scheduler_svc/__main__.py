@@ -11,6 +11,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pagoda.common import curve, transport
+from pagoda.common.systemd import notify, watchdog_interval_s
 from pagoda.scheduler_svc import settings
 from pagoda.scheduler_svc.api import SERVICE_NAME, GenerationServicer
 from pagoda.scheduler_svc.auth import resolve_cache_salting, resolve_tenant_quotas
@@ -23,9 +25,6 @@ from pagoda.scheduler_svc.server import build_server
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
 from pagoda.scheduler_svc.worker_link import WorkerLink
-
-from pagoda.common import curve, transport
-from pagoda.common.systemd import notify, watchdog_interval_s
 
 log = logging.getLogger("pagoda.scheduler")
 

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import grpc
+
 from pagoda.protos import generation_pb2, generation_pb2_grpc
 from pagoda.scheduler_svc.auth import bearer_token, tenant_cache_salt, tenant_directory
 from pagoda.scheduler_svc.core import (

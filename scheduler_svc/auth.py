@@ -12,11 +12,11 @@ import logging
 from pathlib import Path
 
 import grpc
+
+from pagoda.common.secret_files import exposure_warning
 from pagoda.scheduler_svc.core import ConfigError
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.tenants import KeyEntry, TenantDirectory, parse_key_file
-
-from pagoda.common.secret_files import exposure_warning
 
 log = logging.getLogger("pagoda.auth")
 

@@ -29,6 +29,7 @@ import llguidance
 import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 from llguidance.numpy import fill_next_token_bitmask_par
+
 from pagoda.scheduler_svc.core import StepPlan
 from pagoda.scheduler_svc.core.request import Request
 

@@ -11,12 +11,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from pagoda.scheduler_svc.core import RequestOutput, SchedulerStats, TenantStats
-from pagoda.scheduler_svc.metrics_http import serve_metrics
-from pagoda.scheduler_svc.worker_stats import WorkerStats
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from pagoda.scheduler_svc.core import RequestOutput, SchedulerStats, TenantStats
+from pagoda.scheduler_svc.metrics_http import serve_metrics
+from pagoda.scheduler_svc.worker_stats import WorkerStats
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 STEP_BUCKETS_S = (

@@ -11,6 +11,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from pagoda.protos import generation_pb2
 from pagoda.scheduler_svc.api import SERVICE_NAME, GenerationServicer, Undecodable
 from pagoda.scheduler_svc.auth import BearerAuth, read_api_keys, warn_if_exposed

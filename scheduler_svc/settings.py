@@ -15,8 +15,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.scheduler_svc.core import ConfigError, SchedulerConfig
-
 from pagoda.common.settings import (
     DEFAULT_GRPC_ADDRESS,
     SettingError,
@@ -25,6 +23,7 @@ from pagoda.common.settings import (
     resolve,
     settings_lines,
 )
+from pagoda.scheduler_svc.core import ConfigError, SchedulerConfig
 
 ENV_PREFIX = "PAGODA_"
 

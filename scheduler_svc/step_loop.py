@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+from pagoda.common import step_codec
 from pagoda.protos import step_pb2
 from pagoda.scheduler_svc import grammars
 from pagoda.scheduler_svc.core import (
@@ -39,8 +40,6 @@ from pagoda.scheduler_svc.output_processor import OutputProcessor
 from pagoda.scheduler_svc.output_streams import OutputStreams
 from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLost
 from pagoda.scheduler_svc.worker_stats import WorkerStats, worker_stats_of
-
-from pagoda.common import step_codec
 
 log = logging.getLogger("pagoda.step_loop")
 

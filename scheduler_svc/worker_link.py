@@ -23,12 +23,12 @@ from typing import Protocol
 
 import zmq
 import zmq.asyncio
-from pagoda.protos import step_pb2
-from pagoda.scheduler_svc.log_budget import LogBudget
 from zmq.utils.monitor import parse_monitor_message
 
 from pagoda.common import curve, step_codec, transport, wire
 from pagoda.common.settings import insecure_tcp_warning
+from pagoda.protos import step_pb2
+from pagoda.scheduler_svc.log_budget import LogBudget
 
 log = logging.getLogger("pagoda.worker_link")
 

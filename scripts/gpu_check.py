@@ -831,6 +831,7 @@ def service(directory: str) -> None:
 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     from pagoda.protos import generation_pb2, generation_pb2_grpc
 
     make_default_shaped(directory)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from pagoda.gpu_worker.attention.backend import AttentionMetadata
 from pagoda.gpu_worker.attention.invariant import attend_batch_invariant
 

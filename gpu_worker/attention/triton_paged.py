@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from pagoda.gpu_worker.attention.backend import AttentionMetadata
 
 

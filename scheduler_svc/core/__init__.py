@@ -18,6 +18,7 @@ The step's plan and result (StepPlan, StepResult, NewSequence), SamplingParams a
 WorkerGeometry are pagoda.common.step's, shared with the worker and re-exported here.
 """
 
+from pagoda.common.step import NewSequence, SamplingParams, StepPlan, StepResult, WorkerGeometry
 from pagoda.scheduler_svc.core.config import (
     ADMISSION_POLICIES,
     ConfigError,
@@ -41,8 +42,6 @@ from pagoda.scheduler_svc.core.request import (
 )
 from pagoda.scheduler_svc.core.scheduler import Scheduler
 from pagoda.scheduler_svc.core.tenants import TenantQuotaError, TenantStats
-
-from pagoda.common.step import NewSequence, SamplingParams, StepPlan, StepResult, WorkerGeometry
 
 __all__ = [
     "ADMISSION_POLICIES",

@@ -31,10 +31,9 @@ from __future__ import annotations
 
 from collections import deque
 
+from pagoda.common.step import StepPlan
 from pagoda.scheduler_svc.core.planner import Planner
 from pagoda.scheduler_svc.core.request import Request, RequestState
-
-from pagoda.common.step import StepPlan
 
 SOLO_FAILURES_TO_CONVICT = 2
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from pagoda.scheduler_svc.core.request import FinishReason, Request
-
 from pagoda.common.step import StepResult
+from pagoda.scheduler_svc.core.request import FinishReason, Request
 
 # -- what clients get --------------------------------------------------------------------------
 

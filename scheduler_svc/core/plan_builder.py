@@ -9,10 +9,9 @@ One builder per plan; its state ends with it.
 
 from __future__ import annotations
 
+from pagoda.common.step import NewSequence, StepPlan
 from pagoda.scheduler_svc.core.kv import PrefixCache, extend_block_hashes
 from pagoda.scheduler_svc.core.request import Request, RequestState
-
-from pagoda.common.step import NewSequence, StepPlan
 
 # Shared int objects for token offsets: a decode step's offsets would otherwise allocate
 # one new int per sequence. Only grows.

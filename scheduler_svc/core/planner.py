@@ -39,6 +39,7 @@ import math
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
+from pagoda.common.step import StepPlan, WorkerGeometry
 from pagoda.scheduler_svc.core.admission import (
     AdmissionBudget,
     LazyCosts,
@@ -54,8 +55,6 @@ from pagoda.scheduler_svc.core.preemption import choose_victim
 from pagoda.scheduler_svc.core.request import Request, RequestState, set_stop_rules
 from pagoda.scheduler_svc.core.tenants import Ledger, by_least_served, neediest_tenant
 from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
-
-from pagoda.common.step import StepPlan, WorkerGeometry
 
 _RUNNING = RequestState.RUNNING
 _WAITING = RequestState.WAITING

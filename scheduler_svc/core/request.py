@@ -10,9 +10,8 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagoda.scheduler_svc.core.kv import ROOT_HASH
-
 from pagoda.common.step import SamplingParams, WorkerGeometry
+from pagoda.scheduler_svc.core.kv import ROOT_HASH
 
 
 @dataclass(frozen=True, slots=True)

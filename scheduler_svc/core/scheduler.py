@@ -23,6 +23,7 @@ from array import array
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
+from pagoda.common.step import StepPlan, StepResult, WorkerGeometry
 from pagoda.scheduler_svc.core.config import SchedulerConfig
 from pagoda.scheduler_svc.core.isolation import Isolation
 from pagoda.scheduler_svc.core.kv import ROOT_HASH, cache_root_hash, extend_block_hashes
@@ -52,8 +53,6 @@ from pagoda.scheduler_svc.core.request import (
 )
 from pagoda.scheduler_svc.core.step_budget import StepBudget
 from pagoda.scheduler_svc.core.tenants import TenantStats, check_quota
-
-from pagoda.common.step import StepPlan, StepResult, WorkerGeometry
 
 _WAITING = RequestState.WAITING
 _RUNNING = RequestState.RUNNING

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf import text_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from pagoda.protos import generation_pb2 as pb
 from pagoda.protos import generation_pb2_grpc
 

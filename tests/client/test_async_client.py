@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from pagoda.client import AsyncClient, Completion
 from pagoda.client.errors import DeadlineExceededError, UnauthenticatedError
-
 from tests.client.conftest import TEST_API_KEY
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from pagoda.client.bench import BenchConfig, format_report_table, run_bench
 from pagoda.client.bench_report import LatencySummary, RequestResult, percentile, summarize
 from pagoda.client.bench_workload import FILLER_WORDS, arrival_offsets_s, build_prompts, filler_text

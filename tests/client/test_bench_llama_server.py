@@ -14,8 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from pagoda.client.bench_config import BenchConfig
-from pagoda.client.bench_report import RequestResult, summarize
 
 from benchmarks import llama_server
 from benchmarks.llama_server import (
@@ -35,6 +33,8 @@ from benchmarks.scenarios import PEER_LLAMA, build_peer_workloads
 from benchmarks.suite import _run_llama_server, parse_args, selected_peers
 from benchmarks.suite_report import SuiteResults
 from benchmarks.suite_service import REPO_ROOT, free_port
+from pagoda.client.bench_config import BenchConfig
+from pagoda.client.bench_report import RequestResult, summarize
 
 FAKE_SERVER = Path(__file__).with_name("fake_llama_server.py")
 

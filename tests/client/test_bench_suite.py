@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from pagoda.client.bench_config import BenchConfig
-from pagoda.client.bench_report import format_report_table, summarize
 
 from benchmarks.peers import (
     PeerRun,
@@ -20,6 +18,8 @@ from benchmarks.peers import (
 from benchmarks.scenarios import ALL_PEERS, PEER_LLAMA, build_peer_workloads, build_scenarios
 from benchmarks.suite import main, parse_args, select, target_columns
 from benchmarks.suite_report import SuiteResults, compare_variants, peer_verdict, relative_change
+from pagoda.client.bench_config import BenchConfig
+from pagoda.client.bench_report import format_report_table, summarize
 
 # -- scenarios ------------------------------------------------------------------------------
 

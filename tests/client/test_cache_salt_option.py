@@ -4,7 +4,6 @@ and the CLI's --cache-salt put it in the request."""
 from __future__ import annotations
 
 from pagoda.client.convert import chat_request, generate_request
-
 from tests.client.test_cli import run_cli
 
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import grpc
 import pytest
+
 from pagoda.client.convert import (
     chat_request,
     chunk_from_response,

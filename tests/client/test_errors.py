@@ -14,6 +14,7 @@ import h2.connection
 import h2.errors
 import h2.events
 import pytest
+
 from pagoda.client import AsyncClient, Client
 from pagoda.client.errors import (
     DeadlineExceededError,

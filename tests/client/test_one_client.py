@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+
 from pagoda.client import Client
 from pagoda.client.errors import RequestCancelledError
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from pagoda.client import Chunk, Client, Completion
 from pagoda.client.errors import DeadlineExceededError, InvalidArgumentError, UnauthenticatedError
-
 from tests.client.conftest import TEST_API_KEY
 from tests.client.fake_server import MODEL_INFO
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from pagoda.protos import generation_pb2, generation_pb2_grpc
 
 READY_TIMEOUT_S = 120

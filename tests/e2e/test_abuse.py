@@ -9,9 +9,9 @@ import signal
 import grpc
 import pytest
 import zmq
-from pagoda.protos import generation_pb2, generation_pb2_grpc, step_pb2
 
 from pagoda.common import dummy_tokens, wire
+from pagoda.protos import generation_pb2, generation_pb2_grpc, step_pb2
 from tests.e2e.conftest import running_service, wait_serving, wait_until
 from tests.e2e.test_dummy_service import dummy_continuation, many_streams, prompts, request
 

@@ -30,8 +30,8 @@ from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.events import DataReceived, ResponseReceived, StreamReset, TrailersReceived
 from h2.settings import SettingCodes, Settings
-from pagoda.protos import generation_pb2, generation_pb2_grpc
 
+from pagoda.protos import generation_pb2, generation_pb2_grpc
 from tests.e2e.conftest import running_service, wait_until
 from tests.e2e.test_dummy_service import dummy_continuation, prompts, stream_tokens
 from tests.e2e.test_unread_streams import memory_kb

@@ -5,8 +5,8 @@ cache_salt, and under --cache-salt-by-api-key only the same API key's."""
 from __future__ import annotations
 
 import pytest
-from pagoda.protos import generation_pb2
 
+from pagoda.protos import generation_pb2
 from tests.e2e.conftest import running_service
 
 pytestmark = pytest.mark.slow

@@ -9,8 +9,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from pagoda.scheduler_svc.server import SERVER_HANDSHAKE_TIMEOUT_MS
 
+from pagoda.scheduler_svc.server import SERVER_HANDSHAKE_TIMEOUT_MS
 from tests.e2e.conftest import free_port, running_service
 
 pytestmark = pytest.mark.slow

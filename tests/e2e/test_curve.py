@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
-from pagoda.protos import generation_pb2
 
 from pagoda.common import curve
+from pagoda.protos import generation_pb2
 from tests.e2e.conftest import REPO_ROOT, running_service, stop_process, wait_until
 from tests.e2e.test_dummy_service import dummy_continuation, many_streams, prompts
 

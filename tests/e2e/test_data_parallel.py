@@ -15,8 +15,8 @@ import time
 
 import grpc
 import pytest
-from pagoda.protos import generation_pb2, generation_pb2_grpc
 
+from pagoda.protos import generation_pb2, generation_pb2_grpc
 from tests.e2e.conftest import Service, _spawn, running_service, stop_process, wait_until
 from tests.e2e.test_dummy_service import dummy_continuation
 from tests.e2e.test_generation import EXACT, NUM_NEW_TOKENS, concurrent_greedy

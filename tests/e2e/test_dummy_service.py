@@ -7,9 +7,9 @@ import signal
 
 import grpc
 import pytest
-from pagoda.protos import generation_pb2, generation_pb2_grpc
 
 from pagoda.common import dummy_tokens
+from pagoda.protos import generation_pb2, generation_pb2_grpc
 from tests.e2e.conftest import running_service, stop_process, wait_serving, wait_until
 
 pytestmark = pytest.mark.slow

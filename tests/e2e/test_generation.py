@@ -6,8 +6,8 @@ import concurrent.futures
 
 import grpc
 import pytest
-from pagoda.protos import generation_pb2
 
+from pagoda.protos import generation_pb2
 from tests.e2e.conftest import running_service, wait_until
 
 pytestmark = pytest.mark.slow

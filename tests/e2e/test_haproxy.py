@@ -30,10 +30,10 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+
 from pagoda.client.errors import PagodaError, UnavailableError, error_from_rpc
 from pagoda.protos import generation_pb2, generation_pb2_grpc
 from pagoda.scheduler_svc.api import SERVICE_NAME
-
 from tests.e2e.conftest import (
     REPO_ROOT,
     Service,

@@ -11,8 +11,8 @@ import sys
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pagoda.protos import generation_pb2, generation_pb2_grpc
 
+from pagoda.protos import generation_pb2, generation_pb2_grpc
 from tests.e2e.conftest import REPO_ROOT, free_port, running_service, stop_process, wait_until
 from tests.e2e.test_dummy_service import dummy_continuation, prompts, request, stream_tokens
 

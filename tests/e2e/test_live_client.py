@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
+
 from pagoda.client.async_client import AsyncClient
 from pagoda.client.sync_client import Client
-
 from tests.e2e.conftest import REPO_ROOT, running_service, wait_until
 
 pytestmark = pytest.mark.slow

@@ -6,8 +6,8 @@ import asyncio
 import gc
 
 import pytest
-from pagoda.protos import generation_pb2
 
+from pagoda.protos import generation_pb2
 from tests.e2e.conftest import running_service, wait_until
 from tests.e2e.test_dummy_service import dummy_continuation, many_streams, prompts
 

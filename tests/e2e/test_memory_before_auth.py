@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
 from pagoda.protos import generation_pb2, generation_pb2_grpc
 from pagoda.scheduler_svc.settings import ServiceConfig
-
 from tests.e2e.conftest import running_service
 from tests.e2e.test_load import rss_bytes
 

@@ -5,10 +5,10 @@ there and ends on the first one after it."""
 from __future__ import annotations
 
 import pytest
-from pagoda.gpu_worker.dummy_engine import DUMMY_EOS_TOKEN_IDS, DUMMY_VOCAB_SIZE
-from pagoda.protos import generation_pb2
 
 from pagoda.common.dummy_tokens import dummy_next_token
+from pagoda.gpu_worker.dummy_engine import DUMMY_EOS_TOKEN_IDS, DUMMY_VOCAB_SIZE
+from pagoda.protos import generation_pb2
 from tests.e2e.conftest import running_service
 
 pytestmark = pytest.mark.slow

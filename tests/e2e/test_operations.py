@@ -10,8 +10,8 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pagoda.protos import generation_pb2, generation_pb2_grpc
 
+from pagoda.protos import generation_pb2, generation_pb2_grpc
 from tests.e2e.conftest import free_port, running_service, wait_until
 from tests.e2e.test_dummy_service import request
 

@@ -8,8 +8,8 @@ import asyncio
 
 import grpc
 import pytest
-from pagoda.protos import generation_pb2, generation_pb2_grpc
 
+from pagoda.protos import generation_pb2, generation_pb2_grpc
 from tests.e2e.conftest import running_service
 from tests.e2e.test_dummy_service import dummy_continuation, prompts
 from tests.e2e.test_generation import EXACT, NUM_NEW_TOKENS, concurrent_greedy

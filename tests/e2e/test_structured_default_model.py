@@ -8,9 +8,9 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from pagoda.protos import generation_pb2 as pb
 from pagoda.protos import generation_pb2_grpc
-
 from tests.e2e.conftest import running_service
 
 pytestmark = pytest.mark.slow

@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+
 from pagoda.protos import generation_pb2 as pb
 from pagoda.protos import generation_pb2_grpc
-
 from tests.e2e.conftest import running_service
 
 pytestmark = pytest.mark.slow

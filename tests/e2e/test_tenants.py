@@ -9,8 +9,8 @@ import asyncio
 
 import grpc
 import pytest
-from pagoda.protos import generation_pb2, generation_pb2_grpc
 
+from pagoda.protos import generation_pb2, generation_pb2_grpc
 from tests.e2e.conftest import running_service
 
 pytestmark = pytest.mark.slow

@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from pagoda.gpu_worker.server import EXIT_GROUP_LOST
 
+from pagoda.gpu_worker.server import EXIT_GROUP_LOST
 from tests.e2e.conftest import (
     Service,
     _spawn,

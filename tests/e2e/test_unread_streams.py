@@ -9,8 +9,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from pagoda.protos import generation_pb2, generation_pb2_grpc
 
+from pagoda.protos import generation_pb2, generation_pb2_grpc
 from tests.e2e.conftest import running_service, wait_until
 from tests.e2e.test_dummy_service import dummy_continuation, many_streams, prompts
 

@@ -13,9 +13,9 @@ import threading
 
 import grpc
 import pytest
+
 from pagoda.gpu_worker.dummy_engine import DUMMY_CRASH_EXIT_CODE
 from pagoda.protos import generation_pb2, generation_pb2_grpc
-
 from tests.e2e.conftest import running_service
 from tests.e2e.test_dummy_service import dummy_continuation, prompts, stream_tokens
 

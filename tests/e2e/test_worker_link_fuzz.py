@@ -12,10 +12,10 @@ import time
 
 import pytest
 import zmq
-from pagoda.protos import generation_pb2, step_pb2
 
 from pagoda.common import wire
 from pagoda.common.dummy_tokens import dummy_next_token
+from pagoda.protos import generation_pb2, step_pb2
 from tests.e2e.conftest import running_service, stop_process, wait_serving, wait_until
 from tests.e2e.test_dummy_service import VOCAB_SIZE, dummy_continuation, many_streams, prompts
 

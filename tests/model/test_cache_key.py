@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from pagoda.gpu_worker import model_loader
 from pagoda.gpu_worker.model_loader import ModelNotFoundError, resolve_model_dir
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from pagoda.gpu_worker.model_loader import ModelNotFoundError, load_model, resolve_model_dir
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,6 @@ docs/benchmarks.md, "int8 forward")."""
 from __future__ import annotations
 
 import pytest
-from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
-from pagoda.gpu_worker.quantization import quantize
 
 from benchmarks.quantization import (
     BLOCK_SIZE,
@@ -17,6 +15,8 @@ from benchmarks.quantization import (
     text_token_ids,
     top1_agreement,
 )
+from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
+from pagoda.gpu_worker.quantization import quantize
 
 # 64 prompts x 48 tokens, float32 and int8: about 2 minutes on 2 quiet cores.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pagoda.protos import generation_pb2
 
+from pagoda.protos import generation_pb2
 from tests.e2e.conftest import (
     READY_TIMEOUT_S,
     REPO_ROOT,

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from pagoda.openai_front.config import FrontConfig, describe, load_config, split_host_port
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
 from pagoda.client.errors import error_for_code
 from pagoda.openai_front.errors import from_pagoda, model_not_found, unsupported
 from pagoda.openai_front.upstream import call_metadata

@@ -9,8 +9,8 @@ import json
 import httpx
 import openai
 import pytest
-from pagoda.protos import generation_pb2, generation_pb2_grpc
 
+from pagoda.protos import generation_pb2, generation_pb2_grpc
 from tests.e2e.conftest import free_port, stop_process, wait_until
 from tests.openai_front.conftest import API_KEY, METADATA, start_front
 

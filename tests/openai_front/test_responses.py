@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from pagoda.client.results import Chunk, TokenLogprob, Usage
 from pagoda.openai_front import responses
 from pagoda.openai_front.errors import FrontError

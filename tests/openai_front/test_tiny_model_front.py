@@ -7,9 +7,9 @@ import json
 
 import openai
 import pytest
-from pagoda.protos import generation_pb2, generation_pb2_grpc
 from tokenizers import Tokenizer
 
+from pagoda.protos import generation_pb2, generation_pb2_grpc
 from tests.e2e.conftest import running_service, stop_process
 from tests.openai_front.conftest import start_front
 

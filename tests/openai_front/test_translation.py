@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagoda.openai_front.errors import FrontError
 from pagoda.openai_front.schemas import ChatCompletionRequest, CompletionRequest
 from pagoda.openai_front.translation import plan_chat, plan_completion

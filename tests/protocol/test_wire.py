@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from pagoda.protos import step_pb2
 
 from pagoda.common import dummy_tokens, wire
+from pagoda.protos import step_pb2
 
 
 def _hello() -> step_pb2.Hello:

@@ -7,6 +7,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from pagoda.common import wire
+from pagoda.common.dummy_tokens import dummy_next_token
 from pagoda.protos import step_pb2
 from pagoda.scheduler_svc.core import (
     FinishReason,
@@ -25,9 +27,6 @@ from pagoda.scheduler_svc.core.request import RequestState
 from pagoda.scheduler_svc.output_processor import OutputProcessor
 from pagoda.scheduler_svc.step_loop import apply_step
 from pagoda.scheduler_svc.testing import FakeWorker
-
-from pagoda.common import wire
-from pagoda.common.dummy_tokens import dummy_next_token
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 

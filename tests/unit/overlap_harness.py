@@ -19,7 +19,6 @@ from collections import Counter, defaultdict, deque
 from pagoda.scheduler_svc.core import FinishReason
 from pagoda.scheduler_svc.core.request import QueueFullError, Request, RequestTooLargeError
 from pagoda.scheduler_svc.testing import FakeWorker
-
 from tests.unit.conftest import (
     Stream,
     TextScheduler,

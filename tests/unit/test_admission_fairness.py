@@ -7,12 +7,12 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+
 from pagoda.scheduler_svc.core import waiting_queue
 from pagoda.scheduler_svc.core.config import ConfigError, SchedulerConfig
 from pagoda.scheduler_svc.core.request import RequestState
 from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
 from pagoda.scheduler_svc.testing import FakeWorker
-
 from tests.unit.conftest import check_invariants, make_geometry, make_request, make_scheduler
 
 

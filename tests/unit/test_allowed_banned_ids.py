@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
+from pagoda.common.step_codec import decode_sampling, encode_sampling
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc.validation import (
     Limits,
@@ -15,8 +17,6 @@ from pagoda.scheduler_svc.validation import (
     validate_constraint,
     validate_generate,
 )
-
-from pagoda.common.step_codec import decode_sampling, encode_sampling
 
 LIMITS = Limits(
     max_context_tokens=100,

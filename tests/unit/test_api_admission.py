@@ -10,13 +10,13 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc.api import OFF_LOOP_MIN_CHARS, GenerationServicer, Refused
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.validation import validate_chat, validate_generate
 from pagoda.scheduler_svc.worker_link import WorkerInfo
-
 from tests.unit.conftest import make_hello
 
 MAX_CONTEXT_TOKENS = 512

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from pagoda.scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
 
 from benchmarks import scheduler_core as bench_core
+from pagoda.scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import dataclasses
 from pagoda.scheduler_svc.core.kv import ROOT_HASH, cache_root_hash, extend_block_hashes
 from pagoda.scheduler_svc.core.request import token_array
 from pagoda.scheduler_svc.testing import FakeWorker
-
 from tests.unit.conftest import drive, make_geometry, make_request, make_scheduler
 
 PROMPT = list(range(10, 23))  # 13 tokens: 3 full blocks of 4

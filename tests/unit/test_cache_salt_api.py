@@ -4,6 +4,7 @@ the key file of several tenants and the --cache-salt-by-api-key setting."""
 from __future__ import annotations
 
 import pytest
+
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc import settings
 from pagoda.scheduler_svc.auth import read_api_keys, resolve_cache_salting, tenant_cache_salt

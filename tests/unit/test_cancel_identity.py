@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 
 from pagoda.scheduler_svc.core import FinishReason
-
 from tests.unit.conftest import make_request
 from tests.unit.test_step_loop import (
     assert_exact,

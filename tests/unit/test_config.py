@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagoda.scheduler_svc.core.config import ConfigError, SchedulerConfig
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
-from pagoda.scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
+from pagoda.scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
 from tests.unit.conftest import apply_scripts, make_geometry, make_request, make_scheduler
 
 TEXTS = [

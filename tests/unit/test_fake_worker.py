@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from pagoda.scheduler_svc.core import NewSequence, StepPlan
-from pagoda.scheduler_svc.testing import FakeWorker, PlanError
 
 from pagoda.common.dummy_tokens import dummy_next_token
+from pagoda.scheduler_svc.core import NewSequence, StepPlan
+from pagoda.scheduler_svc.testing import FakeWorker, PlanError
 from tests.unit.conftest import make_geometry, make_sampling
 
 

@@ -11,6 +11,10 @@ import json
 import llguidance
 import numpy as np
 import pytest
+
+from pagoda.common import step_codec
+from pagoda.common.plan_check import PlanError
+from pagoda.common.step_codec import decode_plan
 from pagoda.gpu_worker.sequence_table import SequenceTable, allowed_token_masks
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc import grammars
@@ -24,10 +28,6 @@ from pagoda.scheduler_svc.grammars import (
     mask_words,
 )
 from pagoda.scheduler_svc.validation import ValidationError, validate_constraint
-
-from pagoda.common import step_codec
-from pagoda.common.plan_check import PlanError
-from pagoda.common.step_codec import decode_plan
 from tests.conftest import TINY_VOCAB_SIZE
 from tests.unit.conftest import make_geometry, make_request, make_scheduler
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
+
 from pagoda.scheduler_svc.core import Scheduler, SchedulerConfig
 from pagoda.scheduler_svc.output_processor import OutputProcessor
 from pagoda.scheduler_svc.testing import FakeWorker
-
 from tests.unit.conftest import (
     LetterDetokenizer,
     Stream,

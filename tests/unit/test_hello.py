@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from pagoda.scheduler_svc.worker_link import hello_problem
 
 from pagoda.common import wire
+from pagoda.scheduler_svc.worker_link import hello_problem
 from tests.unit.conftest import make_hello
 
 

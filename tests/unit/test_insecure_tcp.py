@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+
 from pagoda.gpu_worker.config import parse_config
 from pagoda.scheduler_svc import settings
 from pagoda.scheduler_svc.core.config import ConfigError

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
+
 from pagoda.scheduler_svc.core import FinishReason, Scheduler, SchedulerConfig
 from pagoda.scheduler_svc.core.request import RequestState
 from pagoda.scheduler_svc.output_processor import OutputProcessor
 from pagoda.scheduler_svc.testing import FakeWorker
-
 from tests.unit.conftest import (
     LetterDetokenizer,
     Stream,

@@ -11,14 +11,14 @@ import asyncio
 import re
 
 import pytest
+
+from pagoda.common import step_codec
 from pagoda.protos import step_pb2
 from pagoda.scheduler_svc.core import DuplicateRequestError, FinishReason, SchedulerConfig
 from pagoda.scheduler_svc.front import Front
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.testing import FakeWorker
 from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLost
-
-from pagoda.common import step_codec
 from tests.unit.conftest import LetterDetokenizer, expected_generation, make_hello, make_request
 from tests.unit.test_step_loop import (
     HELLO_FIELDS,
@@ -246,8 +246,9 @@ def test_a_shared_system_prompt_does_not_pin_every_request_to_one_worker():
 
 
 def test_metrics_report_each_worker_by_label():
-    from pagoda.scheduler_svc.worker_stats import WorkerStats
     from prometheus_client import generate_latest
+
+    from pagoda.scheduler_svc.worker_stats import WorkerStats
 
     metrics = Metrics()
     metrics.watch_workers(

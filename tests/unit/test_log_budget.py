@@ -6,10 +6,10 @@ import asyncio
 import logging
 
 import zmq
-from pagoda.protos import step_pb2
-from pagoda.scheduler_svc.log_budget import LogBudget
 
 from pagoda.common import wire
+from pagoda.protos import step_pb2
+from pagoda.scheduler_svc.log_budget import LogBudget
 from tests.unit.test_worker_link import linked, until
 
 NUM_STRANGER_MESSAGES = 2000

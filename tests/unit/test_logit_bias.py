@@ -5,10 +5,10 @@ the new sequence's sampling parameters."""
 from __future__ import annotations
 
 import pytest
-from pagoda.protos import generation_pb2 as pb
-from pagoda.scheduler_svc.validation import Limits, ValidationError, validate_generate
 
 from pagoda.common.step_codec import decode_sampling, encode_sampling
+from pagoda.protos import generation_pb2 as pb
+from pagoda.scheduler_svc.validation import Limits, ValidationError, validate_generate
 
 LIMITS = Limits(
     max_context_tokens=100,

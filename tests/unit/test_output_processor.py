@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pagoda.scheduler_svc.core import FinishReason
 from pagoda.scheduler_svc.testing import FakeWorker
-
 from tests.unit.conftest import (
     drive,
     expected_generation,

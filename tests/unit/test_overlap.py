@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections import defaultdict, deque
 
 import pytest
+
+from pagoda.common.plan_check import PlanError
 from pagoda.scheduler_svc.core import FinishReason, StepPlan
 from pagoda.scheduler_svc.core.request import RequestState
 from pagoda.scheduler_svc.testing import FakeWorker
-
-from pagoda.common.plan_check import PlanError
 from tests.unit.conftest import (
     Stream,
     check_invariants,

@@ -16,7 +16,6 @@ import dataclasses
 from pagoda.scheduler_svc.core.request import RequestState
 from pagoda.scheduler_svc.core.step_budget import MIN_PREFILL_TOKENS, prefill_cap
 from pagoda.scheduler_svc.testing import FakeWorker
-
 from tests.unit.conftest import check_invariants, make_geometry, make_request, make_scheduler
 
 # The shape, in tokens a step rather than the model's milliseconds: prompts of 250

@@ -7,13 +7,13 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from pagoda.scheduler_svc.core import SchedulerConfig
 from pagoda.scheduler_svc.core.config import ConfigError
 from pagoda.scheduler_svc.core.kv import cache_root_hash
 from pagoda.scheduler_svc.core.placement import LaneLoad, choose_lane
 from pagoda.scheduler_svc.core.request import token_array
 from pagoda.scheduler_svc.testing import FakeWorker
-
 from tests.unit.conftest import drive, make_geometry, make_request, make_scheduler
 
 

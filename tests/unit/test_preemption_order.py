@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pagoda.scheduler_svc.core import FinishReason
 from pagoda.scheduler_svc.testing import FakeWorker
-
 from tests.unit.conftest import (
     Stream,
     check_invariants,

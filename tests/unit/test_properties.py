@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
 from pagoda.scheduler_svc.core import FinishReason, ValidRequest, WorkerGeometry
 from pagoda.scheduler_svc.testing import FakeWorker
-
 from tests.unit.conftest import (
     Stream,
     TextScheduler,

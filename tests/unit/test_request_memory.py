@@ -11,11 +11,11 @@ import weakref
 
 import grpc
 import pytest
+
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc.core import QueueFullError
 from pagoda.scheduler_svc.gc_tuning import GEN0_THRESHOLD, collect_young_if_quiet, malloc_trim
 from pagoda.scheduler_svc.settings import ServiceConfig
-
 from tests.unit.test_api_admission import Aborted, Context, FakeLoop, servicer
 
 # The longest prompt the default cap must hold: a 128k context, ids up to 2**21 - 1.

@@ -7,6 +7,7 @@ import asyncio
 
 import grpc
 import pytest
+
 from pagoda.scheduler_svc.rpc_limit import RpcLimit
 
 SERVICE = "test.Limited"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
+
 from pagoda.scheduler_svc.core import (
     DuplicateRequestError,
     FinishReason,
@@ -14,7 +15,6 @@ from pagoda.scheduler_svc.core import (
 )
 from pagoda.scheduler_svc.core.request import RequestState
 from pagoda.scheduler_svc.testing import FakeWorker
-
 from tests.unit.conftest import (
     Stream,
     check_invariants,

@@ -8,9 +8,9 @@ import os
 import stat
 
 import pytest
-from pagoda.scheduler_svc.auth import read_api_keys
 
 from pagoda.common import curve
+from pagoda.scheduler_svc.auth import read_api_keys
 
 
 def mode_of(path) -> int:

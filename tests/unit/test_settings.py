@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagoda.scheduler_svc import settings
 from pagoda.scheduler_svc.core.config import ConfigError
 

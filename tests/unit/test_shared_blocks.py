@@ -6,7 +6,6 @@ from __future__ import annotations
 from pagoda.scheduler_svc.core import FinishReason
 from pagoda.scheduler_svc.core.request import RequestState
 from pagoda.scheduler_svc.testing import FakeWorker
-
 from tests.unit.conftest import (
     check_invariants,
     drive,

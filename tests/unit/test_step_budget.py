@@ -7,6 +7,7 @@ import dataclasses
 import random
 
 import pytest
+
 from pagoda.scheduler_svc.core import ConfigError, SchedulerConfig, StepPlan, step_budget
 from pagoda.scheduler_svc.core.step_budget import (
     MIN_PREFILL_TOKENS,
@@ -15,7 +16,6 @@ from pagoda.scheduler_svc.core.step_budget import (
     prefill_cap,
 )
 from pagoda.scheduler_svc.testing import FakeWorker
-
 from tests.unit.conftest import (
     check_invariants,
     expected_generation,
@@ -318,8 +318,9 @@ def test_target_step_ms_is_validated(value):
 
 
 def test_metrics_show_the_cap_and_the_cost_model():
-    from pagoda.scheduler_svc.metrics import Metrics
     from prometheus_client import generate_latest
+
+    from pagoda.scheduler_svc.metrics import Metrics
 
     geometry = make_geometry(num_kv_blocks=256, block_size=4)
     scheduler = make_scheduler(geometry, max_num_batched_tokens=256, target_step_ms=100.0)

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import fields
 
 import pytest
-from pagoda.gpu_worker.engine import MAX_LOGPROBS, EngineFacts
-from pagoda.protos import step_pb2
 
 from pagoda.common import step_codec
 from pagoda.common.step import NewSequence, SamplingParams, StepPlan, StepResult
+from pagoda.gpu_worker.engine import MAX_LOGPROBS, EngineFacts
+from pagoda.protos import step_pb2
 
 # Fields that stay in the process that owns them; every other one travels.
 NOT_SENT = {StepPlan: {"num_prefill_tokens", "num_decode_tokens"}}

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import pytest
+
+from pagoda.common import step_codec, wire
 from pagoda.protos import step_pb2
 from pagoda.scheduler_svc.core import (
     FinishReason,
@@ -33,8 +35,6 @@ from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.output_streams import OutputSlot
 from pagoda.scheduler_svc.testing import FakeWorker
 from pagoda.scheduler_svc.worker_link import WorkerEvents, WorkerInfo, WorkerLost
-
-from pagoda.common import step_codec, wire
 from tests.unit.conftest import (
     LetterDetokenizer,
     Stream,

@@ -5,10 +5,10 @@ as exact, cancels, detaches and losses as clean. Plus what only overlap does."""
 from __future__ import annotations
 
 import pytest
-from pagoda.scheduler_svc.step_loop import overlaps
-from pagoda.scheduler_svc.testing import FakeWorker
 
 import tests.unit.test_step_loop as serial
+from pagoda.scheduler_svc.step_loop import overlaps
+from pagoda.scheduler_svc.testing import FakeWorker
 from tests.unit.conftest import make_hello
 
 SCENARIOS = sorted(name for name in dir(serial) if name.startswith("test_"))

@@ -7,6 +7,7 @@ import tracemalloc
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pagoda.scheduler_svc.core import (
     FinishReason,
     Scheduler,
@@ -28,7 +29,6 @@ from pagoda.scheduler_svc.output_processor import (
 )
 from pagoda.scheduler_svc.step_loop import apply_step
 from pagoda.scheduler_svc.testing import FakeWorker
-
 from tests.unit.conftest import (
     TextScheduler,
     apply_scripts,

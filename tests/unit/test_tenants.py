@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+
 from pagoda.scheduler_svc import settings
 from pagoda.scheduler_svc.auth import (
     read_api_keys,
@@ -123,9 +124,10 @@ def test_with_several_keys_one_tenant_cannot_fill_the_waiting_queue(tmp_path):
 
 
 def test_metrics_carry_each_tenants_figures_and_ttft_by_name():
+    from prometheus_client import generate_latest
+
     from pagoda.scheduler_svc.core import FinishReason, RequestOutput, TenantStats, Timings, Usage
     from pagoda.scheduler_svc.metrics import Metrics
-    from prometheus_client import generate_latest
 
     metrics = Metrics()
     metrics.watch_tenants(lambda: [TenantStats("alice", 1, 2, 30, 4, 5)])

@@ -9,6 +9,7 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
+
 from pagoda.scheduler_svc.core import Scheduler, SchedulerConfig
 from pagoda.scheduler_svc.core.tenants import (
     Ledger,
@@ -19,7 +20,6 @@ from pagoda.scheduler_svc.core.tenants import (
     victims_order,
 )
 from pagoda.scheduler_svc.testing import FakeWorker
-
 from tests.unit import overlap_harness
 from tests.unit.conftest import make_geometry, make_request
 

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from pagoda.scheduler_svc.tokenizer import ChatTemplateError, TextTokenizer, load_tokenizer
 
 

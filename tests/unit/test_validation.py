@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc.tokenizer import load_tokenizer
 from pagoda.scheduler_svc.validation import (

@@ -3,9 +3,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+
 from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
 from pagoda.scheduler_svc.testing import FakeWorker
-
 from tests.unit.conftest import drive, make_geometry, make_request, make_scheduler
 
 

@@ -4,6 +4,7 @@ window of wall time, on a clock the test moves."""
 from __future__ import annotations
 
 import pytest
+
 from pagoda.scheduler_svc.metrics import Metrics, WorkerBusy
 
 

@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 import zmq
-from pagoda.protos import step_pb2
-from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLink, WorkerLost
 
 from pagoda.common import wire
+from pagoda.protos import step_pb2
+from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLink, WorkerLost
 from tests.unit.conftest import make_hello
 
 DEADLINE_S = 10.0

@@ -8,11 +8,11 @@ import asyncio
 import logging
 
 import pytest
-from pagoda.protos import step_pb2
-from pagoda.scheduler_svc.worker_link import WorkerLost, hello_problem
 
 from pagoda.common import wire
 from pagoda.common.step_codec import result_problem
+from pagoda.protos import step_pb2
+from pagoda.scheduler_svc.worker_link import WorkerLost, hello_problem
 from tests.unit.conftest import make_hello
 from tests.unit.test_worker_link import attached, linked, say_hello, until
 

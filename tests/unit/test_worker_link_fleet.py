@@ -8,10 +8,10 @@ import asyncio
 import time
 
 import zmq
-from pagoda.protos import step_pb2
-from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLink
 
 from pagoda.common import wire
+from pagoda.protos import step_pb2
+from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLink
 from tests.unit.conftest import make_hello
 from tests.unit.test_worker_link import until
 

@@ -13,10 +13,10 @@ import asyncio
 from collections import defaultdict
 
 import pytest
+
 from pagoda.scheduler_svc.core import FinishReason
 from pagoda.scheduler_svc.testing import FakeWorker
 from pagoda.scheduler_svc.worker_link import WorkerLost
-
 from tests.unit.conftest import (
     Stream,
     check_invariants,

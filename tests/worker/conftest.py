@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from pagoda.protos import step_pb2
 
 from pagoda.common import step_codec
+from pagoda.protos import step_pb2
 
 # Small blocks so every prompt crosses several block boundaries.
 TEST_BLOCK_SIZE = 4

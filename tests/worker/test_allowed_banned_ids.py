@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from pagoda.common.step import NewSequence, SamplingParams, StepPlan
+from pagoda.common.step_codec import encode_sampling
 from pagoda.gpu_worker.sampler import SampleRow, mask_allowed_and_banned, sample
 from pagoda.gpu_worker.sequence_table import SequenceTable
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc.validation import Limits, validate_generate
-
-from pagoda.common.step import NewSequence, SamplingParams, StepPlan
-from pagoda.common.step_codec import encode_sampling
 from tests.worker.conftest import TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, random_prompts
 from tests.worker.toy_scheduler import ToyScheduler
 

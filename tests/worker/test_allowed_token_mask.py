@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from pagoda.gpu_worker.sampler import SampleRow, mask_disallowed_tokens, sample
 
 from pagoda.common.dummy_tokens import OutsideMask, dummy_next_token
 from pagoda.common.step import SamplingParams
+from pagoda.gpu_worker.sampler import SampleRow, mask_disallowed_tokens, sample
 
 VOCAB = 70  # three words a row, the last one partly past the vocabulary
 

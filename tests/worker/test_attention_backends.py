@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagoda.gpu_worker.attention import (
     BackendUnavailableError,
     create_backend,

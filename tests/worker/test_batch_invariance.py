@@ -9,9 +9,9 @@ import copy
 import random
 
 import pytest
+
 from pagoda.gpu_worker.quantization import count_q4_linear
 from pagoda.protos import step_pb2
-
 from tests.worker.conftest import TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, TinyModels, random_prompts
 from tests.worker.toy_scheduler import ToyScheduler, split_into
 
@@ -107,6 +107,7 @@ def q4_1_version(models: TinyModels) -> TinyModels:
     GGUF holds them), so that int8 runs them as Q4Linear, the default's path; one per
     architecture, kept for the session."""
     import torch
+
     from pagoda.gpu_worker.quantization import round_to_q4_1
 
     if id(models) not in _Q4_MODELS:

@@ -5,11 +5,11 @@ step's metadata gathered from them equals the one built from the host lists."""
 from __future__ import annotations
 
 import torch
+
+from pagoda.common.step import NewSequence, SamplingParams, StepPlan
 from pagoda.gpu_worker.block_tables import BlockTables
 from pagoda.gpu_worker.ragged_batch import build_ragged_batch
 from pagoda.gpu_worker.sequence_table import SequenceTable
-
-from pagoda.common.step import NewSequence, SamplingParams, StepPlan
 
 BLOCK_SIZE = 4
 CPU = torch.device("cpu")

@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pagoda.gpu_worker
-from pagoda.protos import step_pb2
-
 from pagoda.common.step import SamplingParams, StepResult
 from pagoda.common.step_codec import decode_plan, decode_sampling, encode_result
+from pagoda.protos import step_pb2
 
 
 def test_a_plan_decodes_column_for_column():

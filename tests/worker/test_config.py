@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagoda.gpu_worker.config import (
     WorkerConfig,
     default_zmq_endpoint,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+
 from pagoda.gpu_worker.cuda_graphs import (
     DECODE_BUCKETS,
     PAD_TOKEN_ID,

@@ -4,11 +4,11 @@ sleep it asks for is recorded instead)."""
 from __future__ import annotations
 
 import pytest
+
 from pagoda.gpu_worker import dummy_engine
 from pagoda.gpu_worker.config import parse_config
 from pagoda.gpu_worker.dummy_engine import DummyEngine
 from pagoda.protos import step_pb2
-
 from tests.worker.conftest import run_plan
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pagoda.protos import step_pb2
-
 from tests.worker.conftest import TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, random_prompts, run_plan
 from tests.worker.toy_scheduler import ToyScheduler
 

@@ -24,6 +24,7 @@ def tensors():
 def test_close_to_sdpa_and_the_same_blocked_or_not(tensors, monkeypatch):
     import torch
     import torch.nn.functional as F
+
     from pagoda.gpu_worker.attention import invariant
 
     queries, keys, values = tensors
@@ -39,6 +40,7 @@ def test_close_to_sdpa_and_the_same_blocked_or_not(tensors, monkeypatch):
 
 def test_a_row_is_bit_exact_as_decode_chunk_prefill_and_beside_longer_rows(tensors):
     import torch
+
     from pagoda.gpu_worker.attention.invariant import attend_batch_invariant as attend
 
     queries, keys, values = tensors

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagoda.gpu_worker.kv_pool import GIB, KVGeometry, KVPool, num_blocks_for_budget
 from transformers import LlamaConfig
+
+from pagoda.gpu_worker.kv_pool import GIB, KVGeometry, KVPool, num_blocks_for_budget
 
 
 def test_geometry_comes_from_the_model_config_and_sizes_the_pool():

@@ -7,6 +7,7 @@ from __future__ import annotations
 from itertools import pairwise
 
 import pytest
+
 from pagoda.gpu_worker.kv_sizing import (
     PROFILE_MAX_SEQS,
     MemoryProfile,
@@ -95,6 +96,7 @@ def test_an_engine_on_cuda_turns_cudnn_attention_off(llama_models):
     import copy
 
     import torch
+
     from pagoda.gpu_worker.paged_engine import PagedEngine
 
     PagedEngine(copy.deepcopy(llama_models.reference).cuda(), model_id="t", num_kv_blocks=8)
@@ -106,6 +108,7 @@ def test_measure_memory_on_cuda_sees_the_probe_pool(llama_models):
     import copy
 
     import torch
+
     from pagoda.gpu_worker.kv_sizing import measure_memory
     from pagoda.gpu_worker.paged_engine import PagedEngine
 

@@ -6,10 +6,10 @@ shares Engine.step and the sequence table with the paged engine."""
 from __future__ import annotations
 
 import pytest
-from pagoda.gpu_worker.dummy_engine import DUMMY_VOCAB_SIZE, DummyEngine
-from pagoda.gpu_worker.server import WorkerServer
 
 from pagoda.common.dummy_tokens import dummy_next_token
+from pagoda.gpu_worker.dummy_engine import DUMMY_VOCAB_SIZE, DummyEngine
+from pagoda.gpu_worker.server import WorkerServer
 from tests.worker.conftest import run_plan
 from tests.worker.test_sequence_table import plan_of
 

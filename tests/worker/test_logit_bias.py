@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagoda.gpu_worker.sampler import SampleRow, apply_logit_bias, sample
-from pagoda.gpu_worker.sequence_table import SequenceTable
-from pagoda.protos import step_pb2
 
 from pagoda.common.step import NewSequence, SamplingParams, StepPlan
 from pagoda.common.step_codec import decode_sampling
+from pagoda.gpu_worker.sampler import SampleRow, apply_logit_bias, sample
+from pagoda.gpu_worker.sequence_table import SequenceTable
+from pagoda.protos import step_pb2
 
 VOCAB = 32
 FAVOURITE = 5  # the argmax of the test logits by far

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagoda.gpu_worker.sampler import SampleRow, mask_min_new_tokens, sample
-from pagoda.gpu_worker.sequence_table import SequenceTable
-from pagoda.protos import step_pb2
 
 from pagoda.common import step_codec
 from pagoda.common.step import NewSequence, SamplingParams, StepPlan
+from pagoda.gpu_worker.sampler import SampleRow, mask_min_new_tokens, sample
+from pagoda.gpu_worker.sequence_table import SequenceTable
+from pagoda.protos import step_pb2
 from tests.worker.conftest import TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, random_prompts
 from tests.worker.toy_scheduler import ToyScheduler
 

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+
 from pagoda.gpu_worker.numerics import describe_numerics
 from pagoda.gpu_worker.quantization import (
     Int8Linear,

@@ -80,6 +80,7 @@ def test_a_row_is_bit_exact_whatever_its_batch_mates_and_the_integer_sum_is_exac
     rows, changes nothing; and the result is the integer product of the quantized row
     and weights, unclipped (no int16 saturation in the u8 x s8 kernel)."""
     import torch
+
     from pagoda.gpu_worker.quantization import Int8Linear
 
     generator = torch.Generator().manual_seed(0)
@@ -104,6 +105,7 @@ def test_a_row_is_bit_exact_whatever_its_batch_mates_and_the_integer_sum_is_exac
 
 def test_the_head_is_rescored_unless_asked_otherwise(llama_models):
     import torch
+
     from pagoda.gpu_worker.quantization import Int8Linear, RescoredHead, quantize_int8
 
     model = copy.deepcopy(llama_models.reference)
@@ -125,6 +127,7 @@ def test_the_rescored_head_decides_on_float_logits_where_int8_flips_near_ties():
     head picks the wrong one for some inputs, the rescored head never does; its top
     logits are the float head's, the rest the int8 head's."""
     import torch
+
     from pagoda.gpu_worker.quantization import Int8Linear, RescoredHead
 
     generator = torch.Generator().manual_seed(0)

@@ -4,10 +4,10 @@ prefill rows, each token's slot in its sequence's blocks, the sampled rows in pl
 from __future__ import annotations
 
 import torch
-from pagoda.gpu_worker.ragged_batch import build_ragged_batch
-from pagoda.gpu_worker.sequence_table import SequenceTable
 
 from pagoda.common.step import NewSequence, SamplingParams, StepPlan
+from pagoda.gpu_worker.ragged_batch import build_ragged_batch
+from pagoda.gpu_worker.sequence_table import SequenceTable
 
 BLOCK_SIZE = 4
 CPU = torch.device("cpu")

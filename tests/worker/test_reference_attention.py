@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pagoda.gpu_worker.attention.backend import AttentionMetadata
 from pagoda.gpu_worker.attention.reference import ReferenceBackend, decode_groups
 

@@ -7,7 +7,6 @@ from collections import Counter
 
 import pytest
 import torch
-from pagoda.gpu_worker.sampler import SampleRow, apply_penalties, sample, seeded_uniform
 from transformers import (
     RepetitionPenaltyLogitsProcessor,
     TopKLogitsWarper,
@@ -15,6 +14,7 @@ from transformers import (
 )
 
 from pagoda.common.step import SamplingParams
+from pagoda.gpu_worker.sampler import SampleRow, apply_penalties, sample, seeded_uniform
 
 VOCAB = 64
 

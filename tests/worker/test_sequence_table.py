@@ -8,13 +8,13 @@ import subprocess
 import sys
 
 import pytest
-from pagoda.gpu_worker.dummy_engine import DUMMY_VOCAB_SIZE, DummyEngine
-from pagoda.gpu_worker.sequence_table import SequenceTable, allowed_token_masks
-from pagoda.protos import step_pb2
 
 from pagoda.common.dummy_tokens import dummy_next_token
 from pagoda.common.plan_check import PlanError
 from pagoda.common.step_codec import decode_plan
+from pagoda.gpu_worker.dummy_engine import DUMMY_VOCAB_SIZE, DummyEngine
+from pagoda.gpu_worker.sequence_table import SequenceTable, allowed_token_masks
+from pagoda.protos import step_pb2
 from tests.worker.conftest import run_plan
 
 

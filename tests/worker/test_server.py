@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import zmq
-from pagoda.gpu_worker.dummy_engine import DUMMY_VOCAB_SIZE
-from pagoda.gpu_worker.server import prepare_endpoint
-from pagoda.protos import step_pb2
 
 from pagoda.common import wire
 from pagoda.common.dummy_tokens import dummy_next_token
+from pagoda.gpu_worker.dummy_engine import DUMMY_VOCAB_SIZE
+from pagoda.gpu_worker.server import prepare_endpoint
+from pagoda.protos import step_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 120.0  # importing torch + transformers on a slow CI machine

@@ -7,6 +7,7 @@ import logging
 import threading
 
 import pytest
+
 from pagoda.gpu_worker.config import parse_config
 from pagoda.gpu_worker.step_pulse import StepPulse
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from pagoda.common import wire
 from pagoda.gpu_worker import tensor_parallel
 from pagoda.gpu_worker.config import parse_config
 from pagoda.gpu_worker.kv_pool import KVGeometry
 from pagoda.gpu_worker.tensor_parallel import Rendezvous, TensorParallelError
-
-from pagoda.common import wire
 from tests.worker import toy_scheduler
 from tests.worker.conftest import NUM_NEW_TOKENS, TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, random_prompts
 
@@ -120,6 +120,7 @@ class FakeLeader:
 
 def test_the_server_forwards_plans_and_resets_and_exits_when_the_group_is_lost(tmp_path):
     import zmq
+
     from pagoda.gpu_worker.dummy_engine import DummyEngine
     from pagoda.gpu_worker.server import EXIT_GROUP_LOST, WorkerServer
     from pagoda.protos import step_pb2

@@ -9,12 +9,12 @@ import random
 
 import pytest
 import torch
+
+from pagoda.common.step import NewSequence, SamplingParams, StepPlan
 from pagoda.gpu_worker.sampler import SampleRow, counts_from_histories
 from pagoda.gpu_worker.sequence_table import SequenceTable
 from pagoda.gpu_worker.token_counts import TokenCounts
 from pagoda.protos import step_pb2
-
-from pagoda.common.step import NewSequence, SamplingParams, StepPlan
 from tests.worker.conftest import TEST_BLOCK_SIZE, TEST_NUM_BLOCKS
 from tests.worker.toy_scheduler import ToyScheduler, split_into
 

@@ -42,8 +42,9 @@ def kernels():
     if not RUN_HERE:
         pytest.skip("no CUDA: test_kernels_under_the_interpreter runs this in a child process")
     import triton
-    from pagoda.gpu_worker.attention import triton_paged
     from triton.runtime.interpreter import InterpretedFunction
+
+    from pagoda.gpu_worker.attention import triton_paged
 
     if INTERPRETED and not isinstance(triton.language.zeros, InterpretedFunction):
         pytest.fail("TRITON_INTERPRET=1 was set after triton was imported")

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagoda.protos import step_pb2
-
 from tests.worker.conftest import run_plan
 
 
