@@ -21,7 +21,6 @@ import time
 from pagoda.common.dummy_tokens import OutsideMask, dummy_banned_token_ids, dummy_next_token
 from pagoda.common.step import StepPlan
 from pagoda.gpu_worker.engine import Engine, EngineFacts, SampledTokens
-from pagoda.gpu_worker.sequence_table import allowed_token_masks
 
 log = logging.getLogger("pagoda.worker.dummy")
 
@@ -67,14 +66,13 @@ class DummyEngine(Engine):
             logging.shutdown()
             os._exit(DUMMY_CRASH_EXIT_CODE)  # no cleanup, no goodbye: as a segfault
         sampled = SampledTokens([])
-        rows = [i for i, sample in enumerate(plan.sample) if sample]
-        sequences = self.table.sequences_of([plan.seq_ids[i] for i in rows])
-        wants_logprobs = any(seq.sampling.num_logprobs for seq in sequences)
-        masks = allowed_token_masks(plan, DUMMY_VOCAB_SIZE) if plan.allowed_token_rows else {}
+        rows = self.table.sampling_rows(plan)
+        wants_logprobs = any(seq.sampling.num_logprobs for seq in rows.sequences)
+        masks = rows.masks
         offsets, token_ids = plan.token_offsets, plan.token_ids
-        for i, seq in zip(rows, sequences, strict=True):
+        for i, seq, sampled_position in zip(rows.rows, rows.sequences, rows.positions, strict=True):
             sampling = seq.sampling
-            position = plan.start_positions[i] + offsets[i + 1] - offsets[i] - 1  # last fed
+            position = sampled_position - 1  # the last fed token's
             banned = dummy_banned_token_ids(
                 position,
                 seq.num_prompt_tokens,

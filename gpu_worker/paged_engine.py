@@ -28,7 +28,6 @@ from pagoda.gpu_worker.numerics import describe_numerics, make_batch_invariant
 from pagoda.gpu_worker.quantization import quantize, resolve_quantization
 from pagoda.gpu_worker.ragged_batch import build_ragged_batch
 from pagoda.gpu_worker.sampler import SampleRow, sample
-from pagoda.gpu_worker.sequence_table import allowed_token_masks
 from pagoda.gpu_worker.token_counts import TokenCounts, has_penalty
 
 if TYPE_CHECKING:
@@ -158,21 +157,19 @@ class PagedEngine(Engine):
         order)."""
         self._synchronize()
         forward_done_s = time.perf_counter()
-        sample_rows = [i for i, sample in enumerate(plan.sample) if sample]
-        sequences = self.table.sequences_of([plan.seq_ids[i] for i in sample_rows])
-        masks = allowed_token_masks(plan, self.facts.vocab_size) if plan.allowed_token_rows else {}
-        offsets, starts = plan.token_offsets, plan.start_positions
+        sampling = self.table.sampling_rows(plan)
+        sequences = sampling.sequences
         rows = [
             SampleRow(
                 seq.sampling,
                 seq.token_ids,
                 seq.num_prompt_tokens,
-                starts[i] + offsets[i + 1] - offsets[i],  # the sampled token's position
-                masks.get(i),
+                position,
+                sampling.masks.get(i),
                 seq.min_new_tokens,
                 seq.min_tokens_banned_ids,
             )
-            for i, seq in zip(sample_rows, sequences, strict=True)
+            for i, seq, position in zip(sampling.rows, sequences, sampling.positions, strict=True)
         ]
         counts = None
         if any(has_penalty(seq.sampling) for seq in sequences):

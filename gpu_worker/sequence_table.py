@@ -38,6 +38,16 @@ class Sequence:
     last_sampled_position: int = -1
 
 
+@dataclass(slots=True)
+class SamplingRows:
+    """The rows of an admitted plan that sample, in plan order, with what sampling reads."""
+
+    rows: list[int]
+    sequences: list[Sequence]
+    positions: list[int]  # each row's sampled token's position (its last fed one + 1)
+    masks: dict[int, bytes]  # row -> its allowed-token bitmask (constrained rows only)
+
+
 class SequenceTable:
     """Live sequences by id. Called only from the worker's step loop."""
 
@@ -193,17 +203,31 @@ class SequenceTable:
             return replace(plan, token_ids=fed_ids, last_sampled_rows=[]), refusals
         return plan, refusals
 
+    def sampling_rows(self, plan: StepPlan, *, with_masks: bool = True) -> SamplingRows:
+        """The rows of an admitted plan that sample, their sequences, positions and (unless
+        not `with_masks`) allowed-token masks."""
+        rows = [i for i, sample in enumerate(plan.sample) if sample]
+        offsets, starts = plan.token_offsets, plan.start_positions
+        return SamplingRows(
+            rows=rows,
+            sequences=self.sequences_of([plan.seq_ids[i] for i in rows]),
+            positions=[starts[i] + offsets[i + 1] - offsets[i] for i in rows],
+            masks=(
+                allowed_token_masks(plan, self.vocab_size)
+                if with_masks and plan.allowed_token_rows
+                else {}
+            ),
+        )
+
     def record_sampled(self, plan: StepPlan, token_ids: list[int]) -> None:
         """The tokens sampled by an admitted plan's rows that sample (in order), for the
         next plans."""
-        sequences = self._sequences
-        offsets = plan.token_offsets
-        starts = plan.start_positions
-        rows = [i for i, sample in enumerate(plan.sample) if sample]
-        for i, token_id in zip(rows, token_ids, strict=True):
-            seq = sequences[plan.seq_ids[i]]
+        sampling = self.sampling_rows(plan, with_masks=False)
+        for seq, position, token_id in zip(
+            sampling.sequences, sampling.positions, token_ids, strict=True
+        ):
             seq.last_sampled_token_id = token_id
-            seq.last_sampled_position = starts[i] + offsets[i + 1] - offsets[i]
+            seq.last_sampled_position = position
 
 
 def allowed_token_mask_bytes(vocab_size: int) -> int:
