@@ -401,8 +401,9 @@ def engine() -> None:
                 f"[bf16] engine vs HF bf16 generate: first token {first}/{len(prompts)}, "
                 f"exact {exact}/{len(prompts)}, first-divergence {prefix} (bf16: late divergence is OK)",
             )
-        # graph replay vs eager: the same decode step both ways, logits compared.
-        if eng.decode_graphs is not None:
+        # graph replay vs eager: the same decode step both ways, logits compared. The dry run
+        # (no graphs on the CPU) walks it eager vs eager, so the hooks it uses cannot rot.
+        if eng.decode_graphs is not None or SMOKE:
             graph_vs_eager(eng, dtype)
         if eng.decode_graphs is not None and (not SMOKE or os.environ.get("SMOKE_MANY")):
             many_sequences(eng, dtype)
@@ -422,9 +423,9 @@ def graph_vs_eager(eng, dtype):
     stash = []
     orig = eng._sample
 
-    def spy(logits, chunks, started):
+    def spy(logits, *rest, **kw):
         stash.append(logits.float().clone())
-        return orig(logits, chunks, started)
+        return orig(logits, *rest, **kw)
 
     eng._sample = spy
     entries = [(i, len(p), [5], True) for i, p in enumerate(prompts)]  # rewinds: same step twice
@@ -640,6 +641,8 @@ def bench(eng) -> None:
                 f"decode B=64 ctx=1024 EAGER (no graph): step {wall_e:.2f} ms (forward {fwd_e:.2f})",
             )
             count_syncs_and_kernels(eng, d, entries)
+        if (batch, ctx) == (256, 1024) or (SMOKE and batch == 4):
+            kernel_breakdown(eng, d, entries, f"B={batch} ctx={ctx}")
         d.reset(range(batch))
     # prefill and mixed
     for n in (512, 2048) if not SMOKE else (30,):
@@ -712,6 +715,31 @@ def count_syncs_and_kernels(eng, d, entries):
         f"triton attention {sum('paged_attention' in e.name for e in kernels)}, "
         f"write_kv {sum('write_kv' in e.name for e in kernels)}",
     )
+
+
+def kernel_breakdown(eng, d, entries, label: str, top: int = 14) -> None:
+    """Where an eager decode step's device time goes: the kernels summed by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if DEV == "cuda" else [ProfilerActivity.CPU]
+    graphs, eng.decode_graphs = eng.decode_graphs, None
+    try:
+        d.run(entries)  # warm
+        with profile(activities=activities) as prof:
+            d.run(entries)
+            sync()
+    finally:
+        eng.decode_graphs = graphs
+    wanted = "CUDA" if DEV == "cuda" else "CPU"
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == wanted:
+            by_name.setdefault(e.name[:70], []).append(e.time_range.elapsed_us())
+    total = sum(sum(v) for v in by_name.values()) or 1.0
+    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    say("INFO", f"kernel breakdown, eager decode {label}: {total / 1e3:.2f} ms of {wanted} time")
+    for name, times in rows:
+        say("INFO", f"  {sum(times) / 1e3:7.3f} ms {100 * sum(times) / total:5.1f}% x{len(times):4d}  {name}")
 
 
 # --------------------------------------------------------------------------- kernel bench
