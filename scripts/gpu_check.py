@@ -739,7 +739,10 @@ def kernel_breakdown(eng, d, entries, label: str, top: int = 14) -> None:
     rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     say("INFO", f"kernel breakdown, eager decode {label}: {total / 1e3:.2f} ms of {wanted} time")
     for name, times in rows:
-        say("INFO", f"  {sum(times) / 1e3:7.3f} ms {100 * sum(times) / total:5.1f}% x{len(times):4d}  {name}")
+        say(
+            "INFO",
+            f"  {sum(times) / 1e3:7.3f} ms {100 * sum(times) / total:5.1f}% x{len(times):4d}  {name}",
+        )
 
 
 # --------------------------------------------------------------------------- kernel bench
