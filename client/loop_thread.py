@@ -21,7 +21,9 @@ class LoopThread:
     def __init__(self, name: str) -> None:
         self._loop = asyncio.new_event_loop()
         # Guards `_stopped` against a `run` that schedules work after `stop` stopped the loop.
-        self._lock = threading.Lock()
+        # Re-entrant: a garbage collection inside the guarded region may run a dropped
+        # stream's finalizer on this very thread, and that finalizer calls `call_soon`.
+        self._lock = threading.RLock()
         self._stopped = False
         self._last: Coroutine[Any, Any, object] | None = None
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)

@@ -69,3 +69,31 @@ def test_closing_under_a_running_stream_cancels_it(fake_server):
     assert fake_server.servicer.wait_cancelled("closed-under", timeout_s=10)
     with pytest.raises(ValueError):
         client.model_info()
+
+
+def test_a_finalizer_that_runs_inside_run_does_not_deadlock(monkeypatch):
+    """A collection inside `run`'s guarded region may finalize a dropped stream on the same
+    thread, and its `__del__` calls `call_soon`: seen as a hang of the test above."""
+    from pagoda.client import loop_thread as module
+
+    loop = module.LoopThread("pagoda client")
+    schedule = module.asyncio.run_coroutine_threadsafe
+
+    def schedule_after_a_finalizer(coroutine, event_loop):
+        loop.call_soon(lambda: None)  # what ChunkStream.__del__ does
+        return schedule(coroutine, event_loop)
+
+    monkeypatch.setattr(module.asyncio, "run_coroutine_threadsafe", schedule_after_a_finalizer)
+
+    async def answer() -> int:
+        return 42
+
+    results: list[int] = []
+    caller = threading.Thread(target=lambda: results.append(loop.run(answer())), daemon=True)
+    caller.start()
+    caller.join(timeout=30)
+    monkeypatch.undo()
+    deadlocked = caller.is_alive()
+    if not deadlocked:
+        loop.stop()
+    assert not deadlocked and results == [42]
