@@ -39,7 +39,7 @@ import math
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
-from pagoda.common.step import StepPlan, WorkerGeometry
+from pagoda.common.step import WorkerGeometry
 from pagoda.scheduler_svc.core.admission import (
     AdmissionBudget,
     LazyCosts,
@@ -50,7 +50,7 @@ from pagoda.scheduler_svc.core.admission import (
 )
 from pagoda.scheduler_svc.core.config import SchedulerConfig
 from pagoda.scheduler_svc.core.kv import BlockAllocator, PrefixCache, extend_block_hashes
-from pagoda.scheduler_svc.core.plan_builder import PlanBuilder
+from pagoda.scheduler_svc.core.plan_builder import BuiltPlan, PlanBuilder
 from pagoda.scheduler_svc.core.preemption import choose_victim
 from pagoda.scheduler_svc.core.request import Request, RequestState, set_stop_rules
 from pagoda.scheduler_svc.core.tenants import Ledger, by_least_served, neediest_tenant
@@ -83,10 +83,6 @@ class Planner:
         self.forget_seq_ids: list[int] = []  # for the next plan
         # (seq_id, request) of each sequence preempted since the last take_victims().
         self._victims: list[tuple[int, Request]] = []
-        # The last plan's keys and decodes fed ahead (PlanBuilder), until the scheduler
-        # takes them with the plan.
-        self._keyed_in_flight: list[tuple[int, int]] = []
-        self._ahead: list[tuple[Request, int]] = []
         self._seq_ids = itertools.count(1)
         self._admit_orders = itertools.count(1)
         self.num_preemptions = 0
@@ -116,7 +112,6 @@ class Planner:
         """The worker is gone with every block: running requests go back to the head of the
         queue (earliest admitted first) to be recomputed."""
         self.blocks = None
-        self._keyed_in_flight = []
         self.forget_seq_ids = []
         for request in reversed(list(self.running.values())):
             request.block_ids = []
@@ -193,22 +188,6 @@ class Planner:
         victims, self._victims = self._victims, []
         return victims
 
-    def take_ahead(self) -> list[tuple[Request, int]]:
-        """The decodes the last plan fed ahead of their token (see _schedule_decodes)."""
-        ahead, self._ahead = self._ahead, []
-        return ahead
-
-    def take_keyed_in_flight(self) -> list[tuple[int, int]]:
-        """The blocks the plan in flight keyed; the plan is answered or failed."""
-        keyed, self._keyed_in_flight = self._keyed_in_flight, []
-        return keyed
-
-    def unkey(self, keyed: Iterable[tuple[int, int]]) -> None:
-        """Drop the prefix keys of blocks whose K/V a failed step never wrote."""
-        assert self.blocks is not None
-        for _, block_id in keyed:
-            self.blocks.unregister(block_id)
-
     # -- planning --------------------------------------------------------------------------
 
     def plan(
@@ -217,7 +196,7 @@ class Planner:
         now: float,
         only: Iterable[Request] | None = None,
         max_prefill_tokens: int | None = None,
-    ) -> StepPlan:
+    ) -> BuiltPlan:
         """The plan for step `step_id`; it may feed nothing (the caller then skips it).
 
         With `only`, the plan feeds those requests alone (admitted, continued or decoded,
@@ -248,7 +227,6 @@ class Planner:
                 b, step_prefill_tokens, step_prefill_tokens, now, num_preemptions
             )
             self._schedule_decodes(b, budget - num_prefill)
-        self._keyed_in_flight, self._ahead = b.keyed, b.ahead
         return b.build()
 
     def _room_for_reserved_head(self, b: PlanBuilder, step_prefill_tokens: int) -> int:
