@@ -1,6 +1,6 @@
 """The planner: who waits, who runs with which KV blocks, and what each step feeds.
 
-It owns the waiting queue, the running and prefilling sets and the KV pool, and is, with
+It owns the waiting queue, the running set (running.py) and the KV pool, and is, with
 the PlanBuilder of the plan it builds (plan_builder.py: the columns), the only writer of
 a Request's sequence fields (see Request). Every block a sequence holds is released in
 `release`, the one path used by finish, preemption and requeue after a failed step.
@@ -33,11 +33,9 @@ first, and every token fed is charged to its tenant. Otherwise none of this runs
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 from collections.abc import Iterable, Sequence
-from operator import attrgetter
 
 from pagoda.common.step import WorkerGeometry
 from pagoda.scheduler_svc.core.admission import (
@@ -53,13 +51,12 @@ from pagoda.scheduler_svc.core.kv import BlockAllocator, PrefixCache, extend_blo
 from pagoda.scheduler_svc.core.plan_builder import BuiltPlan, PlanBuilder
 from pagoda.scheduler_svc.core.preemption import choose_victim
 from pagoda.scheduler_svc.core.request import Request, RequestState, set_stop_rules
+from pagoda.scheduler_svc.core.running import RunningSet
 from pagoda.scheduler_svc.core.tenants import Ledger, by_least_served, neediest_tenant
 from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
 
 _RUNNING = RequestState.RUNNING
 _WAITING = RequestState.WAITING
-_admit_order_of = attrgetter("admit_order")
-_priority_then_admission = attrgetter("priority", "admit_order")
 
 
 class Planner:
@@ -76,10 +73,7 @@ class Planner:
             prompt_weight=config.fair_prompt_weight,
             generated_weight=config.fair_generated_weight,
         )
-        # seq_id -> request, in admission order (preemption takes from the end).
-        self.running: dict[int, Request] = {}
-        # The running ones with tokens left to feed before their next sample.
-        self.prefilling: dict[int, Request] = {}
+        self.sequences = RunningSet(self.by_priority)
         self.forget_seq_ids: list[int] = []  # for the next plan
         # (seq_id, request) of each sequence preempted since the last take_victims().
         self._victims: list[tuple[int, Request]] = []
@@ -89,12 +83,18 @@ class Planner:
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
         self._num_admission_rounds = 0
-        self._decode_cursor = 0  # admit_order of the last sequence decoded under a cap
         # The head a forced FIFO round could not fit: admitted before anything else.
         self._reserved_head: Request | None = None
-        # Decoders are fed in the reverse of preemption order, so a victim is never one
-        # already fed: oldest admission first (priority: lowest value, then oldest).
-        self._feed_order = _priority_then_admission if self.by_priority else _admit_order_of
+
+    @property
+    def running(self) -> dict[int, Request]:
+        """seq_id -> request, in admission order (RunningSet.requests)."""
+        return self.sequences.requests
+
+    @property
+    def prefilling(self) -> dict[int, Request]:
+        """The running ones with tokens left to feed before their next sample."""
+        return self.sequences.prefilling
 
     # -- the pool and the sequences ------------------------------------------------------
 
@@ -120,8 +120,7 @@ class Planner:
             request.seq_id = None
             request.state = _WAITING
             self.waiting.push_front(request)
-        self.running.clear()
-        self.prefilling.clear()
+        self.sequences.clear()
 
     def release(self, request: Request, *, worker_knows: bool = True) -> None:
         """End the request's sequence: its blocks are released and the worker told to
@@ -133,8 +132,7 @@ class Planner:
         request.num_blocks_sent = 0
         request.num_computed_tokens = 0
         request.seq_id = None
-        del self.running[seq_id]
-        self.prefilling.pop(seq_id, None)
+        self.sequences.remove(seq_id)
         if worker_knows:
             self.forget_seq_ids.append(seq_id)
 
@@ -257,28 +255,16 @@ class Planner:
 
     # -- decode ----------------------------------------------------------------------------
 
-    def _decoders(self, only: dict[str, Request] | None) -> list[Request]:
-        prefilling = self.prefilling
-        if only is not None:
-            return [
-                request
-                for seq_id, request in self.running.items()
-                if seq_id not in prefilling and request.request_id in only
-            ]
-        if prefilling:
-            return [request for seq_id, request in self.running.items() if seq_id not in prefilling]
-        return list(self.running.values())
-
     def _schedule_decodes(self, b: PlanBuilder, num_tokens: int) -> int:
         """One token for each decoding sequence (round-robin under a cap); tokens used."""
         if num_tokens <= 0 or not self.running:
             return 0
-        decoders = self._decoders(b.only)
+        decoders = self.sequences.decoders(b.only)
         cap = min(num_tokens, self.config.max_decode_batch_size or num_tokens)
         if len(decoders) > cap:
-            decoders = self._round_robin(decoders, cap)
+            decoders = self.sequences.round_robin(decoders, cap)
         elif self.by_priority:
-            decoders.sort(key=self._feed_order)
+            decoders.sort(key=self.sequences.feed_order)
         step_id = b.step_id
         blocks = self.blocks
         block_size = blocks.block_size
@@ -344,16 +330,6 @@ class Planner:
         if self.tenants.fair:
             self.tenants.charge_generated([request.tenant for request in fed])
         return len(fed)
-
-    def _round_robin(self, decoders: list[Request], cap: int) -> list[Request]:
-        """Decoders in the order to try under a cap: the `cap` after the last one served
-        (decoders come in admission order), then the rest in case some are preempted."""
-        start = bisect.bisect_right(decoders, self._decode_cursor, key=_admit_order_of)
-        rotated = decoders[start:] + decoders[:start]
-        chosen, rest = rotated[:cap], rotated[cap:]
-        self._decode_cursor = chosen[-1].admit_order
-        chosen.sort(key=self._feed_order)
-        return chosen + rest
 
     # -- prefill and admission -------------------------------------------------------------
 
@@ -486,17 +462,7 @@ class Planner:
         earlier in feed order). 0 when decodes were planned first (or under `only`)."""
         if self.config.decode_first or b.only is not None:
             return 0
-        block_size, prefilling = self.blocks.block_size, self.prefilling
-        feed_order = self._feed_order
-        rank = feed_order(before) if before is not None else None
-        return sum(
-            1
-            for seq_id, request in self.running.items()
-            if request.num_computed_tokens % block_size == 0
-            and seq_id not in prefilling
-            and request.last_scheduled_step != b.step_id
-            and (rank is None or feed_order(request) < rank)
-        )
+        return self.sequences.num_at_block_boundary(self.blocks.block_size, b.step_id, before)
 
     def _price(self, request: Request) -> WaitingCost:
         blocks = self.blocks
@@ -616,10 +582,7 @@ class Planner:
         b.feed(request, num_tokens)
         if self.tenants.fair:
             self.tenants.charge_prompt(request.tenant, num_tokens)
-        if request.num_tokens_to_feed:
-            self.prefilling[request.seq_id] = request
-        else:
-            self.prefilling.pop(request.seq_id, None)
+        self.sequences.fed(request)
 
 
 def _waiting_only(only: dict[str, Request]) -> list[Request]:
