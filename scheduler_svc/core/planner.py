@@ -42,8 +42,10 @@ from pagoda.scheduler_svc.core.admission import (
     AdmissionBudget,
     LazyCosts,
     WaitingCost,
+    admission_window,
     is_fifo_round,
     prefill_cost,
+    room_for_reserved_head,
     run_policy,
 )
 from pagoda.scheduler_svc.core.config import SchedulerConfig
@@ -228,15 +230,7 @@ class Planner:
         return b.build()
 
     def _room_for_reserved_head(self, b: PlanBuilder, step_prefill_tokens: int) -> int:
-        """Tokens the decodes leave for the reserved head (decode_first, unchunked): its
-        cost when it fits a step of `step_prefill_tokens` alone, else 0.
-
-        Decodes come first, so a head that fits a step but not beside the decodes would
-        wait for the running set to drain while the reservation holds every admission
-        back (issue 24 item 9). Leaving it room costs a few decoders one step of the
-        round-robin instead. An oversize head goes alone anyway and a chunk always fits;
-        one that waits for blocks or a free slot is not helped by fewer decodes.
-        """
+        """Tokens the decodes leave for the reserved head (admission.room_for_reserved_head)."""
         head = self._reserved_head
         if (
             head is None
@@ -246,12 +240,10 @@ class Planner:
             or len(self.running) >= self.config.max_active_requests
         ):
             return 0
-        cost = self._price(head)
-        num_head_blocks = -(-cost.num_tokens // self.blocks.block_size) + cost.num_reclaimed_blocks
         num_free_blocks = self.blocks.num_available_blocks - len(self.running)
-        if cost.num_tokens > step_prefill_tokens or num_head_blocks > num_free_blocks:
-            return 0
-        return cost.num_tokens
+        return room_for_reserved_head(
+            self._price(head), step_prefill_tokens, num_free_blocks, self.blocks.block_size
+        )
 
     # -- decode ----------------------------------------------------------------------------
 
@@ -395,7 +387,6 @@ class Planner:
             tenant = self._neediest_tenant() if only is None else None
             if tenant is not None:
                 num_requests = 1
-            policy = config.admission_policy
             forced = False
             if first_round:
                 self._num_admission_rounds += 1
@@ -403,23 +394,17 @@ class Planner:
             reserved = self._reserved_head
             if reserved is not None and reserved.state is not _WAITING:
                 reserved = self._reserved_head = None  # it started, or ended while waiting
-            if only is not None:
-                lookahead = config.admission_lookahead if policy == "pack" else num_requests
-                window = _waiting_only(only)[:lookahead]
-            elif reserved is not None:
-                # A forced round could not fit it: nothing starts past it until it fits.
-                policy, window = "fifo", [reserved]
-            elif forced:
-                # The oldest by arrival, not the priority head, so low priorities move too.
-                policy = "fifo"
-                window = (
-                    waiting.oldest(num_requests, tenant)
-                    if self.by_priority
-                    else waiting.head(num_requests, tenant)
-                )
-            else:
-                lookahead = config.admission_lookahead if policy == "pack" else num_requests
-                window = waiting.head(lookahead, tenant)
+            policy, window = admission_window(
+                waiting,
+                config.admission_policy,
+                num_requests,
+                config.admission_lookahead,
+                forced=forced,
+                reserved=reserved,
+                tenant=tenant,
+                by_priority=self.by_priority,
+                only=_waiting_only(only) if only is not None else None,
+            )
             budget = AdmissionBudget(
                 num_tokens=tokens_left,
                 num_step_tokens=step_prefill_tokens,
