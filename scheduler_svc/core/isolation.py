@@ -29,6 +29,7 @@ planning (`Planner.plan(..., only=...)`), this module keeps the suspects.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from pagoda.scheduler_svc.core.plan_builder import BuiltPlan
@@ -82,7 +83,7 @@ class Isolation:
                 # None of it fits, and no request but suspects runs to free blocks: room
                 # for the first (suspects of other groups may hold the blocks).
                 group = group[:1]
-                self._planner.make_room(group[0])
+                self._make_room(group[0])
                 built = self._planner.plan(step_id, now, only=group)
             # Until the group starts, ordinary steps admit only what waits ahead of the
             # suspects (preempted requests): the blocks that the running requests free go
@@ -165,6 +166,21 @@ class Isolation:
         """A step for the requests that are not suspects (all once none is left)."""
         others = self._others() if self._groups else None
         return self._planner.plan(step_id, now, others, max_prefill_tokens=max_prefill_tokens)
+
+    def _make_room(self, request: Request) -> None:
+        """Preempt the latest-admitted others until `request`'s whole sequence fits (and
+        it may start under max_active_requests), so a plan feeding it alone never has to
+        preempt."""
+        planner = self._planner
+        blocks = planner.blocks
+        assert blocks is not None
+        needed = math.ceil((len(request.token_ids) + 1) / blocks.block_size) - len(
+            request.block_ids
+        )
+        others = [r for r in planner.running.values() if r is not request]
+        max_others = planner.config.max_active_requests - 1
+        while (blocks.num_available_blocks < needed or len(others) > max_others) and others:
+            planner.preempt(others.pop())
 
     def _others(self, *, waiting: bool = True) -> list[Request]:
         """The requests that are not suspects: running ones, then, with `waiting`, waiting

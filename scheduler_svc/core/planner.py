@@ -34,7 +34,6 @@ first, and every token fed is charged to its tenant. Otherwise none of this runs
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterable, Sequence
 
 from pagoda.common.step import WorkerGeometry
@@ -164,20 +163,6 @@ class Planner:
                 self.release(request, worker_knows=worker_knows)
                 request.state = _WAITING
                 self.waiting.push_front(request)
-
-    def make_room(self, request: Request) -> None:
-        """Preempt the latest-admitted others until `request`'s whole sequence fits (and
-        it may start under max_active_requests), so a plan feeding it alone never has to
-        preempt."""
-        blocks = self.blocks
-        assert blocks is not None
-        needed = math.ceil((len(request.token_ids) + 1) / blocks.block_size) - len(
-            request.block_ids
-        )
-        others = [r for r in self.running.values() if r is not request]
-        max_others = self.config.max_active_requests - 1
-        while (blocks.num_available_blocks < needed or len(others) > max_others) and others:
-            self.preempt(others.pop())
 
     def take_forget_seq_ids(self) -> list[int]:
         forget, self.forget_seq_ids = self.forget_seq_ids, []
