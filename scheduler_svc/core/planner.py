@@ -48,7 +48,7 @@ from pagoda.scheduler_svc.core.admission import (
     run_policy,
 )
 from pagoda.scheduler_svc.core.config import SchedulerConfig
-from pagoda.scheduler_svc.core.kv import BlockAllocator, PrefixCache, extend_block_hashes
+from pagoda.scheduler_svc.core.kv import BlockAllocator, PrefixCache, match_prefix
 from pagoda.scheduler_svc.core.plan_builder import BuiltPlan, PlanBuilder
 from pagoda.scheduler_svc.core.preemption import choose_victim
 from pagoda.scheduler_svc.core.request import Request, RequestState, set_stop_rules
@@ -447,20 +447,10 @@ class Planner:
         )
 
     def _match(self, request: Request) -> list[int]:
-        """Cached blocks of the request's prefix; the last token is always left to compute
-        so there are logits to sample."""
-        blocks = self.blocks
-        if not blocks.enabled:
-            return []
-        max_blocks = (len(request.token_ids) - 1) // blocks.block_size
-        extend_block_hashes(
-            request.token_ids,
-            request.block_hashes,
-            max_blocks,
-            blocks.block_size,
-            request.cache_root_hash,
+        """Cached blocks of the request's prefix (kv.match_prefix)."""
+        return match_prefix(
+            self.blocks, request.token_ids, request.block_hashes, request.cache_root_hash
         )
-        return blocks.match(request.block_hashes, max_blocks)
 
     def _start(self, b: PlanBuilder, request: Request, num_tokens: int, now: float) -> int:
         """Admit `request` as a new sequence feeding up to `num_tokens`. Returns the tokens
