@@ -7,9 +7,11 @@ imports the core from here; the modules behind it are:
   request        the validated input, a request's state, check_stop (token-id stop rules)
   kv             the block pool and the prefix cache
   waiting_queue  arrival or priority order; preempted requests at the head
-  admission      the pure admission policies
+  admission      the pure admission policies and each round's window
   tenants        fair share between tenants (weighted tokens served) and their quotas
-  planner        owns the waiting, running and prefilling sets and the pool; plans steps
+  running        the running set: running and prefilling sequences, decode round-robin
+  preemption     which running request gives up its blocks
+  planner        owns the waiting queue, the running set and the pool; plans steps
   plan_builder   the plan under construction: its columns, the blocks it keys, unfeed
   isolation      keeps the suspects of a failed step, planned alone
   scheduler      the facade: add, cancel, schedule, apply, fail_step, stats

@@ -1,7 +1,8 @@
 """Admission policies: which waiting requests start this step, and with how many tokens.
 
-Pure functions over explicit inputs: no scheduler, no clock. `costs` lists the waiting
-requests in queue order (any Sequence; the scheduler passes a lazy view so FIFO
+Pure functions over explicit inputs: no scheduler, no clock. A round first chooses its
+window (`admission_window`: which waiting requests it may admit, and under which policy);
+`costs` lists them in queue order (any Sequence; the planner passes a lazy view so FIFO
 prices only the requests it looks at); an `Admission` names one by its index.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -55,6 +56,63 @@ def prefill_cost(num_tokens: int, num_cached_tokens: int, max_context_tokens: in
 def is_fifo_round(round_number: int, force_fifo_every: int | None) -> bool:
     """Whether admission round `round_number` (counted from 1) is forced FIFO."""
     return bool(force_fifo_every) and round_number % force_fifo_every == 0
+
+
+class WaitingView(Protocol[T]):
+    """The waiting queue as a window is read from it (WaitingQueue), in queue order."""
+
+    def head(self, num_requests: int, tenant: str | None = None) -> list[T]: ...
+
+    def oldest(self, num_requests: int, tenant: str | None = None) -> list[T]: ...
+
+
+def admission_window(
+    waiting: WaitingView[T],
+    policy: str,
+    num_requests: int,
+    lookahead: int,
+    *,
+    forced: bool = False,
+    reserved: T | None = None,
+    tenant: str | None = None,
+    by_priority: bool = False,
+    only: list[T] | None = None,
+) -> tuple[str, list[T]]:
+    """The policy an admission round runs and its window: the waiting requests it may
+    admit, in queue order (`num_requests` of them, `lookahead` under pack).
+
+    `only` (isolation.py): from those waiting requests alone. Else `reserved`, the head a
+    forced round could not fit, alone and FIFO: nothing starts past it until it fits. A
+    `forced` round (is_fifo_round) is FIFO over the oldest by arrival, not the priority
+    head, so low priorities move too. `tenant` (fair share): from that tenant's queue.
+    """
+    if only is not None:
+        return policy, only[: lookahead if policy == "pack" else num_requests]
+    if reserved is not None:
+        return "fifo", [reserved]
+    if forced:
+        if by_priority:
+            return "fifo", waiting.oldest(num_requests, tenant)
+        return "fifo", waiting.head(num_requests, tenant)
+    return policy, waiting.head(lookahead if policy == "pack" else num_requests, tenant)
+
+
+def room_for_reserved_head(
+    cost: WaitingCost, num_step_tokens: int, num_free_blocks: int, block_size: int
+) -> int:
+    """Tokens the decodes leave for the reserved head (decode_first, unchunked): its cost
+    when it fits a step of `num_step_tokens` and `num_free_blocks` alone, else 0.
+
+    Decodes come first, so a head that fits a step but not beside the decodes would
+    wait for the running set to drain while the reservation holds every admission
+    back (issue 24 item 9). Leaving it room costs a few decoders one step of the
+    round-robin instead. An oversize head goes alone anyway and a chunk always fits;
+    one that waits for blocks or a free slot is not helped by fewer decodes.
+    """
+    num_head_blocks = _num_blocks(cost, cost.num_tokens, block_size)
+    if cost.num_tokens > num_step_tokens or num_head_blocks > num_free_blocks:
+        return 0
+    return cost.num_tokens
 
 
 def admit_fifo(costs: Sequence[WaitingCost], budget: AdmissionBudget) -> list[Admission]:

@@ -29,9 +29,10 @@ planning (`Planner.plan(..., only=...)`), this module keeps the suspects.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
-from pagoda.common.step import StepPlan
+from pagoda.scheduler_svc.core.plan_builder import BuiltPlan
 from pagoda.scheduler_svc.core.planner import Planner
 from pagoda.scheduler_svc.core.request import Request, RequestState
 
@@ -62,7 +63,7 @@ class Isolation:
 
     def plan(
         self, step_id: int, now: float, max_prefill_tokens: int | None
-    ) -> tuple[StepPlan, bool]:
+    ) -> tuple[BuiltPlan, bool]:
         """The next step while suspects are left, and whether it is a group step: every
         other step an ordinary one (`max_prefill_tokens`: the step budget's cap) when it
         has work, else the next group of suspects, alone, with room made for one of them
@@ -72,29 +73,29 @@ class Isolation:
         tried_ordinary = self._ordinary_turn or self._other_first_in_queue()
         self._ordinary_turn = False
         if tried_ordinary:
-            plan = self._ordinary(step_id, now, max_prefill_tokens)
-            if plan.seq_ids:
-                return plan, False
+            built = self._ordinary(step_id, now, max_prefill_tokens)
+            if built.plan.seq_ids:
+                return built, False
         group = self._next_group()
         if group is not None:
-            plan = self._planner.plan(step_id, now, only=group)
-            if not plan.seq_ids and not self._others(waiting=False):
+            built = self._planner.plan(step_id, now, only=group)
+            if not built.plan.seq_ids and not self._others(waiting=False):
                 # None of it fits, and no request but suspects runs to free blocks: room
                 # for the first (suspects of other groups may hold the blocks).
                 group = group[:1]
-                self._planner.make_room(group[0])
-                plan = self._planner.plan(step_id, now, only=group)
+                self._make_room(group[0])
+                built = self._planner.plan(step_id, now, only=group)
             # Until the group starts, ordinary steps admit only what waits ahead of the
             # suspects (preempted requests): the blocks that the running requests free go
             # to the suspects before newer requests.
-            self._waiting_for_room = not plan.seq_ids
-            if plan.seq_ids:
+            self._waiting_for_room = not built.plan.seq_ids
+            if built.plan.seq_ids:
                 self._target = group
                 self._generated_at_start = [r.num_generated_tokens for r in group]
                 self._ordinary_turn = True
-                return plan, True
+                return built, True
         if tried_ordinary:
-            return plan, False  # nothing can run
+            return built, False  # nothing can run
         return self._ordinary(step_id, now, max_prefill_tokens), False
 
     def cleared(self) -> None:
@@ -161,10 +162,25 @@ class Isolation:
                 together.append(request_id)
         self._groups.extend(_halves(together))
 
-    def _ordinary(self, step_id: int, now: float, max_prefill_tokens: int | None) -> StepPlan:
+    def _ordinary(self, step_id: int, now: float, max_prefill_tokens: int | None) -> BuiltPlan:
         """A step for the requests that are not suspects (all once none is left)."""
         others = self._others() if self._groups else None
         return self._planner.plan(step_id, now, others, max_prefill_tokens=max_prefill_tokens)
+
+    def _make_room(self, request: Request) -> None:
+        """Preempt the latest-admitted others until `request`'s whole sequence fits (and
+        it may start under max_active_requests), so a plan feeding it alone never has to
+        preempt."""
+        planner = self._planner
+        blocks = planner.blocks
+        assert blocks is not None
+        needed = math.ceil((len(request.token_ids) + 1) / blocks.block_size) - len(
+            request.block_ids
+        )
+        others = [r for r in planner.running.values() if r is not request]
+        max_others = planner.config.max_active_requests - 1
+        while (blocks.num_available_blocks < needed or len(others) > max_others) and others:
+            planner.preempt(others.pop())
 
     def _others(self, *, waiting: bool = True) -> list[Request]:
         """The requests that are not suspects: running ones, then, with `waiting`, waiting

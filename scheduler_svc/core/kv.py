@@ -259,3 +259,16 @@ class PrefixCache:
         if block_id in self._evictable:
             del self._evictable[block_id]
             self.allocator.reclaim(block_id)
+
+
+def match_prefix(
+    blocks: PrefixCache, token_ids: array[int], block_hashes: list[int], root_hash: int
+) -> list[int]:
+    """Cached blocks of the prefix of `token_ids` (its chain `block_hashes` under
+    `root_hash`, extended as needed); the last token is always left to compute so there
+    are logits to sample."""
+    if not blocks.enabled:
+        return []
+    max_blocks = (len(token_ids) - 1) // blocks.block_size
+    extend_block_hashes(token_ids, block_hashes, max_blocks, blocks.block_size, root_hash)
+    return blocks.match(block_hashes, max_blocks)

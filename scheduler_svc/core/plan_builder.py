@@ -9,6 +9,8 @@ One builder per plan; its state ends with it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pagoda.common.step import NewSequence, StepPlan
 from pagoda.scheduler_svc.core.kv import PrefixCache, extend_block_hashes
 from pagoda.scheduler_svc.core.request import Request, RequestState
@@ -16,6 +18,17 @@ from pagoda.scheduler_svc.core.request import Request, RequestState
 # Shared int objects for token offsets: a decode step's offsets would otherwise allocate
 # one new int per sequence. Only grows.
 _counting_numbers: list[int] = []
+
+
+@dataclass(slots=True)
+class BuiltPlan:
+    """A finished plan, with what the scheduler keeps while its step is in flight."""
+
+    plan: StepPlan
+    # (seq_id, block_id) the plan keyed for the prefix cache: unkeyed if the step fails.
+    keyed: list[tuple[int, int]]
+    # (request, position) of its decodes fed ahead of their token (PlanBuilder.ahead).
+    ahead: list[tuple[Request, int]]
 
 
 class PlanBuilder:
@@ -41,12 +54,13 @@ class PlanBuilder:
         # Entries [start, end) of the plan are its decodes (an un-fed one is taken out).
         self._decode_entries = (0, 0)
 
-    def build(self) -> StepPlan:
-        """The plan, its token counts set. Every entry is a decode or a prefill; counted at
-        the end since a preemption under the priority policy may take one out (unfeed)."""
+    def build(self) -> BuiltPlan:
+        """The plan, its token counts set, with its keys and ahead decodes. Every entry is
+        a decode or a prefill; counted at the end since a preemption under the priority
+        policy may take one out (unfeed)."""
         plan = self.plan
         plan.num_prefill_tokens = plan.num_tokens - plan.num_decode_tokens
-        return plan
+        return BuiltPlan(plan, self.keyed, self.ahead)
 
     def start(
         self, request: Request, seq_id: int, hit_block_ids: list[int], num_new_blocks: int

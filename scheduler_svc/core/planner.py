@@ -1,6 +1,6 @@
 """The planner: who waits, who runs with which KV blocks, and what each step feeds.
 
-It owns the waiting queue, the running and prefilling sets and the KV pool, and is, with
+It owns the waiting queue, the running set (running.py) and the KV pool, and is, with
 the PlanBuilder of the plan it builds (plan_builder.py: the columns), the only writer of
 a Request's sequence fields (see Request). Every block a sequence holds is released in
 `release`, the one path used by finish, preemption and requeue after a failed step.
@@ -33,33 +33,31 @@ first, and every token fed is charged to its tenant. Otherwise none of this runs
 
 from __future__ import annotations
 
-import bisect
 import itertools
-import math
 from collections.abc import Iterable, Sequence
-from operator import attrgetter
 
-from pagoda.common.step import StepPlan, WorkerGeometry
+from pagoda.common.step import WorkerGeometry
 from pagoda.scheduler_svc.core.admission import (
     AdmissionBudget,
     LazyCosts,
     WaitingCost,
+    admission_window,
     is_fifo_round,
     prefill_cost,
+    room_for_reserved_head,
     run_policy,
 )
 from pagoda.scheduler_svc.core.config import SchedulerConfig
-from pagoda.scheduler_svc.core.kv import BlockAllocator, PrefixCache, extend_block_hashes
-from pagoda.scheduler_svc.core.plan_builder import PlanBuilder
+from pagoda.scheduler_svc.core.kv import BlockAllocator, PrefixCache, match_prefix
+from pagoda.scheduler_svc.core.plan_builder import BuiltPlan, PlanBuilder
 from pagoda.scheduler_svc.core.preemption import choose_victim
 from pagoda.scheduler_svc.core.request import Request, RequestState, set_stop_rules
+from pagoda.scheduler_svc.core.running import RunningSet
 from pagoda.scheduler_svc.core.tenants import Ledger, by_least_served, neediest_tenant
 from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
 
 _RUNNING = RequestState.RUNNING
 _WAITING = RequestState.WAITING
-_admit_order_of = attrgetter("admit_order")
-_priority_then_admission = attrgetter("priority", "admit_order")
 
 
 class Planner:
@@ -76,29 +74,28 @@ class Planner:
             prompt_weight=config.fair_prompt_weight,
             generated_weight=config.fair_generated_weight,
         )
-        # seq_id -> request, in admission order (preemption takes from the end).
-        self.running: dict[int, Request] = {}
-        # The running ones with tokens left to feed before their next sample.
-        self.prefilling: dict[int, Request] = {}
+        self.sequences = RunningSet(self.by_priority)
         self.forget_seq_ids: list[int] = []  # for the next plan
         # (seq_id, request) of each sequence preempted since the last take_victims().
         self._victims: list[tuple[int, Request]] = []
-        # The last plan's keys and decodes fed ahead (PlanBuilder), until the scheduler
-        # takes them with the plan.
-        self._keyed_in_flight: list[tuple[int, int]] = []
-        self._ahead: list[tuple[Request, int]] = []
         self._seq_ids = itertools.count(1)
         self._admit_orders = itertools.count(1)
         self.num_preemptions = 0
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
         self._num_admission_rounds = 0
-        self._decode_cursor = 0  # admit_order of the last sequence decoded under a cap
         # The head a forced FIFO round could not fit: admitted before anything else.
         self._reserved_head: Request | None = None
-        # Decoders are fed in the reverse of preemption order, so a victim is never one
-        # already fed: oldest admission first (priority: lowest value, then oldest).
-        self._feed_order = _priority_then_admission if self.by_priority else _admit_order_of
+
+    @property
+    def running(self) -> dict[int, Request]:
+        """seq_id -> request, in admission order (RunningSet.requests)."""
+        return self.sequences.requests
+
+    @property
+    def prefilling(self) -> dict[int, Request]:
+        """The running ones with tokens left to feed before their next sample."""
+        return self.sequences.prefilling
 
     # -- the pool and the sequences ------------------------------------------------------
 
@@ -116,7 +113,6 @@ class Planner:
         """The worker is gone with every block: running requests go back to the head of the
         queue (earliest admitted first) to be recomputed."""
         self.blocks = None
-        self._keyed_in_flight = []
         self.forget_seq_ids = []
         for request in reversed(list(self.running.values())):
             request.block_ids = []
@@ -125,8 +121,7 @@ class Planner:
             request.seq_id = None
             request.state = _WAITING
             self.waiting.push_front(request)
-        self.running.clear()
-        self.prefilling.clear()
+        self.sequences.clear()
 
     def release(self, request: Request, *, worker_knows: bool = True) -> None:
         """End the request's sequence: its blocks are released and the worker told to
@@ -138,8 +133,7 @@ class Planner:
         request.num_blocks_sent = 0
         request.num_computed_tokens = 0
         request.seq_id = None
-        del self.running[seq_id]
-        self.prefilling.pop(seq_id, None)
+        self.sequences.remove(seq_id)
         if worker_knows:
             self.forget_seq_ids.append(seq_id)
 
@@ -170,20 +164,6 @@ class Planner:
                 request.state = _WAITING
                 self.waiting.push_front(request)
 
-    def make_room(self, request: Request) -> None:
-        """Preempt the latest-admitted others until `request`'s whole sequence fits (and
-        it may start under max_active_requests), so a plan feeding it alone never has to
-        preempt."""
-        blocks = self.blocks
-        assert blocks is not None
-        needed = math.ceil((len(request.token_ids) + 1) / blocks.block_size) - len(
-            request.block_ids
-        )
-        others = [r for r in self.running.values() if r is not request]
-        max_others = self.config.max_active_requests - 1
-        while (blocks.num_available_blocks < needed or len(others) > max_others) and others:
-            self.preempt(others.pop())
-
     def take_forget_seq_ids(self) -> list[int]:
         forget, self.forget_seq_ids = self.forget_seq_ids, []
         return forget
@@ -193,22 +173,6 @@ class Planner:
         victims, self._victims = self._victims, []
         return victims
 
-    def take_ahead(self) -> list[tuple[Request, int]]:
-        """The decodes the last plan fed ahead of their token (see _schedule_decodes)."""
-        ahead, self._ahead = self._ahead, []
-        return ahead
-
-    def take_keyed_in_flight(self) -> list[tuple[int, int]]:
-        """The blocks the plan in flight keyed; the plan is answered or failed."""
-        keyed, self._keyed_in_flight = self._keyed_in_flight, []
-        return keyed
-
-    def unkey(self, keyed: Iterable[tuple[int, int]]) -> None:
-        """Drop the prefix keys of blocks whose K/V a failed step never wrote."""
-        assert self.blocks is not None
-        for _, block_id in keyed:
-            self.blocks.unregister(block_id)
-
     # -- planning --------------------------------------------------------------------------
 
     def plan(
@@ -217,7 +181,7 @@ class Planner:
         now: float,
         only: Iterable[Request] | None = None,
         max_prefill_tokens: int | None = None,
-    ) -> StepPlan:
+    ) -> BuiltPlan:
         """The plan for step `step_id`; it may feed nothing (the caller then skips it).
 
         With `only`, the plan feeds those requests alone (admitted, continued or decoded,
@@ -248,19 +212,10 @@ class Planner:
                 b, step_prefill_tokens, step_prefill_tokens, now, num_preemptions
             )
             self._schedule_decodes(b, budget - num_prefill)
-        self._keyed_in_flight, self._ahead = b.keyed, b.ahead
         return b.build()
 
     def _room_for_reserved_head(self, b: PlanBuilder, step_prefill_tokens: int) -> int:
-        """Tokens the decodes leave for the reserved head (decode_first, unchunked): its
-        cost when it fits a step of `step_prefill_tokens` alone, else 0.
-
-        Decodes come first, so a head that fits a step but not beside the decodes would
-        wait for the running set to drain while the reservation holds every admission
-        back (issue 24 item 9). Leaving it room costs a few decoders one step of the
-        round-robin instead. An oversize head goes alone anyway and a chunk always fits;
-        one that waits for blocks or a free slot is not helped by fewer decodes.
-        """
+        """Tokens the decodes leave for the reserved head (admission.room_for_reserved_head)."""
         head = self._reserved_head
         if (
             head is None
@@ -270,37 +225,23 @@ class Planner:
             or len(self.running) >= self.config.max_active_requests
         ):
             return 0
-        cost = self._price(head)
-        num_head_blocks = -(-cost.num_tokens // self.blocks.block_size) + cost.num_reclaimed_blocks
         num_free_blocks = self.blocks.num_available_blocks - len(self.running)
-        if cost.num_tokens > step_prefill_tokens or num_head_blocks > num_free_blocks:
-            return 0
-        return cost.num_tokens
+        return room_for_reserved_head(
+            self._price(head), step_prefill_tokens, num_free_blocks, self.blocks.block_size
+        )
 
     # -- decode ----------------------------------------------------------------------------
-
-    def _decoders(self, only: dict[str, Request] | None) -> list[Request]:
-        prefilling = self.prefilling
-        if only is not None:
-            return [
-                request
-                for seq_id, request in self.running.items()
-                if seq_id not in prefilling and request.request_id in only
-            ]
-        if prefilling:
-            return [request for seq_id, request in self.running.items() if seq_id not in prefilling]
-        return list(self.running.values())
 
     def _schedule_decodes(self, b: PlanBuilder, num_tokens: int) -> int:
         """One token for each decoding sequence (round-robin under a cap); tokens used."""
         if num_tokens <= 0 or not self.running:
             return 0
-        decoders = self._decoders(b.only)
+        decoders = self.sequences.decoders(b.only)
         cap = min(num_tokens, self.config.max_decode_batch_size or num_tokens)
         if len(decoders) > cap:
-            decoders = self._round_robin(decoders, cap)
+            decoders = self.sequences.round_robin(decoders, cap)
         elif self.by_priority:
-            decoders.sort(key=self._feed_order)
+            decoders.sort(key=self.sequences.feed_order)
         step_id = b.step_id
         blocks = self.blocks
         block_size = blocks.block_size
@@ -367,16 +308,6 @@ class Planner:
             self.tenants.charge_generated([request.tenant for request in fed])
         return len(fed)
 
-    def _round_robin(self, decoders: list[Request], cap: int) -> list[Request]:
-        """Decoders in the order to try under a cap: the `cap` after the last one served
-        (decoders come in admission order), then the rest in case some are preempted."""
-        start = bisect.bisect_right(decoders, self._decode_cursor, key=_admit_order_of)
-        rotated = decoders[start:] + decoders[:start]
-        chosen, rest = rotated[:cap], rotated[cap:]
-        self._decode_cursor = chosen[-1].admit_order
-        chosen.sort(key=self._feed_order)
-        return chosen + rest
-
     # -- prefill and admission -------------------------------------------------------------
 
     def _schedule_prefills(
@@ -441,7 +372,6 @@ class Planner:
             tenant = self._neediest_tenant() if only is None else None
             if tenant is not None:
                 num_requests = 1
-            policy = config.admission_policy
             forced = False
             if first_round:
                 self._num_admission_rounds += 1
@@ -449,23 +379,17 @@ class Planner:
             reserved = self._reserved_head
             if reserved is not None and reserved.state is not _WAITING:
                 reserved = self._reserved_head = None  # it started, or ended while waiting
-            if only is not None:
-                lookahead = config.admission_lookahead if policy == "pack" else num_requests
-                window = _waiting_only(only)[:lookahead]
-            elif reserved is not None:
-                # A forced round could not fit it: nothing starts past it until it fits.
-                policy, window = "fifo", [reserved]
-            elif forced:
-                # The oldest by arrival, not the priority head, so low priorities move too.
-                policy = "fifo"
-                window = (
-                    waiting.oldest(num_requests, tenant)
-                    if self.by_priority
-                    else waiting.head(num_requests, tenant)
-                )
-            else:
-                lookahead = config.admission_lookahead if policy == "pack" else num_requests
-                window = waiting.head(lookahead, tenant)
+            policy, window = admission_window(
+                waiting,
+                config.admission_policy,
+                num_requests,
+                config.admission_lookahead,
+                forced=forced,
+                reserved=reserved,
+                tenant=tenant,
+                by_priority=self.by_priority,
+                only=_waiting_only(only) if only is not None else None,
+            )
             budget = AdmissionBudget(
                 num_tokens=tokens_left,
                 num_step_tokens=step_prefill_tokens,
@@ -508,17 +432,7 @@ class Planner:
         earlier in feed order). 0 when decodes were planned first (or under `only`)."""
         if self.config.decode_first or b.only is not None:
             return 0
-        block_size, prefilling = self.blocks.block_size, self.prefilling
-        feed_order = self._feed_order
-        rank = feed_order(before) if before is not None else None
-        return sum(
-            1
-            for seq_id, request in self.running.items()
-            if request.num_computed_tokens % block_size == 0
-            and seq_id not in prefilling
-            and request.last_scheduled_step != b.step_id
-            and (rank is None or feed_order(request) < rank)
-        )
+        return self.sequences.num_at_block_boundary(self.blocks.block_size, b.step_id, before)
 
     def _price(self, request: Request) -> WaitingCost:
         blocks = self.blocks
@@ -533,20 +447,10 @@ class Planner:
         )
 
     def _match(self, request: Request) -> list[int]:
-        """Cached blocks of the request's prefix; the last token is always left to compute
-        so there are logits to sample."""
-        blocks = self.blocks
-        if not blocks.enabled:
-            return []
-        max_blocks = (len(request.token_ids) - 1) // blocks.block_size
-        extend_block_hashes(
-            request.token_ids,
-            request.block_hashes,
-            max_blocks,
-            blocks.block_size,
-            request.cache_root_hash,
+        """Cached blocks of the request's prefix (kv.match_prefix)."""
+        return match_prefix(
+            self.blocks, request.token_ids, request.block_hashes, request.cache_root_hash
         )
-        return blocks.match(request.block_hashes, max_blocks)
 
     def _start(self, b: PlanBuilder, request: Request, num_tokens: int, now: float) -> int:
         """Admit `request` as a new sequence feeding up to `num_tokens`. Returns the tokens
@@ -638,10 +542,7 @@ class Planner:
         b.feed(request, num_tokens)
         if self.tenants.fair:
             self.tenants.charge_prompt(request.tenant, num_tokens)
-        if request.num_tokens_to_feed:
-            self.prefilling[request.seq_id] = request
-        else:
-            self.prefilling.pop(request.seq_id, None)
+        self.sequences.fed(request)
 
 
 def _waiting_only(only: dict[str, Request]) -> list[Request]:

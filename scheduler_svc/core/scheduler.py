@@ -321,10 +321,10 @@ class Scheduler:
         step_id = next(self._step_ids)
         isolated = False
         if self._isolation.active:  # group steps and ordinary ones in turn
-            plan, isolated = self._isolation.plan(step_id, now, self._prefill_cap())
+            built, isolated = self._isolation.plan(step_id, now, self._prefill_cap())
         else:
-            plan = planner.plan(step_id, now, max_prefill_tokens=self._prefill_cap())
-        ahead = planner.take_ahead()
+            built = planner.plan(step_id, now, max_prefill_tokens=self._prefill_cap())
+        plan = built.plan
         victims = planner.take_victims()
         if victims and self._in_flight:
             fed = self._in_flight[0].plan.seq_ids
@@ -332,9 +332,9 @@ class Scheduler:
         if not plan.seq_ids:
             return None  # nothing could run (pending forgets wait for the next plan)
         plan.forget_seq_ids = planner.take_forget_seq_ids()
-        flight = _Flight(plan, planner.take_keyed_in_flight(), [], isolated)
-        if ahead:
-            self._mark_ahead(flight, ahead)
+        flight = _Flight(plan, built.keyed, [], isolated)
+        if built.ahead:
+            self._mark_ahead(flight, built.ahead)
         self._in_flight.append(flight)
         self._record_readers(plan)
         self._num_steps += 1
@@ -455,7 +455,7 @@ class Scheduler:
             # before they were written: every key they made is dropped, running or not
             # (one cancelled or preempted since keeps none), and the running recompute.
             unwritten = _closure(errors.keys(), flight.readers)
-            planner.unkey([(seq_id, block_id) for seq_id, block_id in keyed if seq_id in unwritten])
+            self._unkey([(seq_id, block_id) for seq_id, block_id in keyed if seq_id in unwritten])
             seq_ids = [s for s in plan.seq_ids if s in unwritten and s not in errors]
             if self._in_flight:  # the step after it is sent: only its tainted rows go
                 seq_ids += self._drop_tainted(self._in_flight[0], unwritten, errors.keys())
@@ -491,10 +491,17 @@ class Scheduler:
         result is taken as usual (the dropped rows' tokens with it)."""
         tainted = _closure(unwritten, flight.readers)
         if any(seq_id in tainted for seq_id, _ in flight.keyed):
-            self._planner.unkey([entry for entry in flight.keyed if entry[0] in tainted])
+            self._unkey([entry for entry in flight.keyed if entry[0] in tainted])
             flight.keyed = [entry for entry in flight.keyed if entry[0] not in tainted]
         refused = set(refused)
         return [s for s in flight.plan.seq_ids if s in tainted and s not in refused]
+
+    def _unkey(self, keyed: Iterable[tuple[int, int]]) -> None:
+        """Drop the prefix keys of blocks whose K/V a failed step never wrote."""
+        blocks = self._planner.blocks
+        assert blocks is not None
+        for _, block_id in keyed:
+            blocks.unregister(block_id)
 
     def _key_known(self, flight: _Flight) -> None:
         """The tokens of the step just applied are known: key the blocks `flight`'s ahead
@@ -512,7 +519,7 @@ class Scheduler:
         of a failed group first in halves (isolation.py); one that keeps failing alone is
         the culprit and ends with ERROR, so a poison request harms no other."""
         planner = self._planner
-        planner.unkey(flight.keyed)
+        self._unkey(flight.keyed)
         request_ids = self._suspects([flight])
         planner.requeue(flight.plan.seq_ids, worker_knows=False)
         return self._isolate(request_ids, f"the worker failed on this request: {error}", now)
@@ -606,7 +613,7 @@ class Scheduler:
         failed = self._in_flight[start:]
         del self._in_flight[start:]
         for flight in reversed(failed):
-            planner.unkey(flight.keyed)
+            self._unkey(flight.keyed)
             # The plan may never have arrived: send its forgets again (a worker ignores
             # forgets of sequences it does not hold).
             planner.forget_seq_ids.extend(flight.plan.forget_seq_ids)

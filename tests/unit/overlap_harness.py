@@ -204,7 +204,6 @@ def check_keys(scheduler: TextScheduler, worker: FakeWorker, queued: list[Reques
         return
     in_flight = scheduler.core._in_flight
     pending = {block_id for flight in in_flight for _, block_id in flight.keyed}
-    pending |= {block_id for _, block_id in planner._keyed_in_flight}
     for flight in in_flight:
         for request, seq_id, position in flight.key_later:
             index = position // BLOCK_SIZE

@@ -1,6 +1,12 @@
 from __future__ import annotations
 
-from pagoda.scheduler_svc.core.kv import BlockAllocator, PrefixCache, extend_block_hashes
+from pagoda.scheduler_svc.core.kv import (
+    ROOT_HASH,
+    BlockAllocator,
+    PrefixCache,
+    extend_block_hashes,
+    match_prefix,
+)
 from pagoda.scheduler_svc.core.request import token_array
 
 
@@ -108,3 +114,15 @@ def test_a_disabled_cache_never_hits_or_retains():
     assert not cache.register(block_id, hashes([1, 2])[0])
     cache.release([block_id])
     assert cache.allocator.num_free_blocks == 2 and cache.match(hashes([1, 2]), 1) == []
+
+
+def test_a_prompt_matches_its_cached_prefix_but_always_leaves_its_last_token():
+    cache = cache_with()
+    block_ids = register_sequence(cache, [1, 2, 3, 4])
+    block_hashes: list[int] = []
+    assert match_prefix(cache, token_array([1, 2, 3, 4, 5]), block_hashes, ROOT_HASH) == block_ids
+    assert block_hashes == hashes([1, 2, 3, 4])  # the chain is extended on the request
+    # The same prompt ends on a block boundary: its last block is computed again.
+    assert match_prefix(cache, token_array([1, 2, 3, 4]), [], ROOT_HASH) == block_ids[:1]
+    disabled = PrefixCache(BlockAllocator(8), block_size=2, enabled=False)
+    assert match_prefix(disabled, token_array([1, 2, 3, 4, 5]), [], ROOT_HASH) == []

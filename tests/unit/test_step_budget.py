@@ -212,7 +212,7 @@ def test_no_cap_without_decodes_or_before_any_prefill_was_measured():
 def planned_prefill(scheduler, cap: int | None):
     """Plan the next step with `cap` through the planner's parameter."""
     core = scheduler.core
-    return core._planner.plan(next(core._step_ids), 0.0, max_prefill_tokens=cap)
+    return core._planner.plan(next(core._step_ids), 0.0, max_prefill_tokens=cap).plan
 
 
 @pytest.mark.parametrize("cap", [1, 5, 16, 40])
