@@ -100,6 +100,22 @@ def test_the_matcher_catches_up_with_generated_tokens_and_ends_with_eos(compiler
     assert grammar.num_consumed_tokens == 2
 
 
+def test_a_constraint_compiled_again_is_a_copy_of_the_first(compiler, vocabulary, monkeypatch):
+    constraint = ValidConstraint("choice", '["ab", "ba"]')
+    first = compiler.compile(constraint, TINY_VOCAB_SIZE, [EOS])
+    texts = []
+    monkeypatch.setattr(grammars, "_grammar_text", lambda c: texts.append(c) or "")
+    second = compiler.compile(constraint, TINY_VOCAB_SIZE, [EOS])
+    assert texts == [] and second.matcher is not first.matcher  # not compiled again
+    a, b = vocabulary.index(b"a"), vocabulary.index(b"b")
+    first_request, second_request = running("one", first, [a]), running("two", second, [b])
+    plan = plan_of([1, 2], [True, True])
+    fill_masks(plan, {1: first_request, 2: second_request}.get, TINY_VOCAB_SIZE)
+    words = mask_words(TINY_VOCAB_SIZE) * 4
+    masks = plan.allowed_token_bitmask
+    assert allowed_ids(masks[:words]) == {b} and allowed_ids(masks[words:]) == {a}
+
+
 def test_nothing_is_filled_without_a_live_grammar():
     assert not grammars.any_live()
     plan = plan_of([1], [True])
