@@ -7,9 +7,10 @@ recomputed sequence reproduces its output. Plans are validated and run by the sa
 Engine.step as the paged engine's. Imports no torch: the harness for scheduler
 load tests starts in a blink.
 
-`step_ms` (--dummy-step-ms) simulates a forward: each compute takes at least that much
-wall time, sleeping for what building the tokens did not use, so the scheduler's side of
-a step (plan, encode, transport, apply) can be measured against a known worker time.
+`step_ms` (--dummy-step-ms) simulates a forward: each compute sleeps that long before it
+samples (then waiting for masks that follow the plan, as the paged engine does), so the
+scheduler's side of a step (plan, encode, transport, apply, masks) can be measured
+against a known worker time.
 """
 
 from __future__ import annotations
@@ -65,8 +66,13 @@ class DummyEngine(Engine):
             log.error("fault injected: token %d was fed; the worker dies now", crash_id)
             logging.shutdown()
             os._exit(DUMMY_CRASH_EXIT_CODE)  # no cleanup, no goodbye: as a segfault
+        if self.step_ms > 0:
+            # A sleep, not a spin: on a shared machine the scheduler keeps its CPU, as it
+            # would while a GPU computes.
+            time.sleep(self.step_ms / 1e3)
+        forward_done_s = time.perf_counter()
         sampled = SampledTokens([])
-        rows = self.table.sampling_rows(plan)
+        rows = self.sampling_rows(plan)
         wants_logprobs = any(seq.sampling.num_logprobs for seq in rows.sequences)
         masks = rows.masks
         offsets, token_ids = plan.token_offsets, plan.token_ids
@@ -91,11 +97,6 @@ class DummyEngine(Engine):
                 sampled.logprobs.append(0.0)
                 sampled.top_token_ids.append([(token_id + k) % DUMMY_VOCAB_SIZE for k in range(n)])
                 sampled.top_logprobs.append([-float(k) for k in range(n)])
-        if self.step_ms > 0:
-            # A sleep, not a spin: on a shared machine the scheduler keeps its CPU, as it
-            # would while a GPU computes.
-            left_s = started_s + self.step_ms / 1e3 - time.perf_counter()
-            if left_s > 0:
-                time.sleep(left_s)
-        sampled.forward_ms = (time.perf_counter() - started_s) * 1e3
+        sampled.forward_ms = (forward_done_s - started_s) * 1e3
+        sampled.sample_ms = (time.perf_counter() - forward_done_s) * 1e3
         return sampled

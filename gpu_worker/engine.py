@@ -5,7 +5,10 @@ server's step_codec converts them to and from the wire). `Engine.step` admits th
 the sequence table, runs the subclass's `compute` over the admitted plan (its valid
 rows, still columns), forgets what the plan says to forget, and packs the result; an
 exception in the compute becomes `step_error` and every sequence the plan named is
-forgotten. A subclass supplies only its facts and its compute. Imports no torch.
+forgotten. A subclass supplies only its facts and its compute, which samples the rows
+`Engine.sampling_rows` gives after its forward: a plan whose masks follow it
+(StepPlan.masks_follow) waits there, and only there, for them (`wait_masks`, the
+server's). Imports no torch.
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagoda.common.plan_check import PlanError
-from pagoda.common.step import StepPlan, StepResult
-from pagoda.gpu_worker.sequence_table import SequenceTable
+from pagoda.common.step import StepMasks, StepPlan, StepResult
+from pagoda.gpu_worker.sequence_table import SamplingRows, SequenceTable, follow_up_masks
 
 log = logging.getLogger("pagoda.worker.step")
 
@@ -71,11 +75,27 @@ class Engine(ABC):
             max_context_tokens=facts.max_context_tokens,
             max_logprobs=facts.max_logprobs,
         )
+        # The StepMasks of a step id, waited for (the server's: it raises when they do
+        # not come in time); None: no channel, a plan whose masks follow fails its step.
+        self.wait_masks: Callable[[int], StepMasks] | None = None
 
     @abstractmethod
     def compute(self, plan: StepPlan) -> SampledTokens:
         """The forward and sampling over an admitted plan (at least one row); each row's
         sequence is in self.table."""
+
+    def sampling_rows(self, plan: StepPlan) -> SamplingRows:
+        """The admitted plan's rows that sample, with their masks: those that follow it
+        (masks_follow) are waited for here, so call it after the forward, to sample."""
+        rows = self.table.sampling_rows(plan)
+        if plan.masks_follow:
+            if self.wait_masks is None:
+                raise RuntimeError(
+                    f"the masks of step {plan.step_id} follow, but nothing brings them"
+                )
+            masks = self.wait_masks(plan.step_id)
+            rows.masks.update(follow_up_masks(plan, masks, self.facts.vocab_size))
+        return rows
 
     def step(self, plan: StepPlan) -> StepResult:
         """Admit, compute, forget, pack. Never raises for a bad plan or a failing forward."""

@@ -157,7 +157,9 @@ class PagedEngine(Engine):
         order)."""
         self._synchronize()
         forward_done_s = time.perf_counter()
-        sampling = self.table.sampling_rows(plan)
+        if not samples:  # another rank samples (tensor parallel): no masks to wait for
+            return SampledTokens([], forward_ms=(forward_done_s - started_s) * 1e3)
+        sampling = self.sampling_rows(plan)
         sequences = sampling.sequences
         rows = [
             SampleRow(
@@ -181,7 +183,7 @@ class PagedEngine(Engine):
                     for seq in sequences
                 ),
             )
-        output = sample(logits, rows, counts) if rows and samples else None
+        output = sample(logits, rows, counts) if rows else None
         sample_done_s = time.perf_counter()
         if output is None:
             return SampledTokens([], forward_ms=(forward_done_s - started_s) * 1e3)

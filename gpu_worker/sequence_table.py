@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pagoda.common.plan_check import PlanError, check_columns
-from pagoda.common.step import SamplingParams, StepPlan
+from pagoda.common.step import SamplingParams, StepMasks, StepPlan
 from pagoda.gpu_worker.refusals import (
     check_allowed_token_rows,
     last_sampled_problem,
@@ -245,6 +245,25 @@ def allowed_token_masks(plan: StepPlan, vocab_size: int) -> dict[int, bytes]:
     }
 
 
+def follow_up_masks(plan: StepPlan, masks: StepMasks, vocab_size: int) -> dict[int, bytes]:
+    """Row -> its allowed-token bitmask, for the sequences `masks` (the StepMasks that
+    follow an admitted plan) names; one the plan does not sample (a row refused at admit)
+    is skipped. PlanError when the bitmask's length does not fit its sequence ids."""
+    num_bytes = allowed_token_mask_bytes(vocab_size)
+    bitmask = masks.allowed_token_bitmask
+    if len(bitmask) != len(masks.seq_ids) * num_bytes:
+        raise PlanError(
+            f"the masks of step {masks.step_id} hold {len(bitmask)} bytes for "
+            f"{len(masks.seq_ids)} sequences of {num_bytes}"
+        )
+    row_of = {seq_id: i for i, seq_id in enumerate(plan.seq_ids) if plan.sample[i]}
+    return {
+        row_of[seq_id]: bitmask[k * num_bytes : (k + 1) * num_bytes]
+        for k, seq_id in enumerate(masks.seq_ids)
+        if seq_id in row_of
+    }
+
+
 def _without_rows(plan: StepPlan, fed_ids: list[int], refused) -> StepPlan:
     """A copy of `plan` without the rows of `refused` sequences; token_ids from `fed_ids`
     (placeholders filled in)."""
@@ -259,6 +278,7 @@ def _without_rows(plan: StepPlan, fed_ids: list[int], refused) -> StepPlan:
         token_offsets=[0] if kept else [],
         block_offsets=[0] if kept else [],
         forget_seq_ids=plan.forget_seq_ids,
+        masks_follow=plan.masks_follow,
     )
     for i in kept:
         valid.token_ids.extend(fed_ids[token_offsets[i] : token_offsets[i + 1]])

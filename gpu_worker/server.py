@@ -5,7 +5,14 @@ exits with code 2; an ack from a scheduler incarnation we have not served before
 the ack that follows a REHELLO, resets the engine. Then each PLAN gets exactly one
 RESULT; HEARTBEAT every second of silence, and every 0.5 s of a long step for at most
 --hang-timeout-s (gpu_worker/step_pulse.py: a long step is not a lost worker, a hung one
-is); REHELLO sends HELLO again. Malformed frames are logged and skipped. SIGTERM/SIGINT
+is); REHELLO sends HELLO again. A plan whose masks follow (StepPlan.masks_follow) runs
+its forward, then the engine waits for its MASKS (`wait_masks`): on this thread, the
+socket taken back from the pulse, heartbeats sent meanwhile, any other message kept for
+the loop in arrival order. They come within about a step (the scheduler sends them once
+the step before is answered); after MASKS_TIMEOUT_S, or at once on a REHELLO (a
+scheduler that does not know us sends none), the step fails (step_error: its sequences
+forgotten, the scheduler recomputes them) instead of hanging. MASKS for a step not waited
+for (it failed or never ran) are dropped. Malformed frames are logged and skipped. SIGTERM/SIGINT
 let the plan being run finish and answer, send GOODBYE (the scheduler then recomputes
 the plans left unstarted without suspecting their requests), close the socket and exit
 0. Imports no torch.
@@ -23,10 +30,12 @@ import signal
 import threading
 import time
 import uuid
+from collections import deque
 
 import zmq
 
 from pagoda.common import curve, step_codec, transport, wire
+from pagoda.common.step import StepMasks
 from pagoda.common.systemd import notify, watchdog_interval_s
 from pagoda.gpu_worker.engine import Engine, one_line
 from pagoda.gpu_worker.step_pulse import StepPulse
@@ -48,6 +57,13 @@ DEFAULT_HANG_TIMEOUT_S = 300.0
 POLL_SLICE_MS = 100
 # How long a stopping worker's close waits for its last result and goodbye to leave.
 GOODBYE_LINGER_MS = 1000
+# Longest wait for the masks that follow a plan, from the end of its forward; they come
+# within about a step, unless the scheduler is gone (then the step fails).
+MASKS_TIMEOUT_S = 10.0
+
+
+class MasksNotComing(RuntimeError):
+    """The masks a step waits for will not come (in time): the step fails."""
 
 
 def prepare_endpoint(endpoint: str) -> None:
@@ -93,6 +109,10 @@ class WorkerServer:
         # computes, when the pulse may send (run() makes the pulse).
         self._socket_lock = threading.Lock()
         self._pulse: StepPulse | None = None
+        # Messages received while the engine waited for masks, for the loop, oldest first.
+        self._deferred: deque[list[bytes]] = deque()
+        self.masks_timeout_s = MASKS_TIMEOUT_S
+        engine.wait_masks = self.wait_masks
 
     def hello(self) -> step_pb2.Hello:
         return step_codec.encode_hello(
@@ -162,12 +182,15 @@ class WorkerServer:
             if self._group_lost():
                 return EXIT_GROUP_LOST
             self._send_timers()
-            if not poller.poll(POLL_SLICE_MS):
+            if self._deferred:
+                frames = self._deferred.popleft()
+            elif not poller.poll(POLL_SLICE_MS):
                 continue
-            try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                continue
+            else:
+                try:
+                    frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
             exit_code = self._handle(frames)
             if exit_code is not None:
                 return exit_code
@@ -197,6 +220,41 @@ class WorkerServer:
     def _computing(self, step_id: int) -> contextlib.AbstractContextManager:
         """Around the engine's work on a step: the pulse beats meanwhile (when serving)."""
         return self._pulse.running(step_id) if self._pulse is not None else contextlib.nullcontext()
+
+    def wait_masks(self, step_id: int) -> StepMasks:
+        """The MASKS of `step_id` (the engine's wait_masks, called inside a step on this
+        thread); MasksNotComing when they do not come in time (see the module docstring)."""
+        deadline_s = time.monotonic() + self.masks_timeout_s
+        with self._socket_lock:  # the pulse's beat skips meanwhile: this loop beats
+            while True:
+                now_s = time.monotonic()
+                if now_s >= deadline_s:
+                    raise MasksNotComing(
+                        f"the masks of step {step_id} did not come within "
+                        f"{self.masks_timeout_s:g} s"
+                    )
+                if now_s - self._last_sent_s >= STEP_HEARTBEAT_INTERVAL_S:
+                    self._beat()
+                slice_s = min(deadline_s - now_s, STEP_HEARTBEAT_INTERVAL_S)
+                if not self._socket.poll(max(1, int(slice_s * 1000)), zmq.POLLIN):
+                    continue
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                try:
+                    message = wire.decode(frames)
+                except wire.FrameError as exc:
+                    log.warning("ignored a malformed message: %s", exc)
+                    continue
+                if not isinstance(message, step_pb2.StepMasks):
+                    self._deferred.append(frames)
+                    if isinstance(message, step_pb2.Rehello):
+                        raise MasksNotComing(
+                            f"the scheduler asked for a new hello while step {step_id} "
+                            "waited for its masks"
+                        )
+                elif message.step_id == step_id:
+                    return step_codec.decode_masks(message)
+                else:
+                    log.info("ignored the masks of step %d, not waited for", message.step_id)
 
     def _group_lost(self) -> bool:
         problem = self.group.lost() if self.group is not None else None
@@ -247,6 +305,9 @@ class WorkerServer:
                 log.warning("ignored a hello ack that answers no hello")
                 return None
             return self._on_ack(message)
+        elif isinstance(message, step_pb2.StepMasks):
+            # Its step failed before it sampled, or was never run: nothing waits for them.
+            log.info("ignored the masks of step %d, not waited for", message.step_id)
         elif isinstance(message, step_pb2.Rehello):
             log.info("scheduler asked for a new hello (%s)", message.reason or "no reason given")
             self._acknowledged = False

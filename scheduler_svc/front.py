@@ -109,6 +109,11 @@ class _LaneLink:
             return gone
         return self._link.start_step(plan, timeout_s, identity)
 
+    def send_masks(self, masks: step_pb2.StepMasks) -> None:
+        identity = self._identity()
+        if identity is not None:
+            self._link.send_masks(masks, identity)
+
     def heard_within(self, seconds: float) -> bool:
         identity = self._identity()
         return identity is not None and self._link.heard_within(seconds, identity)

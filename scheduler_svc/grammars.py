@@ -5,15 +5,24 @@ The engine is llguidance (Rust, no torch: the scheduler never imports torch). It
 tokenizer's vocabulary, which it reads from tokenizer.json once per (vocabulary size, EOS
 ids), about a second on the first constrained request. A request's constraint is compiled
 when it is validated (an invalid one is INVALID_ARGUMENT before any work); its matcher
-rides on the request (ValidRequest.grammar, opaque to the core) and dies with it.
+rides on the request (ValidRequest.grammar, opaque to the core) and dies with it. The
+compiler keeps the last MAX_CACHED_GRAMMARS constraints' pristine matchers and gives
+each later request with the same constraint a copy (microseconds, against 2-7 ms for a
+compile, measured: a short request's compile was most of what a constraint cost it).
 
-Each step, after schedule() and before the plan is encoded, `fill_masks` first feeds
-every constrained row's matcher the tokens it has not seen (those the request generated
-since; a recompute after preemption feeds none), then computes all their masks at once
-on llguidance's threads. The core never plans a constrained request ahead of its last
-token (overlapped steps), so its tokens are all known here; under overlapped steps it
-therefore runs every other step. A grammar that is complete and cannot go on allows only
-EOS, so the request ends with STOP.
+Each step, after schedule() and before the plan is encoded, `fill_masks` takes the
+constrained rows that sample. A row whose tokens are all known (a prompt's last chunk, a
+decode after a serial step) gets its mask in the plan: its matcher is fed the tokens the
+request generated since (a recompute after preemption feeds none), then the masks of all
+such rows are computed at once on llguidance's threads. A row planned ahead under
+overlapped steps (in last_sampled_rows) feeds the token of the step in flight, unknown
+yet, and its mask needs it: the plan says masks_follow, and once that step's result is
+applied, `masks_after` feeds the matchers that token and computes those rows' masks into
+the StepMasks the step loop sends after the plan; the worker waits for it only to sample,
+so the masks are computed while it runs the forward (about 1.3 ms for 64 rows, measured
+in docs/benchmarks.md: on the step loop, no thread hop). A request that ended meanwhile
+gets no mask: its token of that step is dropped (the core's ahead rule). A grammar that
+is complete and cannot go on allows only EOS, so the request ends with STOP.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import json
 import logging
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -30,6 +40,7 @@ import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 from llguidance.numpy import fill_next_token_bitmask_par
 
+from pagoda.common.step import StepMasks
 from pagoda.scheduler_svc.core import StepPlan
 from pagoda.scheduler_svc.core.request import Request
 
@@ -38,6 +49,8 @@ log = logging.getLogger("pagoda.grammars")
 # Bytes of a constraint's text (schema, regex, grammar, all choices together).
 MAX_CONSTRAINT_BYTES = 65536
 MAX_CHOICES = 256
+# Compiled constraints kept for the next request with the same one (see the docstring).
+MAX_CACHED_GRAMMARS = 64
 # JSON without whitespace between tokens: a model cannot pad its output with blanks forever.
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
@@ -121,6 +134,9 @@ class GrammarCompiler:
         """`tokenizer_json`: gives tokenizer.json's text (called on the first compile)."""
         self._tokenizer_json = tokenizer_json
         self._tokenizers: dict[tuple[int, tuple[int, ...]], llguidance.LLTokenizer] = {}
+        # (vocab size, EOS ids, constraint) -> a matcher that never consumes a token,
+        # least recently used first; requests get copies.
+        self._compiled: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
     def _tokenizer(self, vocab_size: int, eos_token_ids: tuple[int, ...]):
@@ -141,6 +157,12 @@ class GrammarCompiler:
         eos = tuple(sorted(eos_token_ids))
         if not eos:
             raise GrammarError("structured output needs a model with an EOS token")
+        key = (vocab_size, eos, constraint)
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return RequestGrammar(compiled.deep_copy(), eos)
         tokenizer = self._tokenizer(vocab_size, eos)
         grammar = _grammar_text(constraint)
         problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
@@ -151,7 +173,11 @@ class GrammarCompiler:
             raise GrammarError(
                 f"constraint.{constraint.kind} is invalid: {matcher.get_error()[:300]}"
             )
-        return RequestGrammar(matcher, eos)
+        with self._lock:
+            self._compiled[key] = matcher
+            if len(self._compiled) > MAX_CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return RequestGrammar(matcher.deep_copy(), eos)
 
 
 def mask_words(vocab_size: int) -> int:
@@ -164,28 +190,72 @@ _executor: llguidance.LLExecutor | None = None
 NUM_MASK_THREADS = 2
 
 
+@dataclass(slots=True)
+class PendingMasks:
+    """The constrained rows of a plan sent ahead of their token (StepPlan.masks_follow):
+    (seq_id, request) each, for masks_after once the step before is applied."""
+
+    step_id: int
+    vocab_size: int
+    rows: list[tuple[int, Request]]
+
+
 def fill_masks(
     plan: StepPlan, request_of: Callable[[int], Request | None], vocab_size: int
-) -> None:
+) -> PendingMasks | None:
     """Set plan.allowed_token_rows and allowed_token_bitmask for the rows that sample a
-    constrained token (see the module docstring). Called from the step loop only."""
+    constrained token whose tokens are known, and plan.masks_follow when some are planned
+    ahead; returns those (see the module docstring). Called from the step loop only."""
     if not _live:
-        return
+        return None
+    ahead = set(plan.last_sampled_rows)
     rows: list[int] = []
     grammars: list[RequestGrammar] = []
+    pending: list[tuple[int, Request]] = []
     for index, (seq_id, samples) in enumerate(zip(plan.seq_ids, plan.sample, strict=True)):
         if not samples:
             continue
         request = request_of(seq_id)
         grammar = request.grammar if request is not None else None
-        if grammar is not None:
-            assert isinstance(grammar, RequestGrammar)
-            grammar.catch_up(request)
-            rows.append(index)
-            grammars.append(grammar)
-    if not rows:
-        return
-    masks = np.zeros((len(rows), mask_words(vocab_size)), dtype=np.int32)
+        if grammar is None:
+            continue
+        assert isinstance(grammar, RequestGrammar)
+        if index in ahead:
+            pending.append((seq_id, request))
+            continue
+        grammar.catch_up(request)
+        rows.append(index)
+        grammars.append(grammar)
+    if rows:
+        plan.allowed_token_rows = rows
+        plan.allowed_token_bitmask = _bitmasks(grammars, vocab_size)
+    if not pending:
+        return None
+    plan.masks_follow = True
+    return PendingMasks(plan.step_id, vocab_size, pending)
+
+
+def masks_after(pending: PendingMasks, request_of: Callable[[int], Request | None]) -> StepMasks:
+    """The StepMasks that follow `pending`'s plan, once the step before it is applied:
+    the masks of its rows whose request still runs, each matcher fed the token that step
+    sampled first. Called from the step loop only."""
+    seq_ids: list[int] = []
+    grammars: list[RequestGrammar] = []
+    for seq_id, request in pending.rows:
+        if request_of(seq_id) is not request:
+            continue  # it ended, was preempted or its step failed: its token is dropped
+        grammar = request.grammar
+        assert isinstance(grammar, RequestGrammar)
+        grammar.catch_up(request)
+        seq_ids.append(seq_id)
+        grammars.append(grammar)
+    bitmask = _bitmasks(grammars, pending.vocab_size) if grammars else b""
+    return StepMasks(step_id=pending.step_id, seq_ids=seq_ids, allowed_token_bitmask=bitmask)
+
+
+def _bitmasks(grammars: list[RequestGrammar], vocab_size: int) -> bytes:
+    """The next-token bitmasks of `grammars` (caught up), one row each, as the wire has them."""
+    masks = np.zeros((len(grammars), mask_words(vocab_size)), dtype=np.int32)
     working = [(g.matcher, k) for k, g in enumerate(grammars) if not g.matcher.is_error()]
     if working:
         global _executor
@@ -198,5 +268,4 @@ def fill_masks(
             words[k] = 0
             for token_id in grammar.eos_token_ids:
                 words[k, token_id // 32] |= np.uint32(1 << (token_id % 32))
-    plan.allowed_token_rows = rows
-    plan.allowed_token_bitmask = masks.astype("<i4", copy=False).tobytes()
+    return masks.astype("<i4", copy=False).tobytes()

@@ -3,7 +3,10 @@
 With overlapped steps (the default, for a worker whose hello says feeds_last_sampled),
 step N+1 is planned and sent as soon as N is sent, so the worker computes N+1 while the
 loop awaits, decodes and applies N and plans N+2: at most two steps are in flight, their
-results applied in order (see Scheduler). Without, one step at a time.
+results applied in order (see Scheduler). Without, one step at a time. A constrained row
+of N+1 (structured output) needs N's token for its mask: N+1 goes out saying its masks
+follow, and right after N is applied, before anything else, the loop sends them
+(grammars.masks_after), while the worker still runs N+1's forward.
 
 One loop turns one Scheduler (one lane of the serving front, front.py). The front adds
 requests to it (safe mid-step: apply() touches running sequences only) and moves a lost
@@ -78,6 +81,10 @@ class StepLink(Protocol):
         fails with WorkerLost if the worker does not answer."""
         ...
 
+    def send_masks(self, masks: step_pb2.StepMasks) -> None:
+        """Send the masks that follow a plan start_step sent (nothing if it is gone)."""
+        ...
+
     def heard_within(self, seconds: float) -> bool:
         """Whether the worker sent anything in the last `seconds` (heartbeats included)."""
         ...
@@ -121,6 +128,9 @@ class _Flight:
     result: asyncio.Future[step_pb2.StepResult]
     started_s: float  # when planning began
     encoded_s: float  # when it was ready to send
+    # Its masks that follow (StepPlan.masks_follow), until sent once the step before it
+    # is answered or failed.
+    masks: grammars.PendingMasks | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,13 +271,25 @@ class StepLoop:
         return overlapped and self._scheduler.can_plan_ahead
 
     def _send(self, decision: StepPlan, started_s: float) -> None:
+        masks = None
         if grammars.any_live():
             vocab_size = self._worker.hello.vocab_size
-            grammars.fill_masks(decision, self._scheduler.request_of, vocab_size)
+            masks = grammars.fill_masks(decision, self._scheduler.request_of, vocab_size)
         plan = step_codec.encode_plan(decision)
         encoded_s = self._clock()
         result = self._link.start_step(plan, self._settings.worker_timeout_s)
-        self._flights.append(_Flight(decision, result, started_s, encoded_s))
+        self._flights.append(_Flight(decision, result, started_s, encoded_s, masks))
+
+    def _send_masks(self) -> None:
+        """The step before the oldest in flight is applied or failed: send the oldest's
+        masks if they follow it (empty when its constrained requests ended or were
+        requeued), so its worker never waits for them in vain."""
+        flight = self._flights[0] if self._flights else None
+        if flight is None or flight.masks is None:
+            return
+        masks = grammars.masks_after(flight.masks, self._scheduler.request_of)
+        flight.masks = None
+        self._link.send_masks(step_codec.encode_masks(masks))
 
     async def _finish_oldest(self) -> None:
         """Await the oldest step's result and apply it (or fail it with the worker); its
@@ -286,6 +308,7 @@ class StepLoop:
             self._publish(
                 self._scheduler.fail_step(decision, str(exc), self._clock(), suspect=exc.suspect)
             )
+            self._send_masks()
             return
         self._flights.popleft()
         received_s = self._clock()
@@ -296,6 +319,7 @@ class StepLoop:
         if outcome.step_error:
             log.error("worker failed step %d: %s", decision.step_id, outcome.step_error)
         events = apply_step(self._scheduler, self._processor, outcome, received_s)
+        self._send_masks()  # the worker may be waiting for them to sample
         self._unpublished = events
         self._report.observe_step(
             decision,

@@ -240,6 +240,15 @@ class WorkerLink:
             send.add_done_callback(sent)
         return future
 
+    def send_masks(self, masks: step_pb2.StepMasks, identity: bytes | None = None) -> None:
+        """Send the masks that follow a plan sent by start_step (StepPlan.masks_follow) to
+        the worker of `identity` (None: the first attached), now. Nothing when it is gone:
+        its step is lost anyway, and a worker that did not get them fails that step after
+        its wait (gpu_worker/server.py) rather than hang."""
+        peer = self._peer(identity)
+        if peer is not None and self._socket is not None:
+            self._send(peer.info.identity, masks)
+
     async def run_step(
         self, plan: step_pb2.StepPlan, timeout_s: float, identity: bytes | None = None
     ) -> step_pb2.StepResult:

@@ -107,6 +107,9 @@ class StepPlan:
     # little-endian 32-bit words per listed row).
     allowed_token_rows: list[int] = field(default_factory=list)
     allowed_token_bitmask: bytes = b""
+    # Rows planned ahead sample constrained tokens whose masks come after the plan, in the
+    # StepMasks of this step_id (the worker waits for it only to sample).
+    masks_follow: bool = False
     # The scheduler's own counts; not sent.
     num_prefill_tokens: int = 0  # prompt and recompute tokens fed
     num_decode_tokens: int = 0  # one per decoding sequence
@@ -124,6 +127,18 @@ class StepPlan:
         ids = set(self.seq_ids) | set(self.forget_seq_ids)
         ids.update(new.seq_id for new in self.new_sequences)
         return ids
+
+
+@dataclass(slots=True)
+class StepMasks:
+    """The allowed-token bitmasks of a plan with masks_follow, sent once the step before it
+    is answered: one row of StepPlan.allowed_token_bitmask's layout per sequence of
+    `seq_ids` (by id: the worker may have refused rows). A sampling row it does not name
+    samples unconstrained; the scheduler drops that token."""
+
+    step_id: int
+    seq_ids: list[int] = field(default_factory=list)
+    allowed_token_bitmask: bytes = b""
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ from itertools import pairwise
 from pagoda.common.step import (
     NewSequence,
     SamplingParams,
+    StepMasks,
     StepPlan,
     StepResult,
     WorkerGeometry,
@@ -45,6 +46,7 @@ _RESULT_COLUMNS, _RESULT_SCALARS = _shared_fields(
     StepResult, step_pb2.StepResult, written_out=("errors", "step_error")
 )
 _SAMPLING_COLUMNS, _SAMPLING_SCALARS = _shared_fields(SamplingParams, step_pb2.SamplingParams)
+_MASKS_COLUMNS, _MASKS_SCALARS = _shared_fields(StepMasks, step_pb2.StepMasks)
 
 # The worker's reading of sampling values (a scheduler is trusted to validate, not to be
 # right): proto3 cannot tell "unset" from 0, and 0 would be meaningless for top_p and
@@ -116,6 +118,24 @@ def decode_sampling(message: step_pb2.SamplingParams) -> SamplingParams:
         clamp = _CLAMPS.get(name)
         values[name] = clamp(value) if clamp is not None else value
     return SamplingParams(**values)
+
+
+# -- the masks that follow a plan: scheduler -> worker ------------------------------------------
+
+
+def encode_masks(masks: StepMasks) -> step_pb2.StepMasks:
+    message = step_pb2.StepMasks(**{name: getattr(masks, name) for name in _MASKS_SCALARS})
+    for name in _MASKS_COLUMNS:
+        getattr(message, name).extend(getattr(masks, name))
+    return message
+
+
+def decode_masks(message: step_pb2.StepMasks) -> StepMasks:
+    """As sent; the worker checks it against its plan when it samples."""
+    return StepMasks(
+        **{name: list(getattr(message, name)) for name in _MASKS_COLUMNS},
+        **{name: getattr(message, name) for name in _MASKS_SCALARS},
+    )
 
 
 # -- the result: worker -> scheduler -----------------------------------------------------------

@@ -10,7 +10,7 @@ from google.protobuf.message import DecodeError, Message
 
 from pagoda.protos import step_pb2
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # Largest frame either side accepts; a 1024-sequence plan with 8k-token prompt
 # chunks stays far below it.
@@ -24,6 +24,7 @@ MESSAGE_OF_KIND: dict[int, type[Message]] = {
     step_pb2.HEARTBEAT: step_pb2.Heartbeat,
     step_pb2.REHELLO: step_pb2.Rehello,
     step_pb2.GOODBYE: step_pb2.Goodbye,
+    step_pb2.MASKS: step_pb2.StepMasks,
 }
 KIND_OF_MESSAGE: dict[type[Message], int] = {cls: kind for kind, cls in MESSAGE_OF_KIND.items()}
 

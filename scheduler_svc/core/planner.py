@@ -271,11 +271,9 @@ class Planner:
             position = request.num_computed_tokens
             num_known = len(request.token_ids)
             # Its token of the step in flight is not known yet (overlapped steps): fed as
-            # the worker's last sampled one, unless that token certainly ends the request,
-            # or a grammar constrains the next one (its mask needs the token).
-            if position == num_known and (
-                position + 1 >= request.max_num_tokens or request.grammar is not None
-            ):
+            # the worker's last sampled one, unless that token certainly ends the request.
+            # (A grammar's mask for the next one follows the plan: scheduler_svc.grammars.)
+            if position == num_known and position + 1 >= request.max_num_tokens:
                 continue
             slot = position % block_size
             # A table holds exactly the blocks its computed tokens fill, so a new one is

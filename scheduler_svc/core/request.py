@@ -38,7 +38,7 @@ class ValidRequest:
     tenant: str = ""
     tenant_weight: float = 1.0
     # Structured output: the service's grammar matcher (scheduler_svc.grammars), opaque to
-    # the core, which only never plans such a request ahead of its last token.
+    # the core.
     grammar: object | None = None
 
 

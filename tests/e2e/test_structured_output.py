@@ -1,8 +1,9 @@
 """Structured output end to end (issue 28 item 3): a scheduler, a tiny random-weight model
 on a real worker, and the gRPC API. Every output of several schemas over 54 requests,
 greedy and sampled, parses and validates; regex and choice constraints match; an invalid
-constraint is INVALID_ARGUMENT before any work. A random model with no constraint writes
-no JSON at all, so each valid output is the mask's doing."""
+constraint is INVALID_ARGUMENT before any work. All of it with serial steps and with
+overlapped ones (the masks of rows planned ahead follow their plan). A random model with
+no constraint writes no JSON at all, so each valid output is the mask's doing."""
 
 from __future__ import annotations
 
@@ -57,10 +58,14 @@ SCHEMAS = {
 }
 
 
-@pytest.fixture(scope="module")
-def service(tiny_model_factory, tmp_path_factory):
+@pytest.fixture(scope="module", params=["serial", "overlapped"])
+def service(request, tiny_model_factory, tmp_path_factory):
+    """Serial steps, and overlapped ones: there a constrained row is planned ahead of its
+    token and its mask follows the plan (StepMasks), computed while the worker runs."""
     with running_service(
-        tmp_path_factory.mktemp("structured"), model=str(tiny_model_factory("llama"))
+        tmp_path_factory.mktemp("structured"),
+        model=str(tiny_model_factory("llama")),
+        scheduler_args=[f"--{'' if request.param == 'overlapped' else 'no-'}overlap-steps"],
     ) as running:
         yield running
 

@@ -12,7 +12,7 @@ import llguidance
 import numpy as np
 import pytest
 
-from pagoda.common import step_codec
+from pagoda.common import step_codec, wire
 from pagoda.common.plan_check import PlanError
 from pagoda.common.step_codec import decode_plan
 from pagoda.gpu_worker.sequence_table import SequenceTable, allowed_token_masks
@@ -98,6 +98,22 @@ def test_the_matcher_catches_up_with_generated_tokens_and_ends_with_eos(compiler
     fill_masks(plan, {1: request}.get, TINY_VOCAB_SIZE)
     assert allowed_ids(plan.allowed_token_bitmask) == {EOS}  # complete: only EOS
     assert grammar.num_consumed_tokens == 2
+
+
+def test_a_constraint_compiled_again_is_a_copy_of_the_first(compiler, vocabulary, monkeypatch):
+    constraint = ValidConstraint("choice", '["ab", "ba"]')
+    first = compiler.compile(constraint, TINY_VOCAB_SIZE, [EOS])
+    texts = []
+    monkeypatch.setattr(grammars, "_grammar_text", lambda c: texts.append(c) or "")
+    second = compiler.compile(constraint, TINY_VOCAB_SIZE, [EOS])
+    assert texts == [] and second.matcher is not first.matcher  # not compiled again
+    a, b = vocabulary.index(b"a"), vocabulary.index(b"b")
+    first_request, second_request = running("one", first, [a]), running("two", second, [b])
+    plan = plan_of([1, 2], [True, True])
+    fill_masks(plan, {1: first_request, 2: second_request}.get, TINY_VOCAB_SIZE)
+    words = mask_words(TINY_VOCAB_SIZE) * 4
+    masks = plan.allowed_token_bitmask
+    assert allowed_ids(masks[:words]) == {b} and allowed_ids(masks[words:]) == {a}
 
 
 def test_nothing_is_filled_without_a_live_grammar():
@@ -204,7 +220,7 @@ def new_sequence(seq_id: int) -> NewSequence:
     )
 
 
-def test_a_constrained_request_is_never_planned_ahead():
+def test_a_constrained_request_is_planned_ahead_like_any_other():
     scheduler = make_scheduler(make_geometry(block_size=4))
     scheduler.add(make_request("free", 6, max_new_tokens=8), 0.0)
     scheduler.add(
@@ -213,5 +229,40 @@ def test_a_constrained_request_is_never_planned_ahead():
     first = scheduler.schedule(0.0)
     assert len(first.seq_ids) == 2 and all(first.sample)
     second = scheduler.schedule(0.0, ahead=True)
-    assert len(second.seq_ids) == 1 and second.last_sampled_rows == [0]
-    assert scheduler.request_of(second.seq_ids[0]).request_id == "free"
+    assert len(second.seq_ids) == 2 and second.last_sampled_rows == [0, 1]
+
+
+def test_an_ahead_row_s_mask_follows_the_plan_once_its_token_is_known(compiler, vocabulary):
+    a, b = vocabulary.index(b"a"), vocabulary.index(b"b")
+    ahead = running(
+        "ahead", compiler.compile(ValidConstraint("choice", '["ab"]'), TINY_VOCAB_SIZE, [EOS])
+    )
+    known = running(
+        "known", compiler.compile(ValidConstraint("regex", "a+b"), TINY_VOCAB_SIZE, [EOS])
+    )
+    ended = running(
+        "ended", compiler.compile(ValidConstraint("regex", "a+b"), TINY_VOCAB_SIZE, [EOS])
+    )
+    requests = {1: ahead, 2: known, 3: ended}
+    plan = StepPlan(step_id=7, seq_ids=[1, 2, 3], sample=[True] * 3, last_sampled_rows=[0, 2])
+    pending = fill_masks(plan, requests.get, TINY_VOCAB_SIZE)
+    # The known row's mask is in the plan; the rows planned ahead wait for their token.
+    assert plan.masks_follow and plan.allowed_token_rows == [1]
+    assert [seq_id for seq_id, _ in pending.rows] == [1, 3] and pending.step_id == 7
+    assert ahead.grammar.num_consumed_tokens == 0
+    ahead.token_ids.append(a)  # the step in flight sampled "a" for it
+    del requests[3]  # and ended the other (its token of step 7 is dropped)
+    masks = grammars.masks_after(pending, requests.get)
+    assert masks.step_id == 7 and masks.seq_ids == [1]
+    assert allowed_ids(masks.allowed_token_bitmask) == {b}
+    assert ahead.grammar.num_consumed_tokens == 1
+    decoded = step_codec.decode_masks(wire.decode(wire.encode(step_codec.encode_masks(masks))))
+    assert decoded == masks
+
+
+def test_a_plan_without_an_ahead_constrained_row_has_no_masks_to_follow(compiler):
+    grammar = compiler.compile(ValidConstraint("regex", "a+b"), TINY_VOCAB_SIZE, [EOS])
+    requests = {1: running("known", grammar), 2: running("free", None)}
+    plan = StepPlan(step_id=1, seq_ids=[1, 2], sample=[True, True], last_sampled_rows=[1])
+    assert fill_masks(plan, requests.get, TINY_VOCAB_SIZE) is None
+    assert not plan.masks_follow and plan.allowed_token_rows == [0]

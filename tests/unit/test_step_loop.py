@@ -154,6 +154,9 @@ class FakeLink:
     ) -> asyncio.Future:
         return asyncio.ensure_future(self.run_step(plan, timeout_s))
 
+    def send_masks(self, masks: step_pb2.StepMasks, identity: bytes | None = None) -> None:
+        pass  # the FakeWorker samples unconstrained
+
     def heard_within(self, seconds: float, identity: bytes | None = None) -> bool:
         return self.heard
 

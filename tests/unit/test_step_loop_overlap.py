@@ -4,9 +4,12 @@ as exact, cancels, detaches and losses as clean. Plus what only overlap does."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import tests.unit.test_step_loop as serial
+from pagoda.scheduler_svc.grammars import RequestGrammar
 from pagoda.scheduler_svc.step_loop import overlaps
 from pagoda.scheduler_svc.testing import FakeWorker
 from tests.unit.conftest import make_hello
@@ -113,3 +116,55 @@ def test_the_worker_gets_its_next_plan_before_a_steps_outputs_wake_their_readers
 def test_overlap_is_on_unless_set_off_or_the_worker_is_a_cpu_one(setting, device, feeds, expected):
     hello = make_hello(device=device, feeds_last_sampled=feeds)
     assert overlaps(setting, hello) is expected
+
+
+class RefusingMatcher:
+    """A matcher that took a token it refused: its mask allows EOS alone (no llguidance)."""
+
+    def consume_tokens(self, token_ids: list[int]) -> bool:
+        return False
+
+    def is_error(self) -> bool:
+        return True
+
+
+def test_the_masks_of_a_constrained_row_planned_ahead_follow_its_plan_at_once(overlapped):
+    """Sent right after the step before is applied, before the next plan: the worker,
+    running the plan, waits for them to sample."""
+    events: list[tuple[str, int]] = []
+
+    async def body() -> None:
+        async with serial.running() as h:
+            await h.attach("w1")
+            start_step, send_masks = h.link.start_step, h.link.send_masks
+
+            def recording_start_step(plan, timeout_s, identity=None):
+                events.append(("plan", plan.step_id, plan.masks_follow))
+                return start_step(plan, timeout_s, identity)
+
+            def recording_send_masks(masks, identity=None):
+                events.append(("masks", masks.step_id, list(masks.seq_ids)))
+                send_masks(masks, identity)
+
+            h.link.start_step = recording_start_step  # type: ignore[method-assign]
+            h.link.send_masks = recording_send_masks  # type: ignore[method-assign]
+            grammar = RequestGrammar(RefusingMatcher(), (2,))  # EOS
+            constrained = dataclasses.replace(
+                serial.make_request("json", 4, max_new_tokens=12, ignore_eos=True),
+                grammar=grammar,
+            )
+            free = serial.make_request("free", 4, max_new_tokens=12)
+            await h.settle(*h.submit_all([constrained, free]))
+
+    serial.scenario(body)
+    followed = [step_id for kind, step_id, *rest in events if kind == "plan" and rest[0]]
+    assert len(followed) > 3  # planned ahead, step after step
+    for step_id in followed:
+        sent = events.index(("plan", step_id, True))
+        (masks,) = [i for i, event in enumerate(events) if event[:2] == ("masks", step_id)]
+        # After its plan; before the plan after it, which the loop plans once the step
+        # before this one is applied, as it sends these masks.
+        assert sent < masks
+        later = [i for i, event in enumerate(events) if event[0] == "plan" and event[1] > step_id]
+        assert not later or masks < later[0], events
+    assert any(event[0] == "masks" and event[2] for event in events)  # a mask, not only ends

@@ -264,6 +264,35 @@ def test_dummy_worker_over_zeromq(scheduler, start_worker, endpoint):
     assert worker.wait() == 0
 
 
+def test_a_dummy_worker_runs_the_plan_after_one_whose_masks_follow(
+    scheduler, start_worker, endpoint
+):
+    """Plan 1's masks follow it (masks_follow); plan 2 comes before them and waits."""
+    worker = start_worker("--model", "dummy", "--zmq-endpoint", endpoint)
+    scheduler.receive(step_pb2.Hello)
+    accept(scheduler)
+    first_plan = plan_of(
+        1, [(1, 0, [11, 12, 13], [0]), (2, 0, [21, 22], [1])], new=[(1, 3), (2, 2)]
+    )
+    first_plan.masks_follow = True
+    scheduler.send(first_plan)
+    scheduler.send(plan_of(2, [(3, 0, [31, 32], [2])], new=[(3, 2)]))
+    only_777 = bytearray(4 * ((DUMMY_VOCAB_SIZE + 31) // 32))
+    only_777[777 // 8] |= 1 << (777 % 8)
+    scheduler.send(
+        step_pb2.StepMasks(step_id=1, seq_ids=[2], allowed_token_bitmask=bytes(only_777))
+    )
+    first = scheduler.receive(step_pb2.StepResult)
+    assert first.step_id == 1 and not first.step_error
+    # Sequence 1, not named by the masks, samples unconstrained.
+    assert list(first.token_ids) == [dummy_next_token(13, 2, DUMMY_VOCAB_SIZE), 777]
+    second = scheduler.receive(step_pb2.StepResult)
+    assert second.step_id == 2
+    assert list(second.token_ids) == [dummy_next_token(32, 1, DUMMY_VOCAB_SIZE)]
+    worker.process.send_signal(signal.SIGINT)
+    assert worker.wait() == 0
+
+
 def test_refused_hello_exits_with_code_2(scheduler, start_worker, endpoint):
     worker = start_worker("--model", "dummy", "--zmq-endpoint", endpoint)
     scheduler.receive(step_pb2.Hello)
