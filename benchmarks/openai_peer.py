@@ -238,8 +238,8 @@ def run_workload(
 ) -> BenchReport:
     """Warm the server up (two short requests, not measured), then run the workload."""
     if warm_up:
+        # Reversed, so no measured request finds the warm-up's prompt in a prefix cache.
         short = BenchConfig(num_requests=2, max_new_tokens=4, ignore_eos=True)
-        asyncio.run(
-            run_workload_async(base_url, short, [prompt_ids[0]] * 2, "warm-up", api_key=api_key)
-        )
+        warm_ids = [prompt_ids[0][::-1]] * 2
+        asyncio.run(run_workload_async(base_url, short, warm_ids, "warm-up", api_key=api_key))
     return asyncio.run(run_workload_async(base_url, config, prompt_ids, run_tag, api_key=api_key))
