@@ -8,7 +8,9 @@ sends the workload's requests on the load generator's schedule (the same arrival
 /completion: the same prompts as token ids, `n_predict` = max new tokens, `ignore_eos`,
 temperature 0 (greedy), streamed. Every streamed event's arrival time is recorded with the
 number of tokens it carried (the growth of `tokens_predicted`), so `summarize` computes TTFT,
-ITL and the rest exactly as for Pagoda. The server is stopped by its PID.
+ITL and the rest exactly as for Pagoda. The server is stopped by its PID. The peer
+`llama-server /v1` runs the same server through the OpenAI peer's client instead
+(benchmarks.openai_peer), to show the two paths agree.
 
 The HTTP client is asyncio streams and the stdlib only: one connection per request, HTTP/1.1,
 chunked or plain body, server-sent events.
@@ -407,8 +409,11 @@ def run_workload(
     parallel: int = DEFAULT_PARALLEL,
     threads: int | None = None,
     warm_up: bool = True,
+    api: str = "native",
 ) -> BenchReport:
-    """Start a server sized for the workload, warm it up, run the workload, stop the server."""
+    """Start a server sized for the workload, warm it up, run the workload, stop the server.
+    `api` "openai" sends the requests to its /v1/completions through the OpenAI peer's
+    client (benchmarks.openai_peer) instead of its native /completion."""
     port = free_port()
     argv = server_argv(
         install.binary,
@@ -422,6 +427,11 @@ def run_workload(
         ready_s = server.start()
         print(f"  llama-server --parallel {parallel}: healthy after {ready_s:.1f} s",
               file=sys.stderr)  # fmt: skip
+        if api == "openai":
+            from benchmarks import openai_peer
+
+            url = f"http://{HOST}:{port}"
+            return openai_peer.run_workload(url, config, prompt_ids, run_tag, warm_up=warm_up)
         if warm_up:
             # The first requests pay one-time costs (allocations, page faults); not measured.
             short = BenchConfig(num_requests=2, max_new_tokens=4, ignore_eos=True)

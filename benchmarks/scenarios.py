@@ -35,9 +35,14 @@ PEERS = (PEER_GENERATE, PEER_STATIC, PEER_CONTINUOUS)
 # before the transformers peers.
 PEER_LLAMA = "llama-server"
 ALL_PEERS = (PEER_LLAMA, *PEERS)
-# `--peer` names on the command line.
+# The same llama-server driven through its /v1/completions by the OpenAI peer's client
+# (benchmarks.openai_peer), on llama-server's workloads; only when named.
+PEER_LLAMA_OPENAI = "llama-server /v1"
+KNOWN_PEERS = (PEER_LLAMA, PEER_LLAMA_OPENAI, *PEERS)
+# `--peer` names on the command line (besides openai=URL, see benchmarks.openai_peer).
 PEER_KEYS = {
     "llama-server": PEER_LLAMA,
+    "llama-server-openai": PEER_LLAMA_OPENAI,
     "generate": PEER_GENERATE,
     "static": PEER_STATIC,
     "generate-batch": PEER_CONTINUOUS,

@@ -5,6 +5,8 @@
     .venv/bin/python -m benchmarks.suite --list     # scenario and peer-workload names
     .venv/bin/python -m benchmarks.suite --only prefix-caching --no-peers --json out.json
     .venv/bin/python -m benchmarks.suite --only trickle-short --peer llama-server
+    .venv/bin/python -m benchmarks.suite --only burst-short \
+        --peer openai:pagoda-front=http://127.0.0.1:8000   # any OpenAI-compatible server
     BENCH_TARGET=host:port .venv/bin/python -m benchmarks.suite   # an already running server
     .venv/bin/python -m benchmarks.suite --device cuda --write-docs  # on a GPU host
 
@@ -13,7 +15,10 @@ benchmarks.suite_service), runs the load generator for every variant of every sc
 the peer workloads, stops the service, then runs llama.cpp's llama-server when `make
 llama-server` has built it (see benchmarks.llama_server) and the `transformers` peers in this
 process on the same prompts (see benchmarks.peers), one at a time, so they never compete for
-the cores. With
+the cores. `--peer openai[:LABEL]=URL` adds any OpenAI-compatible server already running
+(vLLM, llama-server, Pagoda's own pagoda-openai; see benchmarks.openai_peer), driven
+through /v1/completions on each peer workload; `--peer llama-server-openai` runs the
+llama-server peer through that same client instead of its native /completion. With
 BENCH_TARGET it cannot change the server's knobs: each distinct workload runs once against
 the server as it is configured, and the tables say so.
 
@@ -36,10 +41,13 @@ import sys
 import time
 
 from benchmarks.docs_section import section_body, write_section
+from benchmarks.openai_peer import API_KEY_ENV, PEER_OPENAI, OpenAIPeer, parse_peer
 from benchmarks.scenarios import (
     ALL_PEERS,
+    KNOWN_PEERS,
     PEER_KEYS,
     PEER_LLAMA,
+    PEER_LLAMA_OPENAI,
     PEERS,
     PeerWorkload,
     Scenario,
@@ -76,8 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--peer",
         action="append",
-        choices=list(PEER_KEYS),
-        help="run only this peer (repeatable; default: all, llama-server when built)",
+        type=peer_argument,
+        metavar="PEER",
+        help=f"run only this peer (repeatable; default: all but llama-server-openai, "
+        f"llama-server when built): {', '.join(PEER_KEYS)}, or an OpenAI-compatible server "
+        "already running, openai=URL or openai:LABEL=URL (its key from $OPENAI_API_KEY)",
     )
     parser.add_argument(
         "--device", default="auto", help="worker and peer device: auto, cpu, cuda, cuda:N"
@@ -108,14 +119,41 @@ def select(
     return [s for s in scenarios if s.name in only], [w for w in workloads if w.name in only]
 
 
+def peer_argument(text: str) -> str | OpenAIPeer:
+    """A --peer value: a PEER_KEYS name, or an OpenAIPeer for openai[:LABEL]=URL."""
+    if text in PEER_KEYS:
+        return text
+    if text.split("=")[0].split(":")[0] == PEER_OPENAI:
+        try:
+            return parse_peer(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    raise argparse.ArgumentTypeError(
+        f"unknown peer {text!r}; known: {', '.join(PEER_KEYS)}, openai=URL, openai:LABEL=URL"
+    )
+
+
 def selected_peers(args: argparse.Namespace) -> tuple[str, ...]:
-    """The peers to run, in ALL_PEERS order."""
+    """The named peers to run, in KNOWN_PEERS order (ALL_PEERS when --peer is not given)."""
     if args.no_peers:
         return ()
     if not args.peer:
         return ALL_PEERS
-    wanted = {PEER_KEYS[key] for key in args.peer}
-    return tuple(peer for peer in ALL_PEERS if peer in wanted)
+    wanted = {PEER_KEYS[key] for key in args.peer if isinstance(key, str)}
+    return tuple(peer for peer in KNOWN_PEERS if peer in wanted)
+
+
+def openai_peers(args: argparse.Namespace) -> list[OpenAIPeer]:
+    """The OpenAI-compatible servers given as --peer openai[:LABEL]=URL, in order; ValueError
+    when two share a label."""
+    if args.no_peers:
+        return []
+    peers = [peer for peer in args.peer or () if isinstance(peer, OpenAIPeer)]
+    labels = [peer.label for peer in peers]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"two --peer openai servers share a label ({', '.join(labels)}); "
+                         "name each, e.g. openai:vllm=URL")  # fmt: skip
+    return peers
 
 
 def target_columns(scenario: Scenario) -> list[tuple[str, BenchConfig]]:
@@ -135,12 +173,17 @@ def main(argv: list[str] | None = None) -> int:
             build_peer_workloads(quick=args.quick),
             args.only,
         )
+        servers = openai_peers(args)
     except ValueError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
     if args.list:
         for item in [*scenarios, *workloads]:
             print(f"{item.name:18} {item.title}")
+        for key, peer in PEER_KEYS.items():
+            print(f"--peer {key:22} {peer}")
+        any_server = f"{PEER_OPENAI}[:LABEL]=URL"
+        print(f"--peer {any_server:22} any OpenAI-compatible server, via /v1/completions")
         return 0
 
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
@@ -153,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     try:
         peers = selected_peers(args) if args.worker_model != "dummy" else ()
-        run_peers = bool(workloads) and bool(peers)
+        servers = servers if args.worker_model != "dummy" else []
+        run_peers = bool(workloads) and (bool(peers) or bool(servers))
         model_dir = resolve_model_dir(args.worker_model) if run_peers or not target else ""
         if target:
             print(f"BENCH_TARGET={target}: the server's knobs cannot be changed; each distinct "
@@ -162,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _run_local_service(args, model_dir, scenarios, workloads, results)
         if run_peers:
-            if PEER_LLAMA in peers:
-                _run_llama_server(model_dir, args.device, workloads, results)
+            if PEER_LLAMA in peers or PEER_LLAMA_OPENAI in peers:
+                _run_llama_server(model_dir, args.device, workloads, results, peers)
+            _run_openai_peers(model_dir, servers, workloads, results)
             _run_peers(model_dir, args.device, workloads, results, peers)
             _print_peer_tables(workloads, results)
     except KeyboardInterrupt:
@@ -291,8 +336,14 @@ def _run_against_target(
 
 
 def _run_llama_server(
-    model_dir: str, device: str, workloads: list[PeerWorkload], results: SuiteResults
+    model_dir: str,
+    device: str,
+    workloads: list[PeerWorkload],
+    results: SuiteResults,
+    peers: tuple[str, ...] = (PEER_LLAMA,),
 ) -> None:
+    """llama-server on its workloads: PEER_LLAMA through its native /completion,
+    PEER_LLAMA_OPENAI through the OpenAI peer's client, each when in `peers`."""
     from benchmarks import llama_server
     from benchmarks.peers import prompt_token_ids
 
@@ -304,21 +355,53 @@ def _run_llama_server(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    apis = [(p, api) for p, api in ((PEER_LLAMA, "native"), (PEER_LLAMA_OPENAI, "openai"))
+            if p in peers]  # fmt: skip
     for workload in workloads:
         if PEER_LLAMA not in workload.peer_max_requests:
             continue
-        print(f"  {workload.name}: {PEER_LLAMA} ...", file=sys.stderr)
-        run_tag = secrets.token_hex(3)
-        ids = prompt_token_ids(tokenizer, workload.workload, run_tag)
-        try:
-            report = llama_server.run_workload(
-                install, workload.workload, ids, run_tag, parallel=workload.llama_parallel
-            )
-        except llama_server.LlamaServerError as exc:
-            print(f"  {workload.name}: {PEER_LLAMA} failed: {exc}", file=sys.stderr)
-            continue
-        label = f"{PEER_LLAMA} np{workload.llama_parallel}"
-        results.peer_workloads.setdefault(workload.name, {})[label] = report
+        for peer, api in apis:
+            print(f"  {workload.name}: {peer} ...", file=sys.stderr)
+            run_tag = secrets.token_hex(3)
+            ids = prompt_token_ids(tokenizer, workload.workload, run_tag)
+            try:
+                report = llama_server.run_workload(
+                    install, workload.workload, ids, run_tag, parallel=workload.llama_parallel,
+                    api=api,
+                )  # fmt: skip
+            except llama_server.LlamaServerError as exc:
+                print(f"  {workload.name}: {peer} failed: {exc}", file=sys.stderr)
+                continue
+            label = f"{peer} np{workload.llama_parallel}"
+            results.peer_workloads.setdefault(workload.name, {})[label] = report
+
+
+def _run_openai_peers(
+    model_dir: str, servers: list[OpenAIPeer], workloads: list[PeerWorkload], results: SuiteResults
+) -> None:
+    """Each server on every peer workload, the prompts as token ids of the suite's model."""
+    if not servers:
+        return
+    from transformers import AutoTokenizer
+
+    from benchmarks import openai_peer
+    from benchmarks.peers import prompt_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    api_key = os.environ.get(API_KEY_ENV)
+    for workload in workloads:
+        for server in servers:
+            print(f"  {workload.name}: {server.label} ({server.base_url}) ...", file=sys.stderr)
+            run_tag = secrets.token_hex(3)
+            ids = prompt_token_ids(tokenizer, workload.workload, run_tag)
+            try:
+                report = openai_peer.run_workload(
+                    server.base_url, workload.workload, ids, run_tag, api_key=api_key
+                )
+            except (openai_peer.OpenAIPeerError, OSError, ValueError) as exc:
+                print(f"  {workload.name}: {server.label} failed: {exc}", file=sys.stderr)
+                continue
+            results.peer_workloads.setdefault(workload.name, {})[server.label] = report
 
 
 def _run_peers(

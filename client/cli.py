@@ -145,6 +145,8 @@ def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     add("--stop", action="append", metavar="TEXT", help="a stop string (repeatable)")
     add("--stop-token-id", action="append", type=int, dest="stop_token_ids", metavar="ID")
     add("--ignore-eos", action="store_true", default=None)
+    add("--allowed-token-ids", type=_token_ids, metavar="ID,ID,...", help="sample only these ids")
+    add("--banned-token-ids", type=_token_ids, metavar="ID,ID,...", help="never sample these ids")
     add("--priority", type=int, help="lower runs first under --admission-policy priority")
     add(
         "--cache-salt",
@@ -153,6 +155,14 @@ def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--logprobs", type=int, metavar="N", help="print top-N logprobs per token to stderr")
     add("--show-usage", action="store_true", help="print usage and timings to stderr")
+
+
+def _token_ids(text: str) -> list[int]:
+    """A comma-separated list of token ids, e.g. "1,2,3"."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3, got {text!r}") from None
 
 
 def _connection_from_args(args: argparse.Namespace) -> ConnectionSettings:

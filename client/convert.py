@@ -63,6 +63,8 @@ class GenerationOptions(TypedDict, total=False):
     frequency_penalty: float
     seed: int | None
     logit_bias: Mapping[int, float]  # token id -> bias in [-100, 100] added to its logit
+    allowed_token_ids: Sequence[int]  # sample only among these ids (empty: every id)
+    banned_token_ids: Sequence[int]  # never sample these ids
     max_new_tokens: int
     min_new_tokens: int
     stop: Sequence[str] | str
@@ -205,6 +207,10 @@ def _apply_options(request: pb.GenerateRequest | pb.ChatRequest, options: dict[s
             request.sampling.logit_bias.update(logit_bias)
         except (TypeError, ValueError) as exc:
             raise _invalid(f"logit_bias holds an invalid entry ({exc})") from None
+    for name in ("allowed_token_ids", "banned_token_ids"):
+        token_ids = options.get(name)
+        if token_ids is not None:
+            _extend(getattr(request.sampling, name), name, token_ids)
     constraint = options.get("constraint")
     if constraint is not None:
         _set_constraint(request.constraint, constraint)

@@ -1,7 +1,8 @@
 """`--model dummy`: a weightless engine that answers every plan at once.
 
 The sampled token is `pagoda.common.dummy_tokens.dummy_next_token(last fed token, its position,
-vocab)` (skipping the ending ids until min_new_tokens, as the sampler masks them), the
+vocab)` (skipping the ending ids until min_new_tokens and the request's banned ids, and keeping
+to its allowed ids, as the sampler masks them), the
 same pure function the scheduler's in-process fake uses, so a
 recomputed sequence reproduces its output. Plans are validated and run by the same
 Engine.step as the paged engine's. Imports no torch: the harness for scheduler
@@ -85,10 +86,16 @@ class DummyEngine(Engine):
                 seq.min_new_tokens,
                 seq.min_tokens_banned_ids,
             )
+            if sampling.banned_token_ids:
+                banned = {*banned, *sampling.banned_token_ids}
             if i in masks:
                 banned = OutsideMask(masks[i], banned)
             token_id = dummy_next_token(
-                token_ids[offsets[i + 1] - 1], position, DUMMY_VOCAB_SIZE, banned
+                token_ids[offsets[i + 1] - 1],
+                position,
+                DUMMY_VOCAB_SIZE,
+                banned,
+                sampling.allowed_token_ids,
             )
             sampled.token_ids.append(token_id)
             if wants_logprobs:

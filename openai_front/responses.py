@@ -50,12 +50,14 @@ class Choice:
 
     call: Call
     texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
 
     def add(self, chunk: Chunk) -> None:
         self.texts.append(chunk.text)
+        self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs or ())
         if chunk.finish_reason is not None:
             self.finish_reason = finish_reason(chunk.finish_reason)
@@ -171,6 +173,8 @@ def _whole_choice(endpoint: Endpoint, choice: Choice, num_top: int | None) -> di
         out["text"] = text
     out["logprobs"] = logprobs
     out["finish_reason"] = choice.finish_reason
+    if choice.call.return_token_ids:
+        out["token_ids"] = choice.token_ids
     return out
 
 
@@ -204,6 +208,9 @@ def chunk_event(
         choice["text"] = chunk.text
     choice["logprobs"] = logprobs
     choice["finish_reason"] = reason
+    if call.return_token_ids:
+        # The tokens this event's text came from: a benchmark counts them per event.
+        choice["token_ids"] = chunk.token_ids
     return _event(header, choice, include_usage)
 
 

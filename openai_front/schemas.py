@@ -2,7 +2,8 @@
 
 Field names and defaults are OpenAI's (temperature 1, top_p 1, n 1); the extensions that
 vLLM and SGLang also take (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-cache_salt) sit beside them. Unknown fields are ignored, as vLLM does, so clients that send
+cache_salt, allowed_token_ids, return_token_ids) and Pagoda's own banned_token_ids sit beside
+them. Unknown fields are ignored, as vLLM does, so clients that send
 newer fields keep working; fields the gRPC API cannot honour yet are refused in
 `translation`, never silently dropped.
 """
@@ -48,6 +49,11 @@ class SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
+    allowed_token_ids: list[int] | None = None
+    # Pagoda's: vLLM bans strings (bad_words), the gRPC API bans ids.
+    banned_token_ids: list[int] | None = None
+    # vLLM's: each choice (each stream event's) carries its token ids as `token_ids`.
+    return_token_ids: bool | None = None
     response_format: dict[str, Any] | None = None
 
 

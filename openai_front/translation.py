@@ -29,6 +29,8 @@ class Call:
     prompt: str | list[int] | None
     messages: list[dict[str, str]] | None
     options: GenerationOptions
+    # vLLM's return_token_ids: each choice and stream event lists its token ids.
+    return_token_ids: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,7 @@ def plan_completion(body: CompletionRequest, request_id: str, max_n: int) -> Pla
             prompt=prompt,
             messages=None,
             options=_seeded(options, body.seed, i, f"{request_id}-{prompt_index * body.n + i}"),
+            return_token_ids=bool(body.return_token_ids),
         )
         for prompt_index, prompt in enumerate(prompts)
         for i in range(body.n)
@@ -76,7 +79,14 @@ def plan_chat(body: ChatCompletionRequest, request_id: str, max_n: int) -> Plan:
     options = _options(body, max_tokens=max_tokens, num_logprobs=num_top)
     messages = [_message(index, m) for index, m in enumerate(body.messages)]
     calls = [
-        Call(i, 0, None, messages, _seeded(options, body.seed, i, f"{request_id}-{i}"))
+        Call(
+            i,
+            0,
+            None,
+            messages,
+            _seeded(options, body.seed, i, f"{request_id}-{i}"),
+            return_token_ids=bool(body.return_token_ids),
+        )
         for i in range(body.n)
     ]
     return Plan(calls, num_top, _include_usage(body))
@@ -120,6 +130,8 @@ def _options(
         "ignore_eos": body.ignore_eos,
         "cache_salt": body.cache_salt,
         "logit_bias": _logit_bias(body.logit_bias),
+        "allowed_token_ids": body.allowed_token_ids,
+        "banned_token_ids": body.banned_token_ids,
         "constraint": _constraint(body.response_format),
         # The gRPC API reports logprobs only when asked for at least one alternative; the
         # response keeps the first num_logprobs of them (none for OpenAI's 0).

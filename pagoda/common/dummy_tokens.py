@@ -10,6 +10,7 @@ def dummy_next_token(
     last_position: int,
     vocab_size: int,
     banned_token_ids: Collection[int] = (),
+    allowed_token_ids: Collection[int] = (),
 ) -> int:
     """The token the weightless `--model dummy` worker samples after a fed token.
 
@@ -17,9 +18,13 @@ def dummy_next_token(
     fake worker of the scheduler tests and the real dummy worker agree, and a
     preempted sequence recomputes to the same output. `banned_token_ids` are masked
     out (min_new_tokens not reached, see dummy_banned_token_ids): the next id up that
-    is not banned is taken instead, as a real model's next best would be.
+    is not banned is taken instead, as a real model's next best would be. Given
+    `allowed_token_ids` (the request's own list), the next of those up that is not banned.
     """
     token_id = (last_token_id * 31 + last_position * 17 + 7) % vocab_size
+    candidates = [t for t in allowed_token_ids if t not in banned_token_ids]
+    if candidates:
+        return min(candidates, key=lambda t: (t - token_id) % vocab_size)
     for _ in range(vocab_size):
         if token_id not in banned_token_ids:
             return token_id

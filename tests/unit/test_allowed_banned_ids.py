@@ -87,3 +87,13 @@ def test_the_ids_reach_the_worker_unchanged():
     sampling = validated(allowed_token_ids=[9, 3], banned_token_ids=[7]).sampling
     params = decode_sampling(encode_sampling(sampling))
     assert (params.allowed_token_ids, params.banned_token_ids) == ((3, 9), (7,))
+
+
+def test_the_dummy_takes_the_next_allowed_id_up_that_is_not_banned():
+    from pagoda.common.dummy_tokens import dummy_next_token
+
+    free = dummy_next_token(5, 3, 1000)
+    assert dummy_next_token(5, 3, 1000, allowed_token_ids=[free]) == free
+    assert dummy_next_token(5, 3, 1000, allowed_token_ids=[free - 1, free + 2]) == free + 2
+    assert dummy_next_token(5, 3, 1000, {free + 2}, [free - 1, free + 2]) == free - 1
+    assert dummy_next_token(5, 3, 1000, {free}) == free + 1
