@@ -181,9 +181,10 @@ class PrefixCache:
 
     # -- lookups -----------------------------------------------------------------------
 
-    def match(self, block_hashes: list[int], max_blocks: int) -> list[int]:
-        """Blocks of the longest cached prefix of the chain `block_hashes[:max_blocks]`."""
-        if not self.enabled:
+    def match(self, block_hashes: list[int], max_blocks: int, *, always: bool = False) -> list[int]:
+        """Blocks of the longest cached prefix of the chain `block_hashes[:max_blocks]`;
+        with `always`, even when prefix caching is off (the samples of one request)."""
+        if not (self.enabled or always):
             return []
         block_of_hash = self._block_of_hash
         hit_block_ids: list[int] = []
@@ -237,10 +238,11 @@ class PrefixCache:
             if release(block_id, retain=keyed) == 0 and keyed:
                 evictable[block_id] = None
 
-    def register(self, block_id: int, block_hash: int) -> bool:
+    def register(self, block_id: int, block_hash: int, *, always: bool = False) -> bool:
         """Key a full, computed (or being computed) block. False when the key already
-        names another block (this one then stays unkeyed and is freed when released)."""
-        if not self.enabled or self._hash_of_block[block_id] is not None:
+        names another block (this one then stays unkeyed and is freed when released).
+        With `always`, even when prefix caching is off (the samples of one request)."""
+        if not (self.enabled or always) or self._hash_of_block[block_id] is not None:
             return False
         block_of_hash = self._block_of_hash
         if block_hash in block_of_hash:

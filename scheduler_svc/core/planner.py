@@ -536,7 +536,7 @@ class Planner:
         """Cached blocks of the request's prefix; the last token is always left to compute
         so there are logits to sample."""
         blocks = self.blocks
-        if not blocks.enabled:
+        if not (blocks.enabled or request.shares_prompt):
             return []
         max_blocks = (len(request.token_ids) - 1) // blocks.block_size
         extend_block_hashes(
@@ -546,7 +546,7 @@ class Planner:
             blocks.block_size,
             request.cache_root_hash,
         )
-        return blocks.match(request.block_hashes, max_blocks)
+        return blocks.match(request.block_hashes, max_blocks, always=request.shares_prompt)
 
     def _start(self, b: PlanBuilder, request: Request, num_tokens: int, now: float) -> int:
         """Admit `request` as a new sequence feeding up to `num_tokens`. Returns the tokens

@@ -253,7 +253,9 @@ def check_invariants(scheduler: TextScheduler) -> None:
     if not scheduler.core._in_flight:
         # Keys of a step are settled (kept or dropped) by its apply() or fail_step().
         assert not state._keyed_in_flight
-    assert len(state.running) + len(state.waiting) == len(requests)
+    held = scheduler.core._held
+    assert all(request.state is RequestState.HELD for request in held)
+    assert len(state.running) + len(state.waiting) + len(held) == len(requests)
 
 
 def apply_scripts(

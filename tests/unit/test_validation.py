@@ -12,6 +12,7 @@ from pagoda.scheduler_svc.validation import (
     Limits,
     ValidationError,
     validate_chat,
+    validate_constraint,
     validate_generate,
     validate_tokenize_text,
 )
@@ -285,3 +286,20 @@ def test_chat_contents_cannot_forge_turns(tokenizer):
     assert prompt_ids("a plain <question>") == tokenizer.encode(
         tokenizer.render_chat([("user", "a plain <question>")]), add_special_tokens=False
     )
+
+
+def test_n_is_bounded_by_the_servers_max_n(tokenizer):
+    limits = dataclasses.replace(LIMITS, max_n=4)
+    assert validate_generate(generate(), tokenizer, limits).n == 1  # 0 means one
+    assert validate_generate(generate(n=4), tokenizer, limits).n == 4
+    with pytest.raises(ValidationError, match=r"n must be at most 4 \(the server's --max-n\)"):
+        validate_generate(generate(n=5), tokenizer, limits)
+    chat = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")], n=3)
+    assert validate_chat(chat, tokenizer, limits).n == 3
+
+
+def test_n_with_a_constraint_is_refused(tokenizer):
+    request = generate(n=2, constraint=pb.Constraint(regex="a+"))
+    valid = validate_generate(request, tokenizer, LIMITS)
+    with pytest.raises(ValidationError, match="n > 1 with a constraint"):
+        validate_constraint(request, valid)
