@@ -1,9 +1,13 @@
 """An OpenAI request body -> the gRPC calls that serve it, one per choice.
 
-Pure: no I/O. `n` choices of each prompt are `n` Generate (or Chat) calls, the i-th with
-seed + i when a seed is given, until the gRPC API has `n` itself. Every value is passed on
-as given and the scheduler validates it (its INVALID_ARGUMENT sentence becomes the 400);
-only what the gRPC API cannot express is refused here.
+Pure: no I/O. The `n` choices of each prompt are one Generate (or Chat) call with the gRPC
+`n`, so the scheduler computes the prompt once and its samples share its KV blocks; choice
+`call.choice_index + chunk.index`; sample i draws with seed + i when a seed is given (the
+scheduler's rule). Several prompts in one /v1/completions body are one call each. With a
+response_format (the gRPC API refuses a constraint with n > 1) the n choices are n calls
+of n = 1 instead, the i-th with seed + i. Every value is passed on as given and the
+scheduler validates it (its INVALID_ARGUMENT sentence becomes the 400); only what the
+gRPC API cannot express is refused here.
 """
 
 from __future__ import annotations
@@ -24,11 +28,16 @@ OPENAI_DEFAULT_TEMPERATURE = 1.0
 class Call:
     """One gRPC request: Chat when `messages` is set, else Generate of `prompt`."""
 
-    choice_index: int
+    choice_index: int  # of its sample 0; sample i (Chunk.index) is choice_index + i
     prompt_index: int
     prompt: str | list[int] | None
     messages: list[dict[str, str]] | None
     options: GenerationOptions
+    n: int = 1  # samples of the call (the gRPC n)
+
+    @property
+    def choice_indices(self) -> range:
+        return range(self.choice_index, self.choice_index + self.n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,15 +60,11 @@ def plan_completion(body: CompletionRequest, request_id: str, max_n: int) -> Pla
     _check_fan_out(len(prompts) * body.n, max_n)
     options = _options(body, max_tokens=body.max_tokens, num_logprobs=body.logprobs)
     calls = [
-        Call(
-            choice_index=prompt_index * body.n + i,
-            prompt_index=prompt_index,
-            prompt=prompt,
-            messages=None,
-            options=_seeded(options, body.seed, i, f"{request_id}-{prompt_index * body.n + i}"),
-        )
+        Call(first, prompt_index, prompt, None, call_options, n)
         for prompt_index, prompt in enumerate(prompts)
-        for i in range(body.n)
+        for first, n, call_options in _samples(
+            options, body.n, body.seed, f"{request_id}-{prompt_index}", prompt_index * body.n
+        )
     ]
     return Plan(calls, body.logprobs, _include_usage(body))
 
@@ -76,8 +81,8 @@ def plan_chat(body: ChatCompletionRequest, request_id: str, max_n: int) -> Plan:
     options = _options(body, max_tokens=max_tokens, num_logprobs=num_top)
     messages = [_message(index, m) for index, m in enumerate(body.messages)]
     calls = [
-        Call(i, 0, None, messages, _seeded(options, body.seed, i, f"{request_id}-{i}"))
-        for i in range(body.n)
+        Call(first, 0, None, messages, call_options, n)
+        for first, n, call_options in _samples(options, body.n, body.seed, f"{request_id}-0", 0)
     ]
     return Plan(calls, num_top, _include_usage(body))
 
@@ -167,12 +172,26 @@ def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
     return token_ids
 
 
-def _seeded(options: GenerationOptions, seed: int | None, offset: int, call_id: str) -> Any:
-    """The options of one call: its own request id, and seed + offset when seeded."""
-    seeded = dict(options, request_id=call_id)
-    if seed is not None:
-        seeded["seed"] = (seed + offset) % 2**64
-    return seeded
+def _samples(
+    options: GenerationOptions, n: int, seed: int | None, call_id: str, first_choice: int
+) -> list[tuple[int, int, Any]]:
+    """(first choice index, n, options) of the calls serving `n` choices of one prompt:
+    one call with the gRPC n (the scheduler gives sample i seed + i), or, under a
+    constraint, n calls of n = 1 with seed + i and request ids `call_id-i`."""
+    if n == 1 or "constraint" not in options:
+        one = dict(options, request_id=call_id)
+        if seed is not None:
+            one["seed"] = seed
+        if n > 1:
+            one["n"] = n
+        return [(first_choice, n, one)]
+    calls = []
+    for i in range(n):
+        each = dict(options, request_id=f"{call_id}-{i}")
+        if seed is not None:
+            each["seed"] = (seed + i) % 2**64
+        calls.append((first_choice + i, 1, each))
+    return calls
 
 
 def _prompts(prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list:
