@@ -5,9 +5,13 @@ samples are distinct and the same on a rerun; cancelling the call frees every bl
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import grpc
 import pytest
 
+from pagoda.client import Client
 from pagoda.protos import generation_pb2 as pb
 from tests.e2e.conftest import running_service, wait_until
 
@@ -105,3 +109,20 @@ def test_cancelling_the_call_frees_every_sample(service):
             return (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (0, 0, 0)
 
         wait_until(freed, 30, "every sample's blocks freed")
+
+
+def test_the_client_and_the_cli_give_n_samples(service):
+    with Client(service.address) as client:
+        samples = client.complete_samples(PROMPT_IDS, n=3, max_new_tokens=4, ignore_eos=True)
+    assert [sample.index for sample in samples] == [0, 1, 2]
+    assert all(
+        len(sample.token_ids) == 4 and sample.finish_reason == "length" for sample in samples
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pagoda.client", "--target", service.address, "generate",
+         "--raw", "--n", "3", "--max-new-tokens", "4", "--ignore-eos", "Once upon a time"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    headers = [line for line in result.stdout.splitlines() if line.startswith("--- sample")]
+    assert headers == ["--- sample 0 ---", "--- sample 1 ---", "--- sample 2 ---"]
