@@ -418,7 +418,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
 
     def _submit(self, valid: ValidRequest) -> list:
+        """The slots of the request's samples, in index order."""
         try:
+            if valid.n == 1:
+                return [self._front.submit(valid)]
             return self._front.submit_samples(valid)
         except Unavailable as exc:
             code, sentence = grpc.StatusCode.UNAVAILABLE, str(exc)
