@@ -3,11 +3,9 @@
 Pure: no I/O. The `n` choices of each prompt are one Generate (or Chat) call with the gRPC
 `n`, so the scheduler computes the prompt once and its samples share its KV blocks; choice
 `call.choice_index + chunk.index`; sample i draws with seed + i when a seed is given (the
-scheduler's rule). Several prompts in one /v1/completions body are one call each. With a
-response_format (the gRPC API refuses a constraint with n > 1) the n choices are n calls
-of n = 1 instead, the i-th with seed + i. Every value is passed on as given and the
-scheduler validates it (its INVALID_ARGUMENT sentence becomes the 400); only what the
-gRPC API cannot express is refused here.
+scheduler's rule). Several prompts in one /v1/completions body are one call each. Every
+value is passed on as given and the scheduler validates it (its INVALID_ARGUMENT sentence
+becomes the 400); only what the gRPC API cannot express is refused here.
 """
 
 from __future__ import annotations
@@ -60,11 +58,15 @@ def plan_completion(body: CompletionRequest, request_id: str, max_n: int) -> Pla
     _check_fan_out(len(prompts) * body.n, max_n)
     options = _options(body, max_tokens=body.max_tokens, num_logprobs=body.logprobs)
     calls = [
-        Call(first, prompt_index, prompt, None, call_options, n)
-        for prompt_index, prompt in enumerate(prompts)
-        for first, n, call_options in _samples(
-            options, body.n, body.seed, f"{request_id}-{prompt_index}", prompt_index * body.n
+        Call(
+            prompt_index * body.n,
+            prompt_index,
+            prompt,
+            None,
+            _samples(options, body.n, body.seed, f"{request_id}-{prompt_index}"),
+            body.n,
         )
+        for prompt_index, prompt in enumerate(prompts)
     ]
     return Plan(calls, body.logprobs, _include_usage(body))
 
@@ -81,8 +83,7 @@ def plan_chat(body: ChatCompletionRequest, request_id: str, max_n: int) -> Plan:
     options = _options(body, max_tokens=max_tokens, num_logprobs=num_top)
     messages = [_message(index, m) for index, m in enumerate(body.messages)]
     calls = [
-        Call(first, 0, None, messages, call_options, n)
-        for first, n, call_options in _samples(options, body.n, body.seed, f"{request_id}-0", 0)
+        Call(0, 0, None, messages, _samples(options, body.n, body.seed, f"{request_id}-0"), body.n)
     ]
     return Plan(calls, num_top, _include_usage(body))
 
@@ -172,26 +173,15 @@ def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
     return token_ids
 
 
-def _samples(
-    options: GenerationOptions, n: int, seed: int | None, call_id: str, first_choice: int
-) -> list[tuple[int, int, Any]]:
-    """(first choice index, n, options) of the calls serving `n` choices of one prompt:
-    one call with the gRPC n (the scheduler gives sample i seed + i), or, under a
-    constraint, n calls of n = 1 with seed + i and request ids `call_id-i`."""
-    if n == 1 or "constraint" not in options:
-        one = dict(options, request_id=call_id)
-        if seed is not None:
-            one["seed"] = seed
-        if n > 1:
-            one["n"] = n
-        return [(first_choice, n, one)]
-    calls = []
-    for i in range(n):
-        each = dict(options, request_id=f"{call_id}-{i}")
-        if seed is not None:
-            each["seed"] = (seed + i) % 2**64
-        calls.append((first_choice + i, 1, each))
-    return calls
+def _samples(options: GenerationOptions, n: int, seed: int | None, call_id: str) -> Any:
+    """The options of the one call serving `n` choices of a prompt: its request id, the
+    seed (the scheduler gives sample i seed + i) and the gRPC n."""
+    call_options = dict(options, request_id=call_id)
+    if seed is not None:
+        call_options["seed"] = seed
+    if n > 1:
+        call_options["n"] = n
+    return call_options
 
 
 def _prompts(prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list:

@@ -386,7 +386,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 limits.vocab_size,
                 self._last_hello.eos_token_ids,
             )
-            return dataclasses.replace(valid, grammar=grammar)
+            forks = tuple(grammar.fork() for _ in range(valid.n - 1))
+            return dataclasses.replace(valid, grammar=grammar, sample_grammars=forks)
         except (ValidationError, GrammarError) as exc:
             sentence = str(exc)
         raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, sentence)

@@ -132,8 +132,6 @@ def validate_constraint(request, valid: ValidRequest) -> ValidConstraint | None:
     kind = constraint.WhichOneof("kind")
     if kind is None:
         return None
-    if valid.n > 1:
-        raise ValidationError("n > 1 with a constraint is not supported; send n requests")
     if kind == "json_object":
         if not constraint.json_object:
             return None

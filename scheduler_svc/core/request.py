@@ -43,6 +43,8 @@ class ValidRequest:
     # Samples of this prompt (n): n core requests named by sample_request_ids, sharing
     # the prompt's KV blocks (see Request.prompt_leader).
     n: int = 1
+    # With a grammar and n > 1: the matchers of samples 1 to n-1 (each its own state).
+    sample_grammars: tuple[object, ...] = ()
 
 
 def sample_request_ids(request_id: str, n: int) -> list[str]:

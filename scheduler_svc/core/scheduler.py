@@ -194,6 +194,7 @@ class Scheduler:
             # Its samples share blocks with each other only: a root no other request has.
             root_hash = hash((root_hash, "samples", request.request_id, now))
         leader: Request | None = None
+        grammar = request.grammar
         for index, request_id in enumerate(request_ids):
             sampling = request.sampling
             if shares_prompt:
@@ -208,7 +209,7 @@ class Scheduler:
                 arrival_s=now,
                 cache_root_hash=root_hash,
                 tenant=request.tenant,
-                grammar=request.grammar,
+                grammar=request.sample_grammars[index - 1] if index and grammar else grammar,
                 shares_prompt=shares_prompt,
             )
             self._requests[request_id] = queued

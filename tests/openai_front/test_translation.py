@@ -59,13 +59,10 @@ def test_n_is_one_call_with_the_grpc_n():
     assert "n" not in single.options and single.n == 1
 
 
-def test_n_with_a_response_format_fans_out_with_seed_plus_index():
-    body = chat(n=2, seed=2**64 - 1, response_format={"type": "json_object"})
-    calls = plan_chat(body, "id", max_n=4).calls
-    assert [(c.choice_index, c.n) for c in calls] == [(0, 1), (1, 1)]
-    assert [c.options["seed"] for c in calls] == [2**64 - 1, 0]  # wraps at uint64
-    assert [c.options["request_id"] for c in calls] == ["id-0-0", "id-0-1"]
-    assert all("n" not in c.options for c in calls)
+def test_n_with_a_response_format_is_one_call_too():
+    body = chat(n=2, seed=5, response_format={"type": "json_object"})
+    (call,) = plan_chat(body, "id", max_n=4).calls
+    assert (call.n, call.options["n"], call.options["constraint"]) == (2, 2, {"json_object": True})
 
 
 def test_a_batch_of_prompts_times_n_indexes_choices_prompt_major():

@@ -12,7 +12,6 @@ from pagoda.scheduler_svc.validation import (
     Limits,
     ValidationError,
     validate_chat,
-    validate_constraint,
     validate_generate,
     validate_tokenize_text,
 )
@@ -297,9 +296,3 @@ def test_n_is_bounded_by_the_servers_max_n(tokenizer):
     chat = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")], n=3)
     assert validate_chat(chat, tokenizer, limits).n == 3
 
-
-def test_n_with_a_constraint_is_refused(tokenizer):
-    request = generate(n=2, constraint=pb.Constraint(regex="a+"))
-    valid = validate_generate(request, tokenizer, LIMITS)
-    with pytest.raises(ValidationError, match="n > 1 with a constraint"):
-        validate_constraint(request, valid)
