@@ -122,9 +122,18 @@ class AsyncClient:
     async def complete(
         self, prompt: str | Sequence[int], **options: Unpack[GenerationOptions]
     ) -> Completion:
-        """Generate and wait for the whole text."""
+        """Generate and wait for the whole text (of one sample: see complete_samples)."""
+        if options.get("n", 1) not in (0, 1):
+            raise TypeError("complete() returns one sample; complete_samples() returns n")
         async with self.generate(prompt, **options) as stream:
             return convert.join_chunks([chunk async for chunk in stream])
+
+    async def complete_samples(
+        self, prompt: str | Sequence[int], **options: Unpack[GenerationOptions]
+    ) -> list[Completion]:
+        """Generate `n` samples (an option, default 1) and wait for them all, by index."""
+        async with self.generate(prompt, **options) as stream:
+            return convert.join_samples([chunk async for chunk in stream])
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         request = convert.tokenize_request(text, add_special_tokens=add_special_tokens)

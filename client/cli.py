@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_generation_arguments(generate)
     generate.add_argument("--request-id", help="an id echoed by the server and in its logs")
+    generate.add_argument(
+        "--n",
+        type=int,
+        metavar="N",
+        help="draw N samples of the prompt (sharing its KV), printed one after another "
+        "once all are done",
+    )
 
     chat = commands.add_parser(
         "chat",

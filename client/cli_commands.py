@@ -16,7 +16,7 @@ from typing import Any
 
 from pagoda.client.convert import GenerationOptions
 from pagoda.client.errors import PagodaError
-from pagoda.client.results import Completion, join_chunks
+from pagoda.client.results import Completion, join_chunks, join_samples
 from pagoda.client.sync_client import ChunkStream, Client
 
 EXIT_ERROR = 1
@@ -41,8 +41,18 @@ def run_generate(client: Client, args: argparse.Namespace) -> int:
     else:
         stream = client.chat([{"role": "user", "content": prompt}], **generation_options(args))
     with stream:
+        if (args.n or 1) > 1:
+            return _print_samples(join_samples(stream), args, started)
         completion, first_token_s = _stream_to_stdout(stream)
     _finish_answer(completion, args, started, first_token_s)
+    return 0
+
+
+def _print_samples(completions: list[Completion], args: argparse.Namespace, started: float) -> int:
+    """n samples, each under a header line, with its own usage when asked."""
+    for completion in completions:
+        sys.stdout.write(f"--- sample {completion.index} ---\n{completion.text}")
+        _finish_answer(completion, args, started, None)
     return 0
 
 

@@ -27,6 +27,7 @@ from pagoda.client.results import (
     Usage,
     WorkerStats,
     join_chunks,
+    join_samples,
 )
 from pagoda.protos import generation_pb2 as pb
 
@@ -44,6 +45,7 @@ __all__ = [
     "chunk_from_response",
     "generate_request",
     "join_chunks",
+    "join_samples",
     "model_info_from_proto",
     "server_stats_from_proto",
     "token_ids_from_response",
@@ -77,6 +79,8 @@ class GenerationOptions(TypedDict, total=False):
     # Structured output, one of: {"json_schema": dict or JSON text}, {"json_object": True},
     # {"regex": str}, {"lark_grammar": str}, {"gbnf_grammar": str}, {"choice": [str, ...]}.
     constraint: Mapping[str, Any]
+    # Samples of the one prompt (default 1), sharing its KV; chunks carry their `index`.
+    n: int
 
 
 _SAMPLING_FIELDS = (
@@ -90,7 +94,7 @@ _SAMPLING_FIELDS = (
     "seed",
 )
 _STOPPING_SCALAR_FIELDS = ("max_new_tokens", "min_new_tokens", "ignore_eos")
-_TOP_LEVEL_FIELDS = ("priority", "logprobs", "request_id", "cache_salt")
+_TOP_LEVEL_FIELDS = ("priority", "logprobs", "request_id", "cache_salt", "n")
 _OPTION_NAMES = frozenset(GenerationOptions.__annotations__)
 
 _FINISH_REASON_NAMES = {
@@ -154,14 +158,11 @@ def chunk_from_response(response: pb.GenerateResponse) -> Chunk:
             )
             for entry in response.logprobs
         ]
-    usage = timings = None
+    usage = total_usage = timings = None
     if response.HasField("usage"):
-        usage = Usage(
-            prompt_tokens=response.usage.prompt_tokens,
-            completion_tokens=response.usage.completion_tokens,
-            cached_prompt_tokens=response.usage.cached_prompt_tokens,
-            num_preemptions=response.usage.num_preemptions,
-        )
+        usage = _usage_from_proto(response.usage)
+    if response.HasField("total_usage"):
+        total_usage = _usage_from_proto(response.total_usage)
     if response.HasField("timings"):
         timings = Timings(
             queued_ms=response.timings.queued_ms,
@@ -176,6 +177,17 @@ def chunk_from_response(response: pb.GenerateResponse) -> Chunk:
         finish_reason=_finish_reason_name(response.finish_reason),
         usage=usage,
         timings=timings,
+        index=response.index,
+        total_usage=total_usage,
+    )
+
+
+def _usage_from_proto(usage: pb.Usage) -> Usage:
+    return Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_prompt_tokens=usage.cached_prompt_tokens,
+        num_preemptions=usage.num_preemptions,
     )
 
 

@@ -55,7 +55,10 @@ class Chunk:
     """One streamed message: the new text and tokens since the previous one.
 
     `finish_reason` ("length", "stop", "cancelled", "error"), `usage` and `timings` are set on
-    the last chunk only; `logprobs` is None unless the request asked for them.
+    the last chunk only; `logprobs` is None unless the request asked for them. With n > 1,
+    `index` names the sample (chunks of different samples interleave), each sample has its
+    own last chunk, and the stream's very last chunk also carries `total_usage` (the prompt
+    counted once, the samples' completions summed).
     """
 
     request_id: str
@@ -65,6 +68,8 @@ class Chunk:
     finish_reason: str | None
     usage: Usage | None
     timings: Timings | None
+    index: int = 0
+    total_usage: Usage | None = None
 
     @property
     def is_last(self) -> bool:
@@ -84,10 +89,20 @@ class Completion:
     usage: Usage | None
     timings: Timings | None
     num_chunks: int
+    index: int = 0  # the sample's, with n > 1
+
+
+def join_samples(chunks: Iterable[Chunk]) -> list[Completion]:
+    """A stream of n samples as n completions, by index (join_chunks of each's chunks)."""
+    by_index: dict[int, list[Chunk]] = {}
+    for chunk in chunks:
+        by_index.setdefault(chunk.index, []).append(chunk)
+    return [join_chunks(by_index[index]) for index in sorted(by_index)]
 
 
 def join_chunks(chunks: Iterable[Chunk]) -> Completion:
-    """Concatenate a stream's chunks in order; the last chunk's metadata wins."""
+    """Concatenate a stream's chunks in order (one sample's); the last chunk's metadata
+    wins."""
     request_id = ""
     texts: list[str] = []
     token_ids: list[int] = []
@@ -95,9 +110,10 @@ def join_chunks(chunks: Iterable[Chunk]) -> Completion:
     finish_reason: str | None = None
     usage: Usage | None = None
     timings: Timings | None = None
-    num_chunks = 0
+    num_chunks = index = 0
     for chunk in chunks:
         num_chunks += 1
+        index = chunk.index
         request_id = chunk.request_id or request_id
         texts.append(chunk.text)
         token_ids.extend(chunk.token_ids)
@@ -115,6 +131,7 @@ def join_chunks(chunks: Iterable[Chunk]) -> Completion:
         usage=usage,
         timings=timings,
         num_chunks=num_chunks,
+        index=index,
     )
 
 

@@ -108,8 +108,14 @@ class Client:
     def complete(
         self, prompt: str | Sequence[int], **options: Unpack[GenerationOptions]
     ) -> Completion:
-        """Generate and wait for the whole text."""
+        """Generate and wait for the whole text (of one sample: see complete_samples)."""
         return self._loop.run(self._client.complete(prompt, **options))
+
+    def complete_samples(
+        self, prompt: str | Sequence[int], **options: Unpack[GenerationOptions]
+    ) -> list[Completion]:
+        """Generate `n` samples (an option, default 1) and wait for them all, by index."""
+        return self._loop.run(self._client.complete_samples(prompt, **options))
 
     def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return self._loop.run(self._client.tokenize(text, add_special_tokens=add_special_tokens))

@@ -159,17 +159,26 @@ def _model_card(info: Any, created_s: int) -> dict[str, Any]:
     }
 
 
+def _choices(plan: Plan) -> dict[int, Choice]:
+    """Each choice of the plan by its index (a call of n serves n of them)."""
+    return {
+        index: Choice(call, index - call.choice_index)
+        for call in plan.calls
+        for index in call.choice_indices
+    }
+
+
 async def _collect(events: Events, plan: Plan) -> list[Choice]:
-    choices = {call.choice_index: Choice(call) for call in plan.calls}
+    choices = _choices(plan)
     async with aclosing(events):
         async for call, chunk in events:
-            choices[call.choice_index].add(chunk)
+            choices[call.choice_index + chunk.index].add(chunk)
     return list(choices.values())
 
 
 async def _first_chunks(events: Events, plan: Plan) -> list[tuple[Call, Chunk]]:
     """Read until every call has sent a chunk (a refused call raises its error here)."""
-    waiting = {call.choice_index for call in plan.calls}
+    waiting = {call.choice_index for call in plan.calls}  # a call is refused whole
     first: list[tuple[Call, Chunk]] = []
     while waiting:
         try:
@@ -184,7 +193,7 @@ async def _first_chunks(events: Events, plan: Plan) -> list[tuple[Call, Chunk]]:
 async def _event_stream(
     header: Header, plan: Plan, first: list[tuple[Call, Chunk]], events: Events
 ) -> AsyncIterator[str]:
-    choices = {call.choice_index: Choice(call) for call in plan.calls}
+    choices = _choices(plan)
     started: set[int] = set()
 
     async def all_events() -> Events:
@@ -196,7 +205,7 @@ async def _event_stream(
     async with aclosing(events):
         try:
             async for call, chunk in all_events():
-                index = call.choice_index
+                index = call.choice_index + chunk.index
                 if header.endpoint == "chat" and index not in started:
                     started.add(index)
                     yield sse(responses.role_event(header, index, plan.include_usage))

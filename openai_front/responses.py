@@ -46,14 +46,19 @@ class Header:
 
 @dataclass(slots=True)
 class Choice:
-    """One call's chunks joined."""
+    """One sample's chunks joined: choice `index` of the response."""
 
     call: Call
+    sample: int = 0  # its index within the call (Chunk.index)
     texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+
+    @property
+    def index(self) -> int:
+        return self.call.choice_index + self.sample
 
     def add(self, chunk: Chunk) -> None:
         self.texts.append(chunk.text)
@@ -130,10 +135,11 @@ def _chat_token(entry: TokenLogprob, num_top: int) -> dict[str, Any]:
 
 
 def usage_json(choices: Iterable[Choice]) -> dict[str, Any]:
-    """Usage over all choices: each prompt counted once, every choice's completion tokens."""
+    """Usage over all choices: each prompt counted once (by its lowest choice, the sample
+    that computed it), every choice's completion tokens."""
     prompt_tokens = cached_tokens = completion_tokens = 0
     counted_prompts: set[int] = set()
-    for choice in choices:
+    for choice in sorted(choices, key=lambda choice: choice.index):
         usage = choice.usage
         if usage is None:
             continue
@@ -157,7 +163,7 @@ def whole_response(
     body = header.fields(header.object)
     body["choices"] = [
         _whole_choice(header.endpoint, c, num_top_logprobs)
-        for c in sorted(choices, key=lambda c: c.call.choice_index)
+        for c in sorted(choices, key=lambda c: c.index)
     ]
     body["usage"] = usage_json(choices)
     return body
@@ -166,7 +172,7 @@ def whole_response(
 def _whole_choice(endpoint: Endpoint, choice: Choice, num_top: int | None) -> dict[str, Any]:
     text = "".join(choice.texts)
     logprobs = None if num_top is None else logprobs_json(endpoint, choice.logprobs, num_top)
-    out: dict[str, Any] = {"index": choice.call.choice_index}
+    out: dict[str, Any] = {"index": choice.index}
     if endpoint == "chat":
         out["message"] = {"role": "assistant", "content": text}
     else:
@@ -201,7 +207,7 @@ def chunk_event(
     logprobs = None
     if num_top_logprobs is not None and chunk.logprobs:
         logprobs = logprobs_json(header.endpoint, chunk.logprobs, num_top_logprobs)
-    choice: dict[str, Any] = {"index": call.choice_index}
+    choice: dict[str, Any] = {"index": call.choice_index + chunk.index}
     if header.endpoint == "chat":
         choice["delta"] = {"content": chunk.text} if chunk.text or reason is None else {}
     else:

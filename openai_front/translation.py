@@ -1,9 +1,11 @@
 """An OpenAI request body -> the gRPC calls that serve it, one per choice.
 
-Pure: no I/O. `n` choices of each prompt are `n` Generate (or Chat) calls, the i-th with
-seed + i when a seed is given, until the gRPC API has `n` itself. Every value is passed on
-as given and the scheduler validates it (its INVALID_ARGUMENT sentence becomes the 400);
-only what the gRPC API cannot express is refused here.
+Pure: no I/O. The `n` choices of each prompt are one Generate (or Chat) call with the gRPC
+`n`, so the scheduler computes the prompt once and its samples share its KV blocks; choice
+`call.choice_index + chunk.index`; sample i draws with seed + i when a seed is given (the
+scheduler's rule). Several prompts in one /v1/completions body are one call each. Every
+value is passed on as given and the scheduler validates it (its INVALID_ARGUMENT sentence
+becomes the 400); only what the gRPC API cannot express is refused here.
 """
 
 from __future__ import annotations
@@ -24,13 +26,18 @@ OPENAI_DEFAULT_TEMPERATURE = 1.0
 class Call:
     """One gRPC request: Chat when `messages` is set, else Generate of `prompt`."""
 
-    choice_index: int
+    choice_index: int  # of its sample 0; sample i (Chunk.index) is choice_index + i
     prompt_index: int
     prompt: str | list[int] | None
     messages: list[dict[str, str]] | None
     options: GenerationOptions
+    n: int = 1  # samples of the call (the gRPC n)
     # vLLM's return_token_ids: each choice and stream event lists its token ids.
     return_token_ids: bool = False
+
+    @property
+    def choice_indices(self) -> range:
+        return range(self.choice_index, self.choice_index + self.n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,15 +61,15 @@ def plan_completion(body: CompletionRequest, request_id: str, max_n: int) -> Pla
     options = _options(body, max_tokens=body.max_tokens, num_logprobs=body.logprobs)
     calls = [
         Call(
-            choice_index=prompt_index * body.n + i,
-            prompt_index=prompt_index,
-            prompt=prompt,
-            messages=None,
-            options=_seeded(options, body.seed, i, f"{request_id}-{prompt_index * body.n + i}"),
+            prompt_index * body.n,
+            prompt_index,
+            prompt,
+            None,
+            _samples(options, body.n, body.seed, f"{request_id}-{prompt_index}"),
+            body.n,
             return_token_ids=bool(body.return_token_ids),
         )
         for prompt_index, prompt in enumerate(prompts)
-        for i in range(body.n)
     ]
     return Plan(calls, body.logprobs, _include_usage(body))
 
@@ -80,14 +87,14 @@ def plan_chat(body: ChatCompletionRequest, request_id: str, max_n: int) -> Plan:
     messages = [_message(index, m) for index, m in enumerate(body.messages)]
     calls = [
         Call(
-            i,
+            0,
             0,
             None,
             messages,
-            _seeded(options, body.seed, i, f"{request_id}-{i}"),
+            _samples(options, body.n, body.seed, f"{request_id}-0"),
+            body.n,
             return_token_ids=bool(body.return_token_ids),
         )
-        for i in range(body.n)
     ]
     return Plan(calls, num_top, _include_usage(body))
 
@@ -179,12 +186,15 @@ def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
     return token_ids
 
 
-def _seeded(options: GenerationOptions, seed: int | None, offset: int, call_id: str) -> Any:
-    """The options of one call: its own request id, and seed + offset when seeded."""
-    seeded = dict(options, request_id=call_id)
+def _samples(options: GenerationOptions, n: int, seed: int | None, call_id: str) -> Any:
+    """The options of the one call serving `n` choices of a prompt: its request id, the
+    seed (the scheduler gives sample i seed + i) and the gRPC n."""
+    call_options = dict(options, request_id=call_id)
     if seed is not None:
-        seeded["seed"] = (seed + offset) % 2**64
-    return seeded
+        call_options["seed"] = seed
+    if n > 1:
+        call_options["n"] = n
+    return call_options
 
 
 def _prompts(prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagoda/protos/generation.proto\x12\tpagoda.v1\"\x8f\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.pagoda.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\n \x03(\r\x12\x18\n\x10\x62\x61nned_token_ids\x18\x0b \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\x94\x01\n\x10StoppingCriteria\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\x11\n\x0f_max_new_tokens\"\xb0\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x13.pagoda.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12-\n\x08stopping\x18\x04 \x01(\x0b\x32\x1b.pagoda.v1.StoppingCriteria\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x10\n\x08logprobs\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12)\n\nconstraint\x18\t \x01(\x0b\x32\x15.pagoda.v1.ConstraintB\x07\n\x05input\"\xa9\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18\x04 \x01(\tH\x00\x12\x16\n\x0cgbnf_grammar\x18\x05 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x06 \x01(\x0b\x32\x12.pagoda.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x8a\x02\n\x0b\x43hatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pagoda.v1.ChatMessage\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12-\n\x08stopping\x18\x03 \x01(\x0b\x32\x1b.pagoda.v1.StoppingCriteria\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x10\n\x08logprobs\x18\x05 \x01(\r\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12)\n\nconstraint\x18\x08 \x01(\x0b\x32\x15.pagoda.v1.Constraint\"\x8c\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x13\n\x0btoken_bytes\x18\x05 \x01(\x0c\x12\x17\n\x0ftop_token_bytes\x18\x06 \x03(\x0c\"p\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\r\"F\n\x07Timings\x12\x11\n\tqueued_ms\x18\x01 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xe8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.pagoda.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.pagoda.v1.Usage\x12#\n\x07timings\x18\x07 \x01(\x0b\x32\x12.pagoda.v1.Timings\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xa2\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x15\n\rnum_kv_tokens\x18\x06 \x01(\x04\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x18\n\x10worker_connected\x18\n \x01(\x08\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x12\x14\n\x0cquantization\x18\x0c \x01(\t\x12\x10\n\x08numerics\x18\r \x01(\t\"\x14\n\x12ServerStatsRequest\"\x84\x04\n\x0bServerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x1a\n\x12num_kv_blocks_used\x18\x03 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x04 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x11\n\tnum_steps\x18\x07 \x01(\x04\x12\x18\n\x10worker_connected\x18\x08 \x01(\x08\x12\x1c\n\x14num_kv_blocks_cached\x18\t \x01(\r\x12\x1d\n\x15num_requests_finished\x18\n \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x0b \x01(\x04\x12\x1d\n\x15worker_incarnation_id\x18\x0c \x01(\t\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\x1c\n\x14worker_busy_fraction\x18\x0e \x01(\x01\x12\x15\n\rworker_busy_s\x18\x0f \x01(\x01\x12\'\n\x07workers\x18\x10 \x03(\x0b\x32\x16.pagoda.v1.WorkerStats\x12\x1a\n\x12num_isolated_steps\x18\x11 \x01(\x04\x12\'\n\x07tenants\x18\x12 \x03(\x0b\x32\x16.pagoda.v1.TenantStats\"\xe4\x01\n\x0bTenantStats\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x19\n\x11num_served_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x1d\n\x15num_requests_finished\x18\x06 \x01(\x04\x12\x18\n\x10ttft_bucket_le_s\x18\x07 \x03(\x01\x12\x1a\n\x12ttft_bucket_counts\x18\x08 \x03(\x04\x12\x12\n\nttft_sum_s\x18\t \x01(\x01\"\xd0\x01\n\x0bWorkerStats\x12\x16\n\x0eincarnation_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x1a\n\x12num_kv_blocks_used\x18\x04 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x05 \x01(\r\x12\x15\n\rbusy_fraction\x18\x06 \x01(\x01\x12\x11\n\tnum_steps\x18\x07 \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x08 \x01(\x04*]\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\r\n\tCANCELLED\x10\x03\x12\t\n\x05\x45RROR\x10\x04\x32\xe3\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.pagoda.v1.GenerateRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x16.pagoda.v1.ChatRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.pagoda.v1.TokenizeRequest\x1a\x1b.pagoda.v1.TokenizeResponse\x12\x41\n\x0cGetModelInfo\x12\x1b.pagoda.v1.ModelInfoRequest\x1a\x14.pagoda.v1.ModelInfo\x12G\n\x0eGetServerStats\x12\x1d.pagoda.v1.ServerStatsRequest\x1a\x16.pagoda.v1.ServerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagoda/protos/generation.proto\x12\tpagoda.v1\"\x8f\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.pagoda.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\n \x03(\r\x12\x18\n\x10\x62\x61nned_token_ids\x18\x0b \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\x94\x01\n\x10StoppingCriteria\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\x11\n\x0f_max_new_tokens\"\xbb\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x13.pagoda.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12-\n\x08stopping\x18\x04 \x01(\x0b\x32\x1b.pagoda.v1.StoppingCriteria\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x10\n\x08logprobs\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12)\n\nconstraint\x18\t \x01(\x0b\x32\x15.pagoda.v1.Constraint\x12\t\n\x01n\x18\n \x01(\rB\x07\n\x05input\"\xa9\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18\x04 \x01(\tH\x00\x12\x16\n\x0cgbnf_grammar\x18\x05 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x06 \x01(\x0b\x32\x12.pagoda.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x95\x02\n\x0b\x43hatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pagoda.v1.ChatMessage\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12-\n\x08stopping\x18\x03 \x01(\x0b\x32\x1b.pagoda.v1.StoppingCriteria\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x10\n\x08logprobs\x18\x05 \x01(\r\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12)\n\nconstraint\x18\x08 \x01(\x0b\x32\x15.pagoda.v1.Constraint\x12\t\n\x01n\x18\t \x01(\r\"\x8c\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x13\n\x0btoken_bytes\x18\x05 \x01(\x0c\x12\x17\n\x0ftop_token_bytes\x18\x06 \x03(\x0c\"p\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\r\"F\n\x07Timings\x12\x11\n\tqueued_ms\x18\x01 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\x9e\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.pagoda.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.pagoda.v1.Usage\x12#\n\x07timings\x18\x07 \x01(\x0b\x32\x12.pagoda.v1.Timings\x12\r\n\x05index\x18\x08 \x01(\r\x12%\n\x0btotal_usage\x18\t \x01(\x0b\x32\x10.pagoda.v1.Usage\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xa2\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x15\n\rnum_kv_tokens\x18\x06 \x01(\x04\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x18\n\x10worker_connected\x18\n \x01(\x08\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x12\x14\n\x0cquantization\x18\x0c \x01(\t\x12\x10\n\x08numerics\x18\r \x01(\t\"\x14\n\x12ServerStatsRequest\"\x84\x04\n\x0bServerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x1a\n\x12num_kv_blocks_used\x18\x03 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x04 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x11\n\tnum_steps\x18\x07 \x01(\x04\x12\x18\n\x10worker_connected\x18\x08 \x01(\x08\x12\x1c\n\x14num_kv_blocks_cached\x18\t \x01(\r\x12\x1d\n\x15num_requests_finished\x18\n \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x0b \x01(\x04\x12\x1d\n\x15worker_incarnation_id\x18\x0c \x01(\t\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\x1c\n\x14worker_busy_fraction\x18\x0e \x01(\x01\x12\x15\n\rworker_busy_s\x18\x0f \x01(\x01\x12\'\n\x07workers\x18\x10 \x03(\x0b\x32\x16.pagoda.v1.WorkerStats\x12\x1a\n\x12num_isolated_steps\x18\x11 \x01(\x04\x12\'\n\x07tenants\x18\x12 \x03(\x0b\x32\x16.pagoda.v1.TenantStats\"\xe4\x01\n\x0bTenantStats\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x19\n\x11num_served_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x1d\n\x15num_requests_finished\x18\x06 \x01(\x04\x12\x18\n\x10ttft_bucket_le_s\x18\x07 \x03(\x01\x12\x1a\n\x12ttft_bucket_counts\x18\x08 \x03(\x04\x12\x12\n\nttft_sum_s\x18\t \x01(\x01\"\xd0\x01\n\x0bWorkerStats\x12\x16\n\x0eincarnation_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x1a\n\x12num_kv_blocks_used\x18\x04 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x05 \x01(\r\x12\x15\n\rbusy_fraction\x18\x06 \x01(\x01\x12\x11\n\tnum_steps\x18\x07 \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x08 \x01(\x04*]\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\r\n\tCANCELLED\x10\x03\x12\t\n\x05\x45RROR\x10\x04\x32\xe3\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.pagoda.v1.GenerateRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x16.pagoda.v1.ChatRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.pagoda.v1.TokenizeRequest\x1a\x1b.pagoda.v1.TokenizeResponse\x12\x41\n\x0cGetModelInfo\x12\x1b.pagoda.v1.ModelInfoRequest\x1a\x14.pagoda.v1.ModelInfo\x12G\n\x0eGetServerStats\x12\x1d.pagoda.v1.ServerStatsRequest\x1a\x16.pagoda.v1.ServerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3421
-  _globals['_FINISHREASON']._serialized_end=3514
+  _globals['_FINISHREASON']._serialized_start=3497
+  _globals['_FINISHREASON']._serialized_end=3590
   _globals['_SAMPLINGPARAMS']._serialized_start=46
   _globals['_SAMPLINGPARAMS']._serialized_end=445
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=355
@@ -42,41 +42,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPINGCRITERIA']._serialized_start=448
   _globals['_STOPPINGCRITERIA']._serialized_end=596
   _globals['_GENERATEREQUEST']._serialized_start=599
-  _globals['_GENERATEREQUEST']._serialized_end=903
-  _globals['_CONSTRAINT']._serialized_start=906
-  _globals['_CONSTRAINT']._serialized_end=1075
-  _globals['_CHOICES']._serialized_start=1077
-  _globals['_CHOICES']._serialized_end=1103
-  _globals['_TOKENIDS']._serialized_start=1105
-  _globals['_TOKENIDS']._serialized_end=1128
-  _globals['_CHATMESSAGE']._serialized_start=1130
-  _globals['_CHATMESSAGE']._serialized_end=1174
-  _globals['_CHATREQUEST']._serialized_start=1177
-  _globals['_CHATREQUEST']._serialized_end=1443
-  _globals['_TOKENLOGPROB']._serialized_start=1446
-  _globals['_TOKENLOGPROB']._serialized_end=1586
-  _globals['_USAGE']._serialized_start=1588
-  _globals['_USAGE']._serialized_end=1700
-  _globals['_TIMINGS']._serialized_start=1702
-  _globals['_TIMINGS']._serialized_end=1772
-  _globals['_GENERATERESPONSE']._serialized_start=1775
-  _globals['_GENERATERESPONSE']._serialized_end=2007
-  _globals['_TOKENIZEREQUEST']._serialized_start=2009
-  _globals['_TOKENIZEREQUEST']._serialized_end=2068
-  _globals['_TOKENIZERESPONSE']._serialized_start=2070
-  _globals['_TOKENIZERESPONSE']._serialized_end=2123
-  _globals['_MODELINFOREQUEST']._serialized_start=2125
-  _globals['_MODELINFOREQUEST']._serialized_end=2143
-  _globals['_MODELINFO']._serialized_start=2146
-  _globals['_MODELINFO']._serialized_end=2436
-  _globals['_SERVERSTATSREQUEST']._serialized_start=2438
-  _globals['_SERVERSTATSREQUEST']._serialized_end=2458
-  _globals['_SERVERSTATS']._serialized_start=2461
-  _globals['_SERVERSTATS']._serialized_end=2977
-  _globals['_TENANTSTATS']._serialized_start=2980
-  _globals['_TENANTSTATS']._serialized_end=3208
-  _globals['_WORKERSTATS']._serialized_start=3211
-  _globals['_WORKERSTATS']._serialized_end=3419
-  _globals['_GENERATION']._serialized_start=3517
-  _globals['_GENERATION']._serialized_end=3872
+  _globals['_GENERATEREQUEST']._serialized_end=914
+  _globals['_CONSTRAINT']._serialized_start=917
+  _globals['_CONSTRAINT']._serialized_end=1086
+  _globals['_CHOICES']._serialized_start=1088
+  _globals['_CHOICES']._serialized_end=1114
+  _globals['_TOKENIDS']._serialized_start=1116
+  _globals['_TOKENIDS']._serialized_end=1139
+  _globals['_CHATMESSAGE']._serialized_start=1141
+  _globals['_CHATMESSAGE']._serialized_end=1185
+  _globals['_CHATREQUEST']._serialized_start=1188
+  _globals['_CHATREQUEST']._serialized_end=1465
+  _globals['_TOKENLOGPROB']._serialized_start=1468
+  _globals['_TOKENLOGPROB']._serialized_end=1608
+  _globals['_USAGE']._serialized_start=1610
+  _globals['_USAGE']._serialized_end=1722
+  _globals['_TIMINGS']._serialized_start=1724
+  _globals['_TIMINGS']._serialized_end=1794
+  _globals['_GENERATERESPONSE']._serialized_start=1797
+  _globals['_GENERATERESPONSE']._serialized_end=2083
+  _globals['_TOKENIZEREQUEST']._serialized_start=2085
+  _globals['_TOKENIZEREQUEST']._serialized_end=2144
+  _globals['_TOKENIZERESPONSE']._serialized_start=2146
+  _globals['_TOKENIZERESPONSE']._serialized_end=2199
+  _globals['_MODELINFOREQUEST']._serialized_start=2201
+  _globals['_MODELINFOREQUEST']._serialized_end=2219
+  _globals['_MODELINFO']._serialized_start=2222
+  _globals['_MODELINFO']._serialized_end=2512
+  _globals['_SERVERSTATSREQUEST']._serialized_start=2514
+  _globals['_SERVERSTATSREQUEST']._serialized_end=2534
+  _globals['_SERVERSTATS']._serialized_start=2537
+  _globals['_SERVERSTATS']._serialized_end=3053
+  _globals['_TENANTSTATS']._serialized_start=3056
+  _globals['_TENANTSTATS']._serialized_end=3284
+  _globals['_WORKERSTATS']._serialized_start=3287
+  _globals['_WORKERSTATS']._serialized_end=3495
+  _globals['_GENERATION']._serialized_start=3593
+  _globals['_GENERATION']._serialized_end=3948
 # @@protoc_insertion_point(module_scope)

@@ -24,6 +24,7 @@ from pagoda.scheduler_svc.core import (
     QueueFullError,
     RequestOutput,
     RequestTooLargeError,
+    Usage,
     ValidRequest,
 )
 from pagoda.scheduler_svc.front import Front, Unavailable
@@ -76,13 +77,16 @@ def to_response(
     output: RequestOutput,
     request_id: str | None = None,
     token_bytes: Callable[[int], bytes] | None = None,
+    index: int = 0,
 ) -> generation_pb2.GenerateResponse:
     """`request_id`: the id the client knows the request by (default: the server's);
-    `token_bytes`: each token's text, for the logprobs (None: ids only)."""
+    `token_bytes`: each token's text, for the logprobs (None: ids only); `index`: the
+    sample's (n > 1)."""
     response = generation_pb2.GenerateResponse(
         request_id=output.request_id if request_id is None else request_id,
         text=output.text,
         token_ids=output.token_ids,
+        index=index,
     )
     for logprob in output.logprobs or ():
         entry = response.logprobs.add(
@@ -97,14 +101,7 @@ def to_response(
     if output.finish_reason is not None:
         response.finish_reason = _FINISH_REASONS[output.finish_reason]
     if output.usage is not None:
-        response.usage.CopyFrom(
-            generation_pb2.Usage(
-                prompt_tokens=output.usage.prompt_tokens,
-                completion_tokens=output.usage.completion_tokens,
-                cached_prompt_tokens=output.usage.cached_prompt_tokens,
-                num_preemptions=output.usage.num_preemptions,
-            )
-        )
+        response.usage.CopyFrom(_usage(output.usage))
     if output.timings is not None:
         response.timings.CopyFrom(
             generation_pb2.Timings(
@@ -114,6 +111,27 @@ def to_response(
             )
         )
     return response
+
+
+def _usage(usage: Usage) -> generation_pb2.Usage:
+    return generation_pb2.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_prompt_tokens=usage.cached_prompt_tokens,
+        num_preemptions=usage.num_preemptions,
+    )
+
+
+def total_usage(usages: list[Usage]) -> Usage:
+    """A request's usage from its samples' (sample 0 first): the prompt once, as sample 0
+    computed it; completions and preemptions summed."""
+    first = usages[0]
+    return Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=sum(usage.completion_tokens for usage in usages),
+        cached_prompt_tokens=first.cached_prompt_tokens,
+        num_preemptions=sum(usage.num_preemptions for usage in usages),
+    )
 
 
 class Refused(Exception):
@@ -191,6 +209,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_logprobs=min(
                 self._config.max_logprobs, hello.max_logprobs or self._config.max_logprobs
             ),
+            max_n=self._config.max_n,
         )
 
     async def Generate(self, request, context) -> None:
@@ -233,28 +252,74 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if self._config.cache_salt_by_api_key:
             salt = tenant_cache_salt(bearer_token(context), valid.cache_salt)
             valid = dataclasses.replace(valid, cache_salt=salt)
-        slot = self._submit(valid)
+        slots = self._submit(valid)
         try:
-            while True:
-                output = await slot.next()
-                if output.finish_reason is FinishReason.ERROR:
-                    if output.token_ids or output.text:
-                        await self._write(
-                            context, to_response(output, client_request_id, self._token_bytes)
-                        )
-                    code = getattr(grpc.StatusCode, slot.error_code or "INTERNAL")
-                    raise self._refused(code, output.error_message or "the request failed")
-                await self._write(
-                    context, to_response(output, client_request_id, self._token_bytes)
-                )
-                if output.finish_reason is not None:
-                    self._metrics.observe_tenant_finish(tenant.name, output)
-                    return
+            if len(slots) == 1:
+                slot = slots[0]
+                while True:
+                    output = await slot.next()
+                    await self._stream(context, slot, output, client_request_id, tenant.name)
+                    if output.finish_reason is not None:
+                        return
+            await self._stream_samples(context, slots, client_request_id, tenant.name)
         finally:
             # Reached on normal end, refusal, client cancel, deadline, disconnect or a
             # stalled write (grpc.aio raises CancelledError at the pending await): a live
-            # request is cancelled so its blocks are free before the next step is planned.
-            self._front.release(slot)
+            # request is cancelled so its blocks are free before the next step is planned;
+            # so is every sample of one of n.
+            for slot in slots:
+                self._front.release(slot)
+
+    async def _stream(
+        self,
+        context,
+        slot,
+        output: RequestOutput,
+        request_id: str,
+        tenant: str,
+        index: int = 0,
+        usages: list[Usage | None] | None = None,
+    ) -> None:
+        """Write one output of a sample; an ERROR ends the call with the slot's status
+        (every other sample is cancelled). With `usages` (n > 1: each sample's final
+        usage, by index, None until it ends), the last sample to end also carries the
+        request's total_usage."""
+        if output.finish_reason is FinishReason.ERROR:
+            if output.token_ids or output.text:
+                await self._write(
+                    context, to_response(output, request_id, self._token_bytes, index)
+                )
+            code = getattr(grpc.StatusCode, slot.error_code or "INTERNAL")
+            raise self._refused(code, output.error_message or "the request failed")
+        response = to_response(output, request_id, self._token_bytes, index)
+        if output.finish_reason is not None:
+            self._metrics.observe_tenant_finish(tenant, output)
+            if usages is not None:
+                usages[index] = output.usage
+                if all(usage is not None for usage in usages):
+                    response.total_usage.CopyFrom(_usage(total_usage(usages)))
+        await self._write(context, response)
+
+    async def _stream_samples(self, context, slots: list, request_id: str, tenant: str) -> None:
+        """Stream n samples' outputs as they come, each tagged with its index; returns once
+        every sample has ended. Each slot is read by one task at a time, so a sample's
+        messages stay in order and none is lost or repeated."""
+        usages: list[Usage | None] = [None] * len(slots)
+        reading = {asyncio.ensure_future(slot.next()): index for index, slot in enumerate(slots)}
+        try:
+            while reading:
+                done, _ = await asyncio.wait(reading, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=reading.__getitem__):
+                    index = reading.pop(task)
+                    output = task.result()
+                    await self._stream(
+                        context, slots[index], output, request_id, tenant, index, usages
+                    )
+                    if output.finish_reason is None:
+                        reading[asyncio.ensure_future(slots[index].next())] = index
+        finally:
+            for task in reading:
+                task.cancel()
 
     async def _write(self, context, response: generation_pb2.GenerateResponse) -> None:
         """Write one message; a client that takes none for stream_write_timeout_s (flow
@@ -321,7 +386,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 limits.vocab_size,
                 self._last_hello.eos_token_ids,
             )
-            return dataclasses.replace(valid, grammar=grammar)
+            forks = tuple(grammar.fork() for _ in range(valid.n - 1))
+            return dataclasses.replace(valid, grammar=grammar, sample_grammars=forks)
         except (ValidationError, GrammarError) as exc:
             sentence = str(exc)
         raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, sentence)
@@ -343,7 +409,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         bucket = self._buckets.get(tenant.name)
         if bucket is None:
             bucket = self._buckets[tenant.name] = TokenBucket(limit, now)
-        cost = len(valid.prompt_token_ids) + valid.stopping.max_new_tokens
+        cost = len(valid.prompt_token_ids) + valid.n * valid.stopping.max_new_tokens
         wait_s = bucket.take(cost, now)
         if wait_s is not None:
             raise self._refused(
@@ -352,9 +418,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 f"(tenant_tokens_per_minute); retry in {wait_s:.1f} s",
             )
 
-    def _submit(self, valid: ValidRequest):
+    def _submit(self, valid: ValidRequest) -> list:
+        """The slots of the request's samples, in index order."""
         try:
-            return self._front.submit(valid)
+            if valid.n == 1:
+                return [self._front.submit(valid)]
+            return self._front.submit_samples(valid)
         except Unavailable as exc:
             code, sentence = grpc.StatusCode.UNAVAILABLE, str(exc)
         except QueueFullError as exc:
@@ -411,6 +480,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_stop_string_bytes=self._config.max_stop_string_bytes,
             max_stop_total_bytes=self._config.max_stop_total_bytes,
             max_logprobs=self._config.max_logprobs,
+            max_n=self._config.max_n,
         )
 
     async def GetModelInfo(self, request, context):

@@ -43,7 +43,7 @@ from pagoda.scheduler_svc.core import (
 )
 from pagoda.scheduler_svc.core.kv import cache_root_hash
 from pagoda.scheduler_svc.core.placement import choose_lane
-from pagoda.scheduler_svc.core.request import Request, token_array
+from pagoda.scheduler_svc.core.request import Request, sample_request_ids, token_array
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.output_processor import OutputProcessor, TextState
@@ -217,26 +217,37 @@ class Front:
         return self._draining
 
     def submit(self, request: ValidRequest) -> OutputSlot:
-        """Queue a validated request on a lane and open its output slot; `release` it when
-        done reading.
+        """Queue a validated request of one sample on a lane and open its output slot;
+        `release` it when done reading.
 
         Raises Unavailable, or the scheduler's QueueFullError / RequestTooLargeError /
         DuplicateRequestError.
         """
+        if request.n != 1:
+            raise ValueError("submit() takes one sample; submit_samples() takes n")
+        return self.submit_samples(request)[0]
+
+    def submit_samples(self, request: ValidRequest) -> list[OutputSlot]:
+        """Queue a validated request's n samples on one lane (they share the prompt's
+        blocks there) and open their output slots, in index order (the ids of
+        sample_request_ids); `release` each when done reading. Raises as submit()."""
         self._check_available()
-        request_id = request.request_id
+        request_ids = sample_request_ids(request.request_id, request.n)
         # Refused while any lane holds the id, as one scheduler refuses it (its slot may be
         # closed with its cancel still to be taken): the text state and the slot are the
         # id's, so the old request's end would be the new one's.
-        if request_id in self._streams or self.holder(request_id) is not None:
-            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
+        for request_id in request_ids:
+            if request_id in self._streams or self.holder(request_id) is not None:
+                raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
         lane = self._place(token_array(request.prompt_token_ids), request.cache_salt)
         lane.scheduler.add(request, self._clock())
-        self._cancels.pop(request_id, None)  # the old request's: it ended
         lane.processor.open(request)
-        slot = self._streams.open(request_id)
+        slots = []
+        for request_id in request_ids:
+            self._cancels.pop(request_id, None)  # the old request's: it ended
+            slots.append(self._streams.open(request_id))
         lane.loop.wake()
-        return slot
+        return slots
 
     def release(self, slot: OutputSlot) -> None:
         """The slot's reader is gone (it read the end, or its client left): close the slot,

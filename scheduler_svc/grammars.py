@@ -85,6 +85,11 @@ class RequestGrammar:
         self.num_consumed_tokens = 0
         _live.add(self)
 
+    def fork(self) -> RequestGrammar:
+        """A matcher of its own for another sample of the same request (n > 1), in the
+        state of this one before any token: call before this one consumes any."""
+        return RequestGrammar(self.matcher.deep_copy(), self.eos_token_ids)
+
     def catch_up(self, request: Request) -> None:
         """Consume the tokens `request` generated since the last call."""
         start = request.num_prompt_tokens + self.num_consumed_tokens

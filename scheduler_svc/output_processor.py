@@ -28,6 +28,7 @@ import logging
 from collections.abc import Callable
 
 from pagoda.scheduler_svc.core import FinishReason, RequestOutput, StepOutputs, ValidRequest
+from pagoda.scheduler_svc.core.request import sample_request_ids
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("pagoda.output_processor")
@@ -154,12 +155,13 @@ class OutputProcessor:
     def open(self, request: ValidRequest) -> None:
         """Open the text state of `request`, which the scheduler has just taken."""
         stopping = request.stopping
-        matcher = (
-            StopStringMatcher(stopping.stop_strings, stopping.min_new_tokens)
-            if stopping.stop_strings
-            else None
-        )
-        self._texts[request.request_id] = (self._new_detokenizer(), matcher)
+        for request_id in sample_request_ids(request.request_id, request.n):  # one per sample
+            matcher = (
+                StopStringMatcher(stopping.stop_strings, stopping.min_new_tokens)
+                if stopping.stop_strings
+                else None
+            )
+            self._texts[request_id] = (self._new_detokenizer(), matcher)
 
     def __len__(self) -> int:
         """Requests whose text state is open."""

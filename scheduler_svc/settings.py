@@ -44,6 +44,7 @@ class ServiceConfig:
     max_stop_string_bytes: int = 256
     max_stop_total_bytes: int = 1024
     max_logprobs: int = 20
+    max_n: int = 16
     # 1 MiB holds a prompt as long as a 128k context: 131,072 token ids of 3 bytes each
     # (ids below 2**21) or about 4.5 bytes of text per token. Larger only when configured:
     # every request in flight, authenticated or not yet, is held whole (review N1).
@@ -82,6 +83,7 @@ class ServiceConfig:
             "max_health_watchers",
             "status_interval_s",
             "max_workers",
+            "max_n",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -145,6 +147,7 @@ HELP: dict[str, str] = {
     "max_stop_string_bytes": "longest stop string in UTF-8 bytes",
     "max_stop_total_bytes": "UTF-8 bytes of one request's stop strings together",
     "max_logprobs": "largest top-n logprobs a request may ask for (at most 20)",
+    "max_n": "most samples (n) one request may ask for; they share the prompt's KV blocks",
     "max_grpc_message_bytes": "largest gRPC request accepted, in bytes (refused before "
     "authentication beyond it; the default holds a prompt of a 128k-token context; replies "
     "may be up to 64 MiB or this, whichever is larger)",

@@ -59,6 +59,7 @@ class Limits:
     max_stop_string_bytes: int
     max_logprobs: int
     max_stop_total_bytes: int = 1024
+    max_n: int = 16  # samples per request (ServiceConfig.max_n)
 
 
 def validate_generate(request, tokenizer: TextTokenizer, limits: Limits) -> ValidRequest:
@@ -214,6 +215,9 @@ def _finish(request, prompt_token_ids: tuple[int, ...], limits: Limits) -> Valid
         raise ValidationError(
             f"logprobs must be at most {limits.max_logprobs}, got {request.logprobs}"
         )
+    n = request.n or 1
+    if n > limits.max_n:
+        raise ValidationError(f"n must be at most {limits.max_n} (the server's --max-n), got {n}")
     return ValidRequest(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt_token_ids,
@@ -221,6 +225,7 @@ def _finish(request, prompt_token_ids: tuple[int, ...], limits: Limits) -> Valid
         stopping=_stopping(request.stopping, num_prompt_tokens, limits),
         priority=request.priority,
         cache_salt=request.cache_salt,
+        n=n,
     )
 
 

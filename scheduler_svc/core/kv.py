@@ -181,9 +181,10 @@ class PrefixCache:
 
     # -- lookups -----------------------------------------------------------------------
 
-    def match(self, block_hashes: list[int], max_blocks: int) -> list[int]:
-        """Blocks of the longest cached prefix of the chain `block_hashes[:max_blocks]`."""
-        if not self.enabled:
+    def match(self, block_hashes: list[int], max_blocks: int, *, always: bool = False) -> list[int]:
+        """Blocks of the longest cached prefix of the chain `block_hashes[:max_blocks]`;
+        with `always`, even when prefix caching is off (the samples of one request)."""
+        if not (self.enabled or always):
             return []
         block_of_hash = self._block_of_hash
         hit_block_ids: list[int] = []
@@ -237,10 +238,11 @@ class PrefixCache:
             if release(block_id, retain=keyed) == 0 and keyed:
                 evictable[block_id] = None
 
-    def register(self, block_id: int, block_hash: int) -> bool:
+    def register(self, block_id: int, block_hash: int, *, always: bool = False) -> bool:
         """Key a full, computed (or being computed) block. False when the key already
-        names another block (this one then stays unkeyed and is freed when released)."""
-        if not self.enabled or self._hash_of_block[block_id] is not None:
+        names another block (this one then stays unkeyed and is freed when released).
+        With `always`, even when prefix caching is off (the samples of one request)."""
+        if not (self.enabled or always) or self._hash_of_block[block_id] is not None:
             return False
         block_of_hash = self._block_of_hash
         if block_hash in block_of_hash:
@@ -262,13 +264,19 @@ class PrefixCache:
 
 
 def match_prefix(
-    blocks: PrefixCache, token_ids: array[int], block_hashes: list[int], root_hash: int
+    blocks: PrefixCache,
+    token_ids: array[int],
+    block_hashes: list[int],
+    root_hash: int,
+    *,
+    always: bool = False,
 ) -> list[int]:
     """Cached blocks of the prefix of `token_ids` (its chain `block_hashes` under
     `root_hash`, extended as needed); the last token is always left to compute so there
-    are logits to sample."""
-    if not blocks.enabled:
+    are logits to sample. `always`: match even with prefix caching off (the samples of one
+    call share their prompt under a root private to the call)."""
+    if not (blocks.enabled or always):
         return []
     max_blocks = (len(token_ids) - 1) // blocks.block_size
     extend_block_hashes(token_ids, block_hashes, max_blocks, blocks.block_size, root_hash)
-    return blocks.match(block_hashes, max_blocks)
+    return blocks.match(block_hashes, max_blocks, always=always)

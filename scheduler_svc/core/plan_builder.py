@@ -109,7 +109,7 @@ class PlanBuilder:
         request.num_blocks_sent = len(table)
         request.num_computed_tokens = end
         request.last_scheduled_step = self.step_id
-        if self._prefix_caching:
+        if self._prefix_caching or request.shares_prompt:
             key_blocks(self.blocks, request, start, end, self.keyed)
 
     def give_blocks(self, requests: list[Request]) -> None:
@@ -230,5 +230,5 @@ def key_blocks(
     )
     for index in range(first, last):
         block_id = request.block_ids[index]
-        if blocks.register(block_id, request.block_hashes[index]):
+        if blocks.register(block_id, request.block_hashes[index], always=request.shares_prompt):
             keyed.append((request.seq_id, block_id))

@@ -447,7 +447,11 @@ class Planner:
     def _match(self, request: Request) -> list[int]:
         """Cached blocks of the request's prefix (kv.match_prefix)."""
         return match_prefix(
-            self.blocks, request.token_ids, request.block_hashes, request.cache_root_hash
+            self.blocks,
+            request.token_ids,
+            request.block_hashes,
+            request.cache_root_hash,
+            always=request.shares_prompt,
         )
 
     def _start(self, b: PlanBuilder, request: Request, num_tokens: int, now: float) -> int:

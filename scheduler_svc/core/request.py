@@ -40,6 +40,24 @@ class ValidRequest:
     # Structured output: the service's grammar matcher (scheduler_svc.grammars), opaque to
     # the core.
     grammar: object | None = None
+    # Samples of this prompt (n): n core requests named by sample_request_ids, sharing
+    # the prompt's KV blocks (see Request.prompt_leader).
+    n: int = 1
+    # With a grammar and n > 1: the matchers of samples 1 to n-1 (each its own state).
+    sample_grammars: tuple[object, ...] = ()
+
+
+def sample_request_ids(request_id: str, n: int) -> list[str]:
+    """The core request ids of the n samples of the call `request_id`: the id itself when
+    n is 1, else `request_id#i`. Cancelling the call cancels each of them."""
+    if n == 1:
+        return [request_id]
+    return [f"{request_id}#{index}" for index in range(n)]
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """Sample `index`'s seed: seed + index, within the 64 bits of SamplingParams.seed."""
+    return (seed + index) & 0xFFFF_FFFF_FFFF_FFFF
 
 
 class FinishReason(enum.Enum):
@@ -51,6 +69,9 @@ class FinishReason(enum.Enum):
 
 class RequestState(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and back at the head of the queue
+    # A sample i > 0 of an n > 1 request, held out of the queue until its sample 0 has
+    # computed (or is computing) the prompt's full blocks (Scheduler, not the planner).
+    HELD = "held"
     RUNNING = "running"  # owns a sequence on the worker and KV blocks
     FINISHED = "finished"
 
@@ -111,6 +132,12 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     max_num_tokens: int = 0
     grammar: object | None = None  # ValidRequest.grammar
+    # A sample of an n > 1 request: its full blocks are keyed and matched even with prefix
+    # caching off (then under a root hash private to the request's samples), so the
+    # samples share the prompt's blocks by reference count whatever the setting.
+    shares_prompt: bool = False
+    # While HELD: the sample 0 whose prompt blocks it waits for; None once queued.
+    prompt_leader: Request | None = None
 
     @property
     def num_generated_tokens(self) -> int:

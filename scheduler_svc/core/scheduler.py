@@ -17,6 +17,7 @@ schedule().
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from array import array
@@ -48,6 +49,8 @@ from pagoda.scheduler_svc.core.request import (
     RequestTooLargeError,
     ValidRequest,
     check_stop,
+    sample_request_ids,
+    sample_seed,
     token_array,
     too_large_reason,
 )
@@ -56,6 +59,7 @@ from pagoda.scheduler_svc.core.tenants import TenantStats, check_quota
 
 _WAITING = RequestState.WAITING
 _RUNNING = RequestState.RUNNING
+_HELD = RequestState.HELD
 MAX_STEPS_IN_FLIGHT = 2
 
 
@@ -81,6 +85,9 @@ class Scheduler:
         config.validate()
         self.config = config
         self._requests: dict[str, Request] = {}  # every unfinished request
+        # Samples i > 0 of n > 1 requests waiting for their sample 0's prompt blocks, in
+        # arrival order (HELD: in _requests, not in the queue; see _release_held).
+        self._held: list[Request] = []
         self._planner = Planner(config)
         self._isolation = Isolation(self._requests, self._planner)
         # Sizes each step's prefill from the worker's measured step times (None: off).
@@ -115,7 +122,7 @@ class Scheduler:
         planner.attach_pool(geometry)
         if self._step_budget is not None:
             self._step_budget.reset()  # the new worker's costs are learned afresh
-        for request in list(planner.waiting):
+        for request in [*planner.waiting, *self._held]:
             reason = too_large_reason(
                 request.num_prompt_tokens, request.stopping.max_new_tokens, geometry
             ) or _outside_vocabulary(request, geometry.vocab_size)
@@ -145,16 +152,20 @@ class Scheduler:
     # -- requests in and out -----------------------------------------------------------------
 
     def add(self, request: ValidRequest, now: float) -> None:
-        """Queue a validated request.
+        """Queue a validated request: its n samples as n requests named by
+        sample_request_ids, sample 0 queued and the others held until it has computed the
+        prompt's full blocks, which they then share (the prompt is computed once).
 
         Raises QueueFullError, RequestTooLargeError (checked against the last worker's
         geometry; before any worker, at its attach), DuplicateRequestError.
         """
         self._last_now = now
         planner = self._planner
-        if request.request_id in self._requests:
-            raise DuplicateRequestError(f"request_id {request.request_id!r} is already in flight")
-        if len(planner.waiting) >= self.config.max_waiting_requests:
+        request_ids = sample_request_ids(request.request_id, request.n)
+        for request_id in request_ids:
+            if request_id in self._requests:
+                raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
+        if len(planner.waiting) + len(self._held) >= self.config.max_waiting_requests:
             raise QueueFullError(
                 f"the waiting queue is full ({self.config.max_waiting_requests} requests); "
                 "retry later"
@@ -177,21 +188,39 @@ class Scheduler:
             )
             if reason is not None:
                 raise RequestTooLargeError(reason)
-        queued = Request(
-            request_id=request.request_id,
-            sampling=request.sampling,
-            stopping=request.stopping,
-            priority=request.priority,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            token_ids=token_array(request.prompt_token_ids),
-            arrival_s=now,
-            cache_root_hash=cache_root_hash(request.cache_salt),
-            tenant=request.tenant,
-            grammar=request.grammar,
-        )
-        self._requests[request.request_id] = queued
-        tenants.join(request.tenant, request.tenant_weight)
-        planner.waiting.push_back(queued)
+        shares_prompt = request.n > 1
+        root_hash = cache_root_hash(request.cache_salt)
+        if shares_prompt and not self.config.prefix_caching:
+            # Its samples share blocks with each other only: a root no other request has.
+            root_hash = hash((root_hash, "samples", request.request_id, now))
+        leader: Request | None = None
+        grammar = request.grammar
+        for index, request_id in enumerate(request_ids):
+            sampling = request.sampling
+            if shares_prompt:
+                sampling = dataclasses.replace(sampling, seed=sample_seed(sampling.seed, index))
+            queued = Request(
+                request_id=request_id,
+                sampling=sampling,
+                stopping=request.stopping,
+                priority=request.priority,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                token_ids=token_array(request.prompt_token_ids),
+                arrival_s=now,
+                cache_root_hash=root_hash,
+                tenant=request.tenant,
+                grammar=request.sample_grammars[index - 1] if index and grammar else grammar,
+                shares_prompt=shares_prompt,
+            )
+            self._requests[request_id] = queued
+            tenants.join(request.tenant, request.tenant_weight)
+            if leader is None:
+                leader = queued
+                planner.waiting.push_back(queued)
+            else:
+                queued.state = _HELD
+                queued.prompt_leader = leader
+                self._held.append(queued)
 
     def cancel(
         self,
@@ -219,7 +248,7 @@ class Scheduler:
         return self._planner.running.get(seq_id)
 
     def has_work(self) -> bool:
-        return bool(self._planner.waiting) or bool(self._planner.running)
+        return bool(self._planner.waiting) or bool(self._planner.running) or bool(self._held)
 
     # -- lanes: one Scheduler per worker (scheduler_svc/front.py) ---------------------------
 
@@ -260,6 +289,12 @@ class Scheduler:
         requests = list(waiting)
         for request in requests:
             waiting.remove(request)
+        for request in self._held:  # queued behind the rest; they share nothing elsewhere
+            request.state = _WAITING
+            request.prompt_leader = None
+        requests += self._held
+        self._held = []
+        for request in requests:
             del self._requests[request.request_id]
             self._planner.tenants.leave(request.tenant)
         return requests, self._isolation.hand_over()
@@ -311,6 +346,8 @@ class Scheduler:
         `ahead`, one step may be in flight (when can_plan_ahead); else none may."""
         self._last_now = now
         planner = self._planner
+        if self._held and planner.blocks is not None:
+            self._release_held()
         if planner.blocks is None or not (planner.running or planner.waiting):
             return None
         if self._in_flight and not (ahead and self.can_plan_ahead):
@@ -340,6 +377,35 @@ class Scheduler:
         self._num_steps += 1
         self._num_isolated_steps += isolated
         return plan
+
+    def _release_held(self) -> None:
+        """Queue the held samples whose sample 0 has computed, or is computing in a step
+        not yet answered, every full block of the prompt they may share (the last token
+        is always computed, so a prompt's last partial block, under block_size tokens, is
+        each sample's own): they hit those blocks in the prefix cache and share them by
+        reference count, and a failed step taints them as readers (_record_readers). A
+        sample whose sample 0 ended, or moved to another lane, goes as it is. Queued at
+        the head, in index order: they arrived before whatever waits."""
+        block_size = self._planner.blocks.block_size
+        released = []
+        for request in self._held:
+            leader = request.prompt_leader
+            num_shared_tokens = (request.num_prompt_tokens - 1) // block_size * block_size
+            if (
+                leader.state is _RUNNING
+                and leader.num_computed_tokens < num_shared_tokens
+                or leader.state is _WAITING
+                and self._requests.get(leader.request_id) is leader
+            ):
+                continue
+            released.append(request)
+        if not released:
+            return
+        self._held = [request for request in self._held if request not in released]
+        for request in reversed(released):
+            request.state = _WAITING
+            request.prompt_leader = None
+            self._planner.waiting.push_front(request)
 
     def _prefill_cap(self) -> int | None:
         """The step budget's prompt-token cap for the next plan, from the sequences that
@@ -628,7 +694,7 @@ class Scheduler:
         blocks = planner.blocks
         queried = planner.num_prefix_query_tokens
         return SchedulerStats(
-            num_waiting=len(planner.waiting),
+            num_waiting=len(planner.waiting) + len(self._held),
             num_running=len(planner.running),
             num_kv_blocks_used=blocks.allocator.num_used_blocks if blocks else 0,
             num_kv_blocks_total=blocks.allocator.num_total_blocks if blocks else 0,
@@ -690,6 +756,9 @@ class Scheduler:
         message: str | None = None,
     ) -> RequestOutput:
         """The one finish path: blocks released, the request forgotten, the last output."""
+        if request.state is _HELD:
+            self._held.remove(request)
+            request.prompt_leader = None
         self._planner.finish(request)
         request.finish_s = now
         del self._requests[request.request_id]

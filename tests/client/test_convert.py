@@ -16,7 +16,7 @@ from pagoda.client.convert import (
     tokenize_request,
 )
 from pagoda.client.errors import InvalidArgumentError
-from pagoda.client.results import Chunk, TokenLogprob, Usage, join_chunks
+from pagoda.client.results import Chunk, TokenLogprob, Usage, join_chunks, join_samples
 from pagoda.protos import generation_pb2 as pb
 
 ALL_OPTIONS = dict(
@@ -248,3 +248,26 @@ def test_join_chunks_concatenates_and_keeps_the_last_metadata():
     assert (completion.finish_reason, completion.num_chunks) == ("stop", 3)
     assert completion.usage.completion_tokens == 3 and completion.logprobs is None
     assert join_chunks([]).finish_reason is None
+
+
+def test_n_and_the_sample_index_round_trip():
+    assert generate_request("x", n=3).n == 3
+    assert chat_request([("user", "hi")], n=2).n == 2
+    usage = pb.Usage(prompt_tokens=5, completion_tokens=2)
+    total = pb.Usage(prompt_tokens=5, completion_tokens=6)
+    responses = [
+        pb.GenerateResponse(request_id="r", index=1, text="b", token_ids=[2]),
+        pb.GenerateResponse(request_id="r", index=0, text="a", token_ids=[1]),
+        pb.GenerateResponse(request_id="r", index=0, text="c", finish_reason=pb.STOP, usage=usage),
+        pb.GenerateResponse(
+            request_id="r", index=1, finish_reason=pb.LENGTH, usage=usage, total_usage=total
+        ),
+    ]
+    chunks = [chunk_from_response(response) for response in responses]
+    assert [chunk.index for chunk in chunks] == [1, 0, 0, 1]
+    assert chunks[-1].total_usage == Usage(5, 6, 0) and chunks[0].total_usage is None
+    samples = join_samples(chunks)
+    assert [(c.index, c.text, c.finish_reason) for c in samples] == [
+        (0, "ac", "stop"),
+        (1, "b", "length"),
+    ]

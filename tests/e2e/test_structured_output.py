@@ -150,3 +150,23 @@ def test_an_invalid_constraint_is_invalid_argument(service, constraint, phrase):
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert phrase in refused.value.details()
     assert service.stats().num_steps == num_steps  # refused before any work
+
+
+def test_each_of_n_constrained_samples_has_its_own_matcher(service):
+    schema, valid = SCHEMAS["two fields"]
+    request = pb.GenerateRequest(
+        prompt="The quick",
+        sampling=pb.SamplingParams(temperature=1.0, seed=3),
+        stopping=pb.StoppingCriteria(max_new_tokens=MAX_NEW_TOKENS),
+        constraint=pb.Constraint(json_schema=json.dumps(schema)),
+        n=4,
+    )
+    with service.channel() as channel:
+        responses = list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=300))
+    texts = {index: "" for index in range(4)}
+    for response in responses:
+        texts[response.index] += response.text
+    finals = [r for r in responses if r.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
+    assert sorted((r.index, r.finish_reason) for r in finals) == [(i, pb.STOP) for i in range(4)]
+    for text in texts.values():
+        assert valid(json.loads(text)), text

@@ -96,6 +96,41 @@ def test_seeded_choices_are_the_grpc_samples_of_seed_plus_index(stack):
     assert len(set(expected)) > 1  # a random tiny model: the seeds really differ
 
 
+def test_n_greedy_choices_are_one_grpc_call_sharing_the_prompt(stack):
+    service, sdk, model = stack
+    prompt = "The quick brown fox jumps over the lazy dog, and then it runs far away " * 2
+    single = sdk.completions.create(
+        model=model, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0, extra_body=KEEP_GOING
+    )
+    before = _num_requests_finished(service)
+    whole = sdk.completions.create(
+        model=model, prompt=prompt, max_tokens=NUM_TOKENS, n=4, temperature=0,
+        extra_body=KEEP_GOING,
+    )  # fmt: skip
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert [c.text for c in whole.choices] == [single.choices[0].text] * 4
+    # The prompt counted once.
+    assert whole.usage.prompt_tokens == single.usage.prompt_tokens
+    assert whole.usage.completion_tokens == 4 * NUM_TOKENS
+    # One gRPC call of n = 4: its four samples are four core requests.
+    assert _num_requests_finished(service) - before == 4
+    streamed = sdk.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=NUM_TOKENS, n=3, temperature=0, stream=True,
+        extra_body=KEEP_GOING,
+    )  # fmt: skip
+    texts = {0: "", 1: "", 2: ""}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert len(set(texts.values())) == 1 and texts[0]
+
+
+def _num_requests_finished(service) -> int:
+    with service.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        return stub.GetServerStats(generation_pb2.ServerStatsRequest()).num_requests_finished
+
+
 FORCED_TOKEN_ID = 300  # an ordinary BPE merge of the tiny tokenizer
 
 

@@ -48,27 +48,30 @@ def test_max_completion_tokens_wins_over_max_tokens():
     assert call.options["max_new_tokens"] == 9
 
 
-def test_n_fans_out_with_seed_plus_index():
-    calls = plan_chat(chat(n=3, seed=10), "id", max_n=4).calls
-    assert [c.choice_index for c in calls] == [0, 1, 2]
-    assert [c.options["seed"] for c in calls] == [10, 11, 12]
-    assert [c.options["request_id"] for c in calls] == ["id-0", "id-1", "id-2"]
-    unseeded = plan_chat(chat(n=2), "id", max_n=4).calls
-    assert all("seed" not in c.options for c in unseeded)
+def test_n_is_one_call_with_the_grpc_n():
+    (call,) = plan_chat(chat(n=3, seed=10), "id", max_n=4).calls
+    assert (call.choice_index, call.n, list(call.choice_indices)) == (0, 3, [0, 1, 2])
+    # The scheduler gives sample i seed + i.
+    assert (call.options["n"], call.options["seed"], call.options["request_id"]) == (3, 10, "id-0")
+    (unseeded,) = plan_chat(chat(n=2), "id", max_n=4).calls
+    assert "seed" not in unseeded.options
+    (single,) = plan_chat(chat(), "id", max_n=4).calls
+    assert "n" not in single.options and single.n == 1
 
 
-def test_seed_wraps_at_uint64():
-    calls = plan_chat(chat(n=2, seed=2**64 - 1), "id", max_n=4).calls
-    assert [c.options["seed"] for c in calls] == [2**64 - 1, 0]
+def test_n_with_a_response_format_is_one_call_too():
+    body = chat(n=2, seed=5, response_format={"type": "json_object"})
+    (call,) = plan_chat(body, "id", max_n=4).calls
+    assert (call.n, call.options["n"], call.options["constraint"]) == (2, 2, {"json_object": True})
 
 
 def test_a_batch_of_prompts_times_n_indexes_choices_prompt_major():
     calls = plan_completion(completion(prompt=["a", "b"], n=2, seed=1), "id", max_n=4).calls
-    assert [(c.choice_index, c.prompt_index, c.prompt) for c in calls] == [
-        (0, 0, "a"), (1, 0, "a"), (2, 1, "b"), (3, 1, "b")
+    assert [(c.choice_index, c.n, c.prompt_index, c.prompt) for c in calls] == [
+        (0, 2, 0, "a"), (2, 2, 1, "b")
     ]  # fmt: skip
-    assert [c.options["seed"] for c in calls] == [1, 2, 1, 2]
-    assert [c.options["request_id"] for c in calls] == ["id-0", "id-1", "id-2", "id-3"]
+    assert [c.options["seed"] for c in calls] == [1, 1]
+    assert [c.options["request_id"] for c in calls] == ["id-0", "id-1"]
     token_batches = plan_completion(completion(prompt=[[5, 6], [7]]), "id", max_n=4).calls
     assert [c.prompt for c in token_batches] == [[5, 6], [7]]
     (single,) = plan_completion(completion(prompt=[1, 2, 3]), "id", max_n=4).calls

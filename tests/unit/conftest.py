@@ -250,7 +250,9 @@ def check_invariants(scheduler: TextScheduler) -> None:
     for request in state.waiting:
         assert request.state is RequestState.WAITING and not request.block_ids
     assert set(state.prefilling) <= set(state.running)
-    assert len(state.running) + len(state.waiting) == len(requests)
+    held = scheduler.core._held
+    assert all(request.state is RequestState.HELD for request in held)
+    assert len(state.running) + len(state.waiting) + len(held) == len(requests)
 
 
 def apply_scripts(

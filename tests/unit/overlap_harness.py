@@ -17,7 +17,12 @@ import random
 from collections import Counter, defaultdict, deque
 
 from pagoda.scheduler_svc.core import FinishReason
-from pagoda.scheduler_svc.core.request import QueueFullError, Request, RequestTooLargeError
+from pagoda.scheduler_svc.core.request import (
+    QueueFullError,
+    Request,
+    RequestTooLargeError,
+    sample_request_ids,
+)
 from pagoda.scheduler_svc.testing import FakeWorker
 from tests.unit.conftest import (
     Stream,
@@ -67,10 +72,13 @@ def run(
     knob_overrides: dict | None = None,
     tenants: tuple[str, ...] = ("",),
     plans: list | None = None,
+    max_n: int = 1,
 ) -> Counter:
     """One run; raises AssertionError (or the FakeWorker's PlanError) on a violation.
     Returns counts of what happened (finish reasons, refusals, fails, losses). Requests
-    come from `tenants` in turn (weights 1, 2, 3...); each plan is appended to `plans`."""
+    come from `tenants` in turn (weights 1, 2, 3...); each plan is appended to `plans`.
+    With `max_n` above 1, a third of the requests ask for 2 to max_n samples, each
+    sample streaming what the request gives alone."""
     rng = random.Random(seed)
     knobs = random_knobs(rng) | (knob_overrides or {})
     geometry = make_geometry(
@@ -117,14 +125,20 @@ def run(
                     request = dataclasses.replace(
                         request, tenant=tenants[index], tenant_weight=float(index + 1)
                     )
+                if max_n > 1 and rng.random() < 0.33:
+                    request = dataclasses.replace(request, n=rng.randrange(2, max_n + 1))
                 valid_requests[request_id] = request
                 try:
                     scheduler.add(request, now)
                 except (QueueFullError, RequestTooLargeError):
                     del valid_requests[request_id]
                     continue
-                live.add(request_id)
-                queued.append(scheduler.core._requests[request_id])
+                del valid_requests[request_id]
+                for sample_id in sample_request_ids(request_id, request.n):
+                    valid_requests[sample_id] = request
+                    live.add(sample_id)
+                    queued.append(scheduler.core._requests[sample_id])
+                counts["samples"] += request.n - 1
         if live and rng.random() < p_cancel:
             output = scheduler.cancel(rng.choice(sorted(live)), now)
             take([output] if output is not None else [])

@@ -24,3 +24,11 @@ def test_overlapped_runs_with_frequent_refusals_keep_every_key_true(seed):
 @pytest.mark.parametrize("seed", range(max(NUM_SEEDS // 4, 1)))
 def test_serial_runs_with_failures_stream_exactly(seed):
     run(seed, num_arrival_steps=100, overlap=False)
+
+
+@pytest.mark.parametrize("seed", range(max(NUM_SEEDS // 2, 1)))
+def test_overlapped_runs_with_samples_keep_every_key_true(seed):
+    # n > 1: siblings held, then sharing the prompt blocks their sample 0 keys, while
+    # refusals, failures, losses and cancels hit any of them.
+    counts = run(seed, num_arrival_steps=100, p_refuse=0.1, p_cancel=0.05, max_n=4)
+    assert counts["samples"] > 0

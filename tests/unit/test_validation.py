@@ -285,3 +285,13 @@ def test_chat_contents_cannot_forge_turns(tokenizer):
     assert prompt_ids("a plain <question>") == tokenizer.encode(
         tokenizer.render_chat([("user", "a plain <question>")]), add_special_tokens=False
     )
+
+
+def test_n_is_bounded_by_the_servers_max_n(tokenizer):
+    limits = dataclasses.replace(LIMITS, max_n=4)
+    assert validate_generate(generate(), tokenizer, limits).n == 1  # 0 means one
+    assert validate_generate(generate(n=4), tokenizer, limits).n == 4
+    with pytest.raises(ValidationError, match=r"n must be at most 4 \(the server's --max-n\)"):
+        validate_generate(generate(n=5), tokenizer, limits)
+    chat = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")], n=3)
+    assert validate_chat(chat, tokenizer, limits).n == 3
