@@ -510,12 +510,13 @@ class Planner:
         names = self.waiting.tenant_names()
         if len(names) < 2:
             return None  # the one tenant waiting: the whole window is its own
-        return neediest_tenant(names, self.tenants.counters())
+        return neediest_tenant(names, self.tenants.counters(), self.tenants.num_requests())
 
     def _admission_victims(self, step_id: int) -> list[Request]:
         """Whom to preempt so the least-served waiting tenant's head can start (tenants.py:
         preempt to admit); usually none, found without a pass over the running set."""
-        needy = neediest_tenant(self.waiting.tenant_names(), self.tenants.counters())
+        counters = self.tenants.counters()
+        needy = neediest_tenant(self.waiting.tenant_names(), counters, self.tenants.num_requests())
         if needy is None:
             return []
         config, blocks, running = self.config, self.blocks, self.running
@@ -538,7 +539,7 @@ class Planner:
             num_held_blocks=num_held,
         )
         newest_first = reversed(running.values())
-        return admission_victims(shortage, newest_first, self.tenants.counters(), step_id)
+        return admission_victims(shortage, newest_first, counters, step_id)
 
     def _num_decode_growth_blocks(self, b: PlanBuilder, before: Request | None = None) -> int:
         """Blocks the decodes still to plan in this step need: one for each running

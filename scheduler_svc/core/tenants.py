@@ -11,8 +11,8 @@ credit while idle. Within a tenant the admission policy and priority apply as be
 Admission alone waits for a free slot, one flood request's length under a flood that
 holds every slot (issue 27). So before each plan, the least-served waiting tenant may
 preempt to admit (`admission_victims`): when it is below its share of what it lacks (the
-active slots, or the KV blocks), it takes the room of requests of tenants that are both
-more served and above their share, most-served first, newest admission first, at most
+active slots, or the KV blocks), it takes the room of requests of other tenants that are
+served as much or more and above their share, most-served first, newest admission first, at most
 MAX_ADMISSION_VICTIMS a step and none admitted in the last MIN_VICTIM_AGE_STEPS steps (a
 victim readmitted is not preempted again at once). It never takes from its own tenant or
 a less-served one, and never brings a tenant below its share: once every tenant holds its
@@ -136,6 +136,10 @@ class Ledger:
     def counters(self) -> dict[str, float]:
         return {name: account.counter for name, account in self.accounts.items()}
 
+    def num_requests(self) -> dict[str, int]:
+        """Each tenant's unfinished requests (waiting or running)."""
+        return {name: account.num_requests for name, account in self.accounts.items()}
+
 
 def check_quota(
     name: str,
@@ -165,13 +169,19 @@ def lifted_counter(counter: float, active_counters: Iterable[float]) -> float:
     return max(counter, min(active_counters, default=counter))
 
 
-def neediest_tenant(waiting: Iterable[str], counters: Mapping[str, float]) -> str | None:
-    """The waiting tenant to admit from: the lowest counter (ties: the first given)."""
-    best, best_counter = None, 0.0
+def neediest_tenant(
+    waiting: Iterable[str],
+    counters: Mapping[str, float],
+    num_requests: Mapping[str, int] | None = None,
+) -> str | None:
+    """The waiting tenant to admit from: the lowest counter; ties: the fewest unfinished
+    requests (when given: a tenant just lifted to a flood's counter goes first), then the
+    first given."""
+    best, best_key = None, (0.0, 0)
     for name in waiting:
-        counter = counters[name]
-        if best is None or counter < best_counter:
-            best, best_counter = name, counter
+        key = (counters[name], num_requests[name] if num_requests is not None else 0)
+        if best is None or key < best_key:
+            best, best_key = name, key
     return best
 
 
@@ -220,9 +230,10 @@ def admission_victims(
 ) -> list:
     """The running requests (each with `tenant`, `admit_step` and `block_ids`, given newest
     admission first) to preempt before step `step_id` so that `shortage.needy` can start:
-    none unless it is below its share of each thing it lacks; then requests of tenants
-    more served than it (a higher counter) and above their share of what is short, most
-    served first, newest first within, admitted `min_age_steps` or more steps ago, until
+    none unless it is below its share of each thing it lacks; then requests of other
+    tenants served as much as it or more (a counter as high: a tenant that just joined is
+    lifted to the flood's) and above their share of what is short, most served first,
+    newest first within, admitted `min_age_steps` or more steps ago, until
     what is short is covered (a victim's blocks counted as freed) or `max_victims`."""
     s = shortage
     slots_short, blocks_short = s.num_slots_short, s.num_blocks_short
@@ -238,8 +249,10 @@ def admission_victims(
     victims: list = []
     for group in victims_order(newest_first, counters):
         name = group[0].tenant
-        if counters[name] <= floor:
-            break  # the rest are served no more than the needy tenant
+        if counters[name] < floor:
+            break  # the rest are served less than the needy tenant
+        if name == needy:
+            continue
         slot_share, block_share = s.share(name, s.num_slots), s.share(name, s.num_blocks)
         for request in group:
             if step_id - request.admit_step < min_age_steps:
