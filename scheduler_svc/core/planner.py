@@ -28,7 +28,9 @@ admits nothing new, so an admission never costs an older request its blocks.
 Tenants (tenants.py): while two tenants or more have work, each admission round admits
 one request of the least-served waiting tenant (by its policy, within its own queue),
 partial prefills continue least-served first, victims come from the most-served tenant
-first, and every token fed is charged to its tenant. Otherwise none of this runs.
+first, and every token fed is charged to its tenant; before each plan, the least-served
+waiting tenant may preempt requests of tenants above their share to start (preempt to
+admit, tenants.py). Otherwise none of this runs.
 """
 
 from __future__ import annotations
