@@ -256,11 +256,11 @@ def _two_tenants(quick: bool, salt: str) -> Scenario:
     duration_s = 10.0 if quick else 30.0
     flood = _workload(
         arrival="closed",
-        num_users=48,
+        num_users=24,
         num_requests=1_000_000,
         duration_s=duration_s,
         prompt_repeats=(32,),
-        max_new_tokens=128,
+        max_new_tokens=64,
         api_key=flood_key,
     )
     probe = _workload(
@@ -272,11 +272,11 @@ def _two_tenants(quick: bool, salt: str) -> Scenario:
         max_new_tokens=4,
         api_key=probe_key,
     )
-    cap = ("--max-active-requests", "16")
+    cap = ("--max-active-requests", "8")
     return Scenario(
         name="two-tenants",
-        title="two API keys, fair share off vs on: 48 closed-loop streams of 128 tokens from "
-        "one (16 running at most) while the other sends 4-token requests one after another",
+        title="two API keys, fair share off vs on: 24 closed-loop streams of 64 tokens from "
+        "one (8 running at most) while the other sends 4-token requests one after another",
         question="Does the second key get its first token within a few steps of asking while "
         "the first holds every slot, and what share of the tokens does each get?",
         seed_result="dummy worker, 600 streams: probe TTFT p99 10.5-14.1 s off, 203-283 ms on",

@@ -308,7 +308,8 @@ def _bench_tenants(variant: Variant, target: str) -> dict[str, BenchReport]:
 
 
 def _print_shares(scenario: Scenario, runs: dict[str, BenchReport]) -> None:
-    """Each tenant's share of the completion tokens of the runs made together."""
+    """Each tenant's share of the completion tokens of the runs made together (of the
+    requests that finished: those cut at the run's end are not counted)."""
     for variant in scenario.variants:
         labels = [variant.label, *(label for label, _ in variant.alongside)]
         if len(labels) < 2:
@@ -317,7 +318,7 @@ def _print_shares(scenario: Scenario, runs: dict[str, BenchReport]) -> None:
         shares = ", ".join(
             f"{label} {runs[label].num_completion_tokens / total:.3f}" for label in labels
         )
-        print(f"share of completion tokens: {shares}", flush=True)
+        print(f"share of finished requests' completion tokens: {shares}", flush=True)
 
 
 def _run_against_target(
