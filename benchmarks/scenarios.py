@@ -63,6 +63,9 @@ class Variant:
     # The label of the variant this one is compared with (None: the scenario's first); a
     # variant naming itself is a baseline of its own.
     compare_to: str | None = None
+    # Other tenants: (label, workload) pairs run at the same time as `workload`, against
+    # the same scheduler, each workload with its own `api_key` (Scenario.api_keys).
+    alongside: tuple[tuple[str, BenchConfig], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +76,25 @@ class Scenario:
     question: str
     seed_result: str
     variants: tuple[Variant, ...]
+    # (tenant name, API key) of each line of the key file its schedulers start with; none:
+    # no keys (then no variant runs workloads alongside).
+    api_keys: tuple[tuple[str, str], ...] = ()
 
     @property
     def baselines(self) -> dict[str, str]:
-        """Each variant's label -> the label of the variant it is compared with."""
+        """Each run's label -> the label of the run it is compared with: a variant's, the
+        variant's baseline; the n-th workload alongside, the n-th alongside that baseline."""
         first = self.variants[0].label
-        return {v.label: v.compare_to or first for v in self.variants}
+        by_label = {v.label: v for v in self.variants}
+        baselines = {}
+        for variant in self.variants:
+            baseline = by_label[variant.compare_to or first]
+            baselines[variant.label] = baseline.label
+            for (label, _), (baseline_label, _) in zip(
+                variant.alongside, baseline.alongside, strict=True
+            ):
+                baselines[label] = baseline_label
+        return baselines
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +133,7 @@ def build_scenarios(*, quick: bool = False, salt: str = "bench") -> list[Scenari
         _admission_pack(quick),
         _active_cap(quick),
         _prefix_caching(quick, salt),
+        _two_tenants(quick, salt),
     ]
     if quick:
         return [s for s in scenarios if s.name in QUICK_SCENARIOS]
@@ -234,6 +251,53 @@ def _prefix_caching(quick: bool, salt: str) -> Scenario:
             Variant("shared, off", off, shared, compare_to="shared, off"),
             Variant("shared, on", on, shared, compare_to="shared, off"),
         ),
+    )
+
+
+def _two_tenants(quick: bool, salt: str) -> Scenario:
+    # Issue 27 item 5: one key floods with closed-loop streams that hold every slot, the
+    # other sends short requests one after another; keys unique to one suite run.
+    flood_key, probe_key = f"flood-{salt}-0123456789", f"probe-{salt}-0123456789"
+    duration_s = 10.0 if quick else 30.0
+    flood = _workload(
+        arrival="closed",
+        num_users=24,
+        num_requests=1_000_000,
+        duration_s=duration_s,
+        prompt_repeats=(32,),
+        max_new_tokens=64,
+        api_key=flood_key,
+    )
+    probe = _workload(
+        arrival="closed",
+        num_users=1,
+        num_requests=1_000_000,
+        duration_s=duration_s,
+        prompt_repeats=(8,),
+        max_new_tokens=4,
+        api_key=probe_key,
+    )
+    cap = ("--max-active-requests", "8")
+    return Scenario(
+        name="two-tenants",
+        title="two API keys, fair share off vs on: 24 closed-loop streams of 64 tokens from "
+        "one (8 running at most) while the other sends 4-token requests one after another",
+        question="Does the second key get its first token within a few steps of asking while "
+        "the first holds every slot, and what share of the tokens does each get?",
+        seed_result="dummy worker, 600 streams: probe TTFT p99 10.5-14.1 s off, 203-283 ms on",
+        variants=(
+            Variant(
+                "off: probe", (*cap, "--no-fair-share"), probe, alongside=(("off: flood", flood),)
+            ),
+            Variant(
+                "on: probe",
+                (*cap, "--fair-share"),
+                probe,
+                compare_to="off: probe",
+                alongside=(("on: flood", flood),),
+            ),
+        ),
+        api_keys=(("flood", flood_key), ("probe", probe_key)),
     )
 
 

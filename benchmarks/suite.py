@@ -38,6 +38,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
 
 from benchmarks.docs_section import section_body, write_section
@@ -51,6 +52,7 @@ from benchmarks.scenarios import (
     PEERS,
     PeerWorkload,
     Scenario,
+    Variant,
     build_peer_workloads,
     build_scenarios,
     with_target,
@@ -284,12 +286,15 @@ def _run_local_service(
             _print_scenario_header(scenario)
             runs: dict[str, BenchReport] = {}
             results.scheduler_args[scenario.name] = {}
+            keys = _key_file_args(service, scenario)
             for variant in scenario.variants:
-                _use_scheduler(service, variant.scheduler_args)
-                runs[variant.label] = _bench(with_target(variant.workload, service.address))
+                warm_up_key = variant.workload.api_key
+                _use_scheduler(service, (*variant.scheduler_args, *keys), warm_up_key)
+                runs.update(_bench_tenants(variant, service.address))
                 results.scheduler_args[scenario.name][variant.label] = list(variant.scheduler_args)
             results.scenarios[scenario.name] = runs
             _print_comparison(runs, scenario.baselines)
+            _print_shares(scenario, runs)
         for workload in workloads:
             _use_scheduler(service, ())
             report = _bench(with_target(workload.workload, service.address))
@@ -299,7 +304,9 @@ def _run_local_service(
         service.cleanup()
 
 
-def _use_scheduler(service: LocalService, scheduler_args: tuple[str, ...]) -> None:
+def _use_scheduler(
+    service: LocalService, scheduler_args: tuple[str, ...], api_key: str | None = None
+) -> None:
     ready_s = service.use_scheduler(scheduler_args)
     if ready_s is not None:
         flags = " ".join(scheduler_args) or "(defaults)"
@@ -308,12 +315,55 @@ def _use_scheduler(service: LocalService, scheduler_args: tuple[str, ...]) -> No
         run_bench(
             BenchConfig(
                 target=service.address,
+                api_key=api_key,
                 num_requests=2,
                 prompt_repeats=(8,),
                 max_new_tokens=4,
                 ignore_eos=True,
             )  # fmt: skip
         )
+
+
+def _key_file_args(service: LocalService, scenario: Scenario) -> tuple[str, ...]:
+    """Scheduler flags for the scenario's API keys (a key file in the run directory)."""
+    if not scenario.api_keys:
+        return ()
+    path = service.run_dir / f"api-keys-{scenario.name}"
+    path.write_text("".join(f"{name}:1:{key}\n" for name, key in scenario.api_keys))
+    path.chmod(0o600)
+    return ("--api-key-file", str(path))
+
+
+def _bench_tenants(variant: Variant, target: str) -> dict[str, BenchReport]:
+    """The variant's workload, and those alongside it at the same time (one thread each)."""
+    reports: dict[str, BenchReport] = {}
+
+    def run(label: str, workload: BenchConfig) -> None:
+        reports[label] = run_bench(with_target(workload, target))
+
+    threads = [threading.Thread(target=run, args=pair) for pair in variant.alongside]
+    for thread in threads:
+        thread.start()
+    try:
+        main_report = _bench(with_target(variant.workload, target))
+    finally:
+        for thread in threads:
+            thread.join()
+    return {variant.label: main_report, **reports}
+
+
+def _print_shares(scenario: Scenario, runs: dict[str, BenchReport]) -> None:
+    """Each tenant's share of the completion tokens of the runs made together (of the
+    requests that finished: those cut at the run's end are not counted)."""
+    for variant in scenario.variants:
+        labels = [variant.label, *(label for label, _ in variant.alongside)]
+        if len(labels) < 2:
+            continue
+        total = sum(runs[label].num_completion_tokens for label in labels) or 1
+        shares = ", ".join(
+            f"{label} {runs[label].num_completion_tokens / total:.3f}" for label in labels
+        )
+        print(f"share of finished requests' completion tokens: {shares}", flush=True)
 
 
 def _run_against_target(
@@ -324,6 +374,9 @@ def _run_against_target(
 ) -> None:
     for scenario in scenarios:
         _print_scenario_header(scenario)
+        if scenario.api_keys:
+            print("skipped: it needs the server started with its own API keys", flush=True)
+            continue
         runs = {label: _bench(with_target(w, target)) for label, w in target_columns(scenario)}
         results.scenarios[scenario.name] = runs
         # Every column ran on the same server settings: there is no knob to compare.

@@ -75,6 +75,7 @@ class PlanBuilder:
         num_cached_tokens = len(hit_block_ids) * blocks.block_size
         request.seq_id = seq_id
         request.state = RequestState.RUNNING
+        request.admit_step = self.step_id
         request.block_ids = hit_block_ids + new_block_ids
         request.num_blocks_sent = 0
         request.num_computed_tokens = num_cached_tokens

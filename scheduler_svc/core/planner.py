@@ -28,7 +28,9 @@ admits nothing new, so an admission never costs an older request its blocks.
 Tenants (tenants.py): while two tenants or more have work, each admission round admits
 one request of the least-served waiting tenant (by its policy, within its own queue),
 partial prefills continue least-served first, victims come from the most-served tenant
-first, and every token fed is charged to its tenant. Otherwise none of this runs.
+first, and every token fed is charged to its tenant; before each plan, the least-served
+waiting tenant may preempt requests of tenants above their share to start (preempt to
+admit, tenants.py). Otherwise none of this runs.
 """
 
 from __future__ import annotations
@@ -53,7 +55,14 @@ from pagoda.scheduler_svc.core.plan_builder import BuiltPlan, PlanBuilder
 from pagoda.scheduler_svc.core.preemption import choose_victim
 from pagoda.scheduler_svc.core.request import Request, RequestState, set_stop_rules
 from pagoda.scheduler_svc.core.running import RunningSet
-from pagoda.scheduler_svc.core.tenants import Ledger, by_least_served, neediest_tenant
+from pagoda.scheduler_svc.core.tenants import (
+    Ledger,
+    Shortage,
+    admission_victims,
+    by_least_served,
+    holdings,
+    neediest_tenant,
+)
 from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
 
 _RUNNING = RequestState.RUNNING
@@ -197,6 +206,9 @@ class Planner:
             prefix_caching=config.prefix_caching,
             only={request.request_id: request for request in only} if only is not None else None,
         )
+        if self.tenants.fair and only is None:
+            for victim in self._admission_victims(step_id):
+                self.preempt(victim)  # before the count: this step still admits
         num_preemptions = self.num_preemptions
         budget = config.max_num_batched_tokens
         step_prefill_tokens = min(budget, config.prefill_max_tokens or budget)
@@ -422,7 +434,36 @@ class Planner:
         names = self.waiting.tenant_names()
         if len(names) < 2:
             return None  # the one tenant waiting: the whole window is its own
-        return neediest_tenant(names, self.tenants.counters())
+        return neediest_tenant(names, self.tenants.counters(), self.tenants.num_requests())
+
+    def _admission_victims(self, step_id: int) -> list[Request]:
+        """Whom to preempt so the least-served waiting tenant's head can start (tenants.py:
+        preempt to admit); usually none, found without a pass over the running set."""
+        counters = self.tenants.counters()
+        needy = neediest_tenant(self.waiting.tenant_names(), counters, self.tenants.num_requests())
+        if needy is None:
+            return []
+        config, blocks, running = self.config, self.blocks, self.running
+        cost = self._price(self.waiting.head(1, needy)[0])
+        num_head_blocks = -(-cost.num_tokens // blocks.block_size) + cost.num_reclaimed_blocks
+        num_slots_short = len(running) + 1 - config.max_active_requests
+        num_blocks_short = num_head_blocks - blocks.num_available_blocks
+        if num_slots_short <= 0 and num_blocks_short + len(running) <= 0:
+            return []  # a slot, and blocks even if every running request grows
+        num_running, num_held, num_demand = holdings(running.values(), blocks.block_size)
+        accounts = self.tenants.accounts
+        shortage = Shortage(
+            needy=needy,
+            num_slots_short=num_slots_short,
+            num_blocks_short=num_blocks_short + num_demand,
+            num_slots=config.max_active_requests,
+            num_blocks=self.geometry.num_kv_blocks,
+            weights={name: a.weight for name, a in accounts.items() if a.num_requests},
+            num_running=num_running,
+            num_held_blocks=num_held,
+        )
+        newest_first = reversed(running.values())
+        return admission_victims(shortage, newest_first, counters, step_id)
 
     def _num_decode_growth_blocks(self, b: PlanBuilder, before: Request | None = None) -> int:
         """Blocks the decodes still to plan in this step need: one for each running

@@ -119,6 +119,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     cache_root_hash: int = ROOT_HASH  # the chain's root: kv.cache_root_hash(cache salt)
     admit_order: int = 0  # stamp of the latest admission; preemption picks the latest
+    admit_step: int = -1  # step_id of the latest admission (fair preemption spares recent)
     last_scheduled_step: int = -1  # step_id of the last plan that fed this request
     num_cached_prompt_tokens: int | None = None  # prefix hit at first admission
     num_preemptions: int = 0

@@ -8,6 +8,16 @@ first; partial prefills continue least-served first. A tenant that arrives (or r
 from idle) is lifted to the least-served active tenant's counter, so it cannot bank
 credit while idle. Within a tenant the admission policy and priority apply as before.
 
+Admission alone waits for a free slot, one flood request's length under a flood that
+holds every slot (issue 27). So before each plan, the least-served waiting tenant may
+preempt to admit (`admission_victims`): when it is below its share of what it lacks (the
+active slots, or the KV blocks), it takes the room of requests of other tenants that are
+served as much or more and above their share, most-served first, newest admission first, at most
+MAX_ADMISSION_VICTIMS a step and none admitted in the last MIN_VICTIM_AGE_STEPS steps (a
+victim readmitted is not preempted again at once). It never takes from its own tenant or
+a less-served one, and never brings a tenant below its share: once every tenant holds its
+share, nothing more is preempted, so two backlogged tenants do not take turns preempting.
+
 The planner consults the ledger only while two tenants or more have unfinished requests
 (`fair`): with one tenant, plans are exactly those without tenants. Recompute after a
 preemption counts as prompt tokens computed again (it is worker time spent on the tenant).
@@ -17,10 +27,14 @@ The policies are the pure functions at the end; the Ledger is their state.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagoda.scheduler_svc.core.config import DEFAULT_GENERATED_WEIGHT, DEFAULT_PROMPT_WEIGHT
 from pagoda.scheduler_svc.core.request import QueueFullError
+
+# Preempt-to-admit's bounds (see the module docstring).
+MAX_ADMISSION_VICTIMS = 4
+MIN_VICTIM_AGE_STEPS = 8
 
 
 class TenantQuotaError(QueueFullError):
@@ -122,6 +136,10 @@ class Ledger:
     def counters(self) -> dict[str, float]:
         return {name: account.counter for name, account in self.accounts.items()}
 
+    def num_requests(self) -> dict[str, int]:
+        """Each tenant's unfinished requests (waiting or running)."""
+        return {name: account.num_requests for name, account in self.accounts.items()}
+
 
 def check_quota(
     name: str,
@@ -151,13 +169,19 @@ def lifted_counter(counter: float, active_counters: Iterable[float]) -> float:
     return max(counter, min(active_counters, default=counter))
 
 
-def neediest_tenant(waiting: Iterable[str], counters: Mapping[str, float]) -> str | None:
-    """The waiting tenant to admit from: the lowest counter (ties: the first given)."""
-    best, best_counter = None, 0.0
+def neediest_tenant(
+    waiting: Iterable[str],
+    counters: Mapping[str, float],
+    num_requests: Mapping[str, int] | None = None,
+) -> str | None:
+    """The waiting tenant to admit from: the lowest counter; ties: the fewest unfinished
+    requests (when given: a tenant just lifted to a flood's counter goes first), then the
+    first given."""
+    best, best_key = None, (0.0, 0)
     for name in waiting:
-        counter = counters[name]
-        if best is None or counter < best_counter:
-            best, best_counter = name, counter
+        key = (counters[name], num_requests[name] if num_requests is not None else 0)
+        if best is None or key < best_key:
+            best, best_key = name, key
     return best
 
 
@@ -174,3 +198,90 @@ def victims_order(newest_first: Iterable, counters: Mapping[str, float]) -> list
         groups.setdefault(request.tenant, []).append(request)
     ranked = sorted(groups, key=lambda name: -counters[name])
     return [groups[name] for name in ranked]
+
+
+@dataclass(slots=True)
+class Shortage:
+    """What the waiting tenant `needy` lacks to start its head request, and what each
+    active tenant holds of it: running requests (of `num_slots`: max_active_requests) and
+    KV blocks (of `num_blocks`: the pool)."""
+
+    needy: str
+    num_slots_short: int
+    num_blocks_short: int
+    num_slots: int
+    num_blocks: int
+    weights: dict[str, float]  # the active tenants'
+    num_running: dict[str, int] = field(default_factory=dict)
+    num_held_blocks: dict[str, int] = field(default_factory=dict)
+
+    def share(self, name: str, total: int) -> float:
+        """`name`'s weighted share of `total` among the active tenants."""
+        return total * self.weights.get(name, 1.0) / sum(self.weights.values())
+
+
+def admission_victims(
+    shortage: Shortage,
+    newest_first: Iterable,
+    counters: Mapping[str, float],
+    step_id: int,
+    max_victims: int = MAX_ADMISSION_VICTIMS,
+    min_age_steps: int = MIN_VICTIM_AGE_STEPS,
+) -> list:
+    """The running requests (each with `tenant`, `admit_step` and `block_ids`, given newest
+    admission first) to preempt before step `step_id` so that `shortage.needy` can start:
+    none unless it is below its share of each thing it lacks; then requests of other
+    tenants served as much as it or more (a counter as high: a tenant that just joined is
+    lifted to the flood's) and above their share of what is short, most served first,
+    newest first within, admitted `min_age_steps` or more steps ago, until
+    what is short is covered (a victim's blocks counted as freed) or `max_victims`."""
+    s = shortage
+    slots_short, blocks_short = s.num_slots_short, s.num_blocks_short
+    needy = s.needy
+    if slots_short <= 0 and blocks_short <= 0:
+        return []
+    if slots_short > 0 and s.num_running.get(needy, 0) >= s.share(needy, s.num_slots):
+        return []
+    if blocks_short > 0 and s.num_held_blocks.get(needy, 0) >= s.share(needy, s.num_blocks):
+        return []
+    floor = counters[needy]
+    running, held = dict(s.num_running), dict(s.num_held_blocks)
+    victims: list = []
+    for group in victims_order(newest_first, counters):
+        name = group[0].tenant
+        if counters[name] < floor:
+            break  # the rest are served less than the needy tenant
+        if name == needy:
+            continue
+        slot_share, block_share = s.share(name, s.num_slots), s.share(name, s.num_blocks)
+        for request in group:
+            if step_id - request.admit_step < min_age_steps:
+                continue
+            over_slots = slots_short > 0 and running[name] - 1 >= slot_share
+            over_blocks = blocks_short > 0 and held[name] - len(request.block_ids) >= block_share
+            if not (over_slots or over_blocks):
+                continue  # taking it would bring its tenant below its share
+            victims.append(request)
+            running[name] -= 1
+            held[name] -= len(request.block_ids)
+            slots_short -= 1
+            blocks_short -= len(request.block_ids)
+            if (slots_short <= 0 and blocks_short <= 0) or len(victims) == max_victims:
+                return victims
+    return victims
+
+
+def holdings(running: Iterable, block_size: int) -> tuple[dict[str, int], dict[str, int], int]:
+    """Of `running` (each with `tenant`, `token_ids`, `num_computed_tokens`, `block_ids`):
+    each tenant's running requests and KV blocks held, and the blocks they will take next
+    step before any admission (a decoder at a block boundary, the rest of a prompt)."""
+    num_running: dict[str, int] = {}
+    num_held: dict[str, int] = {}
+    num_demand_blocks = 0
+    for request in running:
+        name, num_blocks = request.tenant, len(request.block_ids)
+        num_running[name] = num_running.get(name, 0) + 1
+        num_held[name] = num_held.get(name, 0) + num_blocks
+        num_next = max(len(request.token_ids), request.num_computed_tokens + 1)
+        num_demand_blocks += max(0, -(-num_next // block_size) - num_blocks)
+    return num_running, num_held, num_demand_blocks

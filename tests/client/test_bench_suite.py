@@ -31,13 +31,34 @@ def test_scenarios_are_well_formed(quick):
     assert names and len(set(names)) == len(names)
     for scenario in scenarios:
         labels = [v.label for v in scenario.variants]
+        labels += [label for v in scenario.variants for label, _ in v.alongside]
         assert len(labels) >= 2 and len(set(labels)) == len(labels)
+        assert set(scenario.baselines) == set(labels)
         assert set(scenario.baselines.values()) <= set(labels)
+        # Workloads alongside run as other tenants: the scenario names each one's key.
+        keys = {key for _, key in scenario.api_keys}
+        for variant in scenario.variants:
+            if variant.alongside:
+                assert variant.workload.api_key in keys
+                assert {w.api_key for _, w in variant.alongside} <= keys - {
+                    variant.workload.api_key
+                }
         # A comparison changes knobs, not the workload: each baseline has its variant's.
         by_label = {v.label: v for v in scenario.variants}
         for variant in scenario.variants:
             assert by_label[scenario.baselines[variant.label]].workload == variant.workload
             assert variant.workload.ignore_eos
+
+
+def test_two_tenants_compare_each_tenant_with_itself_fair_share_off():
+    scenario = next(s for s in build_scenarios(salt="zq7") if s.name == "two-tenants")
+    assert scenario.baselines == {
+        "off: probe": "off: probe",
+        "off: flood": "off: flood",
+        "on: probe": "off: probe",
+        "on: flood": "off: flood",
+    }
+    assert all("zq7" in key for _, key in scenario.api_keys)  # unique to the run
 
 
 def test_every_scenario_flag_is_a_valid_scheduler_setting():

@@ -1,7 +1,9 @@
 """Tenants end to end (issue 27): a real scheduler and dummy worker, two API keys. One key
 floods with long streams; the other's short requests still finish while the flood is in
 progress (relative order, not wall-clock), the flood's requests beyond its cap are
-refused naming the limit, and each key's GetServerStats shows its own tenant only."""
+refused naming the limit, and each key's GetServerStats shows its own tenant only. Under
+a flood that holds every slot with streams far longer than the test, the other key's
+requests take a flood request's slot (preempt to admit) instead of waiting for one to end."""
 
 from __future__ import annotations
 
@@ -114,3 +116,87 @@ def test_a_flooding_key_does_not_starve_another_and_sees_only_itself(tmp_path):
     assert probe.ttft_bucket_counts[-1] == NUM_PROBES
     assert flood_stats.tenants[0].num_running + flood_stats.tenants[0].num_waiting > 0
     assert "key-" not in str(flood_stats) + str(probe_stats)
+
+
+# The flood that holds every slot: NUM_LONG_FLOOD streams, LONG_FLOOD_RUNNING of them
+# running, each far longer than the probes take (cancelled at the end); their KV fits the
+# dummy's pool (4,096 blocks of 16), so only the slots are short.
+NUM_LONG_FLOOD = 600
+LONG_FLOOD_RUNNING = 16
+LONG_FLOOD_TOKENS = 3000
+
+
+async def long_flood_scenario(address: str) -> dict:
+    finished_floods: list[int] = []
+    probes_done_with_floods_done: list[int] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+
+        async def flood(index: int) -> None:
+            call = stub.Generate(
+                request([10 + index % 50] * 24, LONG_FLOOD_TOKENS),
+                metadata=bearer("key-a"),
+                timeout=600,
+            )
+            try:
+                async for response in call:
+                    if response.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+                        finished_floods.append(index)
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+
+        async def flood_stats() -> generation_pb2.TenantStats:
+            stats = await stub.GetServerStats(
+                generation_pb2.ServerStatsRequest(), metadata=bearer("key-a"), timeout=10
+            )
+            return stats.tenants[0] if stats.tenants else generation_pb2.TenantStats()
+
+        floods = [asyncio.create_task(flood(i)) for i in range(NUM_LONG_FLOOD)]
+        while True:  # until every flood stream is in, every slot taken
+            tenant = await flood_stats()
+            if tenant.num_running == LONG_FLOOD_RUNNING and (
+                tenant.num_running + tenant.num_waiting == NUM_LONG_FLOOD
+            ):
+                break
+            await asyncio.sleep(0.05)
+        for index in range(NUM_PROBES):
+            call = stub.Generate(
+                request([7, 8, 9 + index], 4), metadata=bearer("key-b"), timeout=300
+            )
+            responses = [response async for response in call]
+            assert responses[-1].usage.completion_tokens == 4
+            probes_done_with_floods_done.append(len(finished_floods))
+        flood_tenant = await flood_stats()
+        for task in floods:
+            task.cancel()
+        await asyncio.gather(*floods, return_exceptions=True)
+    return dict(
+        probes_done_with_floods_done=probes_done_with_floods_done, flood_tenant=flood_tenant
+    )
+
+
+def test_a_flood_holding_every_slot_gives_a_slot_to_the_other_key(tmp_path):
+    """Without preempt to admit, the first probe waits for a flood stream to end (3,000
+    steps); with it, every probe finishes while none has, each one costing the flood at
+    most one preemption."""
+    keys = tmp_path / "api-keys"
+    keys.write_text("flood:1:key-a\nprobe:1:key-b\n")
+    keys.chmod(0o600)
+    scheduler_args = [
+        "--api-key-file",
+        str(keys),
+        "--max-active-requests",
+        str(LONG_FLOOD_RUNNING),
+        "--max-waiting-requests",
+        str(2 * NUM_LONG_FLOOD),
+        "--max-tenant-waiting-requests",
+        str(NUM_LONG_FLOOD),
+    ]
+    worker_args = ["--dummy-step-ms", "10"]
+    with running_service(
+        tmp_path, model="dummy", scheduler_args=scheduler_args, worker_args=worker_args
+    ) as service:
+        outcome = asyncio.run(long_flood_scenario(service.address))
+    assert outcome["probes_done_with_floods_done"] == [0] * NUM_PROBES
+    assert 1 <= outcome["flood_tenant"].num_preemptions <= NUM_PROBES
