@@ -28,6 +28,7 @@ from pagoda.gpu_worker.numerics import describe_numerics, make_batch_invariant
 from pagoda.gpu_worker.quantization import quantize, resolve_quantization
 from pagoda.gpu_worker.ragged_batch import build_ragged_batch
 from pagoda.gpu_worker.sampler import SampleRow, sample
+from pagoda.gpu_worker.step_events import StepClock, wait_for_device
 from pagoda.gpu_worker.token_counts import TokenCounts, has_penalty
 
 if TYPE_CHECKING:
@@ -125,10 +126,6 @@ class PagedEngine(Engine):
         if graphs:  # captured by load_engine, before the hello
             self.decode_graphs = DecodeGraphs(self, scratch_block=num_kv_blocks)
 
-    def _synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def compute(self, plan: StepPlan) -> SampledTokens:
         if self.group_sampling is None:
             return self.forward_and_sample(plan, samples=True)
@@ -138,11 +135,11 @@ class PagedEngine(Engine):
     def forward_and_sample(self, plan: StepPlan, *, samples: bool) -> SampledTokens:
         """The forward over the admitted `plan`, then its sampling when `samples` (else no
         token ids)."""
-        started_s = time.perf_counter()
+        clock = StepClock(self.device)
         self.token_counts.update(plan, self.table)
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(plan):
-            return self._sample(graphs.run(plan), plan, started_s, samples)
+            return self._sample(graphs.run(plan), plan, clock, samples)
         rows_of = self.block_tables.update(plan, self.table)
         batch = build_ragged_batch(
             plan, self.table, self.block_size, self.device, (self.block_tables.table, rows_of)
@@ -157,19 +154,19 @@ class PagedEngine(Engine):
             kv_pool=self.pool,
             attention_backend=self.attention_backend,
         ).logits[0]
-        return self._sample(logits, plan, started_s, samples)
+        return self._sample(logits, plan, clock, samples)
 
     def _sample(
         self,
         logits: torch.Tensor,
         plan: StepPlan,
-        started_s: float,
+        clock: StepClock,
         samples: bool,
     ) -> SampledTokens:
         """Sample the rows of `logits` (one per row of the admitted `plan` that samples, in
-        order)."""
-        self._synchronize()
-        forward_done_s = time.perf_counter()
+        order). The host does not wait for the forward first: it waits once, when it reads
+        the sampled tokens (step_events.py), or at the end when nothing samples."""
+        clock.forward_enqueued()
         sampling = self.table.sampling_rows(plan)
         sequences = sampling.sequences
         rows = [
@@ -195,16 +192,18 @@ class PagedEngine(Engine):
                 ),
             )
         output = sample(logits, rows, counts) if rows and samples else None
-        sample_done_s = time.perf_counter()
         if output is None:
-            return SampledTokens([], forward_ms=(forward_done_s - started_s) * 1e3)
+            # The next step reuses pinned staging that this step's copies may still read.
+            wait_for_device(self.device)
+            return SampledTokens([], forward_ms=sum(clock.timings_ms()))
+        forward_ms, sample_ms = clock.timings_ms()
         return SampledTokens(
             token_ids=output.token_ids,
             logprobs=output.logprobs,
             top_token_ids=output.top_token_ids,
             top_logprobs=output.top_logprobs,
-            forward_ms=(forward_done_s - started_s) * 1e3,
-            sample_ms=(sample_done_s - forward_done_s) * 1e3,
+            forward_ms=forward_ms,
+            sample_ms=sample_ms,
         )
 
 

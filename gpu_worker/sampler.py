@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.common.step import SamplingParams
+from pagoda.gpu_worker.step_events import read_on_host
 
 # (seen in prompt or output [S, vocab] bool, generated counts [S, vocab] int32, or None when
 # no row has a presence or frequency penalty)
@@ -274,7 +275,7 @@ def sample(
     """logits [S, vocab] (one row per sampling sequence, same order as `rows`); consumed:
     the logit bias and the masks may be written into them. `counts`: see
     apply_penalties. One device-to-host copy: the tokens, and the logprobs when asked, in
-    one tensor."""
+    one tensor; the host waits for the device only there (step_events.read_on_host)."""
     logits = apply_logit_bias(apply_penalties(logits.float(), rows, counts), rows)
     logits = mask_min_new_tokens(mask_allowed_and_banned(logits, rows), rows)
     logits = mask_disallowed_tokens(logits, rows)
@@ -284,7 +285,8 @@ def sample(
     sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     num_logprobs = [p.num_logprobs for p in params]
     if not sampled_rows and not any(num_logprobs):
-        return SampleOutput(token_ids.tolist(), [], [], [])  # all greedy: argmax is all
+        # all greedy: argmax is all
+        return SampleOutput(read_on_host(token_ids).tolist(), [], [], [])
 
     temperatures = torch.tensor(
         [1.0 if p.is_greedy else p.temperature for p in params], device=device
@@ -303,7 +305,7 @@ def sample(
         token_ids[index] = _draw(probs, uniforms)
 
     if not any(num_logprobs):
-        return SampleOutput(token_ids.tolist(), [], [], [])
+        return SampleOutput(read_on_host(token_ids).tolist(), [], [], [])
     logprobs = torch.log_softmax(scaled, dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None])
     top_values, top_ids = logprobs.topk(max(num_logprobs), dim=-1)
@@ -313,7 +315,7 @@ def sample(
     )
     k = top_ids.shape[1]
     output = SampleOutput([], [], [], [])
-    for row, n in zip(packed.tolist(), num_logprobs, strict=True):
+    for row, n in zip(read_on_host(packed).tolist(), num_logprobs, strict=True):
         output.token_ids.append(int(row[0]))
         output.logprobs.append(row[1])
         output.top_token_ids.append([int(t) for t in row[2 : 2 + n]])
