@@ -30,6 +30,7 @@ from pagoda.gpu_worker.ragged_batch import build_ragged_batch
 from pagoda.gpu_worker.sampler import SampleRow, sample
 from pagoda.gpu_worker.step_events import StepClock, wait_for_device
 from pagoda.gpu_worker.token_counts import TokenCounts, has_penalty
+from pagoda.gpu_worker.warm_up import warm_up
 
 if TYPE_CHECKING:
     from pagoda.gpu_worker.tensor_parallel import GroupSampling
@@ -295,6 +296,8 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
             raise
     elif config.cuda_graphs and device.startswith("cuda"):
         log.info("no CUDA graphs: the %s backend loops on the host", engine.attention_backend.name)
+    # After the capture, which compiled the decode variants of its buckets already.
+    warm_up(engine, max_num_seqs=config.max_num_batched_tokens)
     log.info("quantization %s; engine built in %.1f s", quantization, time.monotonic() - built_s)
     log.info(
         "KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB (%d layers, %d KV heads x %d)",
