@@ -174,8 +174,8 @@ def _attention_forward(
 
     from pagoda.gpu_worker.fused_ops import rotary_in_place
 
-    if position_ids is None or past_key_values is not None:
-        raise RuntimeError("the fused attention needs position_ids and no HF KV cache")
+    if past_key_values is not None:
+        raise RuntimeError("the fused attention keeps no Hugging Face KV cache")
     input_shape = hidden_states.shape[:-1]
     head_dim = self.head_dim
     # Heads from the projections' widths, not the config (a sharded rank holds fewer).
@@ -184,7 +184,10 @@ def _attention_forward(
     value = self.v_proj(hidden_states).view(*input_shape, -1, head_dim).transpose(1, 2)
     if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head
         query, key = self.q_norm(query), self.k_norm(key)
-    rotary_in_place(query, key, position_ids.reshape(-1), self.rotary_cos_sin)
+    if position_ids is not None:
+        rotary_in_place(query, key, position_ids.reshape(-1), self.rotary_cos_sin)
+    else:  # a caller that passes no position_ids: HF's own expression on its cos/sin
+        query, key = _rotary_from_embeddings(query, key, position_embeddings)
     interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
     output, _ = interface(
         self,
@@ -198,3 +201,14 @@ def _attention_forward(
         **kwargs,
     )
     return self.o_proj(output.reshape(*input_shape, -1).contiguous()), None
+
+
+def _rotary_from_embeddings(query, key, position_embeddings):
+    """HF's apply_rotary_pos_emb on [T, heads, d] from the model's (cos, sin) [1, T, d]."""
+    cos, sin = (t.reshape(-1, 1, t.shape[-1]) for t in position_embeddings)
+    half = query.shape[-1] // 2
+
+    def rotate_half(x):
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin

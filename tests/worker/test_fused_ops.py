@@ -299,7 +299,7 @@ print("compiled")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(INTERPRETED, reason="compiles in a child process without the interpreter")
+@pytest.mark.skipif(RUN_HERE, reason="the kernels run in this process (CUDA or interpreter)")
 def test_fused_kernels_compile_for_cuda():
     environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     completed = subprocess.run(
@@ -311,3 +311,20 @@ def test_fused_kernels_compile_for_cuda():
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert completed.stdout.strip() == "compiled"
+
+
+def test_fused_model_without_position_ids_uses_the_model_rotary(ops):
+    """A caller that passes no position_ids (HF's generate on a fresh prompt) still gets
+    HF's RoPE, from the model's own cos/sin."""
+    import copy
+
+    from pagoda.gpu_worker.fused_model import fuse_model
+
+    model = tiny_model("qwen3", torch.float32)
+    fused = copy.deepcopy(model)
+    fuse_model(fused, num_positions=256)
+    input_ids = torch.randint(3, 512, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        expected = model(input_ids=input_ids.to(DEVICE), use_cache=False).logits
+        got = fused(input_ids=input_ids.to(DEVICE), use_cache=False).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
