@@ -54,7 +54,7 @@ def fuse_model(model: torch.nn.Module, num_positions: int) -> FusedCounts:
         log.info("no fused kernels for model type %s", model_type)
         return counts
     cos_sin = _rotary_table(model, num_positions)
-    for module in model.modules():
+    for module in list(model.modules()):  # the MLPs change their children
         if getattr(module, "_pagoda_fused", False):
             continue
         name = type(module).__name__

@@ -89,7 +89,7 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hidden", [128, 576, 1024, 2048])
-@pytest.mark.parametrize("num_rows", [1, 37, 300])
+@pytest.mark.parametrize("num_rows", [1, 300])
 def test_rms_norm_matches_torch(ops, dtype, hidden, num_rows):
     generator = torch.Generator().manual_seed(hidden * 1000 + num_rows)
     x = torch.randn(num_rows, hidden, generator=generator).to(DEVICE, dtype) * 3
@@ -127,7 +127,7 @@ def test_rms_norm_over_heads_of_a_strided_view(ops):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("intermediate", [1536, 3072, 8192, 100])
+@pytest.mark.parametrize("intermediate", [3072, 100])
 @pytest.mark.parametrize("num_rows", [1, 300])
 def test_silu_and_mul_matches_torch(ops, dtype, intermediate, num_rows):
     generator = torch.Generator().manual_seed(intermediate + num_rows)
