@@ -362,6 +362,10 @@ def engine() -> None:
             from pagoda.gpu_worker.attention.triton_paged import TritonBackend
 
             eng.attention_backend = TritonBackend()
+            # The engine fuses on CUDA only; here the fused kernels run interpreted.
+            from pagoda.gpu_worker.fused_model import fuse_model
+
+            say("INFO", f"[{dtype}] fused under the interpreter: {fuse_model(eng.model, 1024)}")
             if os.environ.get("SMOKE_GRAPHS"):  # uncaptured DecodeGraphs: padded forward, eager
                 from pagoda.gpu_worker.cuda_graphs import DecodeGraphs, bucket_for, is_decode_only
 
