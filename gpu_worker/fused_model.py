@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-log = logging.getLogger("pagoda.worker.fused_model")
+log = logging.getLogger("pagoda.worker.engine")  # beside the engine's load lines
 
 FUSED_MODEL_TYPES = ("llama", "qwen3")
 # RoPE types whose cos/sin depend on the position alone (inv_freq fixed at load).
@@ -74,6 +74,14 @@ def fuse_model(model: torch.nn.Module, num_positions: int) -> FusedCounts:
         else:
             continue
         module._pagoda_fused = True
+    if counts.total:
+        log.info(
+            "fused kernels: %d RMSNorms, %d residual adds, %d gate/up+SiLU, %d RoPE",
+            counts.norms,
+            counts.layers,
+            counts.mlps,
+            counts.attentions,
+        )
     return counts
 
 

@@ -110,15 +110,7 @@ class PagedEngine(Engine):
             # The dense parts' fused kernels (fused_model.py); CPU paths stay as loaded.
             from pagoda.gpu_worker.fused_model import fuse_model
 
-            fused = fuse_model(model, facts.max_context_tokens)
-            if fused.total:
-                log.info(
-                    "fused kernels: %d RMSNorms, %d residual adds, %d gate/up+SiLU, %d RoPE",
-                    fused.norms,
-                    fused.layers,
-                    fused.mlps,
-                    fused.attentions,
-                )
+            fuse_model(model, facts.max_context_tokens)  # logs what it fused
         self.token_counts = TokenCounts(facts.vocab_size, self.device)  # for penalties
         max_blocks_per_seq = -(-facts.max_context_tokens // block_size)
         self.block_tables = BlockTables(max_blocks_per_seq, self.device)
