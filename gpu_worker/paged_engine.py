@@ -28,7 +28,9 @@ from pagoda.gpu_worker.numerics import describe_numerics, make_batch_invariant
 from pagoda.gpu_worker.quantization import quantize, resolve_quantization
 from pagoda.gpu_worker.ragged_batch import build_ragged_batch
 from pagoda.gpu_worker.sampler import SampleRow, sample
+from pagoda.gpu_worker.step_events import StepClock, wait_for_device
 from pagoda.gpu_worker.token_counts import TokenCounts, has_penalty
+from pagoda.gpu_worker.warm_up import warm_up
 
 if TYPE_CHECKING:
     from pagoda.gpu_worker.tensor_parallel import GroupSampling
@@ -104,6 +106,11 @@ class PagedEngine(Engine):
             numerics=numerics,
         )
         super().__init__(facts, fail_on_token_id=fail_on_token_id)
+        if self.device.type == "cuda" and self.attention_backend.name == "triton":
+            # The dense parts' fused kernels (fused_model.py); CPU paths stay as loaded.
+            from pagoda.gpu_worker.fused_model import fuse_model
+
+            fuse_model(model, facts.max_context_tokens)  # logs what it fused
         self.token_counts = TokenCounts(facts.vocab_size, self.device)  # for penalties
         max_blocks_per_seq = -(-facts.max_context_tokens // block_size)
         self.block_tables = BlockTables(max_blocks_per_seq, self.device)
@@ -111,10 +118,6 @@ class PagedEngine(Engine):
         self.group_sampling: GroupSampling | None = None  # one device: None
         if graphs:  # captured by load_engine, before the hello
             self.decode_graphs = DecodeGraphs(self, scratch_block=num_kv_blocks)
-
-    def _synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def compute(self, plan: StepPlan) -> SampledTokens:
         if self.group_sampling is None:
@@ -125,11 +128,11 @@ class PagedEngine(Engine):
     def forward_and_sample(self, plan: StepPlan, *, samples: bool) -> SampledTokens:
         """The forward over the admitted `plan`, then its sampling when `samples` (else no
         token ids)."""
-        started_s = time.perf_counter()
+        clock = StepClock(self.device)
         self.token_counts.update(plan, self.table)
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(plan):
-            return self._sample(graphs.run(plan), plan, started_s, samples)
+            return self._sample(graphs.run(plan), plan, clock, samples)
         rows_of = self.block_tables.update(plan, self.table)
         batch = build_ragged_batch(
             plan, self.table, self.block_size, self.device, (self.block_tables.table, rows_of)
@@ -144,22 +147,23 @@ class PagedEngine(Engine):
             kv_pool=self.pool,
             attention_backend=self.attention_backend,
         ).logits[0]
-        return self._sample(logits, plan, started_s, samples)
+        return self._sample(logits, plan, clock, samples)
 
     def _sample(
         self,
         logits: torch.Tensor,
         plan: StepPlan,
-        started_s: float,
+        clock: StepClock,
         samples: bool,
     ) -> SampledTokens:
         """Sample the rows of `logits` (one per row of the admitted `plan` that samples, in
-        order)."""
-        self._synchronize()
-        forward_done_s = time.perf_counter()
+        order). The host does not wait for the forward first: it waits once, when it reads
+        the sampled tokens (step_events.py), or at the end when nothing samples."""
+        clock.forward_enqueued()
         if not samples:  # another rank samples (tensor parallel): no masks to wait for
-            return SampledTokens([], forward_ms=(forward_done_s - started_s) * 1e3)
-        sampling = self.sampling_rows(plan)
+            wait_for_device(self.device)
+            return SampledTokens([], forward_ms=sum(clock.timings_ms()))
+        sampling = self.sampling_rows(plan)  # waits for masks that follow the plan
         sequences = sampling.sequences
         rows = [
             SampleRow(
@@ -184,16 +188,18 @@ class PagedEngine(Engine):
                 ),
             )
         output = sample(logits, rows, counts) if rows else None
-        sample_done_s = time.perf_counter()
         if output is None:
-            return SampledTokens([], forward_ms=(forward_done_s - started_s) * 1e3)
+            # The next step reuses pinned staging that this step's copies may still read.
+            wait_for_device(self.device)
+            return SampledTokens([], forward_ms=sum(clock.timings_ms()))
+        forward_ms, sample_ms = clock.timings_ms()
         return SampledTokens(
             token_ids=output.token_ids,
             logprobs=output.logprobs,
             top_token_ids=output.top_token_ids,
             top_logprobs=output.top_logprobs,
-            forward_ms=(forward_done_s - started_s) * 1e3,
-            sample_ms=(sample_done_s - forward_done_s) * 1e3,
+            forward_ms=forward_ms,
+            sample_ms=sample_ms,
         )
 
 
@@ -285,6 +291,8 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
             raise
     elif config.cuda_graphs and device.startswith("cuda"):
         log.info("no CUDA graphs: the %s backend loops on the host", engine.attention_backend.name)
+    # After the capture, which compiled the decode variants of its buckets already.
+    warm_up(engine, max_num_seqs=config.max_num_batched_tokens)
     log.info("quantization %s; engine built in %.1f s", quantization, time.monotonic() - built_s)
     log.info(
         "KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB (%d layers, %d KV heads x %d)",

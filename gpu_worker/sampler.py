@@ -16,12 +16,14 @@ of one per vocabulary entry.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
 from pagoda.common.step import SamplingParams
+from pagoda.gpu_worker.sampling_columns import SamplingColumns, upload_columns
+from pagoda.gpu_worker.step_events import read_on_host
 
 # (seen in prompt or output [S, vocab] bool, generated counts [S, vocab] int32, or None when
 # no row has a presence or frequency penalty)
@@ -89,12 +91,16 @@ def counts_from_histories(rows: list[SampleRow], vocab_size: int, device) -> Tok
 
 
 def apply_penalties(
-    logits: torch.Tensor, rows: list[SampleRow], counts: TokenCountRows | None = None
+    logits: torch.Tensor,
+    rows: list[SampleRow],
+    counts: TokenCountRows | None = None,
+    columns: SamplingColumns | None = None,
 ) -> torch.Tensor:
     """Repetition (HF: over prompt + generated) then presence/frequency (generated only).
 
     `counts`: the rows' (seen, generated counts) from the engine's device-resident
-    TokenCounts; None builds them from the rows' token lists (tests, tools).
+    TokenCounts; None builds them from the rows' token lists (tests, tools). `columns`:
+    the rows' uploaded numbers (sampling_columns.py); None uploads them here.
     """
     repetition = [r.params.repetition_penalty for r in rows]
     presence = [r.params.presence_penalty for r in rows]
@@ -105,9 +111,11 @@ def apply_penalties(
         return logits
     device = logits.device
     seen, generated = counts or counts_from_histories(rows, logits.shape[-1], device)
-    # One host-to-device copy for the three per-row knobs.
-    knobs = torch.tensor([repetition, presence, frequency], dtype=logits.dtype)
-    repetition_t, presence_t, frequency_t = knobs.to(device, non_blocking=True)[:, :, None]
+    columns = columns or upload_columns(rows, logits.shape[-1], device)
+    repetition_t, presence_t, frequency_t = (
+        columns.floats(name, logits.dtype)[:, None]
+        for name in ("repetition", "presence", "frequency")
+    )
     if needs_repetition:
         # transformers' RepetitionPenaltyLogitsProcessor: x * p where x < 0, else x / p. For
         # p >= 1 that is the smaller of the two, for p < 1 the larger: the same numbers,
@@ -130,38 +138,45 @@ def apply_penalties(
     return logits
 
 
-def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def apply_logit_bias(
+    logits: torch.Tensor, rows: list[SampleRow], columns: SamplingColumns | None = None
+) -> torch.Tensor:
     """Adds each row's logit_bias (OpenAI's: +-100 in effect forces or bans a token) to
     its logits, in place with one scatter-add; the rows' ids are distinct (checked by the
     sequence table), so no two additions meet."""
-    biased = [i for i, r in enumerate(rows) if r.params.logit_bias_token_ids]
-    if not biased:
+    if not any(r.params.logit_bias_token_ids for r in rows):
         return logits
-    values = [v for i in biased for v in rows[i].params.logit_bias_values]
-    token_ids = {i: rows[i].params.logit_bias_token_ids for i in biased}
-    return _put_per_row(logits, token_ids, values, accumulate=True)
+    columns = columns or upload_columns(rows, logits.shape[-1], logits.device)
+    return _put_per_row(
+        logits, columns, "bias", columns.floats("bias_values", logits.dtype), accumulate=True
+    )
 
 
-def mask_allowed_and_banned(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def mask_allowed_and_banned(
+    logits: torch.Tensor, rows: list[SampleRow], columns: SamplingColumns | None = None
+) -> torch.Tensor:
     """-inf on a row's banned_token_ids and, when it lists allowed_token_ids, on every other
     id, in place; rows with neither are untouched (the sequence table checked the ids)."""
-    banned = {i: r.params.banned_token_ids for i, r in enumerate(rows) if r.params.banned_token_ids}
-    if banned:
-        _put_per_row(logits, banned, float("-inf"), accumulate=False)
-    limited = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
-    if not limited:
+    banned = any(r.params.banned_token_ids for r in rows)
+    limited = sum(1 for r in rows if r.params.allowed_token_ids)
+    if not banned and not limited:
         return logits
     device = logits.device
-    allowed = torch.zeros(len(limited), logits.shape[-1], dtype=torch.bool, device=device)
-    row_index = [k for k, i in enumerate(limited) for _ in rows[i].params.allowed_token_ids]
-    tokens = [t for i in limited for t in rows[i].params.allowed_token_ids]
-    allowed[torch.tensor(row_index, device=device), torch.tensor(tokens, device=device)] = True
-    index = torch.tensor(limited, dtype=torch.long, device=device)
+    columns = columns or upload_columns(rows, logits.shape[-1], device)
+    if banned:
+        _put_per_row(logits, columns, "banned", logits.new_full((), float("-inf")), False)
+    if not limited:
+        return logits
+    allowed = torch.zeros(limited, logits.shape[-1], dtype=torch.bool, device=device)
+    allowed[columns.longs("allowed_rows"), columns.longs("allowed_tokens")] = True
+    index = columns.longs("allowed_limited")
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return logits
 
 
-def mask_disallowed_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def mask_disallowed_tokens(
+    logits: torch.Tensor, rows: list[SampleRow], columns: SamplingColumns | None = None
+) -> torch.Tensor:
     """-inf on the tokens a constrained row's bitmask does not allow (structured output),
     in place; unconstrained rows are untouched. One host-to-device copy of the masked
     rows' words, unpacked to bits on the device."""
@@ -175,48 +190,50 @@ def mask_disallowed_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch
     words = words.to(device, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=device)
     allowed = ((words[:, :, None] >> shifts) & 1).view(len(masked), -1)[:, :vocab_size]
-    index = torch.tensor(masked, dtype=torch.long, device=device)
+    columns = columns or upload_columns(rows, vocab_size, device)
+    index = columns.longs("masked_rows")
     logits[index] = logits[index].masked_fill(allowed == 0, float("-inf"))
     return logits
 
 
-def mask_min_new_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def mask_min_new_tokens(
+    logits: torch.Tensor, rows: list[SampleRow], columns: SamplingColumns | None = None
+) -> torch.Tensor:
     """-inf on the ending ids (EOS, stop ids) of rows that generated fewer than
     min_new_tokens tokens (positions [num_prompt_tokens, position)), as transformers'
     MinNewTokensLengthLogitsProcessor: the request cannot end before then. One pass over
     the rows' numbers, and one scatter when some row is masked, in place: a copy of the
     whole [rows, vocab] block would cost more than the argmax on a CPU."""
-    masked = [i for i, r in enumerate(rows) if r.position - r.num_prompt_tokens < r.min_new_tokens]
-    if not masked:
+    if not any(r.position - r.num_prompt_tokens < r.min_new_tokens for r in rows):
         return logits
-    token_ids = {i: rows[i].min_tokens_banned_ids for i in masked}
-    return _put_per_row(logits, token_ids, float("-inf"), accumulate=False)
+    columns = columns or upload_columns(rows, logits.shape[-1], logits.device)
+    return _put_per_row(
+        logits, columns, "min_tokens", logits.new_full((), float("-inf")), accumulate=False
+    )
 
 
 def _put_per_row(
     logits: torch.Tensor,
-    token_ids: dict[int, Sequence[int]],
-    values: list[float] | float,
+    columns: SamplingColumns,
+    name: str,
+    values: torch.Tensor,
     accumulate: bool,
 ) -> torch.Tensor:
-    """logits[row, t] (+)= value for every t of token_ids[row], in place with one scatter;
-    `values` is one per (row, t) pair in order, or one for all."""
-    device = logits.device
-    row_index = [row for row, ids in token_ids.items() for _ in ids]
-    tokens = [t for ids in token_ids.values() for t in ids]
+    """logits[row, t] (+)= value for every (row, t) pair of the columns `name`_rows and
+    `name`_tokens, in place with one scatter; `values` is one per pair, or a scalar."""
     return logits.index_put_(
-        (torch.tensor(row_index, dtype=torch.long, device=device),
-         torch.tensor(tokens, dtype=torch.long, device=device)),
-        torch.tensor(values, dtype=logits.dtype, device=device),
+        (columns.longs(f"{name}_rows"), columns.longs(f"{name}_tokens")),
+        values,
         accumulate=accumulate,
-    )  # fmt: skip
+    )
 
 
 def _filtered_candidates(
-    scaled: torch.Tensor, params: list[SamplingParams]
+    scaled: torch.Tensor, params: list[SamplingParams], columns: SamplingColumns
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(probs [R, K], their token ids [R, K]) in rank order, or (probs [R, vocab], None)
-    in vocabulary order when no row needs ranking."""
+    in vocabulary order when no row needs ranking. `params` and the columns' top_k,
+    top_p and min_p are the drawing rows'."""
     vocab_size = scaled.shape[-1]
     device = scaled.device
     top_ks = [min(p.top_k, vocab_size) for p in params]
@@ -231,23 +248,23 @@ def _filtered_candidates(
         else:
             scaled, candidate_ids = scaled.sort(dim=-1, descending=True)
         ranks = torch.arange(scaled.shape[-1], device=device)[None, :]
-        limits = torch.tensor([k if k > 0 else vocab_size for k in top_ks], device=device)
+        limits = columns.longs("top_k")
         scaled = scaled.masked_fill(ranks >= limits[:, None], float("-inf"))
         if any(p < 1.0 for p in top_ps):
             probs = torch.softmax(scaled, dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
-            top_p = torch.tensor(top_ps, dtype=probs.dtype, device=device)[:, None]
+            top_p = columns.floats("top_p", probs.dtype)[:, None]
             # The best token always stays (mass_before is 0 there).
             scaled = scaled.masked_fill(mass_before >= top_p, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if any(p > 0.0 for p in min_ps):
-        min_p = torch.tensor(min_ps, dtype=probs.dtype, device=device)[:, None]
+        min_p = columns.floats("min_p", probs.dtype)[:, None]
         keep = probs >= min_p * probs.max(dim=-1, keepdim=True).values
         probs = probs * keep
     return probs, candidate_ids
 
 
-def _draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse CDF: index i with cdf[i - 1] <= u * total < cdf[i]; never a zero-probability entry.
 
     On CPU the cumsum adds exact zeros, so the cdf is flat over a zero-probability entry and
@@ -256,7 +273,7 @@ def _draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     follows, which also covers u * total rounding onto the last plateau).
     """
     cdf = probs.cumsum(dim=-1)
-    u = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device)[:, None]
+    u = uniforms.to(cdf.dtype)[:, None]
     vocab_size = probs.shape[-1]
     picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab_size - 1)
     live = probs > 0
@@ -273,37 +290,36 @@ def sample(
 ) -> SampleOutput:
     """logits [S, vocab] (one row per sampling sequence, same order as `rows`); consumed:
     the logit bias and the masks may be written into them. `counts`: see
-    apply_penalties. One device-to-host copy: the tokens, and the logprobs when asked, in
-    one tensor."""
-    logits = apply_logit_bias(apply_penalties(logits.float(), rows, counts), rows)
-    logits = mask_min_new_tokens(mask_allowed_and_banned(logits, rows), rows)
-    logits = mask_disallowed_tokens(logits, rows)
+    apply_penalties. The rows' numbers go to the device in one copy (sampling_columns.py)
+    and one copy comes back: the tokens, and the logprobs when asked, in one tensor; the
+    host waits for the device only there (step_events.read_on_host)."""
+    columns = upload_columns(rows, logits.shape[-1], logits.device)
+    logits = apply_penalties(logits.float(), rows, counts, columns)
+    logits = apply_logit_bias(logits, rows, columns)
+    logits = mask_min_new_tokens(mask_allowed_and_banned(logits, rows, columns), rows, columns)
+    logits = mask_disallowed_tokens(logits, rows, columns)
     params = [r.params for r in rows]
-    device = logits.device
     token_ids = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     num_logprobs = [p.num_logprobs for p in params]
     if not sampled_rows and not any(num_logprobs):
-        return SampleOutput(token_ids.tolist(), [], [], [])  # all greedy: argmax is all
+        # all greedy: argmax is all
+        return SampleOutput(read_on_host(token_ids).tolist(), [], [], [])
 
-    temperatures = torch.tensor(
-        [1.0 if p.is_greedy else p.temperature for p in params], device=device
-    )[:, None]
-    scaled = logits / temperatures
+    scaled = logits / columns.floats("temperature")[:, None]
     if sampled_rows:
-        index = torch.tensor(sampled_rows, device=device)
+        index = columns.longs("sampled_rows")
         probs, candidate_ids = _filtered_candidates(
-            scaled[index], [params[i] for i in sampled_rows]
+            scaled[index], [params[i] for i in sampled_rows], columns
         )
         if candidate_ids is not None:
             # Draw in vocabulary order, whatever sorting a neighbour's top-k/top-p forced on
             # this row, so that a seeded row's token never depends on the rest of the batch.
             probs = torch.zeros_like(scaled[index]).scatter_(1, candidate_ids, probs)
-        uniforms = [seeded_uniform(rows[i].params.seed, rows[i].position) for i in sampled_rows]
-        token_ids[index] = _draw(probs, uniforms)
+        token_ids[index] = _draw(probs, columns.floats("uniform"))
 
     if not any(num_logprobs):
-        return SampleOutput(token_ids.tolist(), [], [], [])
+        return SampleOutput(read_on_host(token_ids).tolist(), [], [], [])
     logprobs = torch.log_softmax(scaled, dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None])
     top_values, top_ids = logprobs.topk(max(num_logprobs), dim=-1)
@@ -313,7 +329,7 @@ def sample(
     )
     k = top_ids.shape[1]
     output = SampleOutput([], [], [], [])
-    for row, n in zip(packed.tolist(), num_logprobs, strict=True):
+    for row, n in zip(read_on_host(packed).tolist(), num_logprobs, strict=True):
         output.token_ids.append(int(row[0]))
         output.logprobs.append(row[1])
         output.top_token_ids.append([int(t) for t in row[2 : 2 + n]])

@@ -236,13 +236,13 @@ class Driver:
         self.blocks.clear()
 
     def run(self, entries, new=(), forget=()):
-        """entries: (seq_id, start, tokens, sample). new: (seq_id, num_prompt, cached)."""
+        """entries: (seq_id, start, tokens, sample). new: (seq_id, num_prompt, cached) or
+        (seq_id, num_prompt, cached, SamplingParams); greedy when left out."""
         self.step_id += 1
         plan = self.StepPlan(step_id=self.step_id, token_offsets=[0], block_offsets=[0])
-        for seq_id, num_prompt, cached in new:
-            plan.new_sequences.append(
-                self.NewSequence(seq_id, self.SamplingParams(), num_prompt, list(cached))
-            )
+        for seq_id, num_prompt, cached, *sampling in new:
+            params = sampling[0] if sampling else self.SamplingParams()
+            plan.new_sequences.append(self.NewSequence(seq_id, params, num_prompt, list(cached)))
             self.blocks[seq_id] = 0
         for seq_id, start, toks, sample in entries:
             need = -(-(start + len(toks)) // self.bs) - self.blocks[seq_id]
@@ -362,6 +362,10 @@ def engine() -> None:
             from pagoda.gpu_worker.attention.triton_paged import TritonBackend
 
             eng.attention_backend = TritonBackend()
+            # The engine fuses on CUDA only; here the fused kernels run interpreted.
+            from pagoda.gpu_worker.fused_model import fuse_model
+
+            say("INFO", f"[{dtype}] fused under the interpreter: {fuse_model(eng.model, 1024)}")
             if os.environ.get("SMOKE_GRAPHS"):  # uncaptured DecodeGraphs: padded forward, eager
                 from pagoda.gpu_worker.cuda_graphs import DecodeGraphs, bucket_for, is_decode_only
 
@@ -643,6 +647,9 @@ def bench(eng) -> None:
             count_syncs_and_kernels(eng, d, entries)
         if (batch, ctx) == (256, 1024) or (SMOKE and batch == 4):
             kernel_breakdown(eng, d, entries, f"B={batch} ctx={ctx}")
+            host_waits(eng, d, entries, f"B={batch} ctx={ctx}")
+            d.reset(range(batch))
+            sampled_decode(eng, d, new, entries, f"B={batch} ctx={ctx}")
         d.reset(range(batch))
     # prefill and mixed
     for n in (512, 2048) if not SMOKE else (30,):
@@ -738,11 +745,118 @@ def kernel_breakdown(eng, d, entries, label: str, top: int = 14) -> None:
     total = sum(sum(v) for v in by_name.values()) or 1.0
     rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     say("INFO", f"kernel breakdown, eager decode {label}: {total / 1e3:.2f} ms of {wanted} time")
+    # Kernels per eager step (issue 29: ~1,150 unfused for Qwen3-0.6B) and the fused ones.
+    fused = {
+        kind: sum(len(v) for name, v in by_name.items() if kind in name)
+        for kind in ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel")
+    }
+    launches = sum(len(v) for v in by_name.values())
+    say(
+        "INFO",
+        f"kernels per eager decode step {label}: {launches if DEV == 'cuda' else 'n/a (CPU ops)'}"
+        f"; fused {json.dumps(fused)}",
+    )
+    if DEV == "cuda":
+        layers = eng.model.config.get_text_config().num_hidden_layers
+        ok = all(n >= layers for n in fused.values())
+        say("PASS" if ok else "FAIL", f"fused kernels in every one of {layers} layers: {fused}")
     for name, times in rows:
         say(
             "INFO",
             f"  {sum(times) / 1e3:7.3f} ms {100 * sum(times) / total:5.1f}% x{len(times):4d}  {name}",
         )
+
+
+def host_waits(eng, d, entries, label: str) -> None:
+    """Issue 29 item 3: a decode step (graphed, then eager) calls no torch.cuda.synchronize
+    and waits once, on the event after its sampled tokens' copy (step_events.py)."""
+    for use_graph in (True, False):
+        kind = "graphed" if use_graph and eng.decode_graphs is not None else "eager"
+        counts = _count_host_waits(eng, d, entries, use_graph)
+        ok = counts == {"torch.cuda.synchronize": 0, "event waits": 1}
+        say("PASS" if ok else "FAIL", f"host waits, {kind} decode step {label}: {counts}")
+
+
+def _count_host_waits(eng, d, entries, use_graph: bool) -> dict[str, int]:
+    from pagoda.gpu_worker import step_events
+
+    counts = {"torch.cuda.synchronize": 0, "event waits": 0}
+    real_sync, real_wait = torch.cuda.synchronize, step_events.DeviceEvent.synchronize
+
+    def counted_sync(*args, **kwargs):
+        counts["torch.cuda.synchronize"] += 1
+        return real_sync(*args, **kwargs)
+
+    def counted_wait(self):
+        counts["event waits"] += 1
+        return real_wait(self)
+
+    graphs = eng.decode_graphs
+    if not use_graph:
+        eng.decode_graphs = None
+    torch.cuda.synchronize, step_events.DeviceEvent.synchronize = counted_sync, counted_wait
+    try:
+        d.run(entries)
+    finally:
+        torch.cuda.synchronize, step_events.DeviceEvent.synchronize = real_sync, real_wait
+        eng.decode_graphs = graphs
+    return counts
+
+
+def sampled_decode(eng, d, new, entries, label: str) -> None:
+    """Issue 29 item 3: a decode step whose rows all sample (temperature, top-p, top-k,
+    min-p, penalties, a logit bias) uploads their numbers once; its time and, on CUDA,
+    its synchronizing calls (sync-debug) beside the greedy step's."""
+    from pagoda.common.step import SamplingParams
+    from pagoda.gpu_worker import sampler
+
+    params = SamplingParams(
+        temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.1,
+        presence_penalty=0.2, seed=7, logit_bias_token_ids=(5,), logit_bias_values=(1.5,),
+    )  # fmt: skip
+    d.run(entries, new=[(*n[:3], params) for n in new])
+    wall, fwd, smp = _timed_steps(d, entries, 5 if not SMOKE else 2)
+    say(
+        "TIME",
+        f"decode {label} SAMPLED (temperature, top-p/k, min-p, penalties, bias): step "
+        f"{wall:.2f} ms (forward {fwd:.2f}, sample {smp:.2f})",
+    )
+    uploads = []
+    real_upload = sampler.upload_columns
+
+    def counted_upload(*args, **kwargs):
+        uploads.append(1)
+        return real_upload(*args, **kwargs)
+
+    sampler.upload_columns = counted_upload
+    try:
+        if DEV == "cuda":
+            import warnings
+
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode(1)
+                try:
+                    d.run(entries)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            msgs: dict[str, int] = {}
+            for w in caught:
+                key = str(w.message).split("\n")[0][:90]
+                msgs[key] = msgs.get(key, 0) + 1
+            say(
+                "INFO",
+                f"sync-debug sampled decode step {label}: {sum(msgs.values())} synchronizing "
+                f"calls: {json.dumps(msgs)[:600]}",
+            )
+        else:
+            d.run(entries)
+    finally:
+        sampler.upload_columns = real_upload
+    say(
+        "PASS" if len(uploads) == 1 else "FAIL",
+        f"sampling parameters uploaded in {len(uploads)} copy per sampled step",
+    )
 
 
 # --------------------------------------------------------------------------- kernel bench

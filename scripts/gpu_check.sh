@@ -81,8 +81,9 @@ CHECK="$PY scripts/gpu_check.py $DRY_RUN"
 # The kernel file last: it compiles a Triton variant per shape and can take the longest.
 CUDA_TESTS=(tests/worker/test_kv_sizing.py tests/worker/test_attention_backends.py
   tests/worker/test_cuda_graphs.py tests/worker/test_cuda_graphs_padding.py
-  tests/worker/test_block_tables.py tests/worker/test_triton_attention.py)
-step pytest-cuda 150 $PY -m pytest -q -p no:cacheprovider -rs --timeout 60 --durations=8 "${CUDA_TESTS[@]}"
+  tests/worker/test_block_tables.py tests/worker/test_triton_attention.py
+  tests/worker/test_fused_ops.py)
+step pytest-cuda 180 $PY -m pytest -q -p no:cacheprovider -rs --timeout 60 --durations=8 "${CUDA_TESTS[@]}"
 # 2. Engine (triton + captured graphs) vs generate(): fp32 exact, bf16 first tokens; graph
 #    replay vs eager logits; 260 sequences (past the largest bucket, block-table growth).
 step engine 100 $CHECK engine
@@ -102,7 +103,7 @@ step kernels 60 $CHECK kernels
 step make-llama 40 $CHECK make-model llama-3.2-1b "$MODELS/llama-3.2-1b"
 step bench-llama 90 $CHECK startup-bench "$MODELS/llama-3.2-1b"
 
-grep -E '^(PASS|FAIL|TIME|DONE|SKIP)|^=== |^INFO (python|device|load_engine|captured|model info|service)| passed| failed|error' \
+grep -E '^(PASS|FAIL|TIME|DONE|SKIP)|^=== |^INFO (python|device|load_engine|captured|model info|service|kernels per|sync-debug|log pagoda.worker.(warm_up|engine): (warm-up|fused))| passed| failed|error' \
   "$OUT/gpu_check.log" >"$OUT/summary.txt"
 echo "---- summary: $(grep -c '^PASS' "$OUT/summary.txt") PASS, $(grep -c '^FAIL' "$OUT/summary.txt") FAIL," \
   "$(grep -c 'rc=[1-9]' "$OUT/summary.txt") steps failed, t=${SECONDS}s" | tee -a "$OUT/summary.txt"

@@ -183,6 +183,7 @@ def test_draw_never_picks_a_zero_probability_entry_under_scan_error(monkeypatch)
     monkeypatch.setattr(torch.Tensor, "cumsum", scan_with_error)
     # u * total falls inside the first row's sliver over entry 1; the second row's u
     # past its last live entry's cdf lands on the trailing zero.
-    picked = sampler._draw(probs, [0.5 + 1.2e-7, 1.0 - 1e-9]).tolist()
+    uniforms = torch.tensor([0.5 + 1.2e-7, 1.0 - 1e-9], dtype=torch.float64)  # as uploaded
+    picked = sampler._draw(probs, uniforms).tolist()
     assert probs[0, picked[0]] > 0 and probs[1, picked[1]] > 0
     assert picked == [3, 2]

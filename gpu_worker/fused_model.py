@@ -1,0 +1,222 @@
+"""Swap the fused kernels of pagoda.gpu_worker.fused_ops into a loaded Llama/Qwen3 model.
+
+`fuse_model(model, num_positions)` patches, in place and once (a second call finds
+nothing left to do):
+- every RMSNorm module (the layer norms, the final norm, Qwen3's per-head q_norm/k_norm):
+  one `rms_norm` launch each;
+- every decoder layer: the residual add after attention is fused into the
+  post-attention norm (`rms_norm(..., residual=)`);
+- every MLP whose gate and up projections are plain bias-free Linear layers with a SiLU
+  activation: the two become one `gate_up_proj` Linear (one GEMM, weights concatenated,
+  the old ones freed) followed by `silu_and_mul`;
+- every attention module of a static RoPE type: q/k get RoPE in place from a cos/sin
+  table gathered by position_ids (built once, `num_positions` rows, shared by the layers).
+
+What it does not know it leaves as loaded (another architecture, a quantized or sharded
+projection, a dynamic RoPE). The paged engine calls it only on CUDA with the triton
+attention backend: the CPU path stays the batch-invariant one it is
+(tests/worker/test_batch_invariance.py). tests/worker/test_fused_ops.py compares a patched
+tiny Llama and Qwen3 with the unpatched ones under the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("pagoda.worker.engine")  # beside the engine's load lines
+
+FUSED_MODEL_TYPES = ("llama", "qwen3")
+# RoPE types whose cos/sin depend on the position alone (inv_freq fixed at load).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(slots=True)
+class FusedCounts:
+    norms: int = 0
+    layers: int = 0
+    mlps: int = 0
+    attentions: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.norms + self.layers + self.mlps + self.attentions
+
+
+def fuse_model(model: torch.nn.Module, num_positions: int) -> FusedCounts:
+    """Patch `model` in place (see the module docstring); returns what was patched now."""
+    counts = FusedCounts()
+    model_type = getattr(model.config.get_text_config(), "model_type", None)
+    if model_type not in FUSED_MODEL_TYPES:
+        log.info("no fused kernels for model type %s", model_type)
+        return counts
+    cos_sin = _rotary_table(model, num_positions)
+    for module in list(model.modules()):  # the MLPs change their children
+        if getattr(module, "_pagoda_fused", False):
+            continue
+        name = type(module).__name__
+        if name.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_norm_forward, module)
+            counts.norms += 1
+        elif name.endswith("DecoderLayer") and _has_layer_layout(module):
+            module.forward = types.MethodType(_layer_forward, module)
+            counts.layers += 1
+        elif name.endswith("MLP") and _fuse_gate_up(module):
+            module.forward = types.MethodType(_mlp_forward, module)
+            counts.mlps += 1
+        elif name.endswith("Attention") and cos_sin is not None and hasattr(module, "q_proj"):
+            module.rotary_cos_sin = cos_sin
+            module.forward = types.MethodType(_attention_forward, module)
+            counts.attentions += 1
+        else:
+            continue
+        module._pagoda_fused = True
+    if counts.total:
+        log.info(
+            "fused kernels: %d RMSNorms, %d residual adds, %d gate/up+SiLU, %d RoPE",
+            counts.norms,
+            counts.layers,
+            counts.mlps,
+            counts.attentions,
+        )
+    return counts
+
+
+def _rotary_table(model: torch.nn.Module, num_positions: int) -> torch.Tensor | None:
+    from pagoda.gpu_worker.fused_ops import rotary_cos_sin
+
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None or getattr(rotary, "rope_type", None) not in STATIC_ROPE_TYPES:
+        return None
+    text = model.config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if rotary.inv_freq.numel() * 2 != head_dim:  # partial rotary: not this kernel's
+        return None
+    return rotary_cos_sin(rotary.inv_freq, num_positions, float(rotary.attention_scaling))
+
+
+def _has_layer_layout(layer: torch.nn.Module) -> bool:
+    return all(
+        hasattr(layer, name)
+        for name in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+    )
+
+
+def _fuse_gate_up(mlp: torch.nn.Module) -> bool:
+    gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+    plain = all(type(m) is torch.nn.Linear and m.bias is None for m in (gate, up))
+    if not plain or getattr(mlp.config, "hidden_act", None) not in ("silu", "swish"):
+        return False
+    fused = torch.nn.Linear(
+        gate.in_features,
+        gate.out_features + up.out_features,
+        bias=False,
+        device=gate.weight.device,
+        dtype=gate.weight.dtype,
+    )
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([gate.weight, up.weight]))
+    fused.requires_grad_(False)
+    mlp.gate_up_proj = fused
+    del mlp.gate_proj, mlp.up_proj  # one copy of the weights
+    return True
+
+
+def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    from pagoda.gpu_worker.fused_ops import rms_norm
+
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    from pagoda.gpu_worker.fused_ops import silu_and_mul
+
+    return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+def _layer_forward(
+    self,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    past_key_values=None,
+    use_cache: bool | None = False,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """HF's Llama/Qwen3 decoder layer with the post-attention residual add in the norm."""
+    from pagoda.gpu_worker.fused_ops import rms_norm
+
+    norm = self.post_attention_layernorm
+    attention, _ = self.self_attn(
+        hidden_states=self.input_layernorm(hidden_states),
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    normed, residual = rms_norm(
+        attention, norm.weight, norm.variance_epsilon, residual=hidden_states
+    )
+    return residual + self.mlp(normed)
+
+
+def _attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    past_key_values=None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """HF's Llama/Qwen3 attention with RoPE in place from the shared cos/sin table (the
+    model's position_embeddings are not read); the attention itself is the configured
+    attention interface (pagoda's paged one in the engine), called as HF calls it."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from pagoda.gpu_worker.fused_ops import rotary_in_place
+
+    if past_key_values is not None:
+        raise RuntimeError("the fused attention keeps no Hugging Face KV cache")
+    input_shape = hidden_states.shape[:-1]
+    head_dim = self.head_dim
+    # Heads from the projections' widths, not the config (a sharded rank holds fewer).
+    query = self.q_proj(hidden_states).view(-1, self.q_proj.out_features // head_dim, head_dim)
+    key = self.k_proj(hidden_states).view(-1, self.k_proj.out_features // head_dim, head_dim)
+    value = self.v_proj(hidden_states).view(*input_shape, -1, head_dim).transpose(1, 2)
+    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head
+        query, key = self.q_norm(query), self.k_norm(key)
+    if position_ids is not None:
+        rotary_in_place(query, key, position_ids.reshape(-1), self.rotary_cos_sin)
+    else:  # a caller that passes no position_ids: HF's own expression on its cos/sin
+        query, key = _rotary_from_embeddings(query, key, position_embeddings)
+    interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+    output, _ = interface(
+        self,
+        query.view(*input_shape, *query.shape[1:]).transpose(1, 2),
+        key.view(*input_shape, *key.shape[1:]).transpose(1, 2),
+        value,
+        attention_mask,
+        dropout=0.0,
+        scaling=self.scaling,
+        sliding_window=getattr(self, "sliding_window", None),
+        **kwargs,
+    )
+    return self.o_proj(output.reshape(*input_shape, -1).contiguous()), None
+
+
+def _rotary_from_embeddings(query, key, position_embeddings):
+    """HF's apply_rotary_pos_emb on [T, heads, d] from the model's (cos, sin) [1, T, d]."""
+    cos, sin = (t.reshape(-1, 1, t.shape[-1]) for t in position_embeddings)
+    half = query.shape[-1] // 2
+
+    def rotate_half(x):
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin

@@ -1,0 +1,330 @@
+"""The fused dense kernels (gpu_worker/fused_ops.py) against the torch expressions they
+replace, and a tiny Llama and Qwen3 patched by gpu_worker/fused_model.py against the
+same models unpatched.
+
+As in test_triton_attention.py: on CUDA the kernels run natively; on CPU they need
+TRITON_INTERPRET=1 before triton is first imported, so test_fused_under_the_interpreter
+runs this file again in a child pytest with it set, and the kernel tests skip here.
+
+Tolerances: float32 within 1e-5 (relative and absolute; the norm's mean is summed in
+another order). bfloat16 within 2 units of the last place (rtol 1.6e-2) plus atol 2e-2
+for values near zero: the kernels round where the torch expressions round, but a sum in
+another order or another exp can move a rounding by one unit, and RoPE rounds once in
+fp32 where HF rounds cos/sin and each product to bfloat16. The residual sum is exact on
+CUDA (within one unit under the interpreter, whose bfloat16 casts may round differently).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+ON_CUDA = torch.cuda.is_available() and not INTERPRETED
+DEVICE = "cuda" if ON_CUDA else "cpu"
+RUN_HERE = ON_CUDA or INTERPRETED
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOLERANCE = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+    torch.bfloat16: {"rtol": 1.6e-2, "atol": 2e-2},
+}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """pagoda.gpu_worker.fused_ops, when its kernels can run in this process."""
+    if not RUN_HERE:
+        pytest.skip("no CUDA: test_fused_under_the_interpreter runs this in a child process")
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from pagoda.gpu_worker import fused_ops
+
+    if INTERPRETED and not isinstance(triton.language.zeros, InterpretedFunction):
+        pytest.fail("TRITON_INTERPRET=1 was set after triton was imported")
+    return fused_ops
+
+
+@pytest.mark.slow  # about a minute of CPU: the interpreter runs every kernel op in Python
+@pytest.mark.skipif(RUN_HERE, reason="the kernel tests run in this process")
+def test_fused_under_the_interpreter():
+    this_file = str(Path(__file__).relative_to(REPO_ROOT))
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            this_file,
+            "-k",
+            "not compile_for_cuda",
+        ],
+        cwd=REPO_ROOT,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert completed.returncode == 0, completed.stdout[-8000:] + completed.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", completed.stdout)
+    assert passed and int(passed.group(1)) >= 20, completed.stdout[-2000:]
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm / Qwen3RMSNorm forward."""
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [128, 576, 1024, 2048])
+@pytest.mark.parametrize("num_rows", [1, 300])
+def test_rms_norm_matches_torch(ops, dtype, hidden, num_rows):
+    generator = torch.Generator().manual_seed(hidden * 1000 + num_rows)
+    x = torch.randn(num_rows, hidden, generator=generator).to(DEVICE, dtype) * 3
+    weight = (1 + torch.randn(hidden, generator=generator) / 4).to(DEVICE, dtype)
+    out = ops.rms_norm(x, weight, 1e-6)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out, torch_rms_norm(x, weight, 1e-6), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("hidden", "num_rows"), [(576, 1), (1024, 300), (2048, 37)])
+def test_rms_norm_with_residual_matches_torch(ops, dtype, hidden, num_rows):
+    generator = torch.Generator().manual_seed(hidden + num_rows)
+    x = torch.randn(1, num_rows, hidden, generator=generator).to(DEVICE, dtype)
+    residual = torch.randn(1, num_rows, hidden, generator=generator).to(DEVICE, dtype) * 5
+    weight = (1 + torch.randn(hidden, generator=generator) / 4).to(DEVICE, dtype)
+    out, new_residual = ops.rms_norm(x, weight, 1e-5, residual=residual)
+    summed = residual + x
+    # Exact on CUDA; the interpreter's float32 -> bfloat16 cast may round the other way.
+    exact = (
+        {"rtol": 0, "atol": 0} if ON_CUDA or dtype == torch.float32 else {"rtol": 8e-3, "atol": 0}
+    )
+    torch.testing.assert_close(new_residual, summed, **exact)
+    torch.testing.assert_close(out, torch_rms_norm(summed, weight, 1e-5), **TOLERANCE[dtype])
+    assert out.shape == x.shape
+
+
+def test_rms_norm_over_heads_of_a_strided_view(ops):
+    """Qwen3's q_norm: RMSNorm over head_dim of a [T, heads, head_dim] view."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 16 * 128, generator=generator).to(DEVICE).view(5, 16, 128)
+    weight = torch.randn(128, generator=generator).to(DEVICE)
+    out = ops.rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(out, torch_rms_norm(x, weight, 1e-6), **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("intermediate", [3072, 100])
+@pytest.mark.parametrize("num_rows", [1, 300])
+def test_silu_and_mul_matches_torch(ops, dtype, intermediate, num_rows):
+    generator = torch.Generator().manual_seed(intermediate + num_rows)
+    gate_up = torch.randn(num_rows, 2 * intermediate, generator=generator).to(DEVICE, dtype) * 4
+    out = ops.silu_and_mul(gate_up)
+    gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+    expected = torch.nn.functional.silu(gate) * up
+    assert out.shape == (num_rows, intermediate)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+def hf_rotary(query, key, cos_sin, positions):
+    """HF's apply_rotary_pos_emb on [T, heads, d] with cos/sin cast to the input dtype."""
+    half = query.shape[-1] // 2
+    cos = cos_sin[positions, :half].repeat(1, 2).to(query.dtype)[:, None, :]
+    sin = cos_sin[positions, half:].repeat(1, 2).to(query.dtype)[:, None, :]
+
+    def rotate_half(x):
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(16, 8, 128), (32, 8, 64), (9, 3, 64)],  # Qwen3-0.6B, Llama-3.2-1B, SmolLM2-135M
+)
+@pytest.mark.parametrize("num_tokens", [1, 300])
+def test_rotary_in_place_matches_hf(ops, dtype, num_heads, num_kv_heads, head_dim, num_tokens):
+    generator = torch.Generator().manual_seed(num_heads * head_dim + num_tokens)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    cos_sin = ops.rotary_cos_sin(inv_freq.to(DEVICE), 4096, 1.0)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=generator).to(DEVICE)
+    # q/k as views of one projection output, as the attention module makes them.
+    qk = torch.randn(num_tokens, (num_heads + num_kv_heads) * head_dim, generator=generator)
+    qk = qk.to(DEVICE, dtype)
+    query = qk[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    key = qk[:, num_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    expected_query, expected_key = hf_rotary(query.clone(), key.clone(), cos_sin, positions)
+    ops.rotary_in_place(query, key, positions, cos_sin)
+    torch.testing.assert_close(query, expected_query, **TOLERANCE[dtype])
+    torch.testing.assert_close(key, expected_key, **TOLERANCE[dtype])
+
+
+def test_rotary_table_is_hf_rotary_embedding(ops):
+    """The table holds what the model's rotary embedding computes for those positions."""
+    import transformers
+
+    config = transformers.Qwen3Config(**TINY, head_dim=32)
+    rotary = transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding(config)
+    positions = torch.tensor([[0, 1, 7, 511]])
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    table = ops.rotary_cos_sin(rotary.inv_freq, 512, rotary.attention_scaling)[positions[0]]
+    half = 16
+    torch.testing.assert_close(table[:, :half], cos[0, :, :half], rtol=0, atol=0)
+    torch.testing.assert_close(table[:, half:], sin[0, :, :half], rtol=0, atol=0)
+
+
+TINY = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+
+
+def tiny_model(family: str, dtype: torch.dtype):
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "qwen3":
+        config = transformers.Qwen3Config(**TINY, head_dim=32)
+    else:
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}  # fmt: skip
+        config = transformers.LlamaConfig(**TINY, rope_parameters=rope)
+    config._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, dtype).eval()
+    with torch.no_grad():  # the norms are ones at init: make them matter
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(torch.randn_like(parameter) / 4)
+    return model
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_model_matches_unfused(ops, family, dtype):
+    import copy
+
+    from pagoda.gpu_worker.fused_model import fuse_model
+
+    model = tiny_model(family, dtype)
+    fused = copy.deepcopy(model)
+    counts = fuse_model(fused, num_positions=256)
+    num_layers = TINY["num_hidden_layers"]
+    # 2 norms per layer and the final one, and q_norm/k_norm per Qwen3 layer
+    assert counts.norms == (2 + 2 * (family == "qwen3")) * num_layers + 1
+    assert (counts.layers, counts.mlps, counts.attentions) == (num_layers,) * 3
+    assert fuse_model(fused, num_positions=256).total == 0  # idempotent
+    assert not hasattr(fused.model.layers[0].mlp, "gate_proj")
+    input_ids = torch.randint(3, 512, (1, 41), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(41)[None, :] + 100  # a chunk after 100 cached tokens
+    with torch.inference_mode():
+        expected = model(
+            input_ids=input_ids.to(DEVICE), position_ids=positions.to(DEVICE), use_cache=False
+        )
+        got = fused(
+            input_ids=input_ids.to(DEVICE), position_ids=positions.to(DEVICE), use_cache=False
+        )
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.logits, expected.logits, rtol=1e-4, atol=1e-4)
+    else:  # bfloat16 roundings compound over the layers: compare the distributions
+        expected_probs = expected.logits.float().softmax(-1)
+        got_probs = got.logits.float().softmax(-1)
+        assert (got_probs - expected_probs).abs().max() < 2e-2
+
+
+def test_fuse_model_leaves_other_architectures(ops):
+    import transformers
+
+    from pagoda.gpu_worker.fused_model import fuse_model
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert fuse_model(model, num_positions=64).total == 0
+
+
+# Compiles the three kernels ahead of time for an H100 (sm_90) with the ptxas triton
+# ships, at the Qwen3-0.6B and Llama-3.2-1B shapes, in bfloat16 (as the engine launches
+# them; the interpreter checks no PTX). A child process: TRITON_INTERPRET is unset there.
+_COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagoda.gpu_worker import fused_ops as ops
+
+def compile_kernel(fn, constants, pointer_types=None):
+    signature = {}
+    for name in fn.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = (pointer_types or {}).get(name, "*bf16")
+        elif name == "eps":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32))
+
+for hidden in (128, 1024, 2048):
+    for residual in (False, True):
+        compile_kernel(ops._rms_norm_kernel, dict(HAS_RESIDUAL=residual,
+                       BLOCK=triton.next_power_of_2(hidden)))
+compile_kernel(ops._silu_and_mul_kernel, dict(BLOCK=ops.SILU_BLOCK))
+rotary_pointers = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32"}
+for heads, kv_heads, head_dim in ((16, 8, 128), (32, 8, 64)):
+    compile_kernel(ops._rotary_kernel, dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads,
+                   HEADS_PAD=heads, HALF=head_dim // 2, HALF_PAD=head_dim // 2),
+                   rotary_pointers)
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(RUN_HERE, reason="the kernels run in this process (CUDA or interpreter)")
+def test_fused_kernels_compile_for_cuda():
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    completed = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_SM90],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert completed.stdout.strip() == "compiled"
+
+
+def test_fused_model_without_position_ids_uses_the_model_rotary(ops):
+    """A caller that passes no position_ids (HF's generate on a fresh prompt) still gets
+    HF's RoPE, from the model's own cos/sin."""
+    import copy
+
+    from pagoda.gpu_worker.fused_model import fuse_model
+
+    model = tiny_model("qwen3", torch.float32)
+    fused = copy.deepcopy(model)
+    fuse_model(fused, num_positions=256)
+    input_ids = torch.randint(3, 512, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        expected = model(input_ids=input_ids.to(DEVICE), use_cache=False).logits
+        got = fused(input_ids=input_ids.to(DEVICE), use_cache=False).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
