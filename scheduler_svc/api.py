@@ -19,6 +19,7 @@ import grpc
 
 from pagoda.protos import generation_pb2, generation_pb2_grpc
 from pagoda.scheduler_svc.auth import bearer_token, tenant_cache_salt, tenant_directory
+from pagoda.scheduler_svc.bounded_executor import BoundedExecutor, ExecutorFull
 from pagoda.scheduler_svc.core import (
     FinishReason,
     QueueFullError,
@@ -50,7 +51,8 @@ log = logging.getLogger("pagoda.api")
 # tokenized and chat-rendered on a worker thread: a big one costs milliseconds to seconds
 # of tokenizer time, which on the event loop would stall every stream and the step loop.
 # The HF tokenizers release the GIL while encoding. Smaller ones stay on the loop, where
-# they cost less than a thread hop.
+# they cost less than a thread hop. Generate's and Chat's validation has its threads, the
+# Tokenize RPC its own bounded one, so a flood of Tokenize calls cannot delay a Generate.
 OFF_LOOP_MIN_CHARS = 4096
 NUM_TOKENIZER_THREADS = 2
 # How long a stalled stream's status may wait to be sent before its handler gives up.
@@ -179,6 +181,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._grammars = GrammarCompiler(lambda: tokenizer.tokenizer.to_str())
         self._tokenizer_threads = ThreadPoolExecutor(
             max_workers=NUM_TOKENIZER_THREADS, thread_name_prefix="pagoda-tokenize"
+        )
+        self._tokenize_rpcs = BoundedExecutor(
+            config.max_tokenize_calls,
+            num_threads=1,
+            thread_name_prefix="pagoda-tokenize-rpc",
         )
 
     def _token_bytes(self, token_id: int) -> bytes:
@@ -449,14 +456,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _checked_tokenize(self, request) -> generation_pb2.TokenizeResponse:
         self._reject_undecodable(request)
         limits = self._limits() or self._fallback_limits()
+        code = grpc.StatusCode.INVALID_ARGUMENT
         try:
             validate_tokenize_text(request.text, limits)
-            return await self._off_loop_if_big(
-                len(request.text), self._tokenize, request, limits.max_context_tokens
-            )
+            if len(request.text) <= OFF_LOOP_MIN_CHARS:
+                return self._tokenize(request, limits.max_context_tokens)
+            return await self._tokenize_rpcs.run(self._tokenize, request, limits.max_context_tokens)
         except ValidationError as exc:
             sentence = str(exc)
-        raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, sentence)
+        except ExecutorFull:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            sentence = (
+                f"{self._tokenize_rpcs.max_calls} Tokenize calls of long texts are queued or "
+                "running (max_tokenize_calls); retry later"
+            )
+        raise self._refused(code, sentence)
 
     def _tokenize(self, request, max_tokens: int) -> generation_pb2.TokenizeResponse:
         """Encode, then build the pieces only for a text within the context: a piece costs

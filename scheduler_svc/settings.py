@@ -54,6 +54,7 @@ class ServiceConfig:
     stream_write_timeout_s: float = 60.0
     max_connection_idle_s: float = 600.0
     max_health_watchers: int = 64
+    max_tokenize_calls: int = 64
     status_interval_s: float = 10.0
     api_key_file: str | None = None
     cache_salt_by_api_key: bool | None = None
@@ -81,6 +82,7 @@ class ServiceConfig:
             "stream_write_timeout_s",
             "max_connection_idle_s",
             "max_health_watchers",
+            "max_tokenize_calls",
             "status_interval_s",
             "max_workers",
             "max_n",
@@ -159,6 +161,9 @@ HELP: dict[str, str] = {
     "max_connection_idle_s": "a connection with no call for this long is closed (GOAWAY)",
     "max_health_watchers": "concurrent grpc.health.v1 Watch streams (RESOURCE_EXHAUSTED beyond); "
     "Watch needs the bearer token when api_key_file is set, Check never does",
+    "max_tokenize_calls": "Tokenize calls of a text over 4096 characters queued or running "
+    "at once on Tokenize's own thread (RESOURCE_EXHAUSTED beyond; shorter texts are "
+    "encoded on the event loop and never wait)",
     "status_interval_s": "seconds between the periodic one-line status logs",
     "api_key_file": "file holding the bearer tokens, one per line: a key, or name:weight:key "
     "(one tenant each; a bare key's tenant is named key-<8 hex of its sha256>); when set, "

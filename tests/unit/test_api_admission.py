@@ -312,3 +312,81 @@ def test_a_tenant_over_its_tokens_per_minute_is_refused_naming_the_limit():
         refused.value
     )
     service._check_tokens_per_minute(Tenant("b"), valid)  # b has a bucket of its own
+
+
+def test_tokenize_past_its_bound_is_refused_while_generate_is_served():
+    """Tokenize's long texts run on a thread of their own with a bound on the calls queued
+    or running: past it a call is refused RESOURCE_EXHAUSTED naming the setting, and a
+    Generate's validation, on its own threads, is served while the Tokenize queue is full
+    (security review N6)."""
+    import dataclasses
+
+    from pagoda.scheduler_svc.core import FinishReason, RequestOutput
+    from pagoda.scheduler_svc.output_streams import OutputSlot
+
+    class BlockingTokenizeTexts(CountingTokenizer):
+        """Encoding a text that starts with "T" waits until `release` is set."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.release = threading.Event()
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            if text.startswith("T"):
+                self.release.wait()
+            return super().encode(text, add_special_tokens)
+
+    class WritingContext(Context):
+        def __init__(self) -> None:
+            super().__init__()
+            self.written: list[pb.GenerateResponse] = []
+
+        async def write(self, message):
+            self.written.append(message)
+
+    class ServingLoop(FakeLoop):
+        def submit(self, valid):
+            slot = OutputSlot(valid.request_id)
+            slot.publish(RequestOutput(valid.request_id, "a", [5], None, FinishReason.LENGTH))
+            return slot
+
+        def release(self, slot):
+            pass
+
+    tokenizer = BlockingTokenizeTexts()
+    config = dataclasses.replace(ServiceConfig(), max_tokenize_calls=2)
+    service = GenerationServicer(ServingLoop(0), Metrics(), tokenizer, config, "m")
+    long_text = "T" * (OFF_LOOP_MIN_CHARS + 1)
+
+    async def scenario():
+        held = [
+            asyncio.create_task(service.Tokenize(pb.TokenizeRequest(text=long_text), Context()))
+            for _ in range(2)
+        ]
+        while service._tokenize_rpcs.num_calls < 2:  # each task reaches its thread hop
+            await asyncio.sleep(0)
+        refused = Context()
+        assert await service.Tokenize(pb.TokenizeRequest(text=long_text), refused) is None
+        short = await service.Tokenize(pb.TokenizeRequest(text="hi"), Context())
+        # T-less, so its encode does not wait; long, so it is validated off the loop.
+        prompt = "a" * (OFF_LOOP_MIN_CHARS + 1)
+        served = WritingContext()
+        await asyncio.wait_for(service.Generate(pb.GenerateRequest(prompt=prompt), served), 60)
+        held_done_before_release = [task.done() for task in held]
+        tokenizer.release.set()
+        replies = await asyncio.gather(*held)
+        again = await service.Tokenize(pb.TokenizeRequest(text=long_text), Context())
+        return refused, short, served, held_done_before_release, replies, again
+
+    try:
+        refused, short, served, held_done, replies, again = asyncio.run(scenario())
+    finally:
+        tokenizer.release.set()  # never leave a thread waiting
+    assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "2 Tokenize calls" in refused.details and "max_tokenize_calls" in refused.details
+    # A short text never waits behind them: it is encoded on the loop.
+    assert short is not None and list(short.token_ids) == [5]
+    assert served.code is None and served.written[-1].finish_reason == pb.LENGTH
+    assert held_done == [False, False]
+    assert all(len(reply.token_ids) > 0 for reply in replies)
+    assert again is not None and service._tokenize_rpcs.num_calls == 0
