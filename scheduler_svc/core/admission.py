@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from pagoda.scheduler_svc.core.kv import PrefixCache
 
 T = TypeVar("T")
 
@@ -51,6 +54,22 @@ class Admission:
 def prefill_cost(num_tokens: int, num_cached_tokens: int, max_context_tokens: int) -> int:
     """Tokens a request still has to compute, clamped to the model's context."""
     return min(num_tokens - num_cached_tokens, max_context_tokens)
+
+
+def waiting_cost(
+    num_tokens: int,
+    priority: int,
+    hit_block_ids: list[int],
+    blocks: PrefixCache,
+    max_context_tokens: int,
+) -> WaitingCost:
+    """A waiting request of `num_tokens` whose prefix hit `hit_block_ids` in `blocks`."""
+    num_cached_tokens = len(hit_block_ids) * blocks.block_size
+    return WaitingCost(
+        num_tokens=prefill_cost(num_tokens, num_cached_tokens, max_context_tokens),
+        num_reclaimed_blocks=blocks.num_evictable(hit_block_ids),
+        priority=priority,
+    )
 
 
 def is_fifo_round(round_number: int, force_fifo_every: int | None) -> bool:

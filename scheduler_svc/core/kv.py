@@ -280,3 +280,15 @@ def match_prefix(
     max_blocks = (len(token_ids) - 1) // blocks.block_size
     extend_block_hashes(token_ids, block_hashes, max_blocks, blocks.block_size, root_hash)
     return blocks.match(block_hashes, max_blocks, always=always)
+
+
+def match_request(blocks: PrefixCache, request) -> list[int]:
+    """Cached blocks of a request's prompt prefix (match_prefix over its `token_ids`,
+    `block_hashes` and `cache_root_hash`; `always` when its samples share the prompt)."""
+    return match_prefix(
+        blocks,
+        request.token_ids,
+        request.block_hashes,
+        request.cache_root_hash,
+        always=request.shares_prompt,
+    )

@@ -45,25 +45,24 @@ from pagoda.scheduler_svc.core.admission import (
     WaitingCost,
     admission_window,
     is_fifo_round,
-    prefill_cost,
     room_for_reserved_head,
     run_policy,
+    waiting_cost,
 )
 from pagoda.scheduler_svc.core.config import SchedulerConfig
-from pagoda.scheduler_svc.core.kv import BlockAllocator, PrefixCache, match_prefix
+from pagoda.scheduler_svc.core.kv import BlockAllocator, PrefixCache, match_request
 from pagoda.scheduler_svc.core.plan_builder import BuiltPlan, PlanBuilder
 from pagoda.scheduler_svc.core.preemption import choose_victim
 from pagoda.scheduler_svc.core.request import Request, RequestState, set_stop_rules
 from pagoda.scheduler_svc.core.running import RunningSet
 from pagoda.scheduler_svc.core.tenants import (
     Ledger,
-    Shortage,
+    admission_shortage,
     admission_victims,
     by_least_served,
-    holdings,
     neediest_tenant,
 )
-from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue
+from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue, still_waiting
 
 _RUNNING = RequestState.RUNNING
 _WAITING = RequestState.WAITING
@@ -124,13 +123,9 @@ class Planner:
         self.blocks = None
         self.forget_seq_ids = []
         for request in reversed(list(self.running.values())):
-            request.block_ids = []
-            request.num_blocks_sent = 0
-            request.num_computed_tokens = 0
-            request.seq_id = None
+            self.sequences.end(request)
             request.state = _WAITING
             self.waiting.push_front(request)
-        self.sequences.clear()
 
     def release(self, request: Request, *, worker_knows: bool = True) -> None:
         """End the request's sequence: its blocks are released and the worker told to
@@ -138,11 +133,7 @@ class Planner:
         seq_id = request.seq_id
         assert seq_id is not None and self.blocks is not None
         self.blocks.release(request.block_ids)
-        request.block_ids = []
-        request.num_blocks_sent = 0
-        request.num_computed_tokens = 0
-        request.seq_id = None
-        self.sequences.remove(seq_id)
+        self.sequences.end(request)
         if worker_knows:
             self.forget_seq_ids.append(seq_id)
 
@@ -248,12 +239,8 @@ class Planner:
         """One token for each decoding sequence (round-robin under a cap); tokens used."""
         if num_tokens <= 0 or not self.running:
             return 0
-        decoders = self.sequences.decoders(b.only)
         cap = min(num_tokens, self.config.max_decode_batch_size or num_tokens)
-        if len(decoders) > cap:
-            decoders = self.sequences.round_robin(decoders, cap)
-        elif self.by_priority:
-            decoders.sort(key=self.sequences.feed_order)
+        decoders = self.sequences.to_decode(b.only, cap)
         step_id = b.step_id
         blocks = self.blocks
         block_size = blocks.block_size
@@ -364,7 +351,7 @@ class Planner:
         # Decodes come after admission (decode_first off): the blocks they will need are
         # theirs, so an admission never makes an older request preempt in its own step.
         num_reserved_blocks = -1  # counted on first need
-        while _waiting_only(only) if only is not None else waiting:
+        while still_waiting(only) if only is not None else waiting:
             num_running = len(self.running)
             num_requests = min(batch_cap - num_admitted, config.max_active_requests - num_running)
             tokens_left = num_tokens - used
@@ -379,7 +366,7 @@ class Planner:
             if num_free_blocks <= 0:
                 break  # nothing can start without a block: do not price the window
             # Fair share: this round admits one request of the least-served waiting tenant.
-            tenant = self._neediest_tenant() if only is None else None
+            tenant = self.tenants.neediest(self.waiting.tenant_names()) if only is None else None
             if tenant is not None:
                 num_requests = 1
             forced = False
@@ -398,7 +385,7 @@ class Planner:
                 reserved=reserved,
                 tenant=tenant,
                 by_priority=self.by_priority,
-                only=_waiting_only(only) if only is not None else None,
+                only=still_waiting(only) if only is not None else None,
             )
             budget = AdmissionBudget(
                 num_tokens=tokens_left,
@@ -427,15 +414,6 @@ class Planner:
             first_round = False
         return used
 
-    def _neediest_tenant(self) -> str | None:
-        """The waiting tenant admission serves next, or None (not sharing by tenant)."""
-        if not self.tenants.fair:
-            return None
-        names = self.waiting.tenant_names()
-        if len(names) < 2:
-            return None  # the one tenant waiting: the whole window is its own
-        return neediest_tenant(names, self.tenants.counters(), self.tenants.num_requests())
-
     def _admission_victims(self, step_id: int) -> list[Request]:
         """Whom to preempt so the least-served waiting tenant's head can start (tenants.py:
         preempt to admit); usually none, found without a pass over the running set."""
@@ -443,27 +421,21 @@ class Planner:
         needy = neediest_tenant(self.waiting.tenant_names(), counters, self.tenants.num_requests())
         if needy is None:
             return []
-        config, blocks, running = self.config, self.blocks, self.running
         cost = self._price(self.waiting.head(1, needy)[0])
-        num_head_blocks = -(-cost.num_tokens // blocks.block_size) + cost.num_reclaimed_blocks
-        num_slots_short = len(running) + 1 - config.max_active_requests
-        num_blocks_short = num_head_blocks - blocks.num_available_blocks
-        if num_slots_short <= 0 and num_blocks_short + len(running) <= 0:
-            return []  # a slot, and blocks even if every running request grows
-        num_running, num_held, num_demand = holdings(running.values(), blocks.block_size)
-        accounts = self.tenants.accounts
-        shortage = Shortage(
-            needy=needy,
-            num_slots_short=num_slots_short,
-            num_blocks_short=num_blocks_short + num_demand,
-            num_slots=config.max_active_requests,
-            num_blocks=self.geometry.num_kv_blocks,
-            weights={name: a.weight for name, a in accounts.items() if a.num_requests},
-            num_running=num_running,
-            num_held_blocks=num_held,
+        shortage = admission_shortage(
+            needy,
+            cost.num_tokens,
+            cost.num_reclaimed_blocks,
+            self.running.values(),
+            self.blocks.num_available_blocks,
+            self.blocks.block_size,
+            self.config.max_active_requests,
+            self.geometry.num_kv_blocks,
+            self.tenants.accounts,
         )
-        newest_first = reversed(running.values())
-        return admission_victims(shortage, newest_first, counters, step_id)
+        if shortage is None:
+            return []
+        return admission_victims(shortage, reversed(self.running.values()), counters, step_id)
 
     def _num_decode_growth_blocks(self, b: PlanBuilder, before: Request | None = None) -> int:
         """Blocks the decodes still to plan in this step need: one for each running
@@ -474,25 +446,14 @@ class Planner:
         return self.sequences.num_at_block_boundary(self.blocks.block_size, b.step_id, before)
 
     def _price(self, request: Request) -> WaitingCost:
-        blocks = self.blocks
-        hit_block_ids = self._match(request)
-        num_cached_tokens = len(hit_block_ids) * blocks.block_size
-        return WaitingCost(
-            num_tokens=prefill_cost(
-                len(request.token_ids), num_cached_tokens, self.geometry.max_context_tokens
-            ),
-            num_reclaimed_blocks=blocks.num_evictable(hit_block_ids),
-            priority=request.priority,
-        )
-
-    def _match(self, request: Request) -> list[int]:
-        """Cached blocks of the request's prefix (kv.match_prefix)."""
-        return match_prefix(
+        """The request as admission sees it (admission.waiting_cost)."""
+        hit_block_ids = match_request(self.blocks, request)
+        return waiting_cost(
+            len(request.token_ids),
+            request.priority,
+            hit_block_ids,
             self.blocks,
-            request.token_ids,
-            request.block_hashes,
-            request.cache_root_hash,
-            always=request.shares_prompt,
+            self.geometry.max_context_tokens,
         )
 
     def _start(self, b: PlanBuilder, request: Request, num_tokens: int, now: float) -> int:
@@ -500,7 +461,7 @@ class Planner:
         fed; 0 when it no longer fits (a prefix block it counted on was evicted since)."""
         blocks = self.blocks
         block_size = blocks.block_size
-        hit_block_ids = self._match(request)
+        hit_block_ids = match_request(blocks, request)
         num_cached_tokens = len(hit_block_ids) * block_size
         num_to_feed = len(request.token_ids) - num_cached_tokens
         num_tokens = min(num_tokens, num_to_feed)
@@ -586,8 +547,3 @@ class Planner:
         if self.tenants.fair:
             self.tenants.charge_prompt(request.tenant, num_tokens)
         self.sequences.fed(request)
-
-
-def _waiting_only(only: dict[str, Request]) -> list[Request]:
-    """The requests of `only` still waiting, in the order given."""
-    return [request for request in only.values() if request.state is _WAITING]

@@ -87,10 +87,10 @@ def token_array(token_ids: Iterable[int]) -> array[int]:
 class Request:
     """The scheduler's truth about one request.
 
-    Two writers, by field: the planner and the PlanBuilder of its plan write the sequence
-    fields (from `state` to `first_scheduled_s`, and the stop rules: admission, feeding,
-    preemption, release); Scheduler.apply() appends generated tokens and stamps
-    `first_token_s` and `finish_s`. Nothing else writes a Request.
+    Two writers, by field: the planner (with its RunningSet) and the PlanBuilder of its
+    plan write the sequence fields (from `state` to `first_scheduled_s`, and the stop
+    rules: admission, feeding, preemption, release); Scheduler.apply() appends generated
+    tokens and stamps `first_token_s` and `finish_s`. Nothing else writes a Request.
 
     A running request feeds `token_ids[num_computed_tokens:]`: prefill, chunked
     prefill, prefix hits, recompute after preemption and decode are all "give it n

@@ -4,7 +4,8 @@ still prefilling, and which of them decode in a step.
 Decoders are fed in the reverse of preemption order (preemption.py takes the most
 recently admitted), so a victim is never one already fed: oldest admission first
 (priority: lowest value, then oldest). Under a decode cap they take turns, round-robin
-from the one after the last served. The planner alone writes it.
+from the one after the last served. The planner alone writes it; a request whose
+sequence ends leaves it with its sequence fields cleared (`end`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,22 @@ class RunningSet:
         self.requests: dict[int, Request] = {}
         # The running ones with tokens left to feed before their next sample.
         self.prefilling: dict[int, Request] = {}
+        self.by_priority = by_priority
         self.feed_order = _priority_then_admission if by_priority else _admit_order_of
         self._decode_cursor = 0  # admit_order of the last sequence decoded under a cap
 
     def remove(self, seq_id: int) -> None:
         del self.requests[seq_id]
         self.prefilling.pop(seq_id, None)
+
+    def end(self, request: Request) -> None:
+        """`request`'s sequence ends: out of the set, its sequence fields cleared (its
+        blocks were the planner's to release)."""
+        self.remove(request.seq_id)
+        request.block_ids = []
+        request.num_blocks_sent = 0
+        request.num_computed_tokens = 0
+        request.seq_id = None
 
     def clear(self) -> None:
         self.requests.clear()
@@ -57,6 +68,16 @@ class RunningSet:
                 request for seq_id, request in self.requests.items() if seq_id not in prefilling
             ]
         return list(self.requests.values())
+
+    def to_decode(self, only: dict[str, Request] | None, cap: int) -> list[Request]:
+        """The decoders (of `only`'s requests) in the order to feed them: over `cap`,
+        round-robin; otherwise in feed order."""
+        decoders = self.decoders(only)
+        if len(decoders) > cap:
+            decoders = self.round_robin(decoders, cap)
+        elif self.by_priority:
+            decoders.sort(key=self.feed_order)
+        return decoders
 
     def round_robin(self, decoders: list[Request], cap: int) -> list[Request]:
         """Decoders in the order to try under a cap: the `cap` after the last one served

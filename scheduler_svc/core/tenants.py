@@ -26,7 +26,7 @@ The policies are the pure functions at the end; the Ledger is their state.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pagoda.scheduler_svc.core.config import DEFAULT_GENERATED_WEIGHT, DEFAULT_PROMPT_WEIGHT
@@ -133,6 +133,15 @@ class Ledger:
             account = self.accounts[name]
             account.counter += count * self.generated_weight / account.weight
 
+    def neediest(self, waiting: list[str]) -> str | None:
+        """The waiting tenant (of `waiting`, as WaitingQueue.tenant_names) admission serves
+        next, or None (not sharing by tenant)."""
+        if not self.fair:
+            return None
+        if len(waiting) < 2:
+            return None  # the one tenant waiting: the whole window is its own
+        return neediest_tenant(waiting, self.counters(), self.num_requests())
+
     def counters(self) -> dict[str, float]:
         return {name: account.counter for name, account in self.accounts.items()}
 
@@ -218,6 +227,40 @@ class Shortage:
     def share(self, name: str, total: int) -> float:
         """`name`'s weighted share of `total` among the active tenants."""
         return total * self.weights.get(name, 1.0) / sum(self.weights.values())
+
+
+def admission_shortage(
+    needy: str,
+    num_head_tokens: int,
+    num_head_reclaimed_blocks: int,
+    running: Collection,
+    num_available_blocks: int,
+    block_size: int,
+    num_slots: int,
+    num_blocks: int,
+    accounts: Mapping[str, TenantAccount],
+) -> Shortage | None:
+    """What `needy` lacks to start its head request (`num_head_tokens` to compute, and
+    the cached blocks its prefix hit takes out of the pool) beside `running` (each as
+    `holdings` reads it), with `num_available_blocks` of the pool's `num_blocks`, and at
+    most `num_slots` running; None when there is a slot, and blocks even if every running
+    request grows (found without a pass over `running`)."""
+    num_head_blocks = -(-num_head_tokens // block_size) + num_head_reclaimed_blocks
+    num_slots_short = len(running) + 1 - num_slots
+    num_blocks_short = num_head_blocks - num_available_blocks
+    if num_slots_short <= 0 and num_blocks_short + len(running) <= 0:
+        return None  # a slot, and blocks even if every running request grows
+    num_running, num_held, num_demand = holdings(running, block_size)
+    return Shortage(
+        needy=needy,
+        num_slots_short=num_slots_short,
+        num_blocks_short=num_blocks_short + num_demand,
+        num_slots=num_slots,
+        num_blocks=num_blocks,
+        weights={name: a.weight for name, a in accounts.items() if a.num_requests},
+        num_running=num_running,
+        num_held_blocks=num_held,
+    )
 
 
 def admission_victims(

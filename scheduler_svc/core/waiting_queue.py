@@ -18,7 +18,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from pagoda.scheduler_svc.core.request import Request
+from pagoda.scheduler_svc.core.request import Request, RequestState
 
 # Dead entries are dropped in one pass once they outnumber this and a quarter of the
 # entries: amortised O(1) per removal, and the head never skips more than that.
@@ -170,6 +170,11 @@ class WaitingQueue:
         self.num_tokens += entry.num_tokens
         self._tenant_counts[request.tenant] = self._tenant_counts.get(request.tenant, 0) + 1
         return entry
+
+
+def still_waiting(requests: dict[str, Request]) -> list[Request]:
+    """The requests of `requests` (request_id -> request) still waiting, in the order given."""
+    return [request for request in requests.values() if request.state is RequestState.WAITING]
 
 
 def _first_live(entries, num_requests: int) -> list[Request]:

@@ -65,3 +65,23 @@ def test_decoders_at_a_block_boundary_need_a_block_unless_fed_this_step():
     assert sequences.num_at_block_boundary(4, step_id=7, before=sequences.requests[4]) == 1
     sequences.clear()
     assert sequences.num_at_block_boundary(4, step_id=7) == 0
+
+
+def test_to_decode_is_round_robin_over_the_cap_else_feed_order():
+    sequences = running(sequence(1, priority=3), sequence(2, priority=1), by_priority=True)
+    assert ids(sequences.to_decode(None, cap=2)) == [2, 1]
+    assert ids(sequences.to_decode(None, cap=1)) == [1, 2]  # 1's turn, then 2 if preempted
+    assert ids(sequences.to_decode(None, cap=1)) == [2, 1]
+    assert ids(sequences.to_decode({"r1": None}, cap=1)) == [1]
+    plain = running(sequence(1), sequence(2, to_feed=3), sequence(3))
+    assert ids(plain.to_decode(None, cap=5)) == [1, 3]
+
+
+def test_an_ended_sequence_leaves_the_set_with_its_sequence_fields_cleared():
+    ended = sequence(2, to_feed=7)
+    ended.block_ids, ended.num_blocks_sent = [4, 5], 2
+    sequences = running(sequence(1), ended)
+    sequences.end(ended)
+    assert set(sequences.requests) == {1} and not sequences.prefilling
+    assert (ended.seq_id, ended.block_ids, ended.num_blocks_sent) == (None, [], 0)
+    assert ended.num_computed_tokens == 0

@@ -14,7 +14,9 @@ from pagoda.scheduler_svc.core import Scheduler, SchedulerConfig
 from pagoda.scheduler_svc.core.tenants import (
     MAX_ADMISSION_VICTIMS,
     MIN_VICTIM_AGE_STEPS,
+    Ledger,
     Shortage,
+    admission_shortage,
     admission_victims,
     holdings,
     neediest_tenant,
@@ -115,6 +117,50 @@ def test_holdings_count_each_tenants_slots_blocks_and_next_steps_blocks():
     num_running, num_held, num_demand = holdings([at_boundary, mid_block, prefilling], 4)
     assert (num_running, num_held) == ({"a": 2, "b": 1}, {"a": 4, "b": 1})
     assert num_demand == 1 + 0 + 4
+
+
+def test_admission_shortage_is_none_while_a_slot_and_blocks_are_there_even_if_all_grow():
+    def r(tenant, num_tokens, num_blocks):
+        return SimpleNamespace(
+            tenant=tenant,
+            token_ids=[0] * num_tokens,
+            num_computed_tokens=num_tokens,
+            block_ids=[0] * num_blocks,
+        )
+
+    flood = [r("a", 8, 2), r("a", 6, 2)]  # the first at a block boundary: 1 block next step
+    accounts = {"a": SimpleNamespace(weight=2.0, num_requests=2)}
+    accounts["b"] = SimpleNamespace(weight=1.0, num_requests=1)
+    accounts["idle"] = SimpleNamespace(weight=5.0, num_requests=0)
+
+    def of(num_head_tokens, num_available_blocks, num_slots=3):
+        return admission_shortage(
+            "b", num_head_tokens, 1, flood, num_available_blocks, 4, num_slots, 50, accounts
+        )
+
+    assert of(num_head_tokens=7, num_available_blocks=5) is None  # 3 blocks + 2 if both grow
+    short = of(num_head_tokens=7, num_available_blocks=4)
+    assert (short.num_slots_short, short.num_blocks_short) == (0, -1 + 1)
+    short = of(num_head_tokens=1, num_available_blocks=50, num_slots=2)
+    assert (short.needy, short.num_slots_short, short.num_slots, short.num_blocks) == (
+        "b",
+        1,
+        2,
+        50,
+    )
+    assert short.weights == {"a": 2.0, "b": 1.0}
+    assert (short.num_running, short.num_held_blocks) == ({"a": 2}, {"a": 4})
+
+
+def test_the_ledger_names_a_neediest_tenant_only_when_sharing_and_two_wait():
+    ledger = Ledger()
+    ledger.join("a", 1.0)
+    assert ledger.neediest(["a"]) is None  # one tenant active: not sharing
+    ledger.join("b", 1.0)
+    ledger.charge_prompt("a", 10)
+    assert ledger.neediest(["a"]) is None  # the one tenant waiting
+    assert ledger.neediest(["a", "b"]) == "b"
+    assert Ledger(enabled=False).neediest(["a", "b"]) is None
 
 
 # -- the core, simulated --------------------------------------------------------------------
