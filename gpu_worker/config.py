@@ -57,6 +57,7 @@ class WorkerConfig:
     fail_on_token_id: int | None = None  # fault-injection hook for tests
     dummy_step_ms: float = 0.0  # --model dummy: the least wall time of each step's compute
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA + triton only)
+    fused_ops: bool = True  # Triton RMSNorm, SiLU*up and RoPE kernels (CUDA + triton only)
     # --model dummy, tests only: the process dies at once on a step feeding this token id.
     dummy_crash_on_token_id: int | None = None
 
@@ -282,6 +283,15 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="on CUDA with the triton attention backend, capture the forward of decode-only "
         "steps at padded batch sizes 1, 2, 4, 8, 16, 24 .. 256 before saying hello, and "
         "replay them (pagoda.gpu_worker.cuda_graphs); --no-cuda-graphs runs every step eagerly",
+    )
+    add(
+        "--fused-ops",
+        type=_bool,
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CUDA with the triton attention backend, run the model's RMSNorm (with its "
+        "residual add), SiLU*up and RoPE as fused Triton kernels rounded where the model's "
+        "own code rounds (pagoda.gpu_worker.fused_model); --no-fused-ops keeps its code",
     )
     add(
         "--dummy-step-ms",

@@ -84,6 +84,24 @@ def _silu_and_mul_kernel(
 
 
 @triton.jit
+def _rotate_half_pairs(first, HALF: tl.constexpr, mask, cos, sin):
+    """(x1 cos - x2 sin, x2 cos + x1 sin) in place, rounded where HF's
+    apply_rotary_pos_emb rounds in the activations' dtype: the table cast to it, each
+    product, then the sum (float32 activations: no rounding at all)."""
+    dtype = first.dtype.element_ty
+    cos = cos.to(dtype).to(tl.float32)
+    sin = sin.to(dtype).to(tl.float32)
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1_cos = (x1 * cos).to(dtype).to(tl.float32)
+    x2_sin = (x2 * sin).to(dtype).to(tl.float32)
+    x2_cos = (x2 * cos).to(dtype).to(tl.float32)
+    x1_sin = (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(first, (x1_cos - x2_sin).to(dtype), mask=mask)
+    tl.store(first + HALF, (x2_cos + x1_sin).to(dtype), mask=mask)
+
+
+@triton.jit
 def _rotary_kernel(
     query_ptr,
     key_ptr,
@@ -112,18 +130,12 @@ def _rotary_kernel(
     mask = (heads[:, None] < NUM_HEADS) & dim_mask[None, :]
     first = query_ptr + token * stride_query_token + heads[:, None] * stride_query_head
     first = first + dims[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(first, (x1 * cos - x2 * sin).to(query_ptr.dtype.element_ty), mask=mask)
-    tl.store(first + HALF, (x2 * cos + x1 * sin).to(query_ptr.dtype.element_ty), mask=mask)
+    _rotate_half_pairs(first, HALF, mask, cos, sin)
 
     mask = (heads[:, None] < NUM_KV_HEADS) & dim_mask[None, :]
     first = key_ptr + token * stride_key_token + heads[:, None] * stride_key_head
     first = first + dims[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(first, (x1 * cos - x2 * sin).to(key_ptr.dtype.element_ty), mask=mask)
-    tl.store(first + HALF, (x2 * cos + x1 * sin).to(key_ptr.dtype.element_ty), mask=mask)
+    _rotate_half_pairs(first, HALF, mask, cos, sin)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

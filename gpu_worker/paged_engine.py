@@ -72,6 +72,7 @@ class PagedEngine(Engine):
         quantization: str = "none",  # "int8": see pagoda.gpu_worker.quantization
         attention_backend: str = "reference",  # see pagoda.gpu_worker.attention
         cuda_graphs: bool = False,  # see pagoda.gpu_worker.cuda_graphs
+        fused_ops: bool = True,  # see pagoda.gpu_worker.fused_model (CUDA + triton only)
     ) -> None:
         quantize(model, quantization)
         if next(model.parameters()).device.type == "cpu":
@@ -106,7 +107,7 @@ class PagedEngine(Engine):
             numerics=numerics,
         )
         super().__init__(facts, fail_on_token_id=fail_on_token_id)
-        if self.device.type == "cuda" and self.attention_backend.name == "triton":
+        if fused_ops and self.device.type == "cuda" and self.attention_backend.name == "triton":
             # The dense parts' fused kernels (fused_model.py); CPU paths stay as loaded.
             from pagoda.gpu_worker.fused_model import fuse_model
 
@@ -277,6 +278,7 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
         attention_backend=config.attention_backend,
         # Not across tensor-parallel ranks: their collectives are not captured here.
         cuda_graphs=config.cuda_graphs and config.tensor_parallel_size == 1,
+        fused_ops=config.fused_ops,
     )
     log.info("attention backend %s", engine.attention_backend.name)
     if engine.decode_graphs is not None:
