@@ -401,7 +401,9 @@ def engine() -> None:
             )
         else:
             say(
-                "PASS" if first >= len(prompts) - 1 else "FAIL",
+                # Before the fused kernels: first token 6/6, 5/6 identical. One rounding off
+                # in the fused RoPE gave 5/6 and 0/6, which the old gate (first >= 5) passed.
+                "PASS" if first == len(prompts) and 2 * exact >= len(prompts) else "FAIL",
                 f"[bf16] engine vs HF bf16 generate: first token {first}/{len(prompts)}, "
                 f"exact {exact}/{len(prompts)}, first-divergence {prefix} (bf16: late divergence is OK)",
             )
