@@ -22,9 +22,10 @@ def dummy_next_token(
     `allowed_token_ids` (the request's own list), the next of those up that is not banned.
     """
     token_id = (last_token_id * 31 + last_position * 17 + 7) % vocab_size
-    candidates = [t for t in allowed_token_ids if t not in banned_token_ids]
-    if candidates:
-        return min(candidates, key=lambda t: (t - token_id) % vocab_size)
+    if allowed_token_ids:  # rare: a list comprehension per token costs the fake worker
+        candidates = [t for t in allowed_token_ids if t not in banned_token_ids]
+        if candidates:
+            return min(candidates, key=lambda t: (t - token_id) % vocab_size)
     for _ in range(vocab_size):
         if token_id not in banned_token_ids:
             return token_id
