@@ -36,8 +36,8 @@ from pathlib import Path
 
 from benchmarks.suite_service import REPO_ROOT, free_port, stop_process
 from pagoda.client.bench_config import BenchConfig
-from pagoda.client.bench_report import BenchReport, RequestResult, summarize
-from pagoda.client.bench_workload import arrival_offsets_s
+from pagoda.client.bench_report import BenchReport, RequestResult
+from pagoda.client.bench_workload import run_open_loop
 from pagoda.client.results import Usage
 
 # The llama-cpp-python release whose vendored llama.cpp `make llama-server` builds; the
@@ -384,20 +384,7 @@ async def run_workload_async(
             result.unfinished = True
             raise
 
-    try:
-        async with asyncio.timeout(config.duration_s), asyncio.TaskGroup() as group:
-            for index, offset_s in enumerate(arrival_offsets_s(config)):
-                delay_s = offset_s - now()
-                if delay_s > 0:
-                    await asyncio.sleep(delay_s)
-                group.create_task(one(index))
-    except TimeoutError:
-        pass
-    ends = [r.end_s for r in results if r.end_s is not None]
-    unfinished = any(r.unfinished for r in results) or not ends
-    duration_s = now() if unfinished else max(ends)
-    results.sort(key=lambda r: r.index)
-    return summarize(config, run_tag, results, duration_s, num_preemptions=None)
+    return await run_open_loop(config, run_tag, results, one, now)
 
 
 def run_workload(

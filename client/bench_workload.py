@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import Awaitable, Callable
 
 from pagoda.client.bench_config import BenchConfig
+from pagoda.client.bench_report import BenchReport, RequestResult, summarize
 
 # Very common English words with a leading space: one token each in byte-level BPE
 # vocabularies (GPT-2, Llama 3, SmolLM2, Qwen), so one repeat is about one prompt token.
@@ -56,3 +59,29 @@ def arrival_offsets_s(config: BenchConfig) -> list[float]:
             now_s += rng.expovariate(config.rate_per_s)
         return offsets
     return []
+
+
+async def run_open_loop(
+    config: BenchConfig,
+    run_tag: str,
+    results: list[RequestResult],
+    one: Callable[[int], Awaitable[None]],
+    now: Callable[[], float],
+) -> BenchReport:
+    """Start `one(index)` for each request at its arrival offset (arrival_offsets_s), stop at
+    `config.duration_s`, and summarize the `results` the calls appended: the open-loop
+    driver of the HTTP peers (llama-server's /completion, any OpenAI-compatible server)."""
+    try:
+        async with asyncio.timeout(config.duration_s), asyncio.TaskGroup() as group:
+            for index, offset_s in enumerate(arrival_offsets_s(config)):
+                delay_s = offset_s - now()
+                if delay_s > 0:
+                    await asyncio.sleep(delay_s)
+                group.create_task(one(index))
+    except TimeoutError:
+        pass
+    ends = [r.end_s for r in results if r.end_s is not None]
+    unfinished = any(r.unfinished for r in results) or not ends
+    duration_s = now() if unfinished else max(ends)
+    results.sort(key=lambda r: r.index)
+    return summarize(config, run_tag, results, duration_s, num_preemptions=None)
