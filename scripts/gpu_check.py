@@ -686,26 +686,35 @@ def replay_ms(eng, batch):
     return statistics.median(times)
 
 
-def count_syncs_and_kernels(eng, d, entries):
-    """Synchronizing calls per decode step (graph and eager) and kernels per eager step."""
+def synchronizing_calls(d, entries) -> dict[str, int]:
+    """One step of `entries` under torch's sync debug mode: its synchronizing calls, counted
+    by the first line of their warning."""
     import warnings
 
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            d.run(entries)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    msgs: dict[str, int] = {}
+    for w in caught:
+        key = str(w.message).split("\n")[0][:90]
+        msgs[key] = msgs.get(key, 0) + 1
+    return msgs
+
+
+def count_syncs_and_kernels(eng, d, entries):
+    """Synchronizing calls per decode step (graph and eager) and kernels per eager step."""
     for label, use_graph in (("graph", True), ("eager", False)):
         graphs = eng.decode_graphs
         if not use_graph:
             eng.decode_graphs = None
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode(1)
-            try:
-                d.run(entries)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-                eng.decode_graphs = graphs
-        msgs = {}
-        for w in caught:
-            key = str(w.message).split("\n")[0][:90]
-            msgs[key] = msgs.get(key, 0) + 1
+        try:
+            msgs = synchronizing_calls(d, entries)
+        finally:
+            eng.decode_graphs = graphs
         say(
             "INFO",
             f"sync-debug {label} decode step: {sum(msgs.values())} synchronizing calls: {json.dumps(msgs)[:600]}",
@@ -833,19 +842,7 @@ def sampled_decode(eng, d, new, entries, label: str) -> None:
     sampler.upload_columns = counted_upload
     try:
         if DEV == "cuda":
-            import warnings
-
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode(1)
-                try:
-                    d.run(entries)
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
-            msgs: dict[str, int] = {}
-            for w in caught:
-                key = str(w.message).split("\n")[0][:90]
-                msgs[key] = msgs.get(key, 0) + 1
+            msgs = synchronizing_calls(d, entries)
             say(
                 "INFO",
                 f"sync-debug sampled decode step {label}: {sum(msgs.values())} synchronizing "
