@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import sys
 import threading
 import time
@@ -62,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=20.0)
     parser.add_argument("--probes", type=int, default=10, help="idle-server probes")
     parser.add_argument("--max-active-requests", type=int, default=256)
+    parser.add_argument(
+        "--scheduler-args",
+        default="",
+        help='more scheduler flags for both settings, as one string (e.g. "--no-late-plan-ahead")',
+    )
     args = parser.parse_args(argv)
     model_dir = resolve_model_dir("dummy")
     print(f"dummy worker, {args.dummy_step_ms:g} ms steps; flood: {args.streams} streams of "
@@ -85,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                     ("--api-key-file", str(keys), "--fair-share" if fair else "--no-fair-share",
                      "--max-active-requests", str(args.max_active_requests),
                      "--max-waiting-requests", str(4 * args.streams),
-                     "--max-tenant-waiting-requests", str(4 * args.streams))
+                     "--max-tenant-waiting-requests", str(4 * args.streams),
+                     *shlex.split(args.scheduler_args))
                 )  # fmt: skip
                 idle = asyncio.run(probe_ttfts_ms(service.address, until=None, count=args.probes))
                 before = asyncio.run(served_tokens(service.address))

@@ -98,6 +98,7 @@ async def serve(
         status_interval_s=config.status_interval_s,
         on_worker_change=on_worker_change,
         overlap_steps=config.overlap_steps,
+        late_plan_ahead=config.late_plan_ahead,
     )
     config = resolve_cache_salting(config)
     if config.cache_salt_by_api_key:

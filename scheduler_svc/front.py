@@ -134,6 +134,7 @@ class Front:
         clock: Callable[[], float] = time.monotonic,
         idle_tick_s: float = IDLE_TICK_S,
         overlap_steps: bool | None = None,
+        late_plan_ahead: bool = True,
     ) -> None:
         """`on_worker_change`: told when the front starts serving (a first worker is
         attached) or stops (the last one left)."""
@@ -156,6 +157,7 @@ class Front:
             status_interval_s=status_interval_s,
             idle_tick_s=idle_tick_s,
             overlap_steps=overlap_steps,
+            late_plan_ahead=late_plan_ahead,
         )
         self._on_worker_change = on_worker_change
         self._clock = clock

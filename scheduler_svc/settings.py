@@ -67,6 +67,7 @@ class ServiceConfig:
     zmq_allow_insecure_tcp: bool = False
     log_level: str = "INFO"
     overlap_steps: bool | None = None
+    late_plan_ahead: bool = True
     max_workers: int = 1
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -189,6 +190,10 @@ HELP: dict[str, str] = {
     "feeds its last sampled tokens; an older one gets one step at a time); unset: on, except "
     "for a CPU worker, whose steps are long enough that planning ahead saves nothing and a "
     "new request would wait one step more",
+    "late_plan_ahead": "with overlapped steps, plan step N+1 just before step N is predicted "
+    "to end (learned from the worker's step times) rather than as soon as N is sent, so that "
+    "requests arriving during N join N+1: about one step less to their first token under "
+    "load, the worker still never waiting",
     "max_workers": "workers that may attach at once, each with its own KV pool, all serving "
     "the same model (data parallel: each request is placed on one; a lost worker's requests "
     "move to the others); 1: a new worker replaces the one attached",

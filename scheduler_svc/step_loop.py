@@ -1,9 +1,11 @@
 """The step loop: drain the inbox, schedule, send, await the result, apply, publish.
 
 With overlapped steps (the default, for a worker whose hello says feeds_last_sampled),
-step N+1 is planned and sent as soon as N is sent, so the worker computes N+1 while the
-loop awaits, decodes and applies N and plans N+2: at most two steps are in flight, their
-results applied in order (see Scheduler). Without, one step at a time. A constrained row
+step N+1 is planned and sent while N runs, so the worker computes N+1 while the loop
+awaits, decodes and applies N and plans N+2: at most two steps are in flight, their
+results applied in order (see Scheduler). N+1 is planned just before N is predicted to
+end (plan_timing.py), so that requests arriving meanwhile join it; the loop publishes N-1's
+outputs and waits for that moment or N's result, whichever comes first. Without, one step at a time. A constrained row
 of N+1 (structured output) needs N's token for its mask: N+1 goes out saying its masks
 follow, and right after N is applied, before anything else, the loop sends them
 (grammars.masks_after), while the worker still runs N+1's forward.
@@ -41,6 +43,7 @@ from pagoda.scheduler_svc.loop_report import LoopReport
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.output_processor import OutputProcessor
 from pagoda.scheduler_svc.output_streams import OutputStreams
+from pagoda.scheduler_svc.plan_timing import PlanTiming
 from pagoda.scheduler_svc.worker_link import WorkerInfo, WorkerLost
 from pagoda.scheduler_svc.worker_stats import WorkerStats, worker_stats_of
 
@@ -99,6 +102,9 @@ class LoopSettings:
     # Plan step N+1 while N runs, when the worker substitutes last sampled tokens
     # (None: unless it is a CPU worker, see overlaps()).
     overlap_steps: bool | None = None
+    # Overlapped: plan N+1 just before N is predicted to end (plan_timing.py), not as
+    # soon as N is sent.
+    late_plan_ahead: bool = True
 
 
 def apply_step(
@@ -166,6 +172,7 @@ class StepLoop:
         self._report = LoopReport(metrics, settings.status_interval_s, clock)
         self._flights: deque[_Flight] = deque()  # oldest first, at most two
         self._last_received_s = 0.0
+        self._timing = PlanTiming()
         # The outputs of the step applied last, published once its successor is sent: the
         # worker gets its next plan before the stream writers they wake take the loop.
         self._unpublished: StepOutputs | None = None
@@ -245,14 +252,19 @@ class StepLoop:
             now = self._clock()
             self._last_turn_s = now
             self._drain_inbox(now)
+            plan_at = None
             if self._may_plan():
-                decision = self._scheduler.schedule(now, ahead=bool(self._flights))
-                if decision is not None:
-                    self._send(decision, now)
-                    continue  # plan the next one too, if it may be planned ahead
+                plan_at = self._plan_ahead_at(now)
+                if plan_at is None:
+                    if self._flights:
+                        self._timing.planning(now)
+                    decision = self._scheduler.schedule(now, ahead=bool(self._flights))
+                    if decision is not None:
+                        self._send(decision, now)
+                        continue  # plan the next one too, if it may be planned ahead
             self._publish_applied()
             if self._flights:
-                await self._finish_oldest()
+                await self._finish_oldest(plan_at)
                 self._report.log_status(self._clock(), lambda: self._scheduler.stats)
                 continue
             self._expire_without_worker(now)
@@ -270,6 +282,15 @@ class StepLoop:
         overlapped = overlaps(self._settings.overlap_steps, worker.hello)
         return overlapped and self._scheduler.can_plan_ahead
 
+    def _plan_ahead_at(self, now: float) -> float | None:
+        """When to plan the step after the one in flight (None: now, or no step is in
+        flight). It began on the worker when sent or when the step before it ended."""
+        if not self._flights or not self._settings.late_plan_ahead:
+            return None
+        flight = self._flights[-1]
+        started_s = max(flight.encoded_s, self._last_received_s)
+        return self._timing.plan_at(flight.decision, started_s, now)
+
     def _send(self, decision: StepPlan, started_s: float) -> None:
         masks = None
         if grammars.any_live():
@@ -277,6 +298,7 @@ class StepLoop:
             masks = grammars.fill_masks(decision, self._scheduler.request_of, vocab_size)
         plan = step_codec.encode_plan(decision)
         encoded_s = self._clock()
+        self._timing.planned(encoded_s - started_s)
         result = self._link.start_step(plan, self._settings.worker_timeout_s)
         self._flights.append(_Flight(decision, result, started_s, encoded_s, masks))
 
@@ -291,11 +313,15 @@ class StepLoop:
         flight.masks = None
         self._link.send_masks(step_codec.encode_masks(masks))
 
-    async def _finish_oldest(self) -> None:
+    async def _finish_oldest(self, plan_at: float | None = None) -> None:
         """Await the oldest step's result and apply it (or fail it with the worker); its
-        outputs wait in _unpublished for the next turn to plan and send first."""
+        outputs wait in _unpublished for the next turn to plan and send first. With
+        `plan_at`, the next step is to be planned then: return at that moment (or when
+        woken) if the result has not come by then."""
         flight = self._flights[0]
         decision = flight.decision
+        if plan_at is not None and not await self._result_before(flight.result, plan_at):
+            return
         try:
             result = await flight.result
         except WorkerLost as exc:
@@ -318,6 +344,8 @@ class StepLoop:
         outcome = step_codec.decode_result(result)
         if outcome.step_error:
             log.error("worker failed step %d: %s", decision.step_id, outcome.step_error)
+        else:
+            self._timing.result(decision, result.total_ms / 1000, received_s)
         events = apply_step(self._scheduler, self._processor, outcome, received_s)
         self._send_masks()  # the worker may be waiting for them to sample
         self._unpublished = events
@@ -329,6 +357,20 @@ class StepLoop:
             forward_s=result.forward_ms / 1000,
             worker_s=result.total_ms / 1000,
         )
+
+    async def _result_before(self, result: asyncio.Future, deadline_s: float) -> bool:
+        """Wait for `result` until `deadline_s` on the loop's clock, or until woken (new
+        work, a cancel, a stop: the turn looks again); whether the result came."""
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait(
+                (result, woken),
+                timeout=max(0.0, deadline_s - self._clock()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            woken.cancel()
+        return result.done()
 
     async def _idle(self) -> None:
         try:
@@ -353,6 +395,7 @@ class StepLoop:
 
     def _attach(self, info: WorkerInfo) -> None:
         self._worker = info
+        self._timing.reset()
         self._worker_lost_at_s = None
         self._publish(self._scheduler.attach_worker(step_codec.geometry_from_hello(info.hello)))
         self._on_worker_change(True)

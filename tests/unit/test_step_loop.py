@@ -230,8 +230,9 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def running() -> AsyncIterator[Harness]:
-    """The front turning on a FakeLink with no worker attached yet."""
+async def running(**front_args) -> AsyncIterator[Harness]:
+    """The front turning on a FakeLink with no worker attached yet; `front_args` go to
+    Front as they are."""
     link = FakeLink()
     clock = ManualClock()
     worker_changes: asyncio.Queue[bool] = asyncio.Queue()
@@ -247,6 +248,7 @@ async def running() -> AsyncIterator[Harness]:
         clock=clock,
         # Only the grace period test waits on an idle turn; keep that wait short.
         idle_tick_s=0.01,
+        **front_args,
     )
     await link.start(loop)
     task = asyncio.create_task(loop.run(), name="step-loop")

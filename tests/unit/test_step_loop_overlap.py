@@ -4,11 +4,13 @@ as exact, cancels, detaches and losses as clean. Plus what only overlap does."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
 
 import tests.unit.test_step_loop as serial
+from pagoda.scheduler_svc import plan_timing
 from pagoda.scheduler_svc.grammars import RequestGrammar
 from pagoda.scheduler_svc.step_loop import overlaps
 from pagoda.scheduler_svc.testing import FakeWorker
@@ -168,3 +170,62 @@ def test_the_masks_of_a_constrained_row_planned_ahead_follow_its_plan_at_once(ov
         later = [i for i, event in enumerate(events) if event[0] == "plan" and event[1] > step_id]
         assert not later or masks < later[0], events
     assert any(event[0] == "masks" and event[2] for event in events)  # a mask, not only ends
+
+
+@pytest.mark.parametrize("late", [True, False], ids=["planned late", "planned at once"])
+def test_a_request_that_arrives_while_a_step_runs_joins_the_next_step(late, overlapped):
+    """Planned just before step N is predicted to end (plan_timing.py), step N+1 takes a
+    request that arrived while N ran; planned as soon as N was sent, it could not, and the
+    request waited for N+2. Each step lasts STEP_S on the loop's manual clock and says so;
+    N is held on the worker while the request arrives, then the clock moves on."""
+    step_s = 0.05  # also the longest real wait of the loop for its planning moment
+    new_sequences: list[int] = []  # per plan sent, in order
+    sent = asyncio.Event()
+
+    async def body() -> None:
+        async with serial.running(late_plan_ahead=late) as h:
+            link, start_step, run_step = h.link, h.link.start_step, h.link.run_step
+
+            def recording_start_step(plan, timeout_s, identity=None):
+                new_sequences.append(len(plan.new_sequences))
+                sent.set()
+                return start_step(plan, timeout_s, identity)
+
+            async def timed_run_step(plan, timeout_s):
+                result = await run_step(plan, timeout_s)
+                h.clock.now_s += step_s
+                result.total_ms = step_s * 1000
+                return result
+
+            link.start_step = recording_start_step  # type: ignore[method-assign]
+            link.run_step = timed_run_step  # type: ignore[method-assign]
+            await h.attach("w1")
+            first = serial.make_request("first", 4, max_new_tokens=60, ignore_eos=True)
+            readers = h.submit_all([first])
+            while len(new_sequences) < 2 * plan_timing.MIN_OBSERVATIONS:  # the model learns
+                sent.clear()
+                await h.wait(sent.wait())
+            link.go_on = asyncio.Event()  # the next step to run is held: step N
+            await h.wait(link.holding.wait())
+            if not late:  # N+1 went out with N, before anything else arrived
+                while len(new_sequences) < link.num_plans + 2:
+                    sent.clear()
+                    await h.wait(sent.wait())
+            running_at_arrival = link.num_plans  # N's index among the plans
+            late_comer = serial.make_request("late", 5, max_new_tokens=3, ignore_eos=True)
+            readers += h.submit_all([late_comer])
+            h.clock.now_s += step_s  # N's predicted end passes
+            if late:  # N+1 is planned now, while N is still held
+                num_sent = len(new_sequences)
+                while len(new_sequences) == num_sent:
+                    sent.clear()
+                    await h.wait(sent.wait())
+            link.go_on.set()
+            link.go_on = None
+            serial.assert_all_exact([first, late_comer], await h.settle(*readers))
+
+        assert new_sequences.count(1) == 2 and new_sequences[0] == 1
+        first_step_of_late_comer = new_sequences.index(1, 1)
+        assert first_step_of_late_comer - running_at_arrival == (1 if late else 2)
+
+    serial.scenario(body)
