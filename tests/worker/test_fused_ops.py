@@ -2,9 +2,8 @@
 replace, and a tiny Llama and Qwen3 patched by gpu_worker/fused_model.py against the
 same models unpatched.
 
-As in test_triton_attention.py: on CUDA the kernels run natively; on CPU they need
-TRITON_INTERPRET=1 before triton is first imported, so test_fused_under_the_interpreter
-runs this file again in a child pytest with it set, and the kernel tests skip here.
+On CUDA the kernels run natively; on CPU, test_fused_under_the_interpreter runs this file
+again under Triton's interpreter (tests/worker/triton_runs.py).
 
 Tolerances: float32 within 1e-5 (relative and absolute; the norm's mean is summed in
 another order). bfloat16 within 2 units of the last place (rtol 1.6e-2) plus atol 2e-2
@@ -16,22 +15,20 @@ CUDA (within one unit under the interpreter, whose bfloat16 casts may round diff
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.worker.triton_runs import (
+    DEVICE,
+    ON_CUDA,
+    RUN_HERE,
+    compile_ahead,
+    kernel_module,
+    run_under_interpreter,
+)
+
 pytest.importorskip("triton")
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-ON_CUDA = torch.cuda.is_available() and not INTERPRETED
-DEVICE = "cuda" if ON_CUDA else "cpu"
-RUN_HERE = ON_CUDA or INTERPRETED
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = {
     torch.float32: {"rtol": 1e-5, "atol": 1e-5},
     torch.bfloat16: {"rtol": 1.6e-2, "atol": 2e-2},
@@ -42,43 +39,13 @@ DTYPES = [torch.float32, torch.bfloat16]
 @pytest.fixture(scope="module")
 def ops():
     """pagoda.gpu_worker.fused_ops, when its kernels can run in this process."""
-    if not RUN_HERE:
-        pytest.skip("no CUDA: test_fused_under_the_interpreter runs this in a child process")
-    import triton
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from pagoda.gpu_worker import fused_ops
-
-    if INTERPRETED and not isinstance(triton.language.zeros, InterpretedFunction):
-        pytest.fail("TRITON_INTERPRET=1 was set after triton was imported")
-    return fused_ops
+    return kernel_module("pagoda.gpu_worker.fused_ops", "test_fused_under_the_interpreter")
 
 
 @pytest.mark.slow  # about a minute of CPU: the interpreter runs every kernel op in Python
 @pytest.mark.skipif(RUN_HERE, reason="the kernel tests run in this process")
 def test_fused_under_the_interpreter():
-    this_file = str(Path(__file__).relative_to(REPO_ROOT))
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            this_file,
-            "-k",
-            "not compile_for_cuda",
-        ],
-        cwd=REPO_ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert completed.returncode == 0, completed.stdout[-8000:] + completed.stderr[-2000:]
-    passed = re.search(r"(\d+) passed", completed.stdout)
-    assert passed and int(passed.group(1)) >= 20, completed.stdout[-2000:]
+    run_under_interpreter(__file__, min_passed=20)
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -333,16 +300,7 @@ print("compiled")
 @pytest.mark.slow
 @pytest.mark.skipif(RUN_HERE, reason="the kernels run in this process (CUDA or interpreter)")
 def test_fused_kernels_compile_for_cuda():
-    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    completed = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_SM90],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    assert completed.stdout.strip() == "compiled"
+    compile_ahead(_COMPILE_FOR_SM90)
 
 
 def test_fused_model_without_position_ids_uses_the_model_rotary(ops):

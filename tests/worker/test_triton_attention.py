@@ -1,72 +1,48 @@
 """The Triton paged-attention kernels against a dense torch reference.
 
-With CUDA the kernels run natively, here. Without it they run in Triton's interpreter on
-CPU tensors, which needs TRITON_INTERPRET=1 before triton is first imported (its own
-library functions are decorated then) and torch._dynamo imports triton as soon as anything
-loads it. So on CPU one test, test_kernels_under_the_interpreter, runs this file again in a
-child pytest with TRITON_INTERPRET=1 set from the start, and the kernel tests skip here;
-`TRITON_INTERPRET=1 pytest tests/worker/test_triton_attention.py` runs them directly.
+With CUDA the kernels run natively, here. Without it, test_kernels_under_the_interpreter
+runs this file again under Triton's interpreter on CPU tensors (tests/worker/triton_runs.py).
 Shapes are tiny and fp32, so the interpreter stays fast and the comparison tight.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import random
-import re
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.worker.conftest import TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, random_prompts
 from tests.worker.toy_scheduler import ToyScheduler, split_into
+from tests.worker.triton_runs import (
+    DEVICE,
+    INTERPRETED,
+    ON_CUDA,
+    RUN_HERE,
+    compile_ahead,
+    kernel_module,
+    run_under_interpreter,
+)
 
 pytest.importorskip("triton")
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-ON_CUDA = torch.cuda.is_available() and not INTERPRETED
-DEVICE = "cuda" if ON_CUDA else "cpu"
-RUN_HERE = ON_CUDA or INTERPRETED
 BLOCK_SIZE = 16
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def kernels():
     """pagoda.gpu_worker.attention.triton_paged, when its kernels can run in this process."""
-    if not RUN_HERE:
-        pytest.skip("no CUDA: test_kernels_under_the_interpreter runs this in a child process")
-    import triton
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from pagoda.gpu_worker.attention import triton_paged
-
-    if INTERPRETED and not isinstance(triton.language.zeros, InterpretedFunction):
-        pytest.fail("TRITON_INTERPRET=1 was set after triton was imported")
-    return triton_paged
+    return kernel_module(
+        "pagoda.gpu_worker.attention.triton_paged", "test_kernels_under_the_interpreter"
+    )
 
 
 @pytest.mark.slow  # about 35 s of CPU: the interpreter runs every kernel op in Python
 @pytest.mark.skipif(RUN_HERE, reason="the kernel tests run in this process")
 def test_kernels_under_the_interpreter():
-    this_file = str(Path(__file__).relative_to(REPO_ROOT))
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", this_file]
-    completed = subprocess.run(
-        [*command, "-k", "not compile_for_cuda"],  # that one needs no interpreter
-        cwd=REPO_ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert completed.returncode == 0, completed.stdout[-8000:] + completed.stderr[-2000:]
-    passed = re.search(r"(\d+) passed", completed.stdout)
-    assert passed and int(passed.group(1)) >= 15, completed.stdout[-2000:]
+    run_under_interpreter(__file__, min_passed=15)
 
 
 @dataclass(slots=True)
@@ -503,13 +479,4 @@ print("compiled")
 
 @pytest.mark.slow
 def test_kernels_compile_for_cuda():
-    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    completed = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_SM90],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    assert completed.stdout.strip() == "compiled"
+    compile_ahead(_COMPILE_FOR_SM90)
