@@ -8,6 +8,7 @@ requests take a flood request's slot (preempt to admit) instead of waiting for o
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import grpc
 import pytest
@@ -22,6 +23,20 @@ MAX_TENANT_REQUESTS = 90
 MAX_ACTIVE_REQUESTS = 8
 NUM_PROBES = 5
 FLOOD_TOKENS = 60
+
+
+def two_keys_service(tmp_path: Path, limits: list[str]):
+    """The scheduler with tenants `flood` (key-a) and `probe` (key-b) and `limits`, on a
+    dummy worker of 10 ms steps."""
+    keys = tmp_path / "api-keys"
+    keys.write_text("flood:1:key-a\nprobe:1:key-b\n")
+    keys.chmod(0o600)
+    return running_service(
+        tmp_path,
+        model="dummy",
+        scheduler_args=["--api-key-file", str(keys), *limits],
+        worker_args=["--dummy-step-ms", "10"],
+    )
 
 
 def request(prompt_ids: list[int], max_new_tokens: int) -> generation_pb2.GenerateRequest:
@@ -79,21 +94,9 @@ async def scenario(address: str) -> dict:
 
 
 def test_a_flooding_key_does_not_starve_another_and_sees_only_itself(tmp_path):
-    keys = tmp_path / "api-keys"
-    keys.write_text("flood:1:key-a\nprobe:1:key-b\n")
-    keys.chmod(0o600)
-    scheduler_args = [
-        "--api-key-file",
-        str(keys),
-        "--max-active-requests",
-        str(MAX_ACTIVE_REQUESTS),
-        "--max-tenant-requests",
-        str(MAX_TENANT_REQUESTS),
-    ]
-    worker_args = ["--dummy-step-ms", "10"]
-    with running_service(
-        tmp_path, model="dummy", scheduler_args=scheduler_args, worker_args=worker_args
-    ) as service:
+    limits = ["--max-active-requests", str(MAX_ACTIVE_REQUESTS)]
+    limits += ["--max-tenant-requests", str(MAX_TENANT_REQUESTS)]
+    with two_keys_service(tmp_path, limits) as service:
         outcome = asyncio.run(scenario(service.address))
     # Beyond its cap, the flood is refused naming the limit; the other key is not.
     refusals = outcome["refusals"]
@@ -180,23 +183,10 @@ def test_a_flood_holding_every_slot_gives_a_slot_to_the_other_key(tmp_path):
     """Without preempt to admit, the first probe waits for a flood stream to end (3,000
     steps); with it, every probe finishes while none has, each one costing the flood at
     most one preemption."""
-    keys = tmp_path / "api-keys"
-    keys.write_text("flood:1:key-a\nprobe:1:key-b\n")
-    keys.chmod(0o600)
-    scheduler_args = [
-        "--api-key-file",
-        str(keys),
-        "--max-active-requests",
-        str(LONG_FLOOD_RUNNING),
-        "--max-waiting-requests",
-        str(2 * NUM_LONG_FLOOD),
-        "--max-tenant-waiting-requests",
-        str(NUM_LONG_FLOOD),
-    ]
-    worker_args = ["--dummy-step-ms", "10"]
-    with running_service(
-        tmp_path, model="dummy", scheduler_args=scheduler_args, worker_args=worker_args
-    ) as service:
+    limits = ["--max-active-requests", str(LONG_FLOOD_RUNNING)]
+    limits += ["--max-waiting-requests", str(2 * NUM_LONG_FLOOD)]
+    limits += ["--max-tenant-waiting-requests", str(NUM_LONG_FLOOD)]
+    with two_keys_service(tmp_path, limits) as service:
         outcome = asyncio.run(long_flood_scenario(service.address))
     assert outcome["probes_done_with_floods_done"] == [0] * NUM_PROBES
     assert 1 <= outcome["flood_tenant"].num_preemptions <= NUM_PROBES
