@@ -10,14 +10,14 @@ the worker still finds N+1 waiting when N is done.
 When N's result will arrive is predicted: N starts on the worker when it is sent or when
 the step before it ends, whichever is later, and lasts what a StepCostModel (the step
 budget's, fed every result's worker time) predicts for its shape. N+1 is planned `lead`
-before that moment. The lead is what the recent steps needed: each step planned ahead,
-timed or not, tells how early its successor's planning should have begun for the plan to
-be sent before its result came, a margin left over: the planning and encoding time
-(measured), plus how late the loop came to plan (a stream writer held the event loop),
+before that moment. The lead is what the recent steps needed. Each step planned ahead,
+timed or not, tells how early its successor's planning should have begun to be sent before
+its result came with a margin to spare: the planning and encoding time (measured), plus
+the margin, plus how late the loop came to plan (a stream writer held the event loop),
 less how late the result came against its prediction. The lead is the LEAD_QUANTILE of the
-last LEAD_WINDOW of these, so the worker waits for a plan in about one step in twenty, and
-then for less than the margin, while a steady worker lets the lead settle close to the
-planning time.
+last LEAD_WINDOW of these: the margin is eaten in about one step in fifty, and a steady
+worker lets the lead settle near the planning time plus the margin (docs/benchmarks.md,
+"Overlapped steps", for what the margin costs and buys).
 
 Until MIN_OBSERVATIONS results have taught the model, and whenever the lead reaches back
 past the moment the loop may plan, N+1 is planned at once, as before. Pure bookkeeping on
