@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger("pagoda.client")
+
+# How long stop() waits for the loop's thread to finish its pending tasks and close.
+STOP_TIMEOUT_S = 10.0
 
 
 class LoopThread:
@@ -33,18 +39,21 @@ class LoopThread:
         """Run `coroutine` on the loop and return its result or raise its exception.
 
         Anything that interrupts the wait (KeyboardInterrupt) cancels the coroutine's task
-        before it propagates, so an RPC it awaits is cancelled too.
+        before it propagates, so an RPC it awaits is cancelled too, even when it lands
+        between scheduling the coroutine and waiting for it.
         """
-        with self._lock:
-            if self._stopped:
-                coroutine.close()
-                # The type grpc raises for a call on a closed channel.
-                raise ValueError(f"{self._thread.name} is closed")
-            future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        future = None
         try:
+            with self._lock:
+                if self._stopped:
+                    coroutine.close()
+                    # The type grpc raises for a call on a closed channel.
+                    raise ValueError(f"{self._thread.name} is closed")
+                future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
             return future.result()
         except BaseException:
-            future.cancel()
+            if future is not None:
+                future.cancel()
             raise
 
     def call_soon(self, callback: Callable[[], object]) -> bool:
@@ -59,7 +68,9 @@ class LoopThread:
         """Stop the loop and join its thread; idempotent, and safe from the loop's own thread.
 
         Tasks still pending are cancelled and awaited, then `last` (e.g. closing a channel)
-        runs, then the loop closes.
+        runs, then the loop closes. The join gives up after STOP_TIMEOUT_S with a warning:
+        the thread is a daemon, and a process on its way out (Ctrl-C in the CLI) must not
+        hang on a loop that a KeyboardInterrupt left stuck.
         """
         with self._lock:
             if self._stopped:
@@ -70,7 +81,10 @@ class LoopThread:
             self._last = last
             self._loop.call_soon_threadsafe(self._loop.stop)
         if threading.current_thread() is not self._thread:
-            self._thread.join()
+            self._thread.join(STOP_TIMEOUT_S)
+            if self._thread.is_alive():
+                log.warning("%s did not stop within %g s; left to end with the process",
+                            self._thread.name, STOP_TIMEOUT_S)  # fmt: skip
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)

@@ -18,6 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def cli_env(target: str | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PAGODA_TARGET"}
+    env["PYTHONFAULTHANDLER"] = "1"  # a hung CLI killed by SIGABRT prints its stacks
     if target is not None:
         env["PAGODA_TARGET"] = target
     return env
@@ -160,7 +161,15 @@ def test_ctrl_c_cancels_the_stream_and_exits_130(fake_server):
         # The first chunk arrives while the server still holds the stream: it was flushed.
         assert process.stdout.read(3) == " t0"
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=30) == 130
+        try:
+            returncode = process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            # Hung (seen once in CI under load): SIGABRT makes faulthandler print every
+            # thread's stack, which the failure then shows.
+            process.send_signal(signal.SIGABRT)
+            _, stderr = process.communicate(timeout=30)
+            pytest.fail(f"the CLI did not exit after SIGINT; its threads:\n{stderr[-6000:]}")
+        assert returncode == 130
     finally:
         process.kill()
         process.communicate()
