@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-
-log = logging.getLogger("pagoda.client")
-
-# How long stop() waits for the loop's thread to finish its pending tasks and close.
-STOP_TIMEOUT_S = 10.0
 
 
 class LoopThread:
@@ -68,9 +62,7 @@ class LoopThread:
         """Stop the loop and join its thread; idempotent, and safe from the loop's own thread.
 
         Tasks still pending are cancelled and awaited, then `last` (e.g. closing a channel)
-        runs, then the loop closes. The join gives up after STOP_TIMEOUT_S with a warning:
-        the thread is a daemon, and a process on its way out (Ctrl-C in the CLI) must not
-        hang on a loop that a KeyboardInterrupt left stuck.
+        runs, then the loop closes.
         """
         with self._lock:
             if self._stopped:
@@ -81,10 +73,7 @@ class LoopThread:
             self._last = last
             self._loop.call_soon_threadsafe(self._loop.stop)
         if threading.current_thread() is not self._thread:
-            self._thread.join(STOP_TIMEOUT_S)
-            if self._thread.is_alive():
-                log.warning("%s did not stop within %g s; left to end with the process",
-                            self._thread.name, STOP_TIMEOUT_S)  # fmt: skip
+            self._thread.join()
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)

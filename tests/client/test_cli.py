@@ -148,9 +148,18 @@ def test_api_key_file(auth_server, tmp_path):
     assert refused.returncode == 1 and refused.stderr.startswith("pagoda: UNAUTHENTICATED: ")
 
 
+# The CLI as an interactive shell starts it: SIGINT raises KeyboardInterrupt. A test run
+# started in the background (`make test &` without job control) ignores SIGINT, its children
+# inherit that, and Python then installs no handler: Ctrl-C would never reach the CLI.
+INTERACTIVE_CLI = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'pagoda'; runpy.run_module('pagoda.client', run_name='__main__')"
+)
+
+
 def test_ctrl_c_cancels_the_stream_and_exits_130(fake_server):
     process = subprocess.Popen(
-        [sys.executable, "-m", "pagoda.client", "generate", "hang", "--request-id", "cli-sigint"],
+        [sys.executable, "-c", INTERACTIVE_CLI, "generate", "hang", "--request-id", "cli-sigint"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -164,8 +173,7 @@ def test_ctrl_c_cancels_the_stream_and_exits_130(fake_server):
         try:
             returncode = process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            # Hung (seen once in CI under load): SIGABRT makes faulthandler print every
-            # thread's stack, which the failure then shows.
+            # Hung: SIGABRT makes faulthandler print every thread's stack into the failure.
             process.send_signal(signal.SIGABRT)
             _, stderr = process.communicate(timeout=30)
             pytest.fail(f"the CLI did not exit after SIGINT; its threads:\n{stderr[-6000:]}")
