@@ -48,6 +48,7 @@ PLAN_COST_RATE = 0.2
 @dataclass(slots=True)
 class _Prediction:
     step_id: int  # of the step in flight
+    worker_s: float  # its predicted worker time
     end_s: float  # when its result is predicted to arrive
     plan_s: float  # when the next plan is due: end_s - lead, or when first asked if later
     late_s: float = 0.0  # how far past plan_s the next plan started
@@ -72,19 +73,25 @@ class PlanTiming:
     def plan_at(self, in_flight: StepPlan, started_s: float, now: float) -> float | None:
         """When to plan the step after `in_flight`, which began on the worker at
         `started_s`: None means now (no prediction yet, or the lead reaches back past
-        `now`)."""
-        worker_s = self._predicted_worker_s(in_flight)
-        if worker_s is None:
-            self._prediction = None
-            return None
-        if self.lead_s is None:  # nothing learned yet: start from half a step
-            self.lead_s = max(worker_s / 2, self._wanted_slack_s(worker_s))
+        `now`). Predicted once per step in flight; the loop asks again at each turn."""
         prediction = self._prediction
         if prediction is None or prediction.step_id != in_flight.step_id:
-            end_s = started_s + worker_s
-            prediction = _Prediction(in_flight.step_id, end_s, max(end_s - self.lead_s, now))
-            self._prediction = prediction
+            prediction = self._prediction = self._predict(in_flight, started_s, now)
+            if prediction is None:
+                return None
         return prediction.plan_s if prediction.plan_s > now else None
+
+    def _predict(self, in_flight: StepPlan, started_s: float, now: float) -> _Prediction | None:
+        if self.model.num_observations < MIN_OBSERVATIONS:
+            return None
+        predicted_ms = self.model.predict_ms(
+            in_flight.num_prefill_tokens, in_flight.num_decode_tokens, in_flight.num_context_tokens
+        )
+        worker_s = max(0.0, predicted_ms) / 1000
+        if self.lead_s is None:  # nothing learned yet: start from half a step
+            self.lead_s = max(worker_s / 2, self._wanted_slack_s(worker_s))
+        end_s = started_s + worker_s
+        return _Prediction(in_flight.step_id, worker_s, end_s, max(end_s - self.lead_s, now))
 
     def planning(self, now: float) -> None:
         """The loop starts to plan the step after the one in flight."""
@@ -101,8 +108,7 @@ class PlanTiming:
         step after it was due by a prediction, its arrival teaches the lead."""
         prediction, self._prediction = self._prediction, None
         if prediction is not None and prediction.step_id == plan.step_id:
-            predicted_s = self._predicted_worker_s(plan) or 0.0
-            needed_s = self._wanted_slack_s(predicted_s) + prediction.late_s
+            needed_s = self._wanted_slack_s(prediction.worker_s) + prediction.late_s
             self._needed_s.append(needed_s - (received_s - prediction.end_s))
             ordered = sorted(self._needed_s)
             lead_s = max(0.0, ordered[int(LEAD_QUANTILE * (len(ordered) - 1))])
@@ -114,17 +120,8 @@ class PlanTiming:
             plan.num_prefill_tokens,
             plan.num_decode_tokens,
             worker_s * 1000,
-            sum(plan.start_positions) + plan.num_tokens,
+            plan.num_context_tokens,
         )
-
-    def _predicted_worker_s(self, plan: StepPlan) -> float | None:
-        if self.model.num_observations < MIN_OBSERVATIONS:
-            return None
-        context_tokens = sum(plan.start_positions) + plan.num_tokens
-        predicted_ms = self.model.predict_ms(
-            plan.num_prefill_tokens, plan.num_decode_tokens, context_tokens
-        )
-        return max(0.0, predicted_ms) / 1000
 
     def _wanted_slack_s(self, worker_s: float) -> float:
         return self.plan_cost_s + max(MIN_MARGIN_S, MARGIN_FRACTION * worker_s)

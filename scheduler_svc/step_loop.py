@@ -5,10 +5,11 @@ step N+1 is planned and sent while N runs, so the worker computes N+1 while the 
 awaits, decodes and applies N and plans N+2: at most two steps are in flight, their
 results applied in order (see Scheduler). N+1 is planned just before N is predicted to
 end (plan_timing.py), so that requests arriving meanwhile join it; the loop publishes N-1's
-outputs and waits for that moment or N's result, whichever comes first. Without, one step at a time. A constrained row
-of N+1 (structured output) needs N's token for its mask: N+1 goes out saying its masks
-follow, and right after N is applied, before anything else, the loop sends them
-(grammars.masks_after), while the worker still runs N+1's forward.
+outputs and waits for that moment or N's result, whichever comes first. Without overlap,
+one step at a time. A constrained row of N+1 (structured output) needs N's token for its
+mask: N+1 goes out saying its masks follow, and right after N is applied, before anything
+else, the loop sends them (grammars.masks_after), while the worker still runs N+1's
+forward.
 
 One loop turns one Scheduler (one lane of the serving front, front.py). The front adds
 requests to it (safe mid-step: apply() touches running sequences only) and moves a lost

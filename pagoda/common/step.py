@@ -119,6 +119,12 @@ class StepPlan:
         return len(self.token_ids)
 
     @property
+    def num_context_tokens(self) -> int:
+        """The KV the step's attention reads: each sequence's context after the step (its
+        start position + the tokens it feeds), summed; a step cost model's feature."""
+        return sum(self.start_positions) + len(self.token_ids)
+
+    @property
     def num_sampling(self) -> int:
         return sum(self.sample)
 

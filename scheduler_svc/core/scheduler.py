@@ -503,10 +503,8 @@ class Scheduler:
         plan, keyed = flight.plan, flight.keyed
         step_ms = result.forward_ms + result.sample_ms
         if self._step_budget is not None and not result.step_error and step_ms > 0:
-            # Each sequence's context after the step: start position + tokens fed, summed.
-            num_context_tokens = sum(plan.start_positions) + plan.num_tokens
             self._step_budget.observe(
-                plan.num_prefill_tokens, plan.num_decode_tokens, step_ms, num_context_tokens
+                plan.num_prefill_tokens, plan.num_decode_tokens, step_ms, plan.num_context_tokens
             )
         outputs = step_outputs.outputs
         if result.step_error:
