@@ -189,6 +189,17 @@ def plain_quantize_dynamic(model):
         return quantize_dynamic(model, dict.fromkeys(names, per_channel_dynamic_qconfig))
 
 
+def on_int4pack(model):
+    """The shipped int8 path as on a CPU where Pagoda's Q4_1 kernel cannot run: Q4_1
+    layers on PyTorch's int4 GEMM, bfloat16 activations."""
+    from unittest import mock
+
+    from pagoda.gpu_worker import q4_kernel
+
+    with mock.patch.object(q4_kernel, "load", lambda cache_dir=None: None):
+        return quantize_int8(model, head="rescored")
+
+
 VARIANTS = {
     "fp32": Variant("fp32", lambda model: model),
     "quantize_dynamic": Variant("quantize_dynamic", plain_quantize_dynamic),
@@ -200,6 +211,7 @@ VARIANTS = {
     "int8+rescored-head": Variant(
         "int8+rescored-head", lambda model: quantize_int8(model, head="rescored")
     ),
+    "int8+rescored-head+int4pack": Variant("int8+rescored-head+int4pack", on_int4pack),
     "int8-per-token+rescored-head": Variant(
         "int8-per-token+rescored-head",
         lambda model: quantize_int8(model, head="rescored", q4=False),

@@ -109,11 +109,18 @@ def describe_numerics(model, quantization: str) -> str:
         if isinstance(head, int8.RescoredHead)
         else ("int8" if isinstance(head, int8.Int8Linear) else "float32")
     )
+    q4_schemes = sorted(
+        {
+            (m.layer if isinstance(m, int8.FusedQ4Linear) else m).scheme
+            for m in model.modules()
+            if isinstance(m, (int8.Q4Linear, int8.FusedQ4Linear))
+        }
+    )
     parts = []
     if q4_names:
         parts.append(
             f"{', '.join(q4_names)} as Q4_1 (the weights' exact 4-bit groups of "
-            f"{int8.Q4_GROUP}, scale and offset in bfloat16), {int8.Q4_ACTIVATION_SCHEME}"
+            f"{int8.Q4_GROUP}), {'; '.join(q4_schemes)}"
             + (f", {' and '.join(fused)} in one call each" if fused else "")
         )
     if int8_names:

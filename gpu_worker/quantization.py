@@ -4,9 +4,10 @@ On a CPU the decode forward is bound by reading the weights (SmolLM2-135M: 540 M
 float32 per step). `int8` swaps every Linear layer of the decoder (and GPT-2's Conv1D):
 - a layer whose float weights are exactly Q4_1 groups (llama.cpp's 4-bit format: each 32
   inputs of a row are d * q + m, q in 0..15; the default model is its Q4_1 GGUF
-  dequantized) becomes a Q4Linear: those groups kept as 4-bit levels, activations rounded
-  to bfloat16, float32 sums on PyTorch's CPU int4 GEMM. Nearly the float model (default
-  model: top-1 99.2%, perplexity -0.4%, docs/benchmarks.md "int8 forward");
+  dequantized) becomes a Q4Linear: those groups kept as 4-bit levels and rebuilt exactly
+  as float32 weights by Pagoda's AVX2 kernel (q4_kernel.py), float32 activations and sums;
+  where that kernel cannot run, activations rounded to bfloat16 on PyTorch's CPU int4
+  GEMM (docs/benchmarks.md "int8 forward" has both paths' fidelity and speed);
 - any other becomes an Int8Linear: int8 weights with one symmetric scale per output
   channel, activations quantized per token to symmetric 8 bits (-127..127, absmax / 127),
   int32 accumulation, and SmoothQuant-style input-channel scales calibrated at load on one
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.gpu_worker import q4_kernel
 from pagoda.gpu_worker.config import QUANTIZATIONS, QuantizationError
 
 # How the output head runs under int8; docs/benchmarks.md "int8 forward" has the figures.
@@ -302,30 +304,46 @@ def round_to_q4_1(weight: torch.Tensor) -> torch.Tensor:
     return (levels * scales + minimums).reshape(out_features, in_features)
 
 
+# On PyTorch's int4 GEMM (a CPU without AVX2 or a C compiler for q4_kernel).
+Q4_ACTIVATION_SCHEME = "bfloat16 activations, float32 accumulation"
+
+
 class Q4Linear(torch.nn.Module):
     """y = x W^T + b with W held as its exact Q4_1 groups (4-bit levels, a scale and an
-    offset per 32 inputs) and x rounded to bfloat16, on PyTorch's CPU int4 GEMM
-    (`_weight_int4pack_mm_for_cpu`, float32 accumulation, bfloat16 output).
+    offset per 32 inputs). Batch-invariant either way it runs: each output element is one
+    dot product over the input in a fixed order, whatever the number of rows in the call
+    (tested with random batch mates from 1 to 600 rows, tests/worker/test_q4_linear.py).
 
-    The kernel computes (q - 8) * scale + zero per weight, with zero = m + 8 * scale and
-    scale and zero in bfloat16 (so the weight is Q4_1's up to bfloat16's rounding of the
-    float16 scale and offset). Batch-invariant: each output element is one dot product
-    over the input in a fixed order, whatever the number of rows in the call (tested with
-    random batch mates from 1 to 600 rows, tests/worker/test_batch_invariance.py).
+    On Pagoda's kernel (q4_kernel.py, where this CPU has AVX2 and a C compiler) x stays
+    float32 and each weight is the float model's exactly, so a row differs from the float
+    product only by the order of its sum. Otherwise on PyTorch's CPU int4 GEMM
+    (`_weight_int4pack_mm_for_cpu`): x rounded to bfloat16, each weight rebuilt as
+    (q - 8) * scale + zero with zero = m + 8 * scale and both in bfloat16 (Q4_1's weight up
+    to bfloat16's rounding of the float16 scale and offset), float32 sums, bfloat16 output.
     """
 
     def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = blocks.levels.shape
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), False)
+        self._kernel = q4_kernel.load() if self.out_features % q4_kernel.TILE == 0 else None
+        if self._kernel is not None:
+            self._native = q4_kernel.pack(blocks.levels, blocks.scales, blocks.minimums)
+            self.scheme = f"exact weights, {q4_kernel.SCHEME}"
+            return
         self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.levels, 1)
         zeros = blocks.minimums + 8 * blocks.scales
         # [in / Q4_GROUP, out, 2]: the kernel's layout of scale and zero.
         self._scales_and_zeros = (
             torch.stack([blocks.scales, zeros], dim=-1).transpose(0, 1).contiguous().bfloat16()
         )
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), False)
+        self.scheme = f"scale and offset in bfloat16, {Q4_ACTIVATION_SCHEME}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None:
+            rows = x.reshape(-1, self.in_features).float()
+            out = self._kernel.matmul(rows, self._native, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         out = _int4_mm(rows, self._packed, Q4_GROUP, self._scales_and_zeros).float()
         if self.bias is not None:
@@ -425,9 +443,6 @@ def _fuse_siblings(model, made: dict) -> None:
                 others = len(names) - 1 if index == 0 else 0
                 setattr(parent, name, Q4Slice(fused, start, end, index == 0, others))
                 start = end
-
-
-Q4_ACTIVATION_SCHEME = "bfloat16 activations, float32 accumulation"
 
 
 class RescoredHead(torch.nn.Module):

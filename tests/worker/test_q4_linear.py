@@ -1,5 +1,7 @@
 """Q4Linear, the default model's int8 path: Linear weights held as their exact Q4_1 groups
-(the GGUF's 4-bit levels), bfloat16 activations on PyTorch's CPU int4 GEMM."""
+(the GGUF's 4-bit levels), on Pagoda's AVX2 kernel (float32 activations, gpu_worker/
+q4_kernel.py) or, where it cannot run, on PyTorch's CPU int4 GEMM (bfloat16 activations).
+Every test runs on both paths."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from pagoda.gpu_worker import q4_kernel
 from pagoda.gpu_worker.numerics import describe_numerics
 from pagoda.gpu_worker.quantization import (
     Int8Linear,
@@ -18,6 +21,18 @@ from pagoda.gpu_worker.quantization import (
     quantize_int8,
     round_to_q4_1,
 )
+
+
+@pytest.fixture(params=["kernel", "int4pack"])
+def q4_path(request, monkeypatch) -> str:
+    """Which path Q4Linear layers built in the test take: Pagoda's kernel, or PyTorch's
+    int4 GEMM as on a CPU without AVX2 or a C compiler."""
+    if request.param == "kernel":
+        if q4_kernel.load() is None:
+            pytest.skip("Pagoda's Q4_1 kernel cannot be built or run here")
+    else:
+        monkeypatch.setattr(q4_kernel, "load", lambda cache_dir=None: None)
+    return request.param
 
 
 def q4_1_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -37,19 +52,33 @@ def test_q4_1_blocks_hold_a_q4_1_weight_exactly_and_refuse_others():
     assert q4_1_blocks(q4_1_weight(96, 128)[:, :100]) is None  # not whole groups
 
 
-def test_q4_linear_computes_the_float_product_to_bfloat16_precision():
+def test_q4_linear_computes_the_float_product(q4_path):
     weight, bias = q4_1_weight(192, 256), torch.randn(192)
     layer = Q4Linear(q4_1_blocks(weight), bias)
     x = torch.randn(2, 5, 256)
-    exact = x @ weight.t() + bias
+    exact = x.double() @ weight.double().t() + bias.double()
     got = layer(x)
-    assert got.shape == exact.shape
-    # bfloat16 inputs and outputs: about 3 significant digits.
-    assert (got - exact).abs().max() <= 0.02 * exact.abs().max()
+    assert got.shape == exact.shape and got.dtype == torch.float32
+    # The kernel: float32 throughout, only the order of the sum differs. int4pack:
+    # bfloat16 inputs and outputs, about 3 significant digits.
+    tolerance = 1e-5 if q4_path == "kernel" else 0.02
+    assert (got.double() - exact).abs().max() <= tolerance * exact.abs().max()
+
+
+@pytest.mark.parametrize("out_features", [8, 40, 96])
+def test_the_kernel_rebuilds_each_weight_exactly_as_the_float_model_holds_it(q4_path, out_features):
+    if q4_path != "kernel":
+        pytest.skip("int4pack rounds the scale and offset to bfloat16")
+    weight = q4_1_weight(out_features, 64)
+    # Row i of the identity picks input i: each output is then fma(1, w, 0) + 0 = w.
+    for rows in (1, 2, 3, 64):  # both of the kernel's loops (few rows, strips)
+        eye = torch.eye(64)[:rows]
+        got = Q4Linear(q4_1_blocks(weight), None)(eye)
+        assert torch.equal(got, weight.t()[:rows]), rows
 
 
 @pytest.mark.parametrize("in_features", [256, 1536])
-def test_q4_linear_rows_do_not_depend_on_their_batch_mates(in_features):
+def test_q4_linear_rows_do_not_depend_on_their_batch_mates(q4_path, in_features):
     generator = torch.Generator().manual_seed(1)
     layer = Q4Linear(q4_1_blocks(q4_1_weight(64, in_features)), None)
     row = torch.randn(1, in_features, generator=generator)
@@ -61,7 +90,22 @@ def test_q4_linear_rows_do_not_depend_on_their_batch_mates(in_features):
             assert torch.equal(layer(batch)[position], alone[0]), (num_mates, position)
 
 
-def test_int8_runs_q4_1_decoder_layers_as_q4_and_the_rest_as_before(llama_models):
+def test_the_kernels_rows_do_not_depend_on_the_number_of_threads(q4_path):
+    out_features = 72 if q4_path == "kernel" else 64  # the kernel: an odd number of tiles
+    layer = Q4Linear(q4_1_blocks(q4_1_weight(out_features, 96)), torch.randn(out_features))
+    x = torch.randn(37, 96)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            results.append(layer(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(result, results[0]) for result in results)
+
+
+def test_int8_runs_q4_1_decoder_layers_as_q4_and_the_rest_as_before(q4_path, llama_models):
     model = copy.deepcopy(llama_models.reference)
     head = model.get_output_embeddings()
     with torch.no_grad():
@@ -84,7 +128,11 @@ def test_int8_runs_q4_1_decoder_layers_as_q4_and_the_rest_as_before(llama_models
     # q/k/v and gate/up: one kernel call per group and layer.
     assert len(calls) == 2 * model.config.num_hidden_layers
     numerics = describe_numerics(model, "int8")
-    assert "q_proj" in numerics and "as Q4_1" in numerics and "bfloat16 activations" in numerics
+    assert "q_proj" in numerics and "as Q4_1" in numerics
+    if q4_path == "kernel":
+        assert "exact weights, float32 activations, float32 sums in input order" in numerics
+    else:
+        assert "scale and offset in bfloat16, bfloat16 activations" in numerics
     assert "q_proj/k_proj/v_proj and gate_proj/up_proj in one call each" in numerics
     assert "head: int8 logits, each row's top 32 recomputed in float32" in numerics
 
@@ -96,7 +144,7 @@ def test_int8_keeps_per_token_int8_for_weights_that_are_not_q4_1(llama_models):
     assert "per-token symmetric int8 (absmax / 127)" in numerics and "Q4_1" not in numerics
 
 
-def test_fused_siblings_give_the_bits_of_separate_layers_and_never_a_stale_result():
+def test_fused_siblings_give_the_bits_of_separate_layers_and_never_a_stale_result(q4_path):
     from pagoda.gpu_worker.quantization import FusedQ4Linear, Q4Slice
 
     weights = [q4_1_weight(n, 128, seed) for seed, n in enumerate((64, 32, 32))]

@@ -1,0 +1,58 @@
+"""Building and loading Pagoda's Q4_1 kernel (gpu_worker/q4_kernel.py): once per source
+into its cache folder, and a clear fallback where it cannot be built. Its arithmetic is
+tested through Q4Linear (test_q4_linear.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagoda.gpu_worker import q4_kernel
+
+
+@pytest.fixture
+def kernel_here():
+    if q4_kernel.load() is None:
+        pytest.skip("Pagoda's Q4_1 kernel cannot be built or run here")
+
+
+def test_the_kernel_is_built_once_per_source_into_its_cache(kernel_here, tmp_path):
+    first = q4_kernel._build(tmp_path)
+    built = first.stat().st_mtime_ns
+    assert q4_kernel._build(tmp_path) == first
+    assert first.stat().st_mtime_ns == built  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left
+
+
+def test_a_source_that_does_not_compile_leaves_pytorchs_int4_gemm(
+    kernel_here, tmp_path, monkeypatch, caplog
+):
+    broken = tmp_path / "broken.c"
+    broken.write_text("int q4_1_gemm(void) { return }\n")
+    monkeypatch.setattr(q4_kernel, "SOURCE", broken)
+    with caplog.at_level(logging.WARNING, logger="pagoda.q4_kernel"):
+        assert q4_kernel.load(tmp_path / "cache") is None
+    assert "Q4_1 kernel unavailable" in caplog.text and "failed" in caplog.text
+    assert not any((tmp_path / "cache").iterdir())  # the partial library is removed
+
+
+def test_pack_refuses_a_weight_that_is_not_whole_tiles():
+    levels = torch.zeros(12, 64, dtype=torch.int32)
+    with pytest.raises(ValueError, match="not whole tiles"):
+        q4_kernel.pack(levels, torch.ones(12, 2), torch.zeros(12, 2))
+
+
+def test_pack_keeps_the_top_level_of_the_last_output_of_a_tile():
+    levels = torch.full((8, 32), 15, dtype=torch.int32)  # every bit of each word set
+    packed = q4_kernel.pack(levels, torch.ones(8, 1), torch.zeros(8, 1))
+    assert packed.levels.dtype == torch.int32
+    assert torch.equal(packed.levels, torch.full((1, 32), -1, dtype=torch.int32))
+
+
+def test_an_empty_call_gives_an_empty_output(kernel_here):
+    levels = torch.randint(0, 16, (16, 64), dtype=torch.int32)
+    packed = q4_kernel.pack(levels, torch.ones(16, 2), torch.zeros(16, 2))
+    out = q4_kernel.load().matmul(torch.zeros(0, 64), packed)
+    assert out.shape == (0, 16)
