@@ -194,9 +194,9 @@ def on_int4pack(model):
     layers on PyTorch's int4 GEMM, bfloat16 activations."""
     from unittest import mock
 
-    from pagoda.gpu_worker import q4_kernel
+    from pagoda.gpu_worker import cpu_kernels
 
-    with mock.patch.object(q4_kernel, "load", lambda cache_dir=None: None):
+    with mock.patch.object(cpu_kernels, "load", lambda cache_dir=None: None):
         return quantize_int8(model, head="rescored")
 
 
@@ -295,7 +295,11 @@ def quality(
         scores[variant.name] = score_text(model, text_ids)
         num_blocks = sum(-(-(len(p) + num_new_tokens) // BLOCK_SIZE) for p in prompts)
         engine = PagedEngine(
-            model, model_id=resolved.model_id, num_kv_blocks=num_blocks, block_size=BLOCK_SIZE
+            model,
+            model_id=resolved.model_id,
+            num_kv_blocks=num_blocks,
+            block_size=BLOCK_SIZE,
+            attention_backend="auto",  # the worker's
         )
         greedy[variant.name] = greedy_batch(engine, prompts, num_new_tokens)
         del engine, model
@@ -366,7 +370,11 @@ def speed(
     for variant in variants:
         model = variant.prepare(load_model(resolved, "cpu"))
         engine = PagedEngine(
-            model, model_id=resolved.model_id, num_kv_blocks=1100, block_size=BLOCK_SIZE
+            model,
+            model_id=resolved.model_id,
+            num_kv_blocks=1100,
+            block_size=BLOCK_SIZE,
+            attention_backend="auto",  # the worker's
         )
         benches[variant.name] = Bench(engine, None, rounds)
     cases: list[tuple[str, dict[str, Callable[[], object]]]] = []

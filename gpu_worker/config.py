@@ -41,7 +41,7 @@ class WorkerConfig:
     device: str = "auto"
     dtype: str = "auto"
     quantization: str = "auto"  # auto: int8 on CPU (float32), none on CUDA
-    attention_backend: str = "auto"  # auto: triton on CUDA when it imports, else reference
+    attention_backend: str = "auto"  # auto: triton on CUDA, cpu on a CPU, when they load
     block_size: int = 16
     kv_cache_gib: float = 1.0  # pool budget on CPU
     gpu_memory_utilization: float = 0.85  # fraction of the CUDA memory for everything
@@ -81,6 +81,8 @@ class WorkerConfig:
             problems.append(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
         elif self.attention_backend == "triton" and self.device == "cpu":
             problems.append("--attention-backend triton runs only on CUDA")
+        elif self.attention_backend == "cpu" and self.device.startswith("cuda"):
+            problems.append("--attention-backend cpu runs only on the CPU")
         if not 1 <= self.block_size <= 1024:
             problems.append("--block-size must be between 1 and 1024 tokens")
         if self.kv_cache_gib <= 0:
@@ -181,16 +183,20 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--quantization",
         default="auto",
         choices=QUANTIZATIONS,
-        help="int8: int8 Linear layers (CPU only; a decode step takes 0.6-0.8x the float "
-        "time, perplexity +2%%, see docs/benchmarks.md 'int8 forward'); none: the weights "
-        "as loaded, exact; auto: int8 on the CPU with float32 weights, none otherwise",
+        help="int8: quantized Linear layers (CPU only): Q4_1 weights (a GGUF's, as the "
+        "default model's) kept as 4-bit groups and rebuilt exactly, float32 activations; "
+        "other weights int8 per channel, per-token int8 activations (docs/benchmarks.md "
+        "'int8 forward'); none: the weights as loaded, exact; auto: int8 on the CPU with "
+        "float32 weights, none otherwise",
     )
     add(
         "--attention-backend",
         default="auto",
         choices=ATTENTION_BACKENDS,
         help="paged attention: reference (gather + SDPA in plain torch, exact), triton (one "
-        "kernel per layer, CUDA only); auto: triton on CUDA when it imports, else reference",
+        "kernel per layer, CUDA only), cpu (Pagoda's C kernel, one call per layer, CPU only; "
+        "built on first use); auto: triton on CUDA when it imports, cpu on a CPU where it "
+        "builds, else reference",
     )
     add("--block-size", type=int, default=16, help="tokens per KV block")
     add("--kv-cache-gib", type=float, default=1.0, help="KV pool size on CPU, GiB")

@@ -89,6 +89,10 @@ class PagedEngine(Engine):
             # length is new): tens of ms each, and host memory that is never given back.
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.attention_backend = create_backend(attention_backend, self.device.type, block_size)
+        kernel = getattr(self.attention_backend, "uses_kernel", False)
+        numerics += f"; attention backend: {self.attention_backend.name}" + (
+            " (Pagoda's float32 kernel, keys summed in position order)" if kernel else ""
+        )
         geometry = KVGeometry.from_model_config(model.config, block_size, parameter.dtype)
         graphs = cuda_graphs and can_capture(self.attention_backend.name, self.device.type)
         # With graphs, one block more than announced: padded rows' scratch (cuda_graphs.py).

@@ -5,7 +5,7 @@ float32 per step). `int8` swaps every Linear layer of the decoder (and GPT-2's C
 - a layer whose float weights are exactly Q4_1 groups (llama.cpp's 4-bit format: each 32
   inputs of a row are d * q + m, q in 0..15; the default model is its Q4_1 GGUF
   dequantized) becomes a Q4Linear: those groups kept as 4-bit levels and rebuilt exactly
-  as float32 weights by Pagoda's AVX2 kernel (q4_kernel.py), float32 activations and sums;
+  as float32 weights by Pagoda's AVX2 kernel (cpu_kernels.py), float32 activations and sums;
   where that kernel cannot run, activations rounded to bfloat16 on PyTorch's CPU int4
   GEMM (docs/benchmarks.md "int8 forward" has both paths' fidelity and speed);
 - any other becomes an Int8Linear: int8 weights with one symmetric scale per output
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.gpu_worker import q4_kernel
+from pagoda.gpu_worker import cpu_kernels
 from pagoda.gpu_worker.config import QUANTIZATIONS, QuantizationError
 
 # How the output head runs under int8; docs/benchmarks.md "int8 forward" has the figures.
@@ -304,7 +304,7 @@ def round_to_q4_1(weight: torch.Tensor) -> torch.Tensor:
     return (levels * scales + minimums).reshape(out_features, in_features)
 
 
-# On PyTorch's int4 GEMM (a CPU without AVX2 or a C compiler for q4_kernel).
+# On PyTorch's int4 GEMM (a CPU without AVX2 or a C compiler for cpu_kernels).
 Q4_ACTIVATION_SCHEME = "bfloat16 activations, float32 accumulation"
 
 
@@ -314,7 +314,7 @@ class Q4Linear(torch.nn.Module):
     dot product over the input in a fixed order, whatever the number of rows in the call
     (tested with random batch mates from 1 to 600 rows, tests/worker/test_q4_linear.py).
 
-    On Pagoda's kernel (q4_kernel.py, where this CPU has AVX2 and a C compiler) x stays
+    On Pagoda's kernel (cpu_kernels.py, where this CPU has AVX2 and a C compiler) x stays
     float32 and each weight is the float model's exactly, so a row differs from the float
     product only by the order of its sum. Otherwise on PyTorch's CPU int4 GEMM
     (`_weight_int4pack_mm_for_cpu`): x rounded to bfloat16, each weight rebuilt as
@@ -326,10 +326,10 @@ class Q4Linear(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features = blocks.levels.shape
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), False)
-        self._kernel = q4_kernel.load() if self.out_features % q4_kernel.TILE == 0 else None
+        self._kernel = cpu_kernels.load() if self.out_features % cpu_kernels.TILE == 0 else None
         if self._kernel is not None:
-            self._native = q4_kernel.pack(blocks.levels, blocks.scales, blocks.minimums)
-            self.scheme = f"exact weights, {q4_kernel.SCHEME}"
+            self._native = cpu_kernels.pack_q4_1(blocks.levels, blocks.scales, blocks.minimums)
+            self.scheme = f"exact weights, {cpu_kernels.Q4_SCHEME}"
             return
         self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.levels, 1)
         zeros = blocks.minimums + 8 * blocks.scales
@@ -342,7 +342,7 @@ class Q4Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel is not None:
             rows = x.reshape(-1, self.in_features).float()
-            out = self._kernel.matmul(rows, self._native, self.bias)
+            out = self._kernel.q4_1_matmul(rows, self._native, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         out = _int4_mm(rows, self._packed, Q4_GROUP, self._scales_and_zeros).float()

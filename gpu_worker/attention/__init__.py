@@ -1,10 +1,11 @@
 """Paged-attention backends behind one interface (pagoda.gpu_worker.attention.backend).
 
 `create_backend(name, device, block_size)` picks one: "reference" (gather + SDPA in plain
-torch, the CPU default and the definition), "triton" (pagoda.gpu_worker.attention.
-triton_paged, class TritonBackend: one kernel launch per layer, CUDA, any block size),
-or "auto" (triton on CUDA when it imports and takes the block size, else
-reference). Importing this package imports no torch.
+torch, the definition), "triton" (pagoda.gpu_worker.attention.triton_paged, class
+TritonBackend: one kernel launch per layer, CUDA, any block size), "cpu"
+(pagoda.gpu_worker.attention.cpu: one call of Pagoda's C kernel per layer, the CPU), or
+"auto" (triton on CUDA when it imports and takes the block size; cpu on a CPU where
+Pagoda's kernels build; else reference). Importing this package imports no torch.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 import importlib
 import logging
 
-BACKEND_NAMES = ("auto", "reference", "triton")
+BACKEND_NAMES = ("auto", "reference", "triton", "cpu")
 # name -> (module, class); imported only when chosen, so a missing triton costs nothing.
 _BACKENDS = {
     "reference": ("pagoda.gpu_worker.attention.reference", "ReferenceBackend"),
     "triton": ("pagoda.gpu_worker.attention.triton_paged", "TritonBackend"),
+    "cpu": ("pagoda.gpu_worker.attention.cpu", "CpuBackend"),
 }
 
 log = logging.getLogger("pagoda.worker.attention")
@@ -37,9 +39,15 @@ def create_backend(name: str, device_type: str, block_size: int = 16):
                 return _instantiate("triton", block_size)
             except BackendUnavailableError as exc:
                 log.warning("%s; using the reference attention backend", exc)
+        elif device_type == "cpu":
+            backend = _instantiate("cpu", block_size)
+            if backend.uses_kernel:  # else cpu_kernels said why
+                return backend
         return _instantiate("reference", block_size)
     if name == "triton" and device_type != "cuda":
         raise BackendUnavailableError("the triton attention backend runs only on CUDA")
+    if name == "cpu" and device_type != "cpu":
+        raise BackendUnavailableError("the cpu attention backend runs only on the CPU")
     return _instantiate(name, block_size)
 
 

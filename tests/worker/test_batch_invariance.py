@@ -46,9 +46,9 @@ def traced(scheduler: ToyScheduler, seq_id: int) -> tuple[list[int], list[float]
     return tokens, logprobs, top
 
 
-def alone(models: TinyModels, quantization: str, prompt: list[int], seed: int | None):
+def alone(models: TinyModels, quantization: str, backend: str, prompt: list[int], seed: int | None):
     scheduler = ToyScheduler(
-        models.engine(quantization=quantization),
+        models.engine(quantization=quantization, attention_backend=backend),
         num_blocks=TEST_NUM_BLOCKS,
         block_size=TEST_BLOCK_SIZE,
     )
@@ -58,13 +58,18 @@ def alone(models: TinyModels, quantization: str, prompt: list[int], seed: int | 
 
 
 def in_a_random_batch(
-    models: TinyModels, quantization: str, prompt: list[int], seed: int | None, rng
+    models: TinyModels,
+    quantization: str,
+    backend: str,
+    prompt: list[int],
+    seed: int | None,
+    rng,
 ) -> tuple[list[int], list[float], list[float]]:
     """The target among 1-7 random batch mates (greedy and sampled, admitted at random
     steps, some chunked), its own prompt cut into 1-4 random chunks; half of the trials
     preempt it mid-stream and recompute it from scratch."""
     scheduler = ToyScheduler(
-        models.engine(quantization=quantization),
+        models.engine(quantization=quantization, attention_backend=backend),
         num_blocks=TEST_NUM_BLOCKS,
         block_size=TEST_BLOCK_SIZE,
         seed=rng.randrange(1000),
@@ -129,19 +134,30 @@ def q4_1_version(models: TinyModels) -> TinyModels:
     ids=["none", "int8", "int8-q4_1"],
 )
 @pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_a_request_is_the_same_alone_in_any_batch_chunked_and_recomputed(
-    tiny_models, quantization, weights, seed
+    tiny_models, quantization, weights, seed, backend
 ):
     models = tiny_models
+    if backend == "cpu":
+        from pagoda.gpu_worker import cpu_kernels
+
+        if cpu_kernels.load() is None:
+            pytest.skip("Pagoda's CPU kernels cannot be built or run here")
+        config = models.reference.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // (
+            config.num_attention_heads
+        )
+        assert head_dim % 8 == 0, "the kernel would not run: the reference would be tested"
     if weights == "q4_1":
         models = q4_1_version(tiny_models)
         engine = models.engine(quantization=quantization)
         assert count_q4_linear(engine.model) > 0, "the Q4_1 path is not exercised"
     rng = random.Random(f"{quantization}-{weights}-{seed}")
     (prompt,) = random_prompts(1, seed=rng.randrange(1000), min_len=20, max_len=45)
-    expected = alone(models, quantization, prompt, seed)
+    expected = alone(models, quantization, backend, prompt, seed)
     assert len(expected[0]) == NUM_NEW_TOKENS
     for trial in range(NUM_TRIALS):
-        got = in_a_random_batch(models, quantization, prompt, seed, rng)
+        got = in_a_random_batch(models, quantization, backend, prompt, seed, rng)
         assert got[0] == expected[0], f"trial {trial}: tokens differ"
         assert got[1:] == expected[1:], f"trial {trial}: same tokens, other logprobs"

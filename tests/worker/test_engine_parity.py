@@ -6,13 +6,29 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from tests.worker.conftest import NUM_NEW_TOKENS, TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, random_prompts
 from tests.worker.toy_scheduler import ToyScheduler, split_into
 
 
-def make_scheduler(tiny_models, seed: int = 0) -> ToyScheduler:
+@pytest.fixture(params=["reference", "cpu"])
+def attention(request) -> str:
+    """The attention backend: the reference, and Pagoda's CPU kernel (the worker's `auto`)."""
+    if request.param == "cpu":
+        from pagoda.gpu_worker import cpu_kernels
+
+        if cpu_kernels.load() is None:
+            pytest.skip("Pagoda's CPU kernels cannot be built or run here")
+    return request.param
+
+
+def make_scheduler(tiny_models, attention: str, seed: int = 0) -> ToyScheduler:
     return ToyScheduler(
-        tiny_models.engine(), num_blocks=TEST_NUM_BLOCKS, block_size=TEST_BLOCK_SIZE, seed=seed
+        tiny_models.engine(attention_backend=attention),
+        num_blocks=TEST_NUM_BLOCKS,
+        block_size=TEST_BLOCK_SIZE,
+        seed=seed,
     )
 
 
@@ -20,18 +36,18 @@ def expected(tiny_models, prompts: list[list[int]]) -> dict[int, list[int]]:
     return {seq_id: tiny_models.greedy(prompt) for seq_id, prompt in enumerate(prompts)}
 
 
-def test_batch_of_whole_prompts_matches_generate(tiny_models):
+def test_batch_of_whole_prompts_matches_generate(tiny_models, attention):
     prompts = random_prompts(6, seed=1)
-    scheduler = make_scheduler(tiny_models)
+    scheduler = make_scheduler(tiny_models, attention)
     for seq_id, prompt in enumerate(prompts):
         scheduler.add(seq_id, prompt)
     assert scheduler.run(NUM_NEW_TOKENS) == expected(tiny_models, prompts)
 
 
-def test_chunked_prompts_mixed_with_decodes_match_generate(tiny_models):
+def test_chunked_prompts_mixed_with_decodes_match_generate(tiny_models, attention):
     prompts = random_prompts(6, seed=2)
     rng = random.Random(2)
-    scheduler = make_scheduler(tiny_models, seed=2)
+    scheduler = make_scheduler(tiny_models, attention, seed=2)
     for seq_id, prompt in enumerate(prompts):
         # Staggered admissions: later prompts' chunks share steps with earlier decodes.
         chunks = split_into(len(prompt), rng.randint(3, 5), rng)
@@ -45,13 +61,13 @@ def test_chunked_prompts_mixed_with_decodes_match_generate(tiny_models):
     assert mixed_steps, "the scenario should mix prefill chunks and decodes in one step"
 
 
-def test_prefix_blocks_shared_in_the_same_step_match_generate(tiny_models):
+def test_prefix_blocks_shared_in_the_same_step_match_generate(tiny_models, attention):
     """Identical prompt prefixes admitted together: the second sequence reads blocks the
     first one writes in the very same forward."""
     (prefix,) = random_prompts(1, seed=3, min_len=22, max_len=22)
     first = prefix + [7, 8, 9]
     second = prefix + [11]  # shares the 5 full blocks (20 tokens) of the first
-    scheduler = make_scheduler(tiny_models, seed=3)
+    scheduler = make_scheduler(tiny_models, attention, seed=3)
     first_job = scheduler.add(0, first)
     second_job = scheduler.add(1, second)
     scheduler.allocate_prompt_blocks(first_job)
@@ -61,11 +77,11 @@ def test_prefix_blocks_shared_in_the_same_step_match_generate(tiny_models):
     assert scheduler.run(NUM_NEW_TOKENS) == expected(tiny_models, [first, second])
 
 
-def test_prefix_blocks_shared_from_an_earlier_sequence_match_generate(tiny_models):
+def test_prefix_blocks_shared_from_an_earlier_sequence_match_generate(tiny_models, attention):
     (prefix,) = random_prompts(1, seed=4, min_len=17, max_len=17)
     first = prefix + [5]
     second = prefix + [6, 7, 8, 9, 10]
-    scheduler = make_scheduler(tiny_models, seed=4)
+    scheduler = make_scheduler(tiny_models, attention, seed=4)
     first_job = scheduler.add(0, first)
     scheduler.run(4)  # the first sequence is decoding; its prompt blocks are written
     second_job = scheduler.add(1, second)
@@ -74,9 +90,9 @@ def test_prefix_blocks_shared_from_an_earlier_sequence_match_generate(tiny_model
     assert tokens == expected(tiny_models, [first, second])
 
 
-def test_recompute_from_scratch_matches_generate(tiny_models):
+def test_recompute_from_scratch_matches_generate(tiny_models, attention):
     prompts = random_prompts(3, seed=5)
-    scheduler = make_scheduler(tiny_models, seed=5)
+    scheduler = make_scheduler(tiny_models, attention, seed=5)
     for seq_id, prompt in enumerate(prompts):
         scheduler.add(seq_id, prompt)
     scheduler.run(NUM_NEW_TOKENS // 2)

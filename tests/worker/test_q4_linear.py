@@ -1,6 +1,6 @@
 """Q4Linear, the default model's int8 path: Linear weights held as their exact Q4_1 groups
 (the GGUF's 4-bit levels), on Pagoda's AVX2 kernel (float32 activations, gpu_worker/
-q4_kernel.py) or, where it cannot run, on PyTorch's CPU int4 GEMM (bfloat16 activations).
+cpu_kernels.py) or, where it cannot run, on PyTorch's CPU int4 GEMM (bfloat16 activations).
 Every test runs on both paths."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from pagoda.gpu_worker import q4_kernel
+from pagoda.gpu_worker import cpu_kernels
 from pagoda.gpu_worker.numerics import describe_numerics
 from pagoda.gpu_worker.quantization import (
     Int8Linear,
@@ -28,10 +28,10 @@ def q4_path(request, monkeypatch) -> str:
     """Which path Q4Linear layers built in the test take: Pagoda's kernel, or PyTorch's
     int4 GEMM as on a CPU without AVX2 or a C compiler."""
     if request.param == "kernel":
-        if q4_kernel.load() is None:
+        if cpu_kernels.load() is None:
             pytest.skip("Pagoda's Q4_1 kernel cannot be built or run here")
     else:
-        monkeypatch.setattr(q4_kernel, "load", lambda cache_dir=None: None)
+        monkeypatch.setattr(cpu_kernels, "load", lambda cache_dir=None: None)
     return request.param
 
 

@@ -1,0 +1,217 @@
+"""Pagoda's CPU kernels (gpu_worker/kernels/*.c), built on first use and called with ctypes.
+
+Two, both float32 on AVX2 + FMA, both batch-invariant by construction (a row's bits never
+depend on the rest of its call or on the number of threads):
+- `q4_1_matmul`: y = x W^T + b with W held as Q4_1 groups, each weight rebuilt exactly as
+  the float model holds it (d * q + m) and each output one float32 sum over the inputs in
+  their order: Q4Linear's fast path (quantization.py);
+- `paged_attention`: one call per layer over the whole step, reading keys and values
+  through the block table in place (the `cpu` attention backend, attention/cpu.py).
+
+The sources are compiled together by the machine's C compiler into a cache folder, once
+per sources and flags (about two seconds), and loaded with ctypes; each call releases the
+GIL and runs on the OpenMP runtime that PyTorch has already loaded. Where there is no
+compiler, no AVX2 or the build fails, `load()` gives None and says why once; the callers
+then keep PyTorch's ops (Q4Linear its int4 GEMM, attention the reference backend), and
+GetModelInfo says which ran.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("pagoda.cpu_kernels")
+
+SOURCES = tuple(
+    Path(__file__).with_name("kernels") / name for name in ("q4_1_gemm.c", "paged_attention.c")
+)
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+TILE = 8  # outputs per tile of the Q4_1 kernel: one AVX2 register of float32
+GROUP = 32  # inputs per Q4_1 group
+Q4_SCHEME = "float32 activations, float32 sums in input order (Pagoda's AVX2 Q4_1 kernel)"
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "pagoda" / "kernels"
+
+
+@dataclass(frozen=True, slots=True)
+class PackedQ4:
+    """A [out, in] Q4_1 weight in the kernel's layout (see q4_1_gemm.c): `levels` int32
+    [out / 8, in], eight 4-bit levels per word; `scales` and `minimums` float32
+    [out / 8, in / 32, 8]."""
+
+    levels: torch.Tensor
+    scales: torch.Tensor
+    minimums: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def pack_q4_1(levels: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> PackedQ4:
+    """Q4_1 groups (levels [out, in] in 0..15, scales and minimums [out, in / 32]) in the
+    kernel's layout; out a multiple of 8, in of 32."""
+    out_features, in_features = levels.shape
+    if out_features % TILE or in_features % GROUP:
+        raise ValueError(f"a {out_features} x {in_features} weight is not whole tiles")
+    tiles = levels.reshape(out_features // TILE, TILE, in_features).to(torch.int64)
+    words = torch.zeros(out_features // TILE, in_features, dtype=torch.int64)
+    for j in range(TILE):
+        words |= tiles[:, j, :] << (4 * j)
+    # The same 32 bits as int32 (the top level's high bit lands in the sign).
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+
+    def per_tile(values: torch.Tensor) -> torch.Tensor:
+        grouped = values.float().reshape(out_features // TILE, TILE, in_features // GROUP)
+        return grouped.permute(0, 2, 1).contiguous()
+
+    return PackedQ4(words, per_tile(scales), per_tile(minimums), out_features, in_features)
+
+
+_POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
+
+
+class CpuKernels:
+    """The loaded library."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        gemm = library.q4_1_gemm
+        gemm.restype = ctypes.c_int
+        gemm.argtypes = [_POINTER, _SIZE, _SIZE, _SIZE] + [_POINTER] * 5 + [ctypes.c_int]
+        attention = library.paged_attention
+        attention.restype = ctypes.c_int
+        attention.argtypes = (
+            [_POINTER] * 4 + [_SIZE] + [_POINTER] * 2 + [_SIZE] * 7 + [ctypes.c_float] * 2
+        ) + [_SIZE, _POINTER, ctypes.c_int]
+        self._gemm, self._attention = gemm, attention
+
+    def q4_1_matmul(
+        self, x: torch.Tensor, packed: PackedQ4, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [rows, in] float32 (made contiguous here) -> [rows, out] float32."""
+        rows = x.contiguous()
+        out = torch.empty(rows.shape[0], packed.out_features)
+        if rows.shape[0] == 0:
+            return out
+        failed = self._gemm(
+            rows.data_ptr(),
+            rows.shape[0],
+            packed.in_features,
+            packed.out_features,
+            packed.levels.data_ptr(),
+            packed.scales.data_ptr(),
+            packed.minimums.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("the Q4_1 kernel could not allocate its weight strip")
+        return out
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,  # [T, heads, d] float32
+        key_cache: torch.Tensor,  # [blocks, block_size, kv_heads, d] float32, contiguous
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,  # int32 [seqs, W]
+        query_start_loc: torch.Tensor,  # int32 [seqs + 1]
+        context_lens: torch.Tensor,  # int32 [seqs]
+        max_context_len: int,
+        scale: float,
+        softcap: float | None,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Every row's attention over its sequence's cached keys (attention/backend.py's
+        semantics) -> [T, heads, d] float32."""
+        query = query.contiguous()
+        block_table = block_table.contiguous()
+        num_tokens, num_heads, head_dim = query.shape
+        out = torch.empty_like(query)
+        if num_tokens == 0:
+            return out
+        failed = self._attention(
+            query.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            block_table.data_ptr(),
+            block_table.shape[1],
+            query_start_loc.data_ptr(),
+            context_lens.data_ptr(),
+            context_lens.shape[0],
+            num_tokens,
+            num_heads,
+            key_cache.shape[2],
+            head_dim,
+            key_cache.shape[1],
+            max_context_len,
+            scale,
+            softcap or 0.0,
+            sliding_window or 0,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("the attention kernel could not allocate its scores")
+        return out
+
+
+@functools.cache
+def load(cache_dir: Path | None = None) -> CpuKernels | None:
+    """The kernels, built if these sources and flags were never built in `cache_dir`;
+    None where they cannot run here (the reason is logged once)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        log.info("CPU kernels: this CPU has no AVX2 (%s); using PyTorch's ops", capability)
+        return None
+    try:
+        return CpuKernels(ctypes.CDLL(str(_build(cache_dir or default_cache_dir()))))
+    except (OSError, subprocess.SubprocessError, BuildError) as exc:
+        log.warning("Pagoda's CPU kernels are unavailable (%s); using PyTorch's ops", exc)
+        return None
+
+
+class BuildError(Exception):
+    pass
+
+
+def _build(cache_dir: Path) -> Path:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise BuildError("no C compiler (cc or gcc) on the PATH")
+    digest = hashlib.sha256(" ".join(FLAGS).encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    target = cache_dir / f"pagoda_cpu_kernels-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place: a process that loads it meanwhile
+    # sees the whole library or none.
+    handle, partial = tempfile.mkstemp(dir=cache_dir, suffix=".so.partial")
+    os.close(handle)
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, *map(str, SOURCES), "-lm", "-o", partial],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise BuildError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target

@@ -1,0 +1,170 @@
+"""The `cpu` attention backend (Pagoda's C kernel, gpu_worker/attention/cpu.py) computes the
+reference backend's attention, and each row's bits depend on nothing but its own query,
+keys and values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.gpu_worker import cpu_kernels
+from pagoda.gpu_worker.attention import create_backend
+from pagoda.gpu_worker.attention.backend import AttentionMetadata
+from pagoda.gpu_worker.attention.cpu import CpuBackend
+from pagoda.gpu_worker.attention.reference import ReferenceBackend
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.load() is None, reason="Pagoda's CPU kernels cannot be built or run here"
+)
+
+# (keys cached before the step, rows this step): decode rows first, then chunks that
+# continue earlier keys, then prompts from position 0.
+MIXED = [(40, 1), (0, 1), (300, 1), (17, 1), (64, 37), (5, 3), (0, 70), (0, 1)]
+
+
+def step_of(sequences, num_kv_heads, group, head_dim, block_size, seed=0):
+    """Random keys and values for every position at scattered blocks; returns (query, key,
+    value, key_cache, value_cache, metadata), this step's key/value being what the cache
+    already holds at their slots (so write_kv leaves it as it is)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [prior + rows for prior, rows in sequences]
+    num_blocks = [-(-length // block_size) for length in lengths]
+    total = sum(num_blocks) + 1
+    shape = (total, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=generator)
+    value_cache = torch.randn(shape, generator=generator)
+    free = (torch.randperm(total - 1, generator=generator) + 1).tolist()
+    table = torch.zeros(len(sequences), max(num_blocks) + 1, dtype=torch.int32)
+    slots = []
+    for index, ((prior, rows), blocks) in enumerate(zip(sequences, num_blocks, strict=True)):
+        ids = [free.pop() for _ in range(blocks)]
+        table[index, :blocks] = torch.tensor(ids, dtype=torch.int32)
+        slots += [
+            ids[p // block_size] * block_size + p % block_size for p in range(prior, prior + rows)
+        ]
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    flat = key_cache.view(-1, num_kv_heads, head_dim)
+    key, value = flat[slot_mapping], value_cache.view(-1, num_kv_heads, head_dim)[slot_mapping]
+    query = torch.randn(len(slots), num_kv_heads * group, head_dim, generator=generator)
+    starts = torch.tensor([0] + [rows for _, rows in sequences], dtype=torch.int32).cumsum(0)
+    starts = starts.to(torch.int32)
+    context_lens = torch.tensor(lengths, dtype=torch.int32)
+    num_decode = 0  # the leading one-row sequences; a later one is a one-token prompt
+    while num_decode < len(sequences) and sequences[num_decode][1] == 1:
+        num_decode += 1
+    metadata = AttentionMetadata(
+        num_tokens=len(slots),
+        num_seqs=len(sequences),
+        num_decode_seqs=num_decode,
+        max_query_len=max(rows for _, rows in sequences),
+        max_context_len=max(lengths),
+        max_decode_context_len=max(lengths[:num_decode], default=0),
+        block_size=block_size,
+        query_start_loc=starts,
+        context_lens=context_lens,
+        block_table=table,
+        slot_mapping=slot_mapping,
+        query_start_loc_cpu=starts,
+        context_lens_cpu=context_lens,
+    )
+    return query, key, value, key_cache, value_cache, metadata
+
+
+def run(backend, step, scale=0.25, **options):
+    query, key, value, key_cache, value_cache, metadata = step
+    backend.write_kv(key, value, key_cache, value_cache, metadata)
+    return backend.forward(
+        query, key, value, key_cache, value_cache, metadata, scale=scale, **options
+    )
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 48])
+@pytest.mark.parametrize(
+    "num_kv_heads, group, head_dim", [(2, 3, 16), (1, 1, 64), (3, 4, 72), (2, 2, 128)]
+)
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 24}, {"softcap": 5.0}])
+def test_the_kernel_computes_the_reference_attention(
+    block_size, num_kv_heads, group, head_dim, options
+):
+    step = step_of(MIXED, num_kv_heads, group, head_dim, block_size)
+    backend = CpuBackend()
+    assert backend.uses_kernel
+    got = run(backend, step, **options)
+    expected = run(ReferenceBackend(), step, **options)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_bits_are_its_own_alone_in_a_batch_and_as_the_end_of_a_chunk():
+    num_kv_heads, group, head_dim, block_size = 3, 3, 64, 16
+    batch = [(40, 1), (300, 1), (17, 1), (64, 37), (0, 70)]
+    step = step_of(batch, num_kv_heads, group, head_dim, block_size, seed=3)
+    together = run(CpuBackend(), step)
+    query, key, value, key_cache, value_cache, metadata = step
+    for position_in_batch in range(3):  # decode rows: each alone, same cache
+        prior = batch[position_in_batch][0]
+        single = AttentionMetadata(
+            num_tokens=1,
+            num_seqs=1,
+            num_decode_seqs=1,
+            max_query_len=1,
+            max_context_len=prior + 1,
+            max_decode_context_len=prior + 1,
+            block_size=block_size,
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+            context_lens=torch.tensor([prior + 1], dtype=torch.int32),
+            block_table=metadata.block_table[position_in_batch : position_in_batch + 1],
+            slot_mapping=metadata.slot_mapping[position_in_batch : position_in_batch + 1],
+            query_start_loc_cpu=torch.tensor([0, 1], dtype=torch.int32),
+            context_lens_cpu=torch.tensor([prior + 1], dtype=torch.int32),
+        )
+        rows = slice(position_in_batch, position_in_batch + 1)
+        own = CpuBackend().forward(
+            query[rows], key[rows], value[rows], key_cache, value_cache, single, scale=0.25
+        )
+        assert torch.equal(own[0], together[position_in_batch])
+    # The last row of the 37-row chunk, computed as a decode row of the same sequence.
+    chunk_end = 3 + 37 - 1
+    last = AttentionMetadata(
+        num_tokens=1,
+        num_seqs=1,
+        num_decode_seqs=1,
+        max_query_len=1,
+        max_context_len=101,
+        max_decode_context_len=101,
+        block_size=block_size,
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        context_lens=torch.tensor([101], dtype=torch.int32),
+        block_table=metadata.block_table[3:4],
+        slot_mapping=metadata.slot_mapping[chunk_end : chunk_end + 1],
+        query_start_loc_cpu=torch.tensor([0, 1], dtype=torch.int32),
+        context_lens_cpu=torch.tensor([101], dtype=torch.int32),
+    )
+    rows = slice(chunk_end, chunk_end + 1)
+    decoded = CpuBackend().forward(
+        query[rows], key[rows], value[rows], key_cache, value_cache, last, scale=0.25
+    )
+    assert torch.equal(decoded[0], together[chunk_end])
+
+
+def test_the_thread_count_does_not_change_a_bit():
+    step = step_of(MIXED[:4] + MIXED[4:7], 2, 3, 64, 16, seed=4)
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            outputs.append(run(CpuBackend(), step))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(output, outputs[0]) for output in outputs)
+
+
+def test_what_the_kernel_does_not_take_runs_on_the_reference():
+    step = step_of([(10, 1), (0, 9)], 2, 2, 20, 16)  # head size not a multiple of 8
+    torch.testing.assert_close(run(CpuBackend(), step), run(ReferenceBackend(), step))
+
+
+def test_auto_takes_the_kernel_on_a_cpu():
+    assert create_backend("auto", "cpu", 16).name == "cpu"
+    assert create_backend("cpu", "cpu", 16).uses_kernel
