@@ -43,7 +43,11 @@ Q4_SCHEME = "float32 activations, float32 sums in input order (Pagoda's AVX2 Q4_
 
 
 def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "pagoda" / "kernels"
+    """Beside the converted models (model_loader.cache_root): $XDG_CACHE_HOME/pagoda/kernels,
+    which the systemd unit points at its CacheDirectory."""
+    from pagoda.gpu_worker.model_loader import cache_root
+
+    return cache_root().parent / "kernels"
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,56 +95,46 @@ def test_the_kernel_computes_the_reference_attention(
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_rows_bits_are_its_own_alone_in_a_batch_and_as_the_end_of_a_chunk():
-    num_kv_heads, group, head_dim, block_size = 3, 3, 64, 16
-    batch = [(40, 1), (300, 1), (17, 1), (64, 37), (0, 70)]
-    step = step_of(batch, num_kv_heads, group, head_dim, block_size, seed=3)
-    together = run(CpuBackend(), step)
-    query, key, value, key_cache, value_cache, metadata = step
-    for position_in_batch in range(3):  # decode rows: each alone, same cache
-        prior = batch[position_in_batch][0]
-        single = AttentionMetadata(
-            num_tokens=1,
-            num_seqs=1,
-            num_decode_seqs=1,
-            max_query_len=1,
-            max_context_len=prior + 1,
-            max_decode_context_len=prior + 1,
-            block_size=block_size,
-            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-            context_lens=torch.tensor([prior + 1], dtype=torch.int32),
-            block_table=metadata.block_table[position_in_batch : position_in_batch + 1],
-            slot_mapping=metadata.slot_mapping[position_in_batch : position_in_batch + 1],
-            query_start_loc_cpu=torch.tensor([0, 1], dtype=torch.int32),
-            context_lens_cpu=torch.tensor([prior + 1], dtype=torch.int32),
-        )
-        rows = slice(position_in_batch, position_in_batch + 1)
-        own = CpuBackend().forward(
-            query[rows], key[rows], value[rows], key_cache, value_cache, single, scale=0.25
-        )
-        assert torch.equal(own[0], together[position_in_batch])
-    # The last row of the 37-row chunk, computed as a decode row of the same sequence.
-    chunk_end = 3 + 37 - 1
-    last = AttentionMetadata(
+def one_row(metadata: AttentionMetadata, seq: int, row: int, position: int) -> AttentionMetadata:
+    """Row `row` of `metadata`'s step (sequence `seq`, at `position`) as a decode step alone."""
+    starts = torch.tensor([0, 1], dtype=torch.int32)
+    context_lens = torch.tensor([position + 1], dtype=torch.int32)
+    return AttentionMetadata(
         num_tokens=1,
         num_seqs=1,
         num_decode_seqs=1,
         max_query_len=1,
-        max_context_len=101,
-        max_decode_context_len=101,
-        block_size=block_size,
-        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-        context_lens=torch.tensor([101], dtype=torch.int32),
-        block_table=metadata.block_table[3:4],
-        slot_mapping=metadata.slot_mapping[chunk_end : chunk_end + 1],
-        query_start_loc_cpu=torch.tensor([0, 1], dtype=torch.int32),
-        context_lens_cpu=torch.tensor([101], dtype=torch.int32),
+        max_context_len=position + 1,
+        max_decode_context_len=position + 1,
+        block_size=metadata.block_size,
+        query_start_loc=starts,
+        context_lens=context_lens,
+        block_table=metadata.block_table[seq : seq + 1],
+        slot_mapping=metadata.slot_mapping[row : row + 1],
+        query_start_loc_cpu=starts,
+        context_lens_cpu=context_lens,
     )
-    rows = slice(chunk_end, chunk_end + 1)
-    decoded = CpuBackend().forward(
-        query[rows], key[rows], value[rows], key_cache, value_cache, last, scale=0.25
-    )
-    assert torch.equal(decoded[0], together[chunk_end])
+
+
+def test_a_rows_bits_are_its_own_alone_in_a_batch_and_as_the_end_of_a_chunk():
+    batch = [(40, 1), (300, 1), (17, 1), (64, 37), (0, 70)]
+    step = step_of(batch, num_kv_heads=3, group=3, head_dim=64, block_size=16, seed=3)
+    together = run(CpuBackend(), step)
+    query, key, value, key_cache, value_cache, metadata = step
+    # (sequence, its row in the step, that row's position): the three decode rows, and the
+    # last row of the 37-row chunk computed as a decode row of its sequence.
+    for seq, row, position in [(0, 0, 40), (1, 1, 300), (2, 2, 17), (3, 3 + 36, 64 + 36)]:
+        rows = slice(row, row + 1)
+        alone = CpuBackend().forward(
+            query[rows],
+            key[rows],
+            value[rows],
+            key_cache,
+            value_cache,
+            one_row(metadata, seq, row, position),
+            scale=0.25,
+        )
+        assert torch.equal(alone[0], together[row]), (seq, row)
 
 
 def test_the_thread_count_does_not_change_a_bit():
