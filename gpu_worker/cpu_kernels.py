@@ -1,10 +1,12 @@
 """Pagoda's CPU kernels (gpu_worker/kernels/*.c), built on first use and called with ctypes.
 
-Two, both float32 on AVX2 + FMA, both batch-invariant by construction (a row's bits never
-depend on the rest of its call or on the number of threads):
+All float32 on AVX2 + FMA, all batch-invariant by construction (a row's bits never depend
+on the rest of its call or on the number of threads):
 - `q4_1_matmul`: y = x W^T + b with W held as Q4_1 groups, each weight rebuilt exactly as
   the float model holds it (d * q + m) and each output one float32 sum over the inputs in
   their order: Q4Linear's fast path (quantization.py);
+- `int8_matmul`: the same over int8 weights with one scale per output row: the rescored
+  output head's first pass (quantization.py, RescoredHead);
 - `paged_attention`: one call per layer over the whole step, reading keys and values
   through the block table in place (the `cpu` attention backend, attention/cpu.py).
 
@@ -34,7 +36,7 @@ import torch
 log = logging.getLogger("pagoda.cpu_kernels")
 
 SOURCES = tuple(
-    Path(__file__).with_name("kernels") / name for name in ("q4_1_gemm.c", "paged_attention.c")
+    Path(__file__).with_name("kernels") / name for name in ("gemm.c", "paged_attention.c")
 )
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 TILE = 8  # outputs per tile of the Q4_1 kernel: one AVX2 register of float32
@@ -52,7 +54,7 @@ def default_cache_dir() -> Path:
 
 @dataclass(frozen=True, slots=True)
 class PackedQ4:
-    """A [out, in] Q4_1 weight in the kernel's layout (see q4_1_gemm.c): `levels` int32
+    """A [out, in] Q4_1 weight in the kernel's layout (see gemm.c): `levels` int32
     [out / 8, in], eight 4-bit levels per word; `scales` and `minimums` float32
     [out / 8, in / 32, 8]."""
 
@@ -83,6 +85,30 @@ def pack_q4_1(levels: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor
     return PackedQ4(words, per_tile(scales), per_tile(minimums), out_features, in_features)
 
 
+@dataclass(frozen=True, slots=True)
+class PackedInt8:
+    """A [out, in] weight as int8 with one symmetric scale per output row, in the kernel's
+    layout (see gemm.c): `levels` int8 [out / 8, in, 8], `scales` float32 [out]."""
+
+    levels: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def pack_int8(weight: torch.Tensor) -> PackedInt8:
+    """`weight` [out, in] (out a multiple of 8, in of 32) rounded per row to int8 at
+    max |w| / 127."""
+    out_features, in_features = weight.shape
+    if out_features % TILE or in_features % GROUP:
+        raise ValueError(f"a {out_features} x {in_features} weight is not whole tiles")
+    weight = weight.detach().float()
+    scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
+    levels = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    tiles = levels.reshape(out_features // TILE, TILE, in_features).transpose(1, 2)
+    return PackedInt8(tiles.contiguous(), scales.contiguous(), out_features, in_features)
+
+
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -93,6 +119,10 @@ class CpuKernels:
         gemm = library.q4_1_gemm
         gemm.restype = ctypes.c_int
         gemm.argtypes = [_POINTER, _SIZE, _SIZE, _SIZE] + [_POINTER] * 5 + [ctypes.c_int]
+        int8_gemm = library.int8_gemm
+        int8_gemm.restype = ctypes.c_int
+        int8_gemm.argtypes = [_POINTER, _SIZE, _SIZE, _SIZE] + [_POINTER] * 4 + [ctypes.c_int]
+        self._int8_gemm = int8_gemm
         attention = library.paged_attention
         attention.restype = ctypes.c_int
         attention.argtypes = (
@@ -122,6 +152,31 @@ class CpuKernels:
         )
         if failed:
             raise MemoryError("the Q4_1 kernel could not allocate its weight strip")
+        return out
+
+    def int8_matmul(
+        self, x: torch.Tensor, packed: PackedInt8, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [rows, in] float32 (made contiguous here) -> [rows, out] float32: each row's
+        float32 sum over the inputs in order of x times the int8 level, times the row's
+        scale."""
+        rows = x.contiguous()
+        out = torch.empty(rows.shape[0], packed.out_features)
+        if rows.shape[0] == 0:
+            return out
+        failed = self._int8_gemm(
+            rows.data_ptr(),
+            rows.shape[0],
+            packed.in_features,
+            packed.out_features,
+            packed.levels.data_ptr(),
+            packed.scales.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("the int8 kernel could not allocate its weight strip")
         return out
 
     def paged_attention(

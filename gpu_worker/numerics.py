@@ -104,11 +104,15 @@ def describe_numerics(model, quantization: str) -> str:
         if all(name in named(int8.Q4Slice) for name in group)
     ]
     float_names = [n for n in named(BatchInvariantLinear) if n != "lm_head"]
-    head_text = (
-        f"int8 logits, each row's top {head.num_rescored} recomputed in float32"
-        if isinstance(head, int8.RescoredHead)
-        else ("int8" if isinstance(head, int8.Int8Linear) else "float32")
-    )
+    if isinstance(head, int8.RescoredHead):
+        first = (
+            "int8 weights x float32 activations (Pagoda's kernel)"
+            if isinstance(head.int8, int8.Int8RowsLinear)
+            else "int8"
+        )
+        head_text = f"{first} logits, each row's top {head.num_rescored} recomputed in float32"
+    else:
+        head_text = "int8" if isinstance(head, int8.Int8Linear) else "float32"
     q4_schemes = sorted(
         {
             (m.layer if isinstance(m, int8.FusedQ4Linear) else m).scheme

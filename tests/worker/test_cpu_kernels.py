@@ -57,3 +57,35 @@ def test_an_empty_call_gives_an_empty_output(kernels_here):
     packed = cpu_kernels.pack_q4_1(levels, torch.ones(16, 2), torch.zeros(16, 2))
     out = cpu_kernels.load().q4_1_matmul(torch.zeros(0, 64), packed)
     assert out.shape == (0, 16)
+
+
+def test_int8_rows_rebuild_each_weight_as_its_level_times_its_rows_scale(kernels_here):
+    weight = torch.randn(40, 64) * 0.05
+    packed = cpu_kernels.pack_int8(weight)
+    levels = (weight / packed.scales[:, None]).round().clamp(-127, 127)
+    assert (levels * packed.scales[:, None] - weight).abs().max() <= packed.scales.max() / 2
+    kernels = cpu_kernels.load()
+    for rows in (1, 3, 4, 64):  # both loops: few rows, strips
+        got = kernels.int8_matmul(torch.eye(64)[:rows], packed)
+        assert torch.equal(got, (levels * packed.scales[:, None]).t()[:rows]), rows
+
+
+def test_int8_rows_do_not_depend_on_their_batch_mates_or_threads(kernels_here):
+    from pagoda.gpu_worker.quantization import Int8RowsLinear
+
+    generator = torch.Generator().manual_seed(2)
+    layer = Int8RowsLinear(
+        torch.randn(88, 96, generator=generator), torch.randn(88), cpu_kernels.load()
+    )
+    row = torch.randn(1, 96, generator=generator)
+    alone = layer(row)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads, num_mates in ((1, 1), (2, 5), (3, 40), (2, 129)):
+            torch.set_num_threads(num_threads)
+            mates = torch.randn(num_mates, 96, generator=generator)
+            at = min(2, num_mates)
+            batch = torch.cat([mates[:at], row, mates[at:]])
+            assert torch.equal(layer(batch)[at], alone[0]), (num_threads, num_mates)
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,226 @@
+/* y = x W^T (+ bias) in float32 on AVX2 + FMA, W held compactly and rebuilt as it is used.
+ *
+ * Two formats of W [n, k]:
+ * - Q4_1 (q4_1_gemm): each 32 consecutive inputs of an output row are d * q + m, q in
+ *   0..15 (llama.cpp's Q4_1, the default model's decoder). Each weight is rebuilt as
+ *   fma(q, d, m), which is d * q + m exactly as the float model holds it (d * q is exact
+ *   in float32).
+ * - int8 (int8_gemm): q in -127..127 and one scale s per output row; each weight is
+ *   rebuilt as the float q (exact) and the row's sum is multiplied by s at the end.
+ * Either way every output element is one float32 dot product over the inputs in their
+ * order, acc = fma(x[i], w[i], acc) for i = 0 .. k-1, then (* s) (+ bias). Nothing in
+ * that depends on how many rows the call has, which rows they are, or how many threads
+ * run it: a row's bits are the same alone and in any batch (batch invariance by
+ * construction).
+ *
+ * Layout (cpu_kernels.py packs it): outputs go in tiles of 8. Q4_1: for tile t and input
+ * i, levels[t * k + i] is one uint32 holding the 8 outputs' levels, output j of the tile
+ * in bits 4j .. 4j+3; scales[t][g][8] and mins[t][g][8] hold d and m of tile t's 8
+ * outputs for group g (inputs 32g .. 32g+31). int8: levels[(t * k + i) * 8 + j] is
+ * output 8t+j's int8 at input i; scales[n] the rows' scales.
+ *
+ * Two loops over the same arithmetic: few rows rebuild each weight in registers as they
+ * go, four tiles side by side; more rows rebuild a strip of 16 outputs x k inputs once
+ * into a buffer and run blocks of ROWS rows over it (the rebuild is then shared by every
+ * row of the call).
+ */
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define GROUP 32
+#define ROWS 6       /* rows per block: 12 accumulators + 2 weights + 1 broadcast */
+#define STRIP_ROWS 4 /* from this many rows, rebuild the weights once into a strip */
+#define Q4_1 0
+#define INT8 1
+
+#define INLINE static inline __attribute__((always_inline))
+
+typedef struct {
+    const void *levels;
+    const float *scales; /* Q4_1: per tile and group; int8: per output row */
+    const float *mins;   /* Q4_1 only */
+    const float *bias;   /* or NULL */
+    int64_t k, n;
+} Weights;
+
+/* Tile t's 8 weights at input i (g = i / 32's d and m already loaded for Q4_1). */
+INLINE __m256 weights_at(const Weights *w, int64_t t, int64_t i, __m256 d, __m256 m,
+                         const int FORMAT) {
+    if (FORMAT == Q4_1) {
+        const uint32_t word = ((const uint32_t *)w->levels)[t * w->k + i];
+        const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        __m256i q = _mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts);
+        q = _mm256_and_si256(q, _mm256_set1_epi32(0xF));
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
+    }
+    const int8_t *q = (const int8_t *)w->levels + (t * w->k + i) * 8;
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+}
+
+INLINE void group_constants(const Weights *w, int64_t t, int64_t g, __m256 *d, __m256 *m,
+                            const int FORMAT) {
+    if (FORMAT == Q4_1) {
+        const int64_t at = (t * (w->k / GROUP) + g) * 8;
+        *d = _mm256_loadu_ps(w->scales + at);
+        *m = _mm256_loadu_ps(w->mins + at);
+    } else {
+        *d = *m = _mm256_setzero_ps();
+    }
+}
+
+/* Output tile t of one row: acc (* the rows' scales for int8) (+ bias). */
+INLINE void store_tile(const Weights *w, float *y_row, int64_t t, __m256 acc, const int FORMAT) {
+    if (FORMAT == INT8) acc = _mm256_mul_ps(acc, _mm256_loadu_ps(w->scales + t * 8));
+    if (w->bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(w->bias + t * 8));
+    _mm256_storeu_ps(y_row + t * 8, acc);
+}
+
+/* All `NROWS` (< STRIP_ROWS) rows against tiles t .. t+NTILES-1, the weights rebuilt as
+ * they are read. Several tiles at once: each output's sum is one chain of dependent FMAs,
+ * and independent chains side by side hide the FMA's latency. */
+INLINE void tiles_direct(const Weights *w, const float *x, float *y, int64_t t,
+                         const int NTILES, const int NROWS, const int FORMAT) {
+    const int64_t k = w->k;
+    __m256 acc[4][STRIP_ROWS];
+    for (int j = 0; j < NTILES; j++)
+        for (int r = 0; r < NROWS; r++) acc[j][r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        __m256 d[4], m[4];
+        for (int j = 0; j < NTILES; j++) group_constants(w, t + j, g, &d[j], &m[j], FORMAT);
+        for (int64_t i = g * GROUP; i < (g + 1) * GROUP; i++) {
+            for (int j = 0; j < NTILES; j++) {
+                const __m256 wv = weights_at(w, t + j, i, d[j], m[j], FORMAT);
+                for (int r = 0; r < NROWS; r++)
+                    acc[j][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * k + i), wv, acc[j][r]);
+            }
+        }
+    }
+    for (int j = 0; j < NTILES; j++)
+        for (int r = 0; r < NROWS; r++) store_tile(w, y + r * w->n, t + j, acc[j][r], FORMAT);
+}
+
+#define DIRECT_CASE(NT, NR) tiles_direct(w, x, y, t, NT, NR, FORMAT)
+
+INLINE void direct(const Weights *w, const float *x, float *y, int64_t t, int ntiles, int rows,
+                   const int FORMAT) {
+    switch (ntiles * 4 + rows) {
+    case 4 * 4 + 1: DIRECT_CASE(4, 1); break;
+    case 4 * 4 + 2: DIRECT_CASE(4, 2); break;
+    case 4 * 4 + 3: DIRECT_CASE(4, 3); break;
+    case 3 * 4 + 1: DIRECT_CASE(3, 1); break;
+    case 3 * 4 + 2: DIRECT_CASE(3, 2); break;
+    case 3 * 4 + 3: DIRECT_CASE(3, 3); break;
+    case 2 * 4 + 1: DIRECT_CASE(2, 1); break;
+    case 2 * 4 + 2: DIRECT_CASE(2, 2); break;
+    case 2 * 4 + 3: DIRECT_CASE(2, 3); break;
+    case 1 * 4 + 1: DIRECT_CASE(1, 1); break;
+    case 1 * 4 + 2: DIRECT_CASE(1, 2); break;
+    case 1 * 4 + 3: DIRECT_CASE(1, 3); break;
+    }
+}
+
+/* Tile t's weights, [k][8] float32, into `strip` (the values tiles_direct rebuilds). */
+INLINE void rebuild(const Weights *w, int64_t t, float *strip, const int FORMAT) {
+    for (int64_t g = 0; g < w->k / GROUP; g++) {
+        __m256 d, m;
+        group_constants(w, t, g, &d, &m, FORMAT);
+        for (int64_t i = g * GROUP; i < (g + 1) * GROUP; i++)
+            _mm256_store_ps(strip + i * 8, weights_at(w, t, i, d, m, FORMAT));
+    }
+}
+
+/* Rows r0 .. r0+NROWS-1 against NTILES (1 or 2) rebuilt tiles, strip j at strip + j*k*8. */
+INLINE void block(const Weights *w, const float *x, float *y, const float *strip, int64_t t,
+                  int64_t r0, const int NTILES, const int NROWS, const int FORMAT) {
+    const int64_t k = w->k;
+    __m256 acc[2][ROWS];
+    for (int j = 0; j < NTILES; j++)
+        for (int r = 0; r < NROWS; r++) acc[j][r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        __m256 wv[2];
+        for (int j = 0; j < NTILES; j++) wv[j] = _mm256_load_ps(strip + (j * k + i) * 8);
+        for (int r = 0; r < NROWS; r++) {
+            const __m256 v = _mm256_broadcast_ss(x + (r0 + r) * k + i);
+            for (int j = 0; j < NTILES; j++) acc[j][r] = _mm256_fmadd_ps(v, wv[j], acc[j][r]);
+        }
+    }
+    for (int j = 0; j < NTILES; j++)
+        for (int r = 0; r < NROWS; r++) store_tile(w, y + (r0 + r) * w->n, t + j, acc[j][r], FORMAT);
+}
+
+#define BLOCK_CASE(NT, NR) block(w, x, y, strip, t, r0, NT, NR, FORMAT)
+
+/* Not inlined into the parallel region: compiled on its own, the 6-row blocks keep their
+ * 12 accumulators in registers (inlined, the strip loop ran at half the speed). */
+static __attribute__((noinline)) void blocks(const Weights *w, const float *x, float *y,
+                                             const float *strip, int64_t t, int ntiles,
+                                             int64_t rows, int FORMAT) {
+    for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+        const int nrows = rows - r0 < ROWS ? (int)(rows - r0) : ROWS;
+        switch (ntiles * 8 + nrows) {
+        case 2 * 8 + 6: BLOCK_CASE(2, 6); break;
+        case 2 * 8 + 5: BLOCK_CASE(2, 5); break;
+        case 2 * 8 + 4: BLOCK_CASE(2, 4); break;
+        case 2 * 8 + 3: BLOCK_CASE(2, 3); break;
+        case 2 * 8 + 2: BLOCK_CASE(2, 2); break;
+        case 2 * 8 + 1: BLOCK_CASE(2, 1); break;
+        case 1 * 8 + 6: BLOCK_CASE(1, 6); break;
+        case 1 * 8 + 5: BLOCK_CASE(1, 5); break;
+        case 1 * 8 + 4: BLOCK_CASE(1, 4); break;
+        case 1 * 8 + 3: BLOCK_CASE(1, 3); break;
+        case 1 * 8 + 2: BLOCK_CASE(1, 2); break;
+        case 1 * 8 + 1: BLOCK_CASE(1, 1); break;
+        }
+    }
+}
+
+/* x [rows, k] and y [rows, n] row-major float32, contiguous; k % 32 == 0, n % 8 == 0.
+ * Returns 0, or -1 when a buffer could not be allocated (y is then unwritten). */
+INLINE int gemm(const Weights *w, const float *x, int64_t rows, float *y, int num_threads,
+                const int FORMAT) {
+    const int64_t num_tiles = w->n / 8;
+    if (rows < STRIP_ROWS) {
+        const int64_t num_quads = (num_tiles + 3) / 4;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t q = 0; q < num_quads; q++) {
+            const int64_t t = 4 * q;
+            const int ntiles = num_tiles - t < 4 ? (int)(num_tiles - t) : 4;
+            direct(w, x, y, t, ntiles, (int)rows, FORMAT);
+        }
+        return 0;
+    }
+    const int64_t num_pairs = (num_tiles + 1) / 2;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *strip = aligned_alloc(32, (size_t)(2 * w->k * 8) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < num_pairs; p++) {
+            if (!strip) { /* every thread must reach the loop; one without a buffer fails */
+                failed = 1;
+                continue;
+            }
+            const int64_t t = 2 * p;
+            const int ntiles = t + 1 < num_tiles ? 2 : 1;
+            for (int j = 0; j < ntiles; j++) rebuild(w, t + j, strip + j * w->k * 8, FORMAT);
+            blocks(w, x, y, strip, t, ntiles, rows, FORMAT);
+        }
+        free(strip);
+    }
+    return failed ? -1 : 0;
+}
+
+int q4_1_gemm(const float *x, int64_t rows, int64_t k, int64_t n, const uint32_t *levels,
+              const float *scales, const float *mins, const float *bias, float *y,
+              int num_threads) {
+    const Weights w = {levels, scales, mins, bias, k, n};
+    return gemm(&w, x, rows, y, num_threads, Q4_1);
+}
+
+int int8_gemm(const float *x, int64_t rows, int64_t k, int64_t n, const int8_t *levels,
+              const float *scales, const float *bias, float *y, int num_threads) {
+    const Weights w = {levels, scales, NULL, bias, k, n};
+    return gemm(&w, x, rows, y, num_threads, INT8);
+}
