@@ -107,7 +107,10 @@ def quantize_int8(
     blocks = {
         child: found
         for _, _, child, weight in targets
-        if q4 and child is not output and (found := q4_1_blocks(weight)) is not None
+        if q4
+        and child is not output
+        and q4_linear_takes(weight.shape[0])
+        and (found := q4_1_blocks(weight)) is not None
     }
     kernel_head = None
     if head == "rescored" and any(child is output for _, _, child, _ in targets):
@@ -316,6 +319,13 @@ def round_to_q4_1(weight: torch.Tensor) -> torch.Tensor:
 
 # On PyTorch's int4 GEMM (a CPU without AVX2 or a C compiler for cpu_kernels).
 Q4_ACTIVATION_SCHEME = "bfloat16 activations, float32 accumulation"
+
+
+def q4_linear_takes(out_features: int) -> bool:
+    """Whether a Q4Linear can hold a layer of `out_features` outputs here: Pagoda's kernel
+    takes tiles of 8, PyTorch's int4 GEMM (its fallback) only multiples of 16."""
+    multiple = cpu_kernels.TILE if cpu_kernels.load() is not None else 16
+    return out_features % multiple == 0
 
 
 class Q4Linear(torch.nn.Module):

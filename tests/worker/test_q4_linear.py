@@ -165,3 +165,12 @@ def test_fused_siblings_give_the_bits_of_separate_layers_and_never_a_stale_resul
         assert torch.equal(k(second), separate[1](second))  # another input: computed afresh
         assert torch.equal(v(second), separate[2](second))
     assert torch.equal(v(x), separate[2](x))  # called alone, out of order
+
+
+def test_a_layer_the_int4_gemm_cannot_hold_is_not_made_q4_without_the_kernel(q4_path):
+    from pagoda.gpu_worker.quantization import q4_linear_takes
+
+    assert q4_linear_takes(32) and q4_linear_takes(48)
+    # The kernel takes tiles of 8 outputs; PyTorch's int4 GEMM refuses 24 or 40.
+    assert q4_linear_takes(24) == (q4_path == "kernel")
+    assert q4_linear_takes(40) == (q4_path == "kernel")
