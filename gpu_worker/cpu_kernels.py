@@ -126,7 +126,7 @@ class CpuKernels:
         attention = library.paged_attention
         attention.restype = ctypes.c_int
         attention.argtypes = (
-            [_POINTER] * 4 + [_SIZE] + [_POINTER] * 2 + [_SIZE] * 7 + [ctypes.c_float] * 2
+            [_POINTER] * 4 + [_SIZE] + [_POINTER] * 2 + [_SIZE] * 6 + [ctypes.c_float] * 2
         ) + [_SIZE, _POINTER, ctypes.c_int]
         self._gemm, self._attention = gemm, attention
 
@@ -134,25 +134,8 @@ class CpuKernels:
         self, x: torch.Tensor, packed: PackedQ4, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x [rows, in] float32 (made contiguous here) -> [rows, out] float32."""
-        rows = x.contiguous()
-        out = torch.empty(rows.shape[0], packed.out_features)
-        if rows.shape[0] == 0:
-            return out
-        failed = self._gemm(
-            rows.data_ptr(),
-            rows.shape[0],
-            packed.in_features,
-            packed.out_features,
-            packed.levels.data_ptr(),
-            packed.scales.data_ptr(),
-            packed.minimums.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if failed:
-            raise MemoryError("the Q4_1 kernel could not allocate its weight strip")
-        return out
+        weights = (packed.levels, packed.scales, packed.minimums)
+        return self._matmul(self._gemm, x, packed, weights, bias)
 
     def int8_matmul(
         self, x: torch.Tensor, packed: PackedInt8, bias: torch.Tensor | None = None
@@ -160,23 +143,33 @@ class CpuKernels:
         """x [rows, in] float32 (made contiguous here) -> [rows, out] float32: each row's
         float32 sum over the inputs in order of x times the int8 level, times the row's
         scale."""
+        return self._matmul(self._int8_gemm, x, packed, (packed.levels, packed.scales), bias)
+
+    @staticmethod
+    def _matmul(
+        function,
+        x: torch.Tensor,
+        packed: PackedQ4 | PackedInt8,
+        weights: tuple[torch.Tensor, ...],
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One of gemm.c's entry points: (x, rows, in, out, *weights, bias, y, threads)."""
         rows = x.contiguous()
         out = torch.empty(rows.shape[0], packed.out_features)
         if rows.shape[0] == 0:
             return out
-        failed = self._int8_gemm(
+        failed = function(
             rows.data_ptr(),
             rows.shape[0],
             packed.in_features,
             packed.out_features,
-            packed.levels.data_ptr(),
-            packed.scales.data_ptr(),
+            *(weight.data_ptr() for weight in weights),
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
             torch.get_num_threads(),
         )
         if failed:
-            raise MemoryError("the int8 kernel could not allocate its weight strip")
+            raise MemoryError("a CPU GEMM kernel could not allocate its weight strip")
         return out
 
     def paged_attention(
@@ -209,7 +202,6 @@ class CpuKernels:
             query_start_loc.data_ptr(),
             context_lens.data_ptr(),
             context_lens.shape[0],
-            num_tokens,
             num_heads,
             key_cache.shape[2],
             head_dim,

@@ -346,7 +346,7 @@ class Q4Linear(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features = blocks.levels.shape
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), False)
-        self._kernel = cpu_kernels.load() if self.out_features % cpu_kernels.TILE == 0 else None
+        self._kernel = cpu_kernels.load()  # q4_1_blocks holds whole tiles of 8 outputs
         if self._kernel is not None:
             self._native = cpu_kernels.pack_q4_1(blocks.levels, blocks.scales, blocks.minimums)
             self.scheme = f"exact weights, {cpu_kernels.Q4_SCHEME}"

@@ -110,11 +110,10 @@ static void weighted_values(const Query *qr, const float *value_cache, const int
 int paged_attention(const float *query, const float *key_cache, const float *value_cache,
                     const int32_t *block_table, int64_t table_width,
                     const int32_t *query_start_loc, const int32_t *context_lens,
-                    int64_t num_seqs, int64_t num_tokens, int64_t num_heads,
+                    int64_t num_seqs, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                     int64_t max_context_len, float scale, float softcap,
                     int64_t sliding_window, float *out, int num_threads) {
-    (void)num_tokens;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim; /* floats per cache slot */
     /* Rows per item: as many as fit MAX_TILE queries with the group's heads. */
