@@ -26,14 +26,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-static inline float lanes_sum(__m256 v) {
-    /* ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), always this order */
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    half = _mm_add_ss(half, _mm_movehdup_ps(half));
-    return _mm_cvtss_f32(half);
-}
-
 /* e^x for 8 lanes (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 polynomial
  * for e^r, times 2^n), within 2 ulp of the exact value; below -87 it is 0, as e^x rounds
  * there anyway. The same lanes always give the same bits. */
@@ -68,18 +60,20 @@ typedef struct {
     float *o;         /* its output row */
     float *scores;    /* its keys' scores, then weights: scores[j - first] */
     int64_t first, position;
-    float top, denominator;
+    float top;
 } Query;
 
 /* The cache slot of position j of a sequence (block table `blocks`), walked without a
  * division per key by the loops below. */
 #define SLOT(blocks, j) ((int64_t)(blocks)[(j) / block_size] * block_size + (j) % block_size)
 
-/* qr->o = sum over its keys j, in order, of weight_j * v_j, divided by the denominator:
- * head_dim in chunks of up to 64 floats, 8 registers each. */
-static void weighted_values(const Query *qr, const float *value_cache, const int32_t *blocks,
+/* qr->o = sum over its keys j, in order, of weight_j * v_j, divided by the denominator
+ * (the weights' sum in the same order, added by the first pass beside its FMAs): head_dim
+ * in chunks of up to 64 floats, 8 registers each. */
+static void weighted_values(Query *qr, const float *value_cache, const int32_t *blocks,
                             int64_t block_size, int64_t token_stride, int64_t kv_offset,
                             int64_t head_dim) {
+    float denominator = 0.0f;
     for (int64_t c = 0; c < head_dim; c += 64) {
         const int64_t lanes = (head_dim - c < 64 ? head_dim - c : 64) / 8;
         __m256 acc[8];
@@ -89,7 +83,9 @@ static void weighted_values(const Query *qr, const float *value_cache, const int
             const int64_t end = (block + 1) * block_size - 1 < qr->position ? (block + 1) * block_size - 1 : qr->position;
             const float *v = value_cache + SLOT(blocks, j) * token_stride + kv_offset + c;
             for (; j <= end; j++, v += token_stride) {
-                const __m256 weight = _mm256_set1_ps(qr->scores[j - qr->first]);
+                const float w = qr->scores[j - qr->first];
+                if (c == 0) denominator += w;
+                const __m256 weight = _mm256_set1_ps(w);
                 if (lanes == 8) {
                     for (int64_t i = 0; i < 8; i++)
                         acc[i] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + 8 * i), acc[i]);
@@ -99,9 +95,79 @@ static void weighted_values(const Query *qr, const float *value_cache, const int
                 }
             }
         }
-        const __m256 denominators = _mm256_set1_ps(qr->denominator);
+        const __m256 denominators = _mm256_set1_ps(denominator);
         for (int64_t i = 0; i < lanes; i++)
             _mm256_storeu_ps(qr->o + c + 8 * i, _mm256_div_ps(acc[i], denominators));
+    }
+}
+
+/* Ask for `count` cache slots' head_dim floats from p on (slots token_stride apart). */
+#define prefetch_slots(p, count, token_stride, head_dim, hint)                       \
+    do {                                                                              \
+        for (int slot_ = 0; slot_ < (count); slot_++)                                 \
+            for (int64_t at_ = 0; at_ < (head_dim); at_ += 16)                        \
+                _mm_prefetch((const char *)((p) + slot_ * (token_stride) + at_), hint); \
+    } while (0)
+
+/* The sums of a, b, c and d's 8 lanes, each always added in this order:
+ * ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). */
+static inline __m128 lanes_sums4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31));
+    /* low half: a's and c's (l0+l4)+(l2+l6), (l1+l5)+(l3+l7); high half: b's and d's */
+    const __m256 pairs = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 sums = _mm256_hadd_ps(pairs, pairs); /* a c a c | b d b d */
+    return _mm_unpacklo_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+}
+
+/* Keys and queries of one block of q.k: QUERIES x KEYS independent FMA chains (12 of the
+ * 16 registers) hide the FMA's latency, and each key is loaded once for all its queries. */
+#define KEYS 4
+#define QUERIES 3
+
+/* Scores of `keys` (1 .. KEYS) consecutive cache slots from k (position j onwards) for
+ * NQ (1 .. QUERIES) queries: each one query's sum over head_dim in 8 lanes, as one chain
+ * whatever the block (a missing key repeats the last one and is not kept). */
+static inline __attribute__((always_inline)) void score_block(
+    Query *tile, const int NQ, const float *k, int64_t token_stride, int keys, int64_t j,
+    int64_t head_dim, float scale, float softcap) {
+    const float *k1 = k + (keys > 1 ? 1 : 0) * token_stride;
+    const float *k2 = k + (keys > 2 ? 2 : keys - 1) * token_stride;
+    const float *k3 = k + (keys > 3 ? 3 : keys - 1) * token_stride;
+    __m256 acc[QUERIES][KEYS];
+    for (int i = 0; i < NQ; i++)
+        for (int key = 0; key < KEYS; key++) acc[i][key] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < head_dim; c += 8) {
+        const __m256 kc[KEYS] = {_mm256_loadu_ps(k + c), _mm256_loadu_ps(k1 + c),
+                                 _mm256_loadu_ps(k2 + c), _mm256_loadu_ps(k3 + c)};
+        for (int i = 0; i < NQ; i++) {
+            const __m256 qc = _mm256_loadu_ps(tile[i].q + c);
+            for (int key = 0; key < KEYS; key++) acc[i][key] = _mm256_fmadd_ps(qc, kc[key], acc[i][key]);
+        }
+    }
+    for (int i = 0; i < NQ; i++) {
+        Query *qr = &tile[i];
+        float scores[KEYS];
+        _mm_storeu_ps(scores, _mm_mul_ps(lanes_sums4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]),
+                                         _mm_set1_ps(scale)));
+        for (int key = 0; key < keys; key++) {
+            const int64_t position = j + key;
+            if (position < qr->first || position > qr->position) continue;
+            float score = scores[key];
+            if (softcap > 0.0f) score = softcap * tanhf(score / softcap);
+            qr->scores[position - qr->first] = score;
+            if (score > qr->top) qr->top = score;
+        }
+    }
+}
+
+static void score_keys(Query *tile, int nq, const float *k, int64_t token_stride, int keys,
+                       int64_t j, int64_t head_dim, float scale, float softcap) {
+    switch (nq) {
+    case 3: score_block(tile, 3, k, token_stride, keys, j, head_dim, scale, softcap); break;
+    case 2: score_block(tile, 2, k, token_stride, keys, j, head_dim, scale, softcap); break;
+    default: score_block(tile, 1, k, token_stride, keys, j, head_dim, scale, softcap); break;
     }
 }
 
@@ -171,7 +237,6 @@ int paged_attention(const float *query, const float *key_cache, const float *val
                     qr->first = first;
                     qr->position = position;
                     qr->top = -INFINITY;
-                    qr->denominator = 0.0f;
                     n++;
                 }
                 if (first < lo) lo = first;
@@ -181,34 +246,26 @@ int paged_attention(const float *query, const float *key_cache, const float *val
             for (int64_t j = lo; j <= hi;) {
                 const int64_t block = j / block_size;
                 const int64_t end = (block + 1) * block_size - 1 < hi ? (block + 1) * block_size - 1 : hi;
-                const float *k = key_cache + SLOT(blocks, j) * token_stride + kv_offset;
-                for (; j <= end; j++, k += token_stride) {
-                    /* Four queries' dot products side by side (four independent FMA chains,
-                     * each one query's sum over head_dim in 8 lanes); a missing fourth repeats the first. */
-                    for (int i0 = 0; i0 < n; i0 += 4) {
-                        const int m = n - i0 < 4 ? n - i0 : 4;
-                        const float *q0 = tile[i0].q;
-                        const float *q1 = m > 1 ? tile[i0 + 1].q : q0;
-                        const float *q2 = m > 2 ? tile[i0 + 2].q : q0;
-                        const float *q3 = m > 3 ? tile[i0 + 3].q : q0;
-                        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                        for (int64_t c = 0; c < head_dim; c += 8) {
-                            const __m256 kc = _mm256_loadu_ps(k + c);
-                            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + c), kc, a0);
-                            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + c), kc, a1);
-                            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + c), kc, a2);
-                            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + c), kc, a3);
-                        }
-                        const float sums[4] = {lanes_sum(a0), lanes_sum(a1), lanes_sum(a2), lanes_sum(a3)};
-                        for (int i = 0; i < m; i++) {
-                            Query *qr = &tile[i0 + i];
-                            if (j < qr->first || j > qr->position) continue;
-                            float score = sums[i] * scale;
-                            if (softcap > 0.0f) score = softcap * tanhf(score / softcap);
-                            qr->scores[j - qr->first] = score;
-                            if (score > qr->top) qr->top = score;
-                        }
-                    }
+                const int64_t slot = SLOT(blocks, j);
+                const float *k = key_cache + slot * token_stride + kv_offset;
+                /* The cache is read a block at a time from scattered places: ask for the
+                 * next block's keys one block ahead, and for these values (P.V reads them
+                 * next), so that memory is fetched while the dot products run. */
+                const float *v = value_cache + slot * token_stride + kv_offset;
+                const float *next_k = (block + 1) * block_size <= hi
+                    ? key_cache + ((int64_t)blocks[block + 1] * block_size + j % block_size) * token_stride + kv_offset
+                    : NULL;
+                while (j <= end) {
+                    const int keys = end - j + 1 < KEYS ? (int)(end - j + 1) : KEYS;
+                    if (next_k) prefetch_slots(next_k, keys, token_stride, head_dim, _MM_HINT_T0);
+                    prefetch_slots(v, keys, token_stride, head_dim, _MM_HINT_T1);
+                    for (int i0 = 0; i0 < n; i0 += QUERIES)
+                        score_keys(tile + i0, n - i0 < QUERIES ? n - i0 : QUERIES, k,
+                                   token_stride, keys, j, head_dim, scale, softcap);
+                    j += keys;
+                    k += keys * token_stride;
+                    v += keys * token_stride;
+                    if (next_k) next_k += keys * token_stride;
                 }
             }
             /* The softmax's weights and denominator, then P.V in registers, each query over
@@ -228,7 +285,6 @@ int paged_attention(const float *query, const float *key_cache, const float *val
                     _mm256_storeu_ps(rest, exp_lanes(_mm256_loadu_ps(rest)));
                     for (int64_t i = j; i < count; i++) qr->scores[i] = rest[i - j];
                 }
-                for (j = 0; j < count; j++) qr->denominator += qr->scores[j];
                 weighted_values(qr, value_cache, blocks, block_size, token_stride, kv_offset, head_dim);
             }
         }
