@@ -57,7 +57,7 @@ class WorkerConfig:
     fail_on_token_id: int | None = None  # fault-injection hook for tests
     dummy_step_ms: float = 0.0  # --model dummy: the least wall time of each step's compute
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA + triton only)
-    fused_ops: bool = True  # Triton RMSNorm, SiLU*up and RoPE kernels (CUDA + triton only)
+    fused_ops: bool = True  # fused RMSNorm, SiLU*up and RoPE (CUDA + triton, or CPU + int8)
     # --model dummy, tests only: the process dies at once on a step feeding this token id.
     dummy_crash_on_token_id: int | None = None
 
@@ -295,9 +295,10 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         type=_bool,
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="on CUDA with the triton attention backend, run the model's RMSNorm (with its "
-        "residual add), SiLU*up and RoPE as fused Triton kernels rounded where the model's "
-        "own code rounds (pagoda.gpu_worker.fused_model); --no-fused-ops keeps its code",
+        help="run the model's RMSNorm (with its residual add), SiLU*up and RoPE as fused "
+        "kernels rounded where the model's own code rounds (pagoda.gpu_worker.fused_model): "
+        "Triton's on CUDA with the triton attention backend, Pagoda's C kernels on the CPU "
+        "under --quantization int8; --no-fused-ops keeps the model's code",
     )
     add(
         "--dummy-step-ms",

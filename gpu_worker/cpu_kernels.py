@@ -8,7 +8,10 @@ on the rest of its call or on the number of threads):
 - `int8_matmul`: the same over int8 weights with one scale per output row: the rescored
   output head's first pass (quantization.py, RescoredHead);
 - `paged_attention`: one call per layer over the whole step, reading keys and values
-  through the block table in place (the `cpu` attention backend, attention/cpu.py).
+  through the block table in place (the `cpu` attention backend, attention/cpu.py);
+- `rms_norm` (with its residual add), `silu_and_mul` and `rotary_in_place`: a decoder
+  layer's dense ops between its GEMMs, one call each over the step, rounded where HF's
+  code rounds (elementwise.c), patched in by fused_model.py under `int8`.
 
 The sources are compiled together by the machine's C compiler into a cache folder, once
 per sources and flags (about two seconds), and loaded with ctypes; each call releases the
@@ -35,10 +38,12 @@ import torch
 
 log = logging.getLogger("pagoda.cpu_kernels")
 
-SOURCES = tuple(
-    Path(__file__).with_name("kernels") / name for name in ("gemm.c", "paged_attention.c")
-)
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+KERNELS_DIR = Path(__file__).with_name("kernels")
+SOURCES = tuple(KERNELS_DIR / name for name in ("gemm.c", "paged_attention.c", "elementwise.c"))
+HEADERS = (KERNELS_DIR / "simd.h",)
+# No contraction: each product and sum in the sources rounds where it is written (an
+# FMA appears only where an intrinsic asks for one).
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 TILE = 8  # outputs per tile of the Q4_1 kernel: one AVX2 register of float32
 GROUP = 32  # inputs per Q4_1 group
 Q4_SCHEME = "float32 activations, float32 sums in input order (Pagoda's AVX2 Q4_1 kernel)"
@@ -129,6 +134,32 @@ class CpuKernels:
             [_POINTER] * 4 + [_SIZE] + [_POINTER] * 2 + [_SIZE] * 6 + [ctypes.c_float] * 2
         ) + [_SIZE, _POINTER, ctypes.c_int]
         self._gemm, self._attention = gemm, attention
+        self._rms_norm = library.rms_norm
+        self._rms_norm.restype = None
+        self._rms_norm.argtypes = (
+            [_POINTER, _SIZE, _POINTER, _SIZE]
+            + [_POINTER] * 3
+            + [
+                _SIZE,
+                _SIZE,
+                ctypes.c_float,
+                ctypes.c_int,
+            ]
+        )
+        self._silu_and_mul = library.silu_and_mul
+        self._silu_and_mul.restype = None
+        self._silu_and_mul.argtypes = [_POINTER, _SIZE, _POINTER, _SIZE, _SIZE, ctypes.c_int]
+        self._rotary = library.rotary
+        self._rotary.restype = None
+        self._rotary.argtypes = (
+            [_POINTER, _SIZE, _SIZE, _SIZE] * 2
+            + [_POINTER] * 2
+            + [
+                _SIZE,
+                _SIZE,
+                ctypes.c_int,
+            ]
+        )
 
     def q4_1_matmul(
         self, x: torch.Tensor, packed: PackedQ4, bias: torch.Tensor | None = None
@@ -171,6 +202,89 @@ class CpuKernels:
         if failed:
             raise MemoryError("a CPU GEMM kernel could not allocate its weight strip")
         return out
+
+    # The dense ops between a decoder layer's GEMMs, with fused_ops.py's signatures so that
+    # fused_model.py patches either in (elementwise.c says how each one rounds). They take
+    # float32 with widths in whole vectors of 8; fused_model.cpu_fusable checks the model.
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """weight * RMSNorm(x) over the last dimension; with `residual`: (that of
+        x + residual, x + residual)."""
+        x = _dense(x)
+        out = torch.empty(x.shape)
+        residual_out = None
+        if residual is not None:
+            residual, residual_out = _dense(residual), torch.empty(x.shape)
+        num_cols = x.shape[-1]
+        self._rms_norm(
+            x.data_ptr(),
+            num_cols,
+            None if residual is None else residual.data_ptr(),
+            num_cols,
+            weight.data_ptr(),
+            out.data_ptr(),
+            None if residual_out is None else residual_out.data_ptr(),
+            x.numel() // num_cols,
+            num_cols,
+            eps,
+            torch.get_num_threads(),
+        )
+        return out if residual_out is None else (out, residual_out)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up for gate_up [..., 2 * n] (gate the first half) -> [..., n]."""
+        gate_up = _dense(gate_up)
+        width = gate_up.shape[-1]
+        out = torch.empty(*gate_up.shape[:-1], width // 2)
+        self._silu_and_mul(
+            gate_up.data_ptr(),
+            width,
+            out.data_ptr(),
+            gate_up.numel() // width,
+            width // 2,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def rotary_in_place(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+    ) -> None:
+        """RoPE on query [T, heads, head_dim] and key [T, kv_heads, head_dim] in place (unit
+        stride along head_dim), token t at positions[t] (< cos_sin's rows)."""
+        if query.stride(-1) != 1 or key.stride(-1) != 1:
+            raise ValueError("rotary_in_place needs a unit stride along head_dim")
+        positions = positions.to(torch.int64).contiguous()
+        self._rotary(
+            query.data_ptr(),
+            query.stride(0),
+            query.stride(1),
+            query.shape[1],
+            key.data_ptr(),
+            key.stride(0),
+            key.stride(1),
+            key.shape[1],
+            positions.data_ptr(),
+            cos_sin.data_ptr(),
+            query.shape[0],
+            query.shape[2],
+            torch.get_num_threads(),
+        )
+
+    @staticmethod
+    def rotary_cos_sin(inv_freq: torch.Tensor, num_positions: int, scaling: float) -> torch.Tensor:
+        from pagoda.gpu_worker.fused_model import rotary_cos_sin
+
+        return rotary_cos_sin(inv_freq, num_positions, scaling)
 
     def paged_attention(
         self,
@@ -218,6 +332,13 @@ class CpuKernels:
         return out
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """x as contiguous float32 (itself when it is: the model's activations are)."""
+    if x.dtype is not torch.float32:
+        x = x.float()
+    return x if x.is_contiguous() else x.contiguous()
+
+
 @functools.cache
 def load(cache_dir: Path | None = None) -> CpuKernels | None:
     """The kernels, built if these sources and flags were never built in `cache_dir`;
@@ -242,7 +363,7 @@ def _build(cache_dir: Path) -> Path:
     if compiler is None:
         raise BuildError("no C compiler (cc or gcc) on the PATH")
     digest = hashlib.sha256(" ".join(FLAGS).encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     target = cache_dir / f"pagoda_cpu_kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():

@@ -12,11 +12,14 @@ nothing left to do):
 - every attention module of a static RoPE type: q/k get RoPE in place from a cos/sin
   table gathered by position_ids (built once, `num_positions` rows, shared by the layers).
 
-What it does not know it leaves as loaded (another architecture, a quantized or sharded
-projection, a dynamic RoPE). The paged engine calls it only on CUDA with the triton
-attention backend: the CPU path stays the batch-invariant one it is
-(tests/worker/test_batch_invariance.py). tests/worker/test_fused_ops.py compares a patched
-tiny Llama and Qwen3 with the unpatched ones under the Triton interpreter.
+What it does not know it leaves as loaded (another architecture, a sharded projection, a
+dynamic RoPE). The ops are fused_ops.py's Triton kernels, which the paged engine patches in
+on CUDA with the triton attention backend, or the CPU kernels' (cpu_kernels.py,
+elementwise.c), patched in on the CPU under `int8`, where gate and up are already one Q4_1
+GEMM (quantization.FusedQ4Linear) and that GEMM is called as `gate_up_proj`; the CPU ops
+are batch-invariant like the rest of that path (tests/worker/test_batch_invariance.py).
+tests/worker/test_fused_ops.py compares a patched tiny Llama and Qwen3 with the unpatched
+ones under the Triton interpreter, tests/worker/test_cpu_fused_ops.py with the CPU ops.
 """
 
 from __future__ import annotations
@@ -46,13 +49,17 @@ class FusedCounts:
         return self.norms + self.layers + self.mlps + self.attentions
 
 
-def fuse_model(model: torch.nn.Module, num_positions: int) -> FusedCounts:
-    """Patch `model` in place (see the module docstring); returns what was patched now."""
+def fuse_model(model: torch.nn.Module, num_positions: int, ops=None) -> FusedCounts:
+    """Patch `model` in place (see the module docstring) with `ops` (an object with
+    fused_ops' rms_norm, silu_and_mul and rotary_in_place; None: fused_ops' Triton
+    kernels); returns what was patched now."""
     counts = FusedCounts()
     model_type = getattr(model.config.get_text_config(), "model_type", None)
     if model_type not in FUSED_MODEL_TYPES:
         log.info("no fused kernels for model type %s", model_type)
         return counts
+    if ops is None:
+        from pagoda.gpu_worker import fused_ops as ops
     cos_sin = _rotary_table(model, num_positions)
     for module in list(model.modules()):  # the MLPs change their children
         if getattr(module, "_pagoda_fused", False):
@@ -74,6 +81,7 @@ def fuse_model(model: torch.nn.Module, num_positions: int) -> FusedCounts:
         else:
             continue
         module._pagoda_fused = True
+        module._pagoda_ops = ops
     if counts.total:
         log.info(
             "fused kernels: %d RMSNorms, %d residual adds, %d gate/up+SiLU, %d RoPE",
@@ -85,9 +93,28 @@ def fuse_model(model: torch.nn.Module, num_positions: int) -> FusedCounts:
     return counts
 
 
-def _rotary_table(model: torch.nn.Module, num_positions: int) -> torch.Tensor | None:
-    from pagoda.gpu_worker.fused_ops import rotary_cos_sin
+def cpu_fusable(model: torch.nn.Module) -> bool:
+    """Whether the CPU kernels' ops (elementwise.c: float32, widths in whole vectors of 8)
+    fit every width `fuse_model` would give them."""
+    text = model.config.get_text_config()
+    if getattr(text, "model_type", None) not in FUSED_MODEL_TYPES:
+        return False
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    widths = (text.hidden_size, text.intermediate_size, head_dim // 2)
+    parameter = next(model.parameters())
+    return parameter.dtype == torch.float32 and all(width % 8 == 0 for width in widths)
 
+
+def rotary_cos_sin(inv_freq: torch.Tensor, num_positions: int, scaling: float) -> torch.Tensor:
+    """The table `rotary_in_place` reads: row p is cos(p * inv_freq) * scaling, then
+    sin(p * inv_freq) * scaling, fp32 [num_positions, head_dim], computed as HF's rotary
+    embedding computes them (fp32 product of the position and the frequency)."""
+    positions = torch.arange(num_positions, device=inv_freq.device, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq.float()[None, :]
+    return torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1).contiguous()
+
+
+def _rotary_table(model: torch.nn.Module, num_positions: int) -> torch.Tensor | None:
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     if rotary is None or getattr(rotary, "rope_type", None) not in STATIC_ROPE_TYPES:
         return None
@@ -107,8 +134,13 @@ def _has_layer_layout(layer: torch.nn.Module) -> bool:
 
 def _fuse_gate_up(mlp: torch.nn.Module) -> bool:
     gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
-    plain = all(type(m) is torch.nn.Linear and m.bias is None for m in (gate, up))
-    if not plain or getattr(mlp.config, "hidden_act", None) not in ("silu", "swish"):
+    if getattr(mlp.config, "hidden_act", None) not in ("silu", "swish"):
+        return False
+    joined = _joined_q4(gate, up)
+    if joined is not None:  # already one GEMM (quantization.FusedQ4Linear): call it
+        mlp.gate_up_proj = joined
+        return True
+    if not all(type(m) is torch.nn.Linear and m.bias is None for m in (gate, up)):
         return False
     fused = torch.nn.Linear(
         gate.in_features,
@@ -125,16 +157,25 @@ def _fuse_gate_up(mlp: torch.nn.Module) -> bool:
     return True
 
 
-def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    from pagoda.gpu_worker.fused_ops import rms_norm
+def _joined_q4(gate, up) -> torch.nn.Module | None:
+    """The Q4Linear computing [gate | up] when gate and up are the two Q4Slices of one
+    FusedQ4Linear, in that order; else None."""
+    from pagoda.gpu_worker.quantization import Q4Slice
 
-    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    if not (isinstance(gate, Q4Slice) and isinstance(up, Q4Slice)) or gate.fused is not up.fused:
+        return None
+    width = gate.fused.layer.out_features
+    if (gate.start, gate.end, up.start, up.end) != (0, width // 2, width // 2, width):
+        return None
+    return gate.fused.layer
+
+
+def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return self._pagoda_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    from pagoda.gpu_worker.fused_ops import silu_and_mul
-
-    return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    return self.down_proj(self._pagoda_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 def _layer_forward(
@@ -148,8 +189,6 @@ def _layer_forward(
     **kwargs,
 ) -> torch.Tensor:
     """HF's Llama/Qwen3 decoder layer with the post-attention residual add in the norm."""
-    from pagoda.gpu_worker.fused_ops import rms_norm
-
     norm = self.post_attention_layernorm
     attention, _ = self.self_attn(
         hidden_states=self.input_layernorm(hidden_states),
@@ -160,7 +199,7 @@ def _layer_forward(
         position_embeddings=position_embeddings,
         **kwargs,
     )
-    normed, residual = rms_norm(
+    normed, residual = self._pagoda_ops.rms_norm(
         attention, norm.weight, norm.variance_epsilon, residual=hidden_states
     )
     return residual + self.mlp(normed)
@@ -180,8 +219,6 @@ def _attention_forward(
     attention interface (pagoda's paged one in the engine), called as HF calls it."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from pagoda.gpu_worker.fused_ops import rotary_in_place
-
     if past_key_values is not None:
         raise RuntimeError("the fused attention keeps no Hugging Face KV cache")
     input_shape = hidden_states.shape[:-1]
@@ -193,7 +230,7 @@ def _attention_forward(
     if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head
         query, key = self.q_norm(query), self.k_norm(key)
     if position_ids is not None:
-        rotary_in_place(query, key, position_ids.reshape(-1), self.rotary_cos_sin)
+        self._pagoda_ops.rotary_in_place(query, key, position_ids.reshape(-1), self.rotary_cos_sin)
     else:  # a caller that passes no position_ids: HF's own expression on its cos/sin
         query, key = _rotary_from_embeddings(query, key, position_embeddings)
     interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]

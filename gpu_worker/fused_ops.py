@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.gpu_worker.fused_model import rotary_cos_sin  # noqa: F401 (its table's maker)
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -201,15 +203,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             rows, out, rows.stride(0), out.stride(0), num_cols, BLOCK=block, num_warps=4
         )
     return out.view(*gate_up.shape[:-1], num_cols)
-
-
-def rotary_cos_sin(inv_freq: torch.Tensor, num_positions: int, scaling: float) -> torch.Tensor:
-    """The table `rotary_in_place` reads: row p is cos(p * inv_freq) * scaling, then
-    sin(p * inv_freq) * scaling, fp32 [num_positions, head_dim], computed as HF's rotary
-    embedding computes them (fp32 product of the position and the frequency)."""
-    positions = torch.arange(num_positions, device=inv_freq.device, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq.float()[None, :]
-    return torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1).contiguous()
 
 
 def rotary_in_place(

@@ -72,7 +72,7 @@ class PagedEngine(Engine):
         quantization: str = "none",  # "int8": see pagoda.gpu_worker.quantization
         attention_backend: str = "reference",  # see pagoda.gpu_worker.attention
         cuda_graphs: bool = False,  # see pagoda.gpu_worker.cuda_graphs
-        fused_ops: bool = True,  # see pagoda.gpu_worker.fused_model (CUDA + triton only)
+        fused_ops: bool = True,  # see pagoda.gpu_worker.fused_model and _fuse_dense_ops
     ) -> None:
         quantize(model, quantization)
         if next(model.parameters()).device.type == "cpu":
@@ -93,6 +93,9 @@ class PagedEngine(Engine):
         numerics += f"; attention backend: {self.attention_backend.name}" + (
             " (Pagoda's float32 kernel, keys summed in position order)" if kernel else ""
         )
+        max_context_tokens = max_context_tokens or max_positions_of(model)
+        if fused_ops:
+            numerics += self._fuse_dense_ops(model, quantization, max_context_tokens)
         geometry = KVGeometry.from_model_config(model.config, block_size, parameter.dtype)
         graphs = cuda_graphs and can_capture(self.attention_backend.name, self.device.type)
         # With graphs, one block more than announced: padded rows' scratch (cuda_graphs.py).
@@ -102,7 +105,7 @@ class PagedEngine(Engine):
             model_id=model_id,
             vocab_size=model.get_output_embeddings().out_features,
             eos_token_ids=eos_token_ids_of(model),
-            max_context_tokens=max_context_tokens or max_positions_of(model),
+            max_context_tokens=max_context_tokens,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             device=str(self.device),
@@ -111,11 +114,6 @@ class PagedEngine(Engine):
             numerics=numerics,
         )
         super().__init__(facts, fail_on_token_id=fail_on_token_id)
-        if fused_ops and self.device.type == "cuda" and self.attention_backend.name == "triton":
-            # The dense parts' fused kernels (fused_model.py); CPU paths stay as loaded.
-            from pagoda.gpu_worker.fused_model import fuse_model
-
-            fuse_model(model, facts.max_context_tokens)  # logs what it fused
         self.token_counts = TokenCounts(facts.vocab_size, self.device)  # for penalties
         max_blocks_per_seq = -(-facts.max_context_tokens // block_size)
         self.block_tables = BlockTables(max_blocks_per_seq, self.device)
@@ -123,6 +121,30 @@ class PagedEngine(Engine):
         self.group_sampling: GroupSampling | None = None  # one device: None
         if graphs:  # captured by load_engine, before the hello
             self.decode_graphs = DecodeGraphs(self, scratch_block=num_kv_blocks)
+
+    def _fuse_dense_ops(self, model, quantization: str, max_context_tokens: int) -> str:
+        """Patch the fused RMSNorm (with its residual add), SiLU*up and RoPE in where they
+        run (fused_model.py): on CUDA with the triton backend, Triton's; on the CPU under
+        `int8` with Pagoda's kernels loaded, elementwise.c's (`none` stays PyTorch's code,
+        the reference). Returns what to add to the numerics line."""
+        from pagoda.gpu_worker import fused_model
+
+        if self.device.type == "cuda" and self.attention_backend.name == "triton":
+            fused_model.fuse_model(model, max_context_tokens)  # logs what it fused
+            return ""
+        if (
+            self.device.type != "cpu"
+            or quantization != "int8"
+            or not getattr(self.attention_backend, "uses_kernel", False)
+            or not fused_model.cpu_fusable(model)
+        ):
+            return ""
+        from pagoda.gpu_worker import cpu_kernels
+
+        counts = fused_model.fuse_model(model, max_context_tokens, cpu_kernels.load())
+        if not counts.total:
+            return ""
+        return "; RMSNorm, SiLU*up and RoPE: Pagoda's float32 kernels"
 
     def compute(self, plan: StepPlan) -> SampledTokens:
         if self.group_sampling is None:

@@ -89,4 +89,9 @@ def test_wheel_imports_the_engine_and_the_scheduler_alone(tmp_path):
     assert "imported" in result.stdout
     # The CPU kernels' sources, which the worker compiles on first use.
     kernels = unpacked / "pagoda" / "gpu_worker" / "kernels"
-    assert {p.name for p in kernels.glob("*.c")} == {"gemm.c", "paged_attention.c"}
+    assert {p.name for p in kernels.glob("*.[ch]")} == {
+        "gemm.c",
+        "paged_attention.c",
+        "elementwise.c",
+        "simd.h",
+    }

@@ -151,8 +151,11 @@ def test_a_request_is_the_same_alone_in_any_batch_chunked_and_recomputed(
         assert head_dim % 8 == 0, "the kernel would not run: the reference would be tested"
     if weights == "q4_1":
         models = q4_1_version(tiny_models)
-        engine = models.engine(quantization=quantization)
+        engine = models.engine(quantization=quantization, attention_backend=backend)
         assert count_q4_linear(engine.model) > 0, "the Q4_1 path is not exercised"
+        if backend == "cpu" and tiny_models.reference.config.model_type == "llama":
+            # elementwise.c's RMSNorm, SiLU*up and RoPE (fused_model.py) are in this path
+            assert "RMSNorm, SiLU*up and RoPE: Pagoda's" in engine.facts.numerics
     rng = random.Random(f"{quantization}-{weights}-{seed}")
     (prompt,) = random_prompts(1, seed=rng.randrange(1000), min_len=20, max_len=45)
     expected = alone(models, quantization, backend, prompt, seed)
