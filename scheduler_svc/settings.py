@@ -213,9 +213,9 @@ HELP: dict[str, str] = {
     "prefix_caching": "reuse KV blocks of identical prompt prefixes",
     "max_waiting_requests": "bound of the waiting queue (RESOURCE_EXHAUSTED beyond it)",
     "target_step_ms": "a step with decodes in it carries only the prompt tokens that fit in "
-    "this many ms of worker time beside them, as learned from the worker's step times "
-    "(at least 32, never above the token knobs), so a long prompt does not stall the "
-    "streams; 0 or none: off (only the token knobs)",
+    "this many ms of worker time beside them, as learned from the worker's step times, less "
+    "a margin for the model's recent errors (at least 32, never above the token knobs), so a "
+    "long prompt does not stall the streams; 0 or none: off (only the token knobs)",
     "fair_share": "share the worker between tenants (API keys) by weighted tokens served: "
     "admission serves the least-served tenant first, preemption takes from the most served; "
     "with one tenant nothing changes",
