@@ -17,6 +17,7 @@ import torch
 
 from pagoda.gpu_worker import cpu_kernels
 from pagoda.gpu_worker.fused_model import cpu_fusable, fuse_model, rotary_cos_sin
+from tests.worker.fused_models import tiny_model
 
 CLOSE = {"rtol": 1e-6, "atol": 1e-6}
 
@@ -116,35 +117,6 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads(kernels):
         assert torch.equal(alone_normed[0], normed[row])
         assert torch.equal(alone_summed[0], summed[row])
         assert torch.equal(kernels.silu_and_mul(gate_up[one])[0], silu[row])
-
-
-TINY = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}
-
-
-def tiny_model(family: str):
-    import transformers
-
-    torch.manual_seed(0)
-    if family == "qwen3":
-        config = transformers.Qwen3Config(**TINY, head_dim=32)
-    else:
-        config = transformers.LlamaConfig(**TINY)
-    config._attn_implementation = "sdpa"
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # the norms are ones at init: make them matter
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.add_(torch.randn_like(parameter) / 4)
-    return model
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

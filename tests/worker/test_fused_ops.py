@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.worker.fused_models import TINY, tiny_model
 from tests.worker.triton_runs import (
     DEVICE,
     ON_CUDA,
@@ -186,38 +187,6 @@ def test_rotary_table_is_hf_rotary_embedding(ops):
     torch.testing.assert_close(table[:, half:], sin[0, :, :half], rtol=0, atol=0)
 
 
-TINY = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}
-
-
-def tiny_model(family: str, dtype: torch.dtype):
-    import transformers
-
-    torch.manual_seed(0)
-    if family == "qwen3":
-        config = transformers.Qwen3Config(**TINY, head_dim=32)
-    else:
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64}  # fmt: skip
-        config = transformers.LlamaConfig(**TINY, rope_parameters=rope)
-    config._attn_implementation = "sdpa"
-    model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, dtype).eval()
-    with torch.no_grad():  # the norms are ones at init: make them matter
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.add_(torch.randn_like(parameter) / 4)
-    return model
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_fused_model_matches_unfused(ops, family, dtype):
@@ -225,7 +194,7 @@ def test_fused_model_matches_unfused(ops, family, dtype):
 
     from pagoda.gpu_worker.fused_model import fuse_model
 
-    model = tiny_model(family, dtype)
+    model = tiny_model(family, dtype, DEVICE)
     fused = copy.deepcopy(model)
     counts = fuse_model(fused, num_positions=256)
     num_layers = TINY["num_hidden_layers"]
@@ -310,7 +279,7 @@ def test_fused_model_without_position_ids_uses_the_model_rotary(ops):
 
     from pagoda.gpu_worker.fused_model import fuse_model
 
-    model = tiny_model("qwen3", torch.float32)
+    model = tiny_model("qwen3", torch.float32, DEVICE)
     fused = copy.deepcopy(model)
     fuse_model(fused, num_positions=256)
     input_ids = torch.randint(3, 512, (1, 9), generator=torch.Generator().manual_seed(2))
