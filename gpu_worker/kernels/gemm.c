@@ -82,6 +82,10 @@ INLINE void store_tile(const Weights *w, float *y_row, int64_t t, __m256 acc, co
  * and independent chains side by side hide the FMA's latency. */
 INLINE void tiles_direct(const Weights *w, const float *x, float *y, int64_t t,
                          const int NTILES, const int NROWS, const int FORMAT) {
+    /* A local copy: its fields cannot change under the stores, so they stay in registers
+     * and each tile's offset is computed once, not at every input. */
+    const Weights local = *w;
+    w = &local;
     const int64_t k = w->k;
     __m256 acc[4][STRIP_ROWS];
     for (int j = 0; j < NTILES; j++)
