@@ -136,30 +136,14 @@ class CpuKernels:
         self._gemm, self._attention = gemm, attention
         self._rms_norm = library.rms_norm
         self._rms_norm.restype = None
-        self._rms_norm.argtypes = (
-            [_POINTER, _SIZE, _POINTER, _SIZE]
-            + [_POINTER] * 3
-            + [
-                _SIZE,
-                _SIZE,
-                ctypes.c_float,
-                ctypes.c_int,
-            ]
-        )
+        self._rms_norm.argtypes = [_POINTER] * 5 + [_SIZE, _SIZE, ctypes.c_float, ctypes.c_int]
         self._silu_and_mul = library.silu_and_mul
         self._silu_and_mul.restype = None
-        self._silu_and_mul.argtypes = [_POINTER, _SIZE, _POINTER, _SIZE, _SIZE, ctypes.c_int]
+        self._silu_and_mul.argtypes = [_POINTER, _POINTER, _SIZE, _SIZE, ctypes.c_int]
         self._rotary = library.rotary
         self._rotary.restype = None
-        self._rotary.argtypes = (
-            [_POINTER, _SIZE, _SIZE, _SIZE] * 2
-            + [_POINTER] * 2
-            + [
-                _SIZE,
-                _SIZE,
-                ctypes.c_int,
-            ]
-        )
+        heads = [_POINTER, _SIZE, _SIZE, _SIZE]  # a tensor, its token and head strides, heads
+        self._rotary.argtypes = heads * 2 + [_POINTER] * 2 + [_SIZE, _SIZE, ctypes.c_int]
 
     def q4_1_matmul(
         self, x: torch.Tensor, packed: PackedQ4, bias: torch.Tensor | None = None
@@ -224,9 +208,7 @@ class CpuKernels:
         num_cols = x.shape[-1]
         self._rms_norm(
             x.data_ptr(),
-            num_cols,
             None if residual is None else residual.data_ptr(),
-            num_cols,
             weight.data_ptr(),
             out.data_ptr(),
             None if residual_out is None else residual_out.data_ptr(),
@@ -244,7 +226,6 @@ class CpuKernels:
         out = torch.empty(*gate_up.shape[:-1], width // 2)
         self._silu_and_mul(
             gate_up.data_ptr(),
-            width,
             out.data_ptr(),
             gate_up.numel() // width,
             width // 2,
@@ -279,12 +260,6 @@ class CpuKernels:
             query.shape[2],
             torch.get_num_threads(),
         )
-
-    @staticmethod
-    def rotary_cos_sin(inv_freq: torch.Tensor, num_positions: int, scaling: float) -> torch.Tensor:
-        from pagoda.gpu_worker.fused_model import rotary_cos_sin
-
-        return rotary_cos_sin(inv_freq, num_positions, scaling)
 
     def paged_attention(
         self,

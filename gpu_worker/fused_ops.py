@@ -29,8 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.gpu_worker.fused_model import rotary_cos_sin  # noqa: F401 (its table's maker)
-
 
 @triton.jit
 def _rms_norm_kernel(

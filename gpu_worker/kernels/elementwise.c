@@ -26,24 +26,15 @@
  * others. */
 #define PARALLEL_FLOATS 65536
 
-static inline float lanes_sum(__m256 v) {
-    /* ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) */
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    half = _mm_add_ss(half, _mm_movehdup_ps(half));
-    return _mm_cvtss_f32(half);
-}
-
-/* x, residual and out rows `*_stride` floats apart, cols % 8 == 0; residual_out (with a
- * residual) gets x + residual. */
-void rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t residual_stride,
-              const float *weight, float *out, float *residual_out, int64_t rows, int64_t cols,
-              float eps, int num_threads) {
+/* x, residual, out and residual_out [rows, cols] contiguous, cols % 8 == 0; residual_out
+ * (with a residual) gets x + residual. */
+void rms_norm(const float *x, const float *residual, const float *weight, float *out,
+              float *residual_out, int64_t rows, int64_t cols, float eps, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * cols >= PARALLEL_FLOATS)
     for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * x_stride;
+        const float *row = x + r * cols;
         if (residual) {
-            const float *add = residual + r * residual_stride;
+            const float *add = residual + r * cols;
             float *sum = residual_out + r * cols;
             for (int64_t c = 0; c < cols; c += 8)
                 _mm256_storeu_ps(sum + c, _mm256_add_ps(_mm256_loadu_ps(row + c), _mm256_loadu_ps(add + c)));
@@ -64,13 +55,12 @@ void rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t r
     }
 }
 
-/* gate_up rows `stride` floats apart, [gate (cols) | up (cols)]; cols % 8 == 0. */
-void silu_and_mul(const float *gate_up, int64_t stride, float *out, int64_t rows, int64_t cols,
-                  int num_threads) {
+/* gate_up [rows, 2 * cols] contiguous, each row [gate (cols) | up (cols)]; cols % 8 == 0. */
+void silu_and_mul(const float *gate_up, float *out, int64_t rows, int64_t cols, int num_threads) {
     const __m256 one = _mm256_set1_ps(1.0f);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * cols >= PARALLEL_FLOATS)
     for (int64_t r = 0; r < rows; r++) {
-        const float *gate = gate_up + r * stride, *up = gate + cols;
+        const float *gate = gate_up + r * 2 * cols, *up = gate + cols;
         float *dst = out + r * cols;
         for (int64_t c = 0; c < cols; c += 8) {
             const __m256 g = _mm256_loadu_ps(gate + c);

@@ -87,8 +87,7 @@ static void weighted_values(Query *qr, const float *value_cache, const int32_t *
                 _mm_prefetch((const char *)((p) + slot_ * (token_stride) + at_), hint); \
     } while (0)
 
-/* The sums of a, b, c and d's 8 lanes, each always added in this order:
- * ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). */
+/* lanes_sum (simd.h) of a, b, c and d at once, each added in exactly its order. */
 static inline __m128 lanes_sums4(__m256 a, __m256 b, __m256 c, __m256 d) {
     const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
     const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31));

@@ -5,6 +5,15 @@
 
 #include <immintrin.h>
 
+/* The sum of v's 8 lanes, always added in this order:
+ * ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). */
+static inline float lanes_sum(__m256 v) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_add_ss(half, _mm_movehdup_ps(half));
+    return _mm_cvtss_f32(half);
+}
+
 /* e^x for 8 lanes (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 polynomial
  * for e^r, times 2^n), within 2 ulp of the exact value; below -87 it is 0, as e^x rounds
  * there anyway. The same lanes always give the same bits. */

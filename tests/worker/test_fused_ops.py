@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagoda.gpu_worker.fused_model import rotary_cos_sin
 from tests.worker.fused_models import TINY, tiny_model
 from tests.worker.triton_runs import (
     DEVICE,
@@ -128,7 +129,7 @@ def hf_rotary(query, key, cos_sin, positions):
 def test_rotary_in_place_matches_hf(ops, dtype, num_heads, num_kv_heads, head_dim, num_tokens):
     generator = torch.Generator().manual_seed(num_heads * head_dim + num_tokens)
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-    cos_sin = ops.rotary_cos_sin(inv_freq.to(DEVICE), 4096, 1.0)
+    cos_sin = rotary_cos_sin(inv_freq.to(DEVICE), 4096, 1.0)
     positions = torch.randint(0, 4096, (num_tokens,), generator=generator).to(DEVICE)
     # q/k as views of one projection output, as the attention module makes them.
     qk = torch.randn(num_tokens, (num_heads + num_kv_heads) * head_dim, generator=generator)
@@ -155,7 +156,7 @@ def test_the_rotary_kernel_rounds_where_hf_rounds(ops, dtype):
     generator = torch.Generator().manual_seed(5)
     head_dim, half = 128, 64
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-    cos_sin = ops.rotary_cos_sin(inv_freq, 4096, 1.0)
+    cos_sin = rotary_cos_sin(inv_freq, 4096, 1.0)
     positions = torch.randint(0, 4096, (200,), generator=generator)
     query = torch.randn(200, 16, head_dim, generator=generator).to(dtype)
     expected, _ = hf_rotary(query.clone(), query[:, :1].clone(), cos_sin, positions)
@@ -181,7 +182,7 @@ def test_rotary_table_is_hf_rotary_embedding(ops):
     rotary = transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding(config)
     positions = torch.tensor([[0, 1, 7, 511]])
     cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
-    table = ops.rotary_cos_sin(rotary.inv_freq, 512, rotary.attention_scaling)[positions[0]]
+    table = rotary_cos_sin(rotary.inv_freq, 512, rotary.attention_scaling)[positions[0]]
     half = 16
     torch.testing.assert_close(table[:, :half], cos[0, :, :half], rtol=0, atol=0)
     torch.testing.assert_close(table[:, half:], sin[0, :, :half], rtol=0, atol=0)
