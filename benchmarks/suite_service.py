@@ -5,7 +5,8 @@ socket in a fresh 0700 directory. The worker is started once; each knob setting 
 the scheduler (the worker says hello again to the new one by itself). Readiness is grpc
 health SERVING, polled; every process is stopped by its PID with SIGTERM, on errors and
 Ctrl-C too. Children run in their own session so a terminal's Ctrl-C reaches only the suite,
-which then stops them in order.
+which then stops them in order. Given `cpus`, its processes run on those CPUs only (a load
+generator on the same machine then keeps to the others: see split_cpus).
 """
 
 from __future__ import annotations
@@ -27,6 +28,19 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 40.0
 POLL_INTERVAL_S = 0.2
+
+
+def split_cpus() -> tuple[frozenset[int], frozenset[int]] | None:
+    """This process's CPUs in two disjoint sets, the service's and its load generator's
+    (the last half, at least one), or None with fewer than two. On a machine that serves,
+    clients are elsewhere; one that also runs the load generator gives the service CPUs
+    of its own, or the generator's bursts stall the scheduler and the worker and measure
+    this machine's crowding rather than the service."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    num_service = len(cpus) - len(cpus) // 2
+    return frozenset(cpus[:num_service]), frozenset(cpus[num_service:])
 
 
 class ServiceError(RuntimeError):
@@ -95,10 +109,13 @@ class LocalService:
         device: str,
         model_dir: str,
         worker_args: tuple[str, ...] = (),
+        cpus: frozenset[int] | None = None,
     ) -> None:
+        """`cpus`: the CPUs the worker and the scheduler run on (None: any)."""
         self.worker_model = worker_model
         self.device = device
         self.worker_args = worker_args  # more worker flags, e.g. --dummy-step-ms 10
+        self.cpus = cpus
         # The scheduler reads the tokenizer straight from the resolved directory.
         self.model_dir = model_dir
         self.run_dir = Path(tempfile.mkdtemp(prefix="pagoda-bench-"))
@@ -158,6 +175,9 @@ class LocalService:
     def _spawn(self, argv: list[str], name: str) -> subprocess.Popen:
         self._num_logs += 1
         log_path = self.run_dir / f"{self._num_logs:02d}-{name}.log"
+        if self.cpus is not None:  # pinned before it starts a thread, then the program
+            pin = f"import os, sys; os.sched_setaffinity(0, {sorted(self.cpus)}); "
+            argv = [sys.executable, "-c", pin + "os.execv(sys.executable, sys.argv[1:])", *argv]
         with open(log_path, "w") as log:
             return subprocess.Popen(
                 argv,
