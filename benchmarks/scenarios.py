@@ -19,6 +19,8 @@ from pagoda.client.bench_workload import filler_text
 
 # A hard cap on any one run, so a stuck server cannot hold the suite forever.
 RUN_DURATION_CAP_S = 240.0
+# two-tenants: the probe's column on an idle server, and those it is held against.
+IDLE_PROBE, PROBE_UNDER_FLOOD, FLOOD_WITH_PROBE = "idle: probe", "on: probe", "on: flood"
 
 # The scenarios `--quick` keeps (smaller).
 QUICK_SCENARIOS = ("prefill-budget", "prefix-caching")
@@ -277,11 +279,14 @@ def _two_tenants(quick: bool, salt: str) -> Scenario:
         max_new_tokens=4,
         api_key=probe_key,
     )
+    # The probe alone, after the flood's runs: its idle TTFT, the goal's unit.
+    idle_probe = dataclasses.replace(probe, duration_s=duration_s / 3)
     cap = ("--max-active-requests", "8")
     return Scenario(
         name="two-tenants",
         title="two API keys, fair share off vs on: 24 closed-loop streams of 64 tokens from "
-        "one (8 running at most) while the other sends 4-token requests one after another",
+        "one (8 running at most) while the other sends 4-token requests one after another; "
+        "then the latter alone (its idle TTFT)",
         question="Does the second key get its first token within a few steps of asking while "
         "the first holds every slot, and what share of the tokens does each get?",
         seed_result="dummy worker, 600 streams: probe TTFT p99 10.5-14.1 s off, 203-283 ms on",
@@ -290,12 +295,13 @@ def _two_tenants(quick: bool, salt: str) -> Scenario:
                 "off: probe", (*cap, "--no-fair-share"), probe, alongside=(("off: flood", flood),)
             ),
             Variant(
-                "on: probe",
+                PROBE_UNDER_FLOOD,
                 (*cap, "--fair-share"),
                 probe,
                 compare_to="off: probe",
-                alongside=(("on: flood", flood),),
+                alongside=((FLOOD_WITH_PROBE, flood),),
             ),
+            Variant(IDLE_PROBE, (*cap, "--fair-share"), idle_probe, compare_to=IDLE_PROBE),
         ),
         api_keys=(("flood", flood_key), ("probe", probe_key)),
     )

@@ -45,11 +45,14 @@ from benchmarks.docs_section import section_body, write_section
 from benchmarks.openai_peer import API_KEY_ENV, PEER_OPENAI, OpenAIPeer, parse_peer
 from benchmarks.scenarios import (
     ALL_PEERS,
+    FLOOD_WITH_PROBE,
+    IDLE_PROBE,
     KNOWN_PEERS,
     PEER_KEYS,
     PEER_LLAMA,
     PEER_LLAMA_OPENAI,
     PEERS,
+    PROBE_UNDER_FLOOD,
     PeerWorkload,
     Scenario,
     Variant,
@@ -295,6 +298,7 @@ def _run_local_service(
             results.scenarios[scenario.name] = runs
             _print_comparison(runs, scenario.baselines)
             _print_shares(scenario, runs)
+            _print_probe_goal(runs)
         for workload in workloads:
             _use_scheduler(service, ())
             report = _bench(with_target(workload.workload, service.address))
@@ -364,6 +368,26 @@ def _print_shares(scenario: Scenario, runs: dict[str, BenchReport]) -> None:
             f"{label} {runs[label].num_completion_tokens / total:.3f}" for label in labels
         )
         print(f"share of finished requests' completion tokens: {shares}", flush=True)
+
+
+def _print_probe_goal(runs: dict[str, BenchReport]) -> None:
+    """two-tenants: the probe's TTFT p99 under the flood with fair share, against issue
+    27's goal: twice its idle TTFT (p50) plus one step, the flood's ITL p50 (one decode
+    step of the running set)."""
+    idle, probe, flood = (
+        runs.get(label) for label in (IDLE_PROBE, PROBE_UNDER_FLOOD, FLOOD_WITH_PROBE)
+    )
+    if idle is None or probe is None or flood is None:
+        return
+    if idle.ttft is None or probe.ttft is None or flood.itl is None:
+        return
+    goal_ms = 2 * idle.ttft.p50_ms + flood.itl.p50_ms
+    print(
+        f"probe TTFT p99 under the flood, fair share on: {probe.ttft.p99_ms:.0f} ms; goal "
+        f"{goal_ms:.0f} ms (2 x idle p50 {idle.ttft.p50_ms:.0f} ms + a step, the flood's ITL "
+        f"p50 {flood.itl.p50_ms:.0f} ms)",
+        flush=True,
+    )
 
 
 def _run_against_target(

@@ -16,7 +16,7 @@ from benchmarks.peers import (
     request_result_from_token_times,
 )
 from benchmarks.scenarios import ALL_PEERS, PEER_LLAMA, build_peer_workloads, build_scenarios
-from benchmarks.suite import main, parse_args, select, target_columns
+from benchmarks.suite import _print_probe_goal, main, parse_args, select, target_columns
 from benchmarks.suite_report import SuiteResults, compare_variants, peer_verdict, relative_change
 from pagoda.client.bench_config import BenchConfig
 from pagoda.client.bench_report import format_report_table, summarize
@@ -57,6 +57,7 @@ def test_two_tenants_compare_each_tenant_with_itself_fair_share_off():
         "off: flood": "off: flood",
         "on: probe": "off: probe",
         "on: flood": "off: flood",
+        "idle: probe": "idle: probe",
     }
     assert all("zq7" in key for _, key in scenario.api_keys)  # unique to the run
 
@@ -245,3 +246,16 @@ def test_tables_and_json_of_a_suite():
     assert document["scenarios"]["x"]["scheduler_args"]["pack"] == ["--admission-policy", "pack"]
     assert document["scenarios"]["x"]["runs"]["pack"]["num_ok"] == 2
     assert document["peer_workloads"]["w"]["notes"]["hf generate() [1 req]"].startswith("first")
+
+
+def test_the_probe_goal_is_twice_its_idle_ttft_plus_a_flood_step(capsys):
+    runs = {
+        "idle: probe": _report(ttft_s=0.08, gap_s=0.03),
+        "on: probe": _report(ttft_s=0.2, gap_s=0.06),
+        "on: flood": _report(ttft_s=1.0, gap_s=0.07),
+    }
+    _print_probe_goal(runs)
+    line = capsys.readouterr().out
+    assert "fair share on: 200 ms; goal 230 ms" in line  # 2 x 80 + 70
+    _print_probe_goal({k: v for k, v in runs.items() if k != "idle: probe"})
+    assert capsys.readouterr().out == ""  # another scenario's runs: nothing to say
