@@ -68,6 +68,9 @@ class Variant:
     # Other tenants: (label, workload) pairs run at the same time as `workload`, against
     # the same scheduler, each workload with its own `api_key` (Scenario.api_keys).
     alongside: tuple[tuple[str, BenchConfig], ...] = ()
+    # Seconds `workload` starts after those alongside: it meets them in their steady
+    # state, not their first burst of prompts.
+    start_after_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,11 +273,13 @@ def _two_tenants(quick: bool, salt: str) -> Scenario:
         max_new_tokens=64,
         api_key=flood_key,
     )
+    # The probe starts once the flood's first prompts are in and ends with it.
+    settle_s = 2.0 if quick else 5.0
     probe = _workload(
         arrival="closed",
         num_users=1,
         num_requests=1_000_000,
-        duration_s=duration_s,
+        duration_s=duration_s - settle_s,
         prompt_repeats=(8,),
         max_new_tokens=4,
         api_key=probe_key,
@@ -292,7 +297,11 @@ def _two_tenants(quick: bool, salt: str) -> Scenario:
         seed_result="dummy worker, 600 streams: probe TTFT p99 10.5-14.1 s off, 203-283 ms on",
         variants=(
             Variant(
-                "off: probe", (*cap, "--no-fair-share"), probe, alongside=(("off: flood", flood),)
+                "off: probe",
+                (*cap, "--no-fair-share"),
+                probe,
+                alongside=(("off: flood", flood),),
+                start_after_s=settle_s,
             ),
             Variant(
                 PROBE_UNDER_FLOOD,
@@ -300,6 +309,7 @@ def _two_tenants(quick: bool, salt: str) -> Scenario:
                 probe,
                 compare_to="off: probe",
                 alongside=((FLOOD_WITH_PROBE, flood),),
+                start_after_s=settle_s,
             ),
             Variant(IDLE_PROBE, (*cap, "--fair-share"), idle_probe, compare_to=IDLE_PROBE),
         ),

@@ -349,6 +349,7 @@ def _bench_tenants(variant: Variant, target: str) -> dict[str, BenchReport]:
     for thread in threads:
         thread.start()
     try:
+        time.sleep(variant.start_after_s)
         main_report = _bench(with_target(variant.workload, target))
     finally:
         for thread in threads:
