@@ -62,6 +62,7 @@ from benchmarks.scenarios import (
 )
 from benchmarks.suite_report import SuiteResults, compare_variants, peer_verdict, plot_cdfs
 from benchmarks.suite_service import LocalService, resolve_model_dir
+from benchmarks.tenants import ttft_goal_ms
 from pagoda.client.bench import run_bench
 from pagoda.client.bench_config import BenchConfig
 from pagoda.client.bench_report import BenchReport, format_report_table
@@ -382,7 +383,7 @@ def _print_probe_goal(runs: dict[str, BenchReport]) -> None:
         return
     if idle.ttft is None or probe.ttft is None or flood.itl is None:
         return
-    goal_ms = 2 * idle.ttft.p50_ms + flood.itl.p50_ms
+    goal_ms = ttft_goal_ms(idle.ttft.p50_ms, flood.itl.p50_ms)
     print(
         f"probe TTFT p99 under the flood, fair share on: {probe.ttft.p99_ms:.0f} ms; goal "
         f"{goal_ms:.0f} ms (2 x idle p50 {idle.ttft.p50_ms:.0f} ms + a step, the flood's ITL "
