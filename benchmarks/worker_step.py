@@ -47,6 +47,8 @@ MAX_REFERENCE_CONTEXT_TOKENS = 1 << 18
 PREFILL_LENGTHS = (128, 512, 2048)
 MIXED_CHUNK_TOKENS = 512
 MIXED_DECODES = 32
+# Decode steps launched back to back, each before the one before it is read (--launch-ahead).
+AHEAD_STEPS = 8
 
 
 # Memory bandwidth from the data sheets (SXM parts); another device's is measured by a copy.
@@ -219,18 +221,56 @@ class Bench:
         )
         return seq_id, plan
 
-    def decode(self, batch: int, context: int) -> Row:
+    def decode(self, batch: int, context: int) -> list[Row]:
+        """A decode step timed alone; when the engine launches ahead (the worker's way on
+        CUDA), also steps launched back to back."""
         seq_ids = self.decode_sequences(batch, context)
         plan = self.decode_plan(seq_ids, context)
         runs = [lambda: self._step(plan)]
         if batch * context <= MAX_REFERENCE_CONTEXT_TOKENS:
             runs.append(self._transformers_decode(batch, context))
         times = median_ms(*runs, repeats=self.repeats)
-        self.forget_all()
         transformers_ms = times[1] if len(times) > 1 else None
         case = f"decode, batch {batch}, context {context}"
         roofline_ms = decode_roofline_ms(self.engine, batch, context)
-        return Row(case, times[0], transformers_ms, batch, roofline_ms)
+        rows = [Row(case, times[0], transformers_ms, batch, roofline_ms)]
+        if self.engine.launches_ahead:
+            ahead_ms = self.decode_ahead(seq_ids, context)
+            rows.append(Row(f"{case}, launched ahead", ahead_ms, None, batch, roofline_ms))
+        self.forget_all()
+        return rows
+
+    def decode_ahead(self, seq_ids: list[int], context: int) -> float:
+        """Milliseconds a decode step takes when each is launched before the one before it
+        is read, its rows fed that step's tokens on the device: AHEAD_STEPS steps at
+        positions context, context + 1, ... (each sequence sampled its token at `context`
+        in the steps timed before)."""
+        engine = self.engine
+        launched = None
+        _synchronize()
+        started_s = time.perf_counter()
+        for k in range(AHEAD_STEPS):
+            position = context + k
+            plan = step_pb2.StepPlan()
+            for seq_id in seq_ids:
+                table = self.plans.tables[seq_id]
+                new_blocks = []
+                if position >= len(table) * BLOCK_SIZE:
+                    new_blocks = self.plans.blocks(BLOCK_SIZE)
+                    table.extend(new_blocks)
+                Plans.entry(plan, seq_id, position, [0], new_blocks)
+            plan.last_sampled_rows.extend(range(len(seq_ids)))
+            following = engine.launch(step_codec.decode_plan(plan))
+            if launched is not None:
+                self._read(launched)
+            launched = following
+        self._read(launched)
+        _synchronize()
+        return (time.perf_counter() - started_s) * 1e3 / AHEAD_STEPS
+
+    def _read(self, launched) -> None:
+        result = self.engine.read(launched)
+        assert not result.step_error and not result.errors, (result.step_error, result.errors)
 
     def _transformers_decode(self, batch: int, context: int) -> Callable[[], None]:
         from transformers import DynamicCache
@@ -401,6 +441,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="decode steps eagerly (the worker captures graphs on CUDA by default)",
     )
+    parser.add_argument(
+        "--launch-ahead",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="as the worker's: also time decode steps launched back to back, each before "
+        "the one before it is read (auto: on CUDA)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per case (median)")
     parser.add_argument(
         "--write-docs",
@@ -432,7 +479,10 @@ def main(argv: list[str] | None = None) -> int:
         engine.decode_graphs.capture()
     bench = Bench(engine, reference, args.repeats)
     started_s = time.monotonic()
-    rows = [bench.decode(batch, context) for batch, context in cases]
+    engine.launches_ahead = args.launch_ahead == "on" or (
+        args.launch_ahead == "auto" and kind == "cuda"
+    )
+    rows = [row for batch, context in cases for row in bench.decode(batch, context)]
     rows += [bench.prefill(num_tokens) for num_tokens in args.prefill_lengths]
     if not args.no_mixed:
         rows += bench.mixed(contexts[0])
@@ -446,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = (
         f"{resolved.model_id}, {engine.facts.dtype} on {device}, quantization {quantization}, "
         f"attention {engine.attention_backend.name}, CUDA graphs "
-        f"{'on' if engine.decode_graphs is not None else 'off'}; {machine}; "
+        f"{'on' if engine.decode_graphs is not None else 'off'}, steps launched ahead "
+        f"{'timed' if engine.launches_ahead else 'off'}; {machine}; "
         f"block size {BLOCK_SIZE}; median of {args.repeats} repeats "
         f"(fewer for long prefills); run took {time.monotonic() - started_s:.0f} s."
     )

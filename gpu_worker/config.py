@@ -25,6 +25,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 QUANTIZATIONS = ("auto", "none", "int8")  # see pagoda.gpu_worker.quantization
+LAUNCH_AHEAD = ("auto", "on", "off")  # see pagoda.gpu_worker.engine
 MAX_TENSOR_PARALLEL_SIZE = 64  # a sanity bound: one host's GPUs, or a torchrun world
 ATTENTION_BACKENDS = BACKEND_NAMES  # pagoda.gpu_worker.attention's package imports no torch
 
@@ -58,6 +59,7 @@ class WorkerConfig:
     dummy_step_ms: float = 0.0  # --model dummy: the least wall time of each step's compute
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA + triton only)
     fused_ops: bool = True  # fused RMSNorm, SiLU*up and RoPE (CUDA + triton, or CPU + int8)
+    launch_ahead: str = "auto"  # step N+1 enqueued before N is read: auto is on CUDA only
     # --model dummy, tests only: the process dies at once on a step feeding this token id.
     dummy_crash_on_token_id: int | None = None
 
@@ -83,6 +85,10 @@ class WorkerConfig:
             problems.append("--attention-backend triton runs only on CUDA")
         elif self.attention_backend == "cpu" and self.device.startswith("cuda"):
             problems.append("--attention-backend cpu runs only on the CPU")
+        if self.launch_ahead not in LAUNCH_AHEAD:
+            problems.append(f"--launch-ahead must be one of {', '.join(LAUNCH_AHEAD)}")
+        elif self.launch_ahead == "on" and self.is_dummy:
+            problems.append("--launch-ahead on needs a real model (the dummy computes at once)")
         if not 1 <= self.block_size <= 1024:
             problems.append("--block-size must be between 1 and 1024 tokens")
         if self.kv_cache_gib <= 0:
@@ -299,6 +305,16 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "kernels rounded where the model's own code rounds (pagoda.gpu_worker.fused_model): "
         "Triton's on CUDA with the triton attention backend, Pagoda's C kernels on the CPU "
         "under --quantization int8; --no-fused-ops keeps the model's code",
+    )
+    add(
+        "--launch-ahead",
+        default="auto",
+        choices=LAUNCH_AHEAD,
+        help="enqueue step N+1 on the device before step N's tokens are read back: N+1's "
+        "rows feed N's tokens there, so the device runs N+1 while the host answers N "
+        "(pagoda.gpu_worker.engine); not under tensor parallelism; auto: on CUDA. On a "
+        "CPU the forward runs on the host, so 'on' only delays each result (it waits "
+        "for the next plan): for tests of the bookkeeping",
     )
     add(
         "--dummy-step-ms",

@@ -141,12 +141,18 @@ class DecodeGraphs:
         # [bucket, vocabulary] would hold 4,231 rows of logits for good).
         vocab_size = engine.model.get_output_embeddings().out_features
         self._logits = torch.zeros(largest, vocab_size, dtype=torch.float32, device=device)
-        # Staging buffers, pinned on CUDA: one host-to-device copy per dtype and step.
-        self._host_longs = torch.zeros(4 * largest, dtype=torch.long)
-        self._host_ints = torch.zeros(largest, dtype=torch.int32)
+        # Staging buffers, pinned on CUDA: one host-to-device copy per dtype and step. Two
+        # sets, used in turn: a step launched ahead (engine.py) stages while the copies of
+        # the step before it may not have run yet; the one before that was read.
+        self._host_staging = [
+            (torch.zeros(4 * largest, dtype=torch.long), torch.zeros(largest, dtype=torch.int32))
+            for _ in range(2)
+        ]
         if device.type == "cuda":
-            self._host_longs = self._host_longs.pin_memory()
-            self._host_ints = self._host_ints.pin_memory()
+            self._host_staging = [
+                (longs.pin_memory(), ints.pin_memory()) for longs, ints in self._host_staging
+            ]
+        self._num_staged = 0
         self._pool = None
 
     @property
@@ -204,8 +210,9 @@ class DecodeGraphs:
             self._forward(bucket)
         self._graphs[bucket] = graph
 
-    def run(self, plan):
-        """The logits of a decode step that `fits`, one row per plan row in order. A bucket
+    def run(self, plan, fill=None):
+        """The logits of a decode step that `fits`, one row per plan row in order; `fill`
+        (paged_engine.TokenFill): the rows fed on the device by the unread step. A bucket
         not captured runs the same padded forward eagerly (how the CPU tests run it)."""
         num_seqs = len(plan.seq_ids)
         bucket = bucket_for(num_seqs, self.buckets)
@@ -221,6 +228,8 @@ class DecodeGraphs:
             scratch_block=self.scratch_block,
         )
         self._stage(padded, [rows_of[seq_id] for seq_id in plan.seq_ids])
+        if fill is not None:
+            fill.apply(self._input_ids[0], fill.rows)  # decode-only: row i feeds token i
         graph = self._graphs.get(bucket)
         if graph is None:
             return self._forward(bucket)[:num_seqs]
@@ -235,11 +244,13 @@ class DecodeGraphs:
 
         bucket, num_seqs = padded.bucket, padded.num_seqs
         rows = table_rows or []
-        longs = self._host_longs[: 3 * bucket + len(rows)]
+        host_longs, host_ints = self._host_staging[self._num_staged % 2]
+        self._num_staged += 1
+        longs = host_longs[: 3 * bucket + len(rows)]
         longs.copy_(
             torch.tensor(padded.input_ids + padded.positions + padded.slot_mapping + rows),
         )
-        ints = self._host_ints[:bucket]
+        ints = host_ints[:bucket]
         ints.copy_(torch.tensor(padded.context_lens, dtype=torch.int32))
         device_longs = longs.to(self._engine.device, non_blocking=True)
         device_ints = ints.to(self._engine.device, non_blocking=True)

@@ -9,6 +9,16 @@ forgotten. A subclass supplies only its facts and its compute, which samples the
 `Engine.sampling_rows` gives after its forward: a plan whose masks follow it
 (StepPlan.masks_follow) waits there, and only there, for them (`wait_masks`, the
 server's). Imports no torch.
+
+A step is two halves, `launch` (admit, enqueue the forward and sampling, forget) and
+`read` (wait for the sampled tokens, record them, pack); `step` is one then the other.
+An engine whose `launch_compute` enqueues device work without waiting (the paged engine
+on CUDA) may launch step N+1 before N is read (`launches_ahead`, `can_launch_ahead`):
+N+1's placeholder rows then feed N's tokens on the device, where N sampled them
+(sequence_table.PENDING_TOKEN), so the device runs N+1 right after N while the host reads
+N, answers it and admits N+2. At most one step is launched ahead; steps are read in
+launch order. A step launched on top of one whose read fails fails too (its placeholders
+fed tokens that never were).
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pagoda.common.plan_check import PlanError
 from pagoda.common.step import StepMasks, StepPlan, StepResult
@@ -58,12 +69,63 @@ class SampledTokens:
     sample_ms: float = 0.0
 
 
+class PendingTokens(Protocol):
+    """A compute's sampled tokens on their way to the host (Engine.launch_compute)."""
+
+    def done(self) -> bool:
+        """Whether `read` would return without waiting."""
+
+    def read(self) -> SampledTokens:
+        """The tokens (once): the step's one wait for its device."""
+
+
+@dataclass(slots=True)
+class ComputedTokens:
+    """Tokens already on the host: an engine whose compute is done when it returns."""
+
+    sampled: SampledTokens
+
+    def done(self) -> bool:
+        return True
+
+    def read(self) -> SampledTokens:
+        return self.sampled
+
+
+@dataclass(slots=True, eq=False)
+class Launched:
+    """A step whose work is enqueued (Engine.launch); Engine.read answers it, once."""
+
+    plan: StepPlan  # as received
+    started_s: float
+    # The step launched before this one and not read then (launched ahead: its tokens may
+    # be fed here), or None.
+    after: Launched | None
+    admitted: StepPlan | None = None
+    refusals: dict[int, str] = field(default_factory=dict)
+    sampling: SamplingRows | None = None  # the admitted rows that sample
+    tokens: PendingTokens | None = None  # None: nothing was computed
+    failure: str | None = None  # why the step failed (at its launch or its read)
+
+    def done(self) -> bool:
+        """Whether reading it would not wait for the device."""
+        return self.tokens is None or self.tokens.done()
+
+
 class InjectedFault(RuntimeError):
     """Raised by the --fail-on-token-id test hook."""
 
 
+class StepBeforeFailed(RuntimeError):
+    """A step launched ahead of one whose read failed: its placeholders fed no real token."""
+
+
 class Engine(ABC):
     """Runs step plans against one sequence table. Called only from the worker's step loop."""
+
+    # Whether the server may launch a step before the one before it is read (see the module
+    # docstring): the worker's --launch-ahead, for an engine whose launch_compute enqueues.
+    launches_ahead = False
 
     def __init__(self, facts: EngineFacts, *, fail_on_token_id: int | None = None) -> None:
         self.facts = facts
@@ -78,11 +140,24 @@ class Engine(ABC):
         # The StepMasks of a step id, waited for (the server's: it raises when they do
         # not come in time); None: no channel, a plan whose masks follow fails its step.
         self.wait_masks: Callable[[int], StepMasks] | None = None
+        self._unread: Launched | None = None  # the last step launched, until it is read
+        self._last_read_s = 0.0  # when the last read ended (perf_counter)
 
     @abstractmethod
     def compute(self, plan: StepPlan) -> SampledTokens:
         """The forward and sampling over an admitted plan (at least one row); each row's
         sequence is in self.table."""
+
+    def launch_compute(self, plan: StepPlan) -> PendingTokens:
+        """`compute`, enqueued: an engine that can returns before its device is done (and
+        then feeds the rows of `plan` that hold PENDING_TOKEN from the unread step's
+        tokens); this one computes at once."""
+        return ComputedTokens(self.compute(plan))
+
+    def can_launch_ahead(self, plan: StepPlan) -> bool:
+        """Whether `plan` (as received) may be launched while the last step launched is
+        unread. Never a plan whose masks follow: they come once that step is answered."""
+        return self.launches_ahead and not plan.masks_follow
 
     def sampling_rows(self, plan: StepPlan) -> SamplingRows:
         """The admitted plan's rows that sample, with their masks: those that follow it
@@ -99,36 +174,79 @@ class Engine(ABC):
 
     def step(self, plan: StepPlan) -> StepResult:
         """Admit, compute, forget, pack. Never raises for a bad plan or a failing forward."""
-        started_s = time.perf_counter()
+        return self.read(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> Launched:
+        """Admit the plan, enqueue its compute, forget what it says to forget. Never raises:
+        a failure is kept for `read` to answer."""
+        launched = Launched(plan, time.perf_counter(), after=self._unread)
         try:
             admitted, refusals = self.table.admit(plan)
+            launched.admitted, launched.refusals = admitted, refusals
             if admitted.seq_ids:
                 self._check_injected_fault(admitted)
-                sampled = self.compute(admitted)
-                # Before the next plan, which may feed these tokens as placeholders.
-                self.table.record_sampled(admitted, sampled.token_ids)
-            else:
-                sampled = SampledTokens([])
+                launched.tokens = self.launch_compute(admitted)
+                launched.sampling = self.table.sampling_rows(admitted, with_masks=False)
+                # A plan launched before this one is read feeds these as placeholders.
+                self.table.expect_sampled(launched.sampling)
         except Exception as exc:  # any failure in the forward must not kill the worker
-            ids = sorted(plan.named_seq_ids())
-            self.table.forget(ids)
-            message = one_line(exc)
-            log.warning("step %d failed: %s; forgot %d sequences", plan.step_id, message, len(ids))
-            if not isinstance(exc, PlanError):
-                log.debug("step %d traceback", plan.step_id, exc_info=True)
-            return StepResult(
-                step_id=plan.step_id,
-                step_error=message,
-                total_ms=(time.perf_counter() - started_s) * 1e3,
-            )
+            self._fail(launched, exc)
+            return launched
         self.table.forget(admitted.forget_seq_ids)
-        result = pack_result(admitted, refusals, sampled)
-        result.total_ms = (time.perf_counter() - started_s) * 1e3
+        self._unread = launched
+        return launched
+
+    def read(self, launched: Launched) -> StepResult:
+        """Wait for a launched step's tokens, record them, pack its result (steps are read
+        in launch order)."""
+        if self._unread is launched:
+            self._unread = None
+        after = launched.after
+        if launched.failure is None and after is not None and after.failure is not None:
+            self._fail(
+                launched,
+                StepBeforeFailed(
+                    f"step {after.plan.step_id}, launched before it, failed: {after.failure}"
+                ),
+            )
+        sampled = SampledTokens([])
+        if launched.failure is None and launched.tokens is not None:
+            try:
+                sampled = launched.tokens.read()
+                self.table.record_sampled(launched.sampling, sampled.token_ids)
+            except Exception as exc:  # a device error surfaces at the wait
+                self._fail(launched, exc)
+        now_s = time.perf_counter()
+        # Its own time: a step launched ahead waited for the one before it to be read.
+        ahead = launched.started_s < self._last_read_s
+        total_ms = (now_s - max(launched.started_s, self._last_read_s)) * 1e3
+        self._last_read_s = now_s
+        if ahead:  # the compute's clock ran from the launch: its rest is this step's too
+            sampled.sample_ms = max(total_ms - sampled.forward_ms, 0.0)
+        if launched.failure is not None:
+            return StepResult(
+                step_id=launched.plan.step_id, step_error=launched.failure, total_ms=total_ms
+            )
+        result = pack_result(launched.admitted, launched.refusals, sampled)
+        result.total_ms = total_ms
         return result
+
+    def _fail(self, launched: Launched, exc: Exception) -> None:
+        """The step fails whole: every sequence it named is forgotten."""
+        plan = launched.plan
+        ids = sorted(plan.named_seq_ids())
+        self.table.forget(ids)
+        launched.failure = one_line(exc)
+        log.warning(
+            "step %d failed: %s; forgot %d sequences", plan.step_id, launched.failure, len(ids)
+        )
+        if not isinstance(exc, PlanError | StepBeforeFailed):
+            log.debug("step %d traceback", plan.step_id, exc_info=exc)
 
     def reset(self) -> None:
         """Forget every sequence (a new scheduler knows none of them)."""
         self.table.clear()
+        self._unread = None
 
     def _check_injected_fault(self, plan: StepPlan) -> None:
         token_id = self.fail_on_token_id

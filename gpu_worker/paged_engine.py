@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,15 +21,22 @@ from pagoda.gpu_worker.attention import create_backend
 from pagoda.gpu_worker.block_tables import BlockTables
 from pagoda.gpu_worker.config import WorkerConfig
 from pagoda.gpu_worker.cuda_graphs import DecodeGraphs, can_capture
-from pagoda.gpu_worker.engine import Engine, EngineFacts, SampledTokens
+from pagoda.gpu_worker.engine import (
+    ComputedTokens,
+    Engine,
+    EngineFacts,
+    PendingTokens,
+    SampledTokens,
+)
 from pagoda.gpu_worker.kv_pool import GIB, KVGeometry, KVPool, num_blocks_for_budget
 from pagoda.gpu_worker.kv_sizing import kv_budget_bytes, measure_memory, profile_plan
 from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
 from pagoda.gpu_worker.numerics import describe_numerics, make_batch_invariant
 from pagoda.gpu_worker.quantization import quantize, resolve_quantization
-from pagoda.gpu_worker.ragged_batch import build_ragged_batch
-from pagoda.gpu_worker.sampler import SampleRow, sample
-from pagoda.gpu_worker.step_events import StepClock, wait_for_device
+from pagoda.gpu_worker.ragged_batch import build_ragged_batch, packed_rows
+from pagoda.gpu_worker.sampler import DeviceSample, SampleRow, sample_on_device
+from pagoda.gpu_worker.sequence_table import PENDING_TOKEN
+from pagoda.gpu_worker.step_events import DeviceEvent, StepClock
 from pagoda.gpu_worker.token_counts import TokenCounts, has_penalty
 from pagoda.gpu_worker.warm_up import warm_up
 
@@ -147,23 +155,68 @@ class PagedEngine(Engine):
         return "; RMSNorm, SiLU*up and RoPE: Pagoda's float32 kernels"
 
     def compute(self, plan: StepPlan) -> SampledTokens:
+        return self.launch_compute(plan).read()
+
+    def launch_compute(self, plan: StepPlan) -> PendingTokens:
         if self.group_sampling is None:
-            return self.forward_and_sample(plan, samples=True)
-        return self.group_sampling.compute(plan, self.forward_and_sample)
+            return self._launch_forward(plan, samples=True, fill=self._pending_fill(plan))
+        return ComputedTokens(self.group_sampling.compute(plan, self.forward_and_sample))
+
+    def can_launch_ahead(self, plan: StepPlan) -> bool:
+        """Also not on a tensor-parallel rank, under the fault hook (it reads fed tokens
+        on the host), nor when a placeholder row's sequence has a penalty (TokenCounts
+        counts fed tokens from the host's history)."""
+        if not super().can_launch_ahead(plan):
+            return False
+        if self.group_sampling is not None or self.fail_on_token_id is not None:
+            return False
+        seq_ids = plan.seq_ids
+        for row in plan.last_sampled_rows:
+            seq = self.table.get(seq_ids[row]) if 0 <= row < len(seq_ids) else None
+            if seq is not None and has_penalty(seq.sampling):
+                return False
+        return True
+
+    def _pending_fill(self, plan: StepPlan) -> TokenFill | None:
+        """Where the admitted `plan` feeds PENDING_TOKEN, the unread step's sampled tokens
+        to put there on the device; None when it feeds none."""
+        unread = self._unread
+        if unread is None or unread.sampling is None:
+            return None
+        token_ids, offsets = plan.token_ids, plan.token_offsets
+        rows = [i for i in range(len(plan.seq_ids)) if token_ids[offsets[i]] == PENDING_TOKEN]
+        if not rows:
+            return None
+        sample_row_of = {seq.seq_id: k for k, seq in enumerate(unread.sampling.sequences)}
+        seq_ids = plan.seq_ids
+        return TokenFill(
+            rows, [sample_row_of[seq_ids[i]] for i in rows], unread.tokens.device_token_ids
+        )
 
     @torch.inference_mode()
     def forward_and_sample(self, plan: StepPlan, *, samples: bool) -> SampledTokens:
         """The forward over the admitted `plan`, then its sampling when `samples` (else no
         token ids)."""
+        return self._launch_forward(plan, samples=samples, fill=None).read()
+
+    @torch.inference_mode()
+    def _launch_forward(
+        self, plan: StepPlan, *, samples: bool, fill: TokenFill | None
+    ) -> EnqueuedTokens:
+        """Enqueue the forward over the admitted `plan` (its PENDING_TOKEN rows fed by
+        `fill`) and, when `samples`, its sampling; nothing here waits for the device but
+        a plan whose masks follow (sampling_rows)."""
         clock = StepClock(self.device)
         self.token_counts.update(plan, self.table)
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(plan):
-            return self._sample(graphs.run(plan), plan, clock, samples)
+            return self._sample(graphs.run(plan, fill), plan, clock, samples)
         rows_of = self.block_tables.update(plan, self.table)
         batch = build_ragged_batch(
             plan, self.table, self.block_size, self.device, (self.block_tables.table, rows_of)
         )
+        if fill is not None:
+            fill.apply(batch.input_ids[0], packed_rows(plan, fill.rows))
         logits = self.model(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,
@@ -182,14 +235,13 @@ class PagedEngine(Engine):
         plan: StepPlan,
         clock: StepClock,
         samples: bool,
-    ) -> SampledTokens:
-        """Sample the rows of `logits` (one per row of the admitted `plan` that samples, in
-        order). The host does not wait for the forward first: it waits once, when it reads
-        the sampled tokens (step_events.py), or at the end when nothing samples."""
+    ) -> EnqueuedTokens:
+        """Enqueue the sampling of `logits`'s rows (one per row of the admitted `plan` that
+        samples, in order). The host does not wait for the forward: it waits once, when
+        the tokens are read (step_events.py)."""
         clock.forward_enqueued()
         if not samples:  # another rank samples (tensor parallel): no masks to wait for
-            wait_for_device(self.device)
-            return SampledTokens([], forward_ms=sum(clock.timings_ms()))
+            return EnqueuedTokens(clock, None)
         sampling = self.sampling_rows(plan)  # waits for masks that follow the plan
         sequences = sampling.sequences
         rows = [
@@ -214,12 +266,37 @@ class PagedEngine(Engine):
                     for seq in sequences
                 ),
             )
-        output = sample(logits, rows, counts) if rows else None
-        if output is None:
-            # The next step reuses pinned staging that this step's copies may still read.
-            wait_for_device(self.device)
-            return SampledTokens([], forward_ms=sum(clock.timings_ms()))
-        forward_ms, sample_ms = clock.timings_ms()
+        return EnqueuedTokens(clock, sample_on_device(logits, rows, counts) if rows else None)
+
+
+@dataclass(slots=True)
+class EnqueuedTokens:
+    """The paged engine's PendingTokens: a step's sampling (None: it samples nothing),
+    enqueued behind its forward, and the step's clock."""
+
+    clock: StepClock
+    sample: DeviceSample | None
+    # A step that samples nothing waits on this, recorded after its last copy: the step
+    # after the next reuses pinned staging that its copies may still read.
+    finished: DeviceEvent | None = None
+
+    def __post_init__(self) -> None:
+        if self.sample is None:
+            self.finished = DeviceEvent(self.clock.device).record()
+
+    @property
+    def device_token_ids(self) -> torch.Tensor | None:
+        return None if self.sample is None else self.sample.token_ids
+
+    def done(self) -> bool:
+        return self.sample.done() if self.sample is not None else self.finished.query()
+
+    def read(self) -> SampledTokens:
+        if self.sample is None:
+            self.finished.synchronize()
+            return SampledTokens([], forward_ms=sum(self.clock.timings_ms()))
+        output = self.sample.read()
+        forward_ms, sample_ms = self.clock.timings_ms()
         return SampledTokens(
             token_ids=output.token_ids,
             logprobs=output.logprobs,
@@ -228,6 +305,25 @@ class PagedEngine(Engine):
             forward_ms=forward_ms,
             sample_ms=sample_ms,
         )
+
+
+@dataclass(slots=True)
+class TokenFill:
+    """A step launched ahead feeds, at plan row rows[k] (one token each), the token that
+    the unread step sampled at its sampling row sources[k], from `tokens` on the device."""
+
+    rows: list[int]
+    sources: list[int]
+    tokens: torch.Tensor  # [S] int64, the unread step's DeviceSample.token_ids
+
+    def apply(self, input_ids: torch.Tensor, positions: list[int]) -> None:
+        """input_ids[positions[k]] = tokens[sources[k]], in stream order (after the copies
+        that wrote input_ids, before the forward that reads it)."""
+        index = torch.tensor([*positions, *self.sources], dtype=torch.long)
+        if input_ids.device.type != "cpu":
+            index = index.pin_memory().to(input_ids.device, non_blocking=True)
+        n = len(positions)
+        input_ids.index_copy_(0, index[:n], self.tokens.index_select(0, index[n:]))
 
 
 def pick_device(requested: str) -> str:
@@ -321,7 +417,15 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
         log.info("no CUDA graphs: the %s backend loops on the host", engine.attention_backend.name)
     # After the capture, which compiled the decode variants of its buckets already.
     warm_up(engine, max_num_seqs=config.max_num_batched_tokens)
-    log.info("quantization %s; engine built in %.1f s", quantization, time.monotonic() - built_s)
+    engine.launches_ahead = config.tensor_parallel_size == 1 and (
+        config.launch_ahead == "on" or (config.launch_ahead == "auto" and device.startswith("cuda"))
+    )
+    log.info(
+        "quantization %s; steps launched ahead: %s; engine built in %.1f s",
+        quantization,
+        "yes" if engine.launches_ahead else "no",
+        time.monotonic() - built_s,
+    )
     log.info(
         "KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB (%d layers, %d KV heads x %d)",
         num_blocks,

@@ -149,3 +149,16 @@ def build_ragged_batch(
         sample_token_indices=longs[3 * num_tokens :],
         attention=attention,
     )
+
+
+def packed_rows(plan: StepPlan, rows: list[int]) -> list[int]:
+    """The packed index of the token that each of `rows` (plan rows feeding one token
+    each) feeds: one-token rows are packed first, in plan order."""
+    offsets = plan.token_offsets
+    if len(plan.token_ids) == len(plan.seq_ids):  # every row feeds one token: plan order
+        return list(rows)
+    rank: dict[int, int] = {}
+    for i in range(len(plan.seq_ids)):
+        if offsets[i + 1] - offsets[i] == 1:
+            rank[i] = len(rank)
+    return [rank[i] for i in rows]

@@ -23,7 +23,7 @@ import torch
 
 from pagoda.common.step import SamplingParams
 from pagoda.gpu_worker.sampling_columns import SamplingColumns, upload_columns
-from pagoda.gpu_worker.step_events import read_on_host
+from pagoda.gpu_worker.step_events import HostCopy
 
 # (seen in prompt or output [S, vocab] bool, generated counts [S, vocab] int32, or None when
 # no row has a presence or frequency penalty)
@@ -285,14 +285,50 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.where(moved < vocab_size, moved, last_live)
 
 
+@dataclass(slots=True)
+class DeviceSample:
+    """A batch's sampled tokens, enqueued: `token_ids` [S] (int64) stays on the device,
+    where a step launched ahead takes the tokens it feeds (engine.py), and their copy to
+    the host has begun (with the logprobs, when asked, in the same copy)."""
+
+    token_ids: torch.Tensor
+    _copy: HostCopy
+    # Per row, the top-n asked for; None when the copy holds the tokens alone.
+    _num_logprobs: list[int] | None = None
+
+    def done(self) -> bool:
+        return self._copy.done()
+
+    def read(self) -> SampleOutput:
+        """The tokens (and logprobs) on the host: the step's one wait for its device."""
+        values = self._copy.read().tolist()
+        if self._num_logprobs is None:
+            return SampleOutput(values, [], [], [])
+        k = (len(values[0]) - 2) // 2 if values else 0
+        output = SampleOutput([], [], [], [])
+        for row, n in zip(values, self._num_logprobs, strict=True):
+            output.token_ids.append(int(row[0]))
+            output.logprobs.append(row[1])
+            output.top_token_ids.append([int(t) for t in row[2 : 2 + n]])
+            output.top_logprobs.append(row[2 + k : 2 + k + n])
+        return output
+
+
 def sample(
     logits: torch.Tensor, rows: list[SampleRow], counts: TokenCountRows | None = None
 ) -> SampleOutput:
+    """sample_on_device, read back at once."""
+    return sample_on_device(logits, rows, counts).read()
+
+
+def sample_on_device(
+    logits: torch.Tensor, rows: list[SampleRow], counts: TokenCountRows | None = None
+) -> DeviceSample:
     """logits [S, vocab] (one row per sampling sequence, same order as `rows`); consumed:
     the logit bias and the masks may be written into them. `counts`: see
     apply_penalties. The rows' numbers go to the device in one copy (sampling_columns.py)
-    and one copy comes back: the tokens, and the logprobs when asked, in one tensor; the
-    host waits for the device only there (step_events.read_on_host)."""
+    and one copy comes back: the tokens, and the logprobs when asked, in one tensor,
+    started here and waited for only when read (step_events.HostCopy)."""
     columns = upload_columns(rows, logits.shape[-1], logits.device)
     logits = apply_penalties(logits.float(), rows, counts, columns)
     logits = apply_logit_bias(logits, rows, columns)
@@ -304,7 +340,7 @@ def sample(
     num_logprobs = [p.num_logprobs for p in params]
     if not sampled_rows and not any(num_logprobs):
         # all greedy: argmax is all
-        return SampleOutput(read_on_host(token_ids).tolist(), [], [], [])
+        return DeviceSample(token_ids, HostCopy(token_ids))
 
     scaled = logits / columns.floats("temperature")[:, None]
     if sampled_rows:
@@ -319,7 +355,7 @@ def sample(
         token_ids[index] = _draw(probs, columns.floats("uniform"))
 
     if not any(num_logprobs):
-        return SampleOutput(read_on_host(token_ids).tolist(), [], [], [])
+        return DeviceSample(token_ids, HostCopy(token_ids))
     logprobs = torch.log_softmax(scaled, dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None])
     top_values, top_ids = logprobs.topk(max(num_logprobs), dim=-1)
@@ -327,11 +363,4 @@ def sample(
     packed = torch.cat(
         [t.double() for t in (token_ids[:, None], chosen, top_ids, top_values)], dim=1
     )
-    k = top_ids.shape[1]
-    output = SampleOutput([], [], [], [])
-    for row, n in zip(read_on_host(packed).tolist(), num_logprobs, strict=True):
-        output.token_ids.append(int(row[0]))
-        output.logprobs.append(row[1])
-        output.top_token_ids.append([int(t) for t in row[2 : 2 + n]])
-        output.top_logprobs.append(row[2 + k : 2 + k + n])
-    return output
+    return DeviceSample(token_ids, HostCopy(packed), num_logprobs)

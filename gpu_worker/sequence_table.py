@@ -6,6 +6,11 @@ parameters, and the token at every position fed so far (for penalties). Admittin
 plan returns it as the same column-wise StepPlan (refused rows dropped, placeholders
 filled in), so every consumer reads columns and looks sequences up here by seq_id.
 Imports no torch, so the weightless dummy engine validates plans with the very same code.
+
+A step launched ahead (engine.py) is admitted before the step before it is read back: a
+placeholder row whose token that step has not read yet feeds PENDING_TOKEN, which the
+engine replaces on the device with the token sampled there, and the history holds
+PENDING_TOKEN at that position until `record_sampled` writes the token in.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from pagoda.gpu_worker.refusals import (
     row_problem,
 )
 
+# The token of a placeholder row whose sampling step is enqueued but not read back yet.
+PENDING_TOKEN = -2  # -1: no token sampled yet
+
 
 @dataclass(slots=True)
 class Sequence:
@@ -33,7 +41,8 @@ class Sequence:
     min_new_tokens: int = 0
     min_tokens_banned_ids: frozenset[int] = frozenset()
     # The token sampled last and the position it belongs at (-1: none yet), for a plan
-    # that feeds it as a placeholder (StepPlan.last_sampled_rows).
+    # that feeds it as a placeholder (StepPlan.last_sampled_rows); PENDING_TOKEN while its
+    # step is enqueued and not read back (expect_sampled).
     last_sampled_token_id: int = -1
     last_sampled_position: int = -1
 
@@ -219,15 +228,27 @@ class SequenceTable:
             ),
         )
 
-    def record_sampled(self, plan: StepPlan, token_ids: list[int]) -> None:
-        """The tokens sampled by an admitted plan's rows that sample (in order), for the
-        next plans."""
-        sampling = self.sampling_rows(plan, with_masks=False)
+    def expect_sampled(self, sampling: SamplingRows) -> None:
+        """The rows of an admitted plan that sample (sampling_rows) are enqueued: a plan
+        launched before they are read back may feed their tokens, as PENDING_TOKEN."""
+        for seq, position in zip(sampling.sequences, sampling.positions, strict=True):
+            seq.last_sampled_token_id = PENDING_TOKEN
+            seq.last_sampled_position = position
+
+    def record_sampled(self, sampling: SamplingRows, token_ids: list[int]) -> None:
+        """The tokens sampled by an admitted plan's rows that sample (sampling_rows, in
+        order), for the next plans; written into the history where a plan launched ahead
+        fed them as PENDING_TOKEN."""
         for seq, position, token_id in zip(
             sampling.sequences, sampling.positions, token_ids, strict=True
         ):
-            seq.last_sampled_token_id = token_id
-            seq.last_sampled_position = position
+            # Unless a step launched since expects another token (not read yet either).
+            if seq.last_sampled_token_id != PENDING_TOKEN or seq.last_sampled_position == position:
+                seq.last_sampled_token_id = token_id
+                seq.last_sampled_position = position
+            history = seq.token_ids
+            if position < len(history) and history[position] == PENDING_TOKEN:
+                history[position] = token_id
 
 
 def allowed_token_mask_bytes(vocab_size: int) -> int:

@@ -35,9 +35,9 @@ from collections import deque
 import zmq
 
 from pagoda.common import curve, step_codec, transport, wire
-from pagoda.common.step import StepMasks
+from pagoda.common.step import StepMasks, StepPlan
 from pagoda.common.systemd import notify, watchdog_interval_s
-from pagoda.gpu_worker.engine import Engine, one_line
+from pagoda.gpu_worker.engine import Engine, Launched, one_line
 from pagoda.gpu_worker.step_pulse import StepPulse
 from pagoda.protos import step_pb2
 
@@ -57,6 +57,11 @@ DEFAULT_HANG_TIMEOUT_S = 300.0
 POLL_SLICE_MS = 100
 # How long a stopping worker's close waits for its last result and goodbye to leave.
 GOODBYE_LINGER_MS = 1000
+# While a step launched (or launched ahead) is on the device, the socket is polled for the
+# next plan in slices this long (it comes about a quarter of a step before the end).
+AHEAD_POLL_MS = 1
+# --launch-ahead on a CPU: how long a done step waits for the next plan (tests only).
+CPU_AHEAD_WAIT_S = 0.05
 # Longest wait for the masks that follow a plan, from the end of its forward; they come
 # within about a step, unless the scheduler is gone (then the step fails).
 MASKS_TIMEOUT_S = 10.0
@@ -111,6 +116,8 @@ class WorkerServer:
         self._pulse: StepPulse | None = None
         # Messages received while the engine waited for masks, for the loop, oldest first.
         self._deferred: deque[list[bytes]] = deque()
+        self.num_steps = 0
+        self.num_launched_ahead = 0  # steps launched before the one before them was read
         self.masks_timeout_s = MASKS_TIMEOUT_S
         engine.wait_masks = self.wait_masks
 
@@ -194,6 +201,8 @@ class WorkerServer:
             exit_code = self._handle(frames)
             if exit_code is not None:
                 return exit_code
+        if self.engine.launches_ahead:
+            log.info("%d of %d steps were launched ahead", self.num_launched_ahead, self.num_steps)
         log.info("%s; saying goodbye and closing", self._stop_reason)
         notify("STOPPING=1")
         return EXIT_OK
@@ -277,27 +286,7 @@ class WorkerServer:
             log.warning("ignored a malformed message: %s", exc)
             return None
         if isinstance(message, step_pb2.StepPlan):
-            plan = step_codec.decode_plan(message)
-            if self.group is not None:
-                self.group.send_plan(frames)  # as wire.decode just parsed them
-            try:
-                with self._computing(plan.step_id):
-                    result = step_codec.encode_result(self.engine.step(plan))
-            except Exception as exc:  # the engine reports its own failures; this is a backstop
-                log.error("step %d: engine crashed: %s", plan.step_id, one_line(exc))
-                self.engine.table.forget(plan.named_seq_ids())
-                result = step_pb2.StepResult(step_id=plan.step_id, step_error=one_line(exc))
-            if self._group_lost():
-                return EXIT_GROUP_LOST  # a partial sum is no result: the scheduler sees a loss
-            log.debug(
-                "step %d: %d tokens, %d sampled, %.1f ms",
-                result.step_id,
-                result.num_tokens,
-                len(result.token_ids),
-                result.total_ms,
-            )
-            if not self._send(result):
-                log.warning("step %d: result dropped, no scheduler connected", message.step_id)
+            return self._run_plans(step_codec.decode_plan(message), frames)
         elif isinstance(message, step_pb2.HelloAck):
             if self._acknowledged:
                 # Only an answer to our own hello counts: a stray or forged ack must not
@@ -315,6 +304,87 @@ class WorkerServer:
             self._last_hello_s = float("-inf")
         else:
             log.warning("ignored an unexpected %s from the scheduler", type(message).__name__)
+        return None
+
+    def _run_plans(self, plan: StepPlan, frames: list[bytes]) -> int | None:
+        """Run `plan` and answer it; while its device works, take the next plan if it
+        came and may be launched ahead (engine.py), and so on: each result is sent once
+        its step is read, in order."""
+        launched = self._launch(plan, frames)
+        while launched is not None:
+            following = None
+            ahead = self._plan_ahead(launched)
+            if ahead is not None:
+                following = self._launch(*ahead)
+                self.num_launched_ahead += 1
+            try:
+                with self._computing(launched.plan.step_id):
+                    result = step_codec.encode_result(self.engine.read(launched))
+            except Exception as exc:  # the engine reports its own failures; this is a backstop
+                step_id = launched.plan.step_id
+                log.error("step %d: engine crashed: %s", step_id, one_line(exc))
+                self.engine.table.forget(launched.plan.named_seq_ids())
+                result = step_pb2.StepResult(step_id=step_id, step_error=one_line(exc))
+            if self._group_lost():
+                return EXIT_GROUP_LOST  # a partial sum is no result: the scheduler sees a loss
+            log.debug(
+                "step %d: %d tokens, %d sampled, %.1f ms",
+                result.step_id,
+                result.num_tokens,
+                len(result.token_ids),
+                result.total_ms,
+            )
+            if not self._send(result):
+                log.warning("step %d: result dropped, no scheduler connected", result.step_id)
+            launched = following
+        return None
+
+    def _launch(self, plan: StepPlan, frames: list[bytes]) -> Launched:
+        self.num_steps += 1
+        if self.group is not None:
+            self.group.send_plan(frames)  # as wire.decode just parsed them
+        try:
+            with self._computing(plan.step_id):
+                return self.engine.launch(plan)
+        except Exception as exc:  # the engine reports its own failures; this is a backstop
+            log.error("step %d: engine crashed: %s", plan.step_id, one_line(exc))
+            self.engine.table.forget(plan.named_seq_ids())
+            return Launched(plan, time.perf_counter(), after=None, failure=one_line(exc))
+
+    def _plan_ahead(self, launched: Launched) -> tuple[StepPlan, list[bytes]] | None:
+        """The next plan and its frames, if it comes while `launched` is on the device and
+        the engine may launch it ahead; any other message received meanwhile is kept for
+        the loop, in arrival order. Heartbeats go out as during a step."""
+        engine = self.engine
+        if not engine.launches_ahead or self.group is not None:
+            return None
+        # On a CPU the step is done when launched: wait a little for the next plan anyway
+        # (--launch-ahead on: the bookkeeping tested end to end; results come later).
+        waits_s = 0.0 if engine.facts.device.startswith("cuda") else CPU_AHEAD_WAIT_S
+        deadline_s = time.monotonic() + waits_s
+        while not self._stop_requested:
+            if self._deferred:
+                frames = self._deferred[0]
+            elif self._socket.poll(AHEAD_POLL_MS, zmq.POLLIN):
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                self._deferred.append(frames)
+            elif launched.done() and time.monotonic() >= deadline_s:
+                return None
+            else:
+                if time.monotonic() - self._last_sent_s >= STEP_HEARTBEAT_INTERVAL_S:
+                    self._beat()
+                continue
+            try:
+                message = wire.decode(frames)
+            except wire.FrameError:
+                return None  # the loop logs and skips it
+            if not isinstance(message, step_pb2.StepPlan):
+                return None
+            plan = step_codec.decode_plan(message)
+            if not engine.can_launch_ahead(plan):
+                return None
+            self._deferred.popleft()
+            return plan, frames
         return None
 
     def _on_ack(self, ack: step_pb2.HelloAck) -> int | None:

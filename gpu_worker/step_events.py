@@ -1,11 +1,12 @@
 """Where a step's host waits for its device: once, after the sampled tokens' copy.
 
-A step enqueues its forward (or graph replay) and its sampling without waiting, copies the
-sampled tokens into pinned host memory (non_blocking) and waits on an event recorded
-after that copy (`read_on_host`), so the host prepares the sampling while the forward
-runs. A step that samples nothing still ends with a wait (`wait_for_device`): the next
-step reuses pinned staging buffers (cuda_graphs.py, block_tables.py) that this step's
-copies may still be reading. No call waits for the whole device
+A step enqueues its forward (or graph replay) and its sampling without waiting, starts
+the sampled tokens' copy into pinned host memory (non_blocking, `HostCopy`) and waits on
+an event recorded after that copy when it reads them, so the host prepares the sampling
+while the forward runs, and a step launched ahead (engine.py) is enqueued before the
+step before it is read. A step that samples nothing ends the same way, on an event
+(`DeviceEvent`): the step after the next reuses pinned staging buffers (cuda_graphs.py)
+that this step's copies may still be reading. No call waits for the whole device
 (torch.cuda.synchronize), only for this stream's work.
 
 On CPU the same calls run and the events do nothing: the work is done when the call
@@ -41,6 +42,10 @@ class DeviceEvent:
         if self._event is not None:
             self._event.synchronize()
 
+    def query(self) -> bool:
+        """Whether the work enqueued before `record` is done, without waiting (a CPU: yes)."""
+        return self._event is None or self._event.query()
+
     def elapsed_ms(self, later: DeviceEvent) -> float | None:
         """Device milliseconds from this event to `later` (both timing, both done)."""
         if self._event is None or later._event is None:
@@ -53,24 +58,42 @@ def wait_for_device(device: torch.device) -> None:
     DeviceEvent(device).record().synchronize()
 
 
+class HostCopy:
+    """A device tensor's values on their way to the host: on CUDA one non_blocking copy
+    into pinned memory, enqueued at once, and an event recorded after it; on a CPU the
+    tensor itself (and an event that does nothing)."""
+
+    __slots__ = ("_host", "_copied")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        host = tensor
+        if tensor.device.type == "cuda":
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+        self._host = host
+        self._copied = DeviceEvent(tensor.device).record()
+
+    def done(self) -> bool:
+        return self._copied.query()
+
+    def read(self) -> torch.Tensor:
+        """The values, once the copy is done (the one wait)."""
+        self._copied.synchronize()
+        return self._host
+
+
 def read_on_host(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`'s values on the host: on CUDA one non_blocking copy into pinned memory,
-    then a wait on an event recorded after it; on a CPU the tensor itself (and the same
-    wait, which does nothing)."""
-    host = tensor
-    if tensor.device.type == "cuda":
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-    wait_for_device(tensor.device)
-    return host
+    """`tensor`'s values on the host, waited for now (HostCopy, read at once)."""
+    return HostCopy(tensor).read()
 
 
 class StepClock:
     """A step's start and end of forward, on the host's clock and (CUDA) the device's."""
 
-    __slots__ = ("_started_s", "_forward_done_s", "_start", "_forward_done")
+    __slots__ = ("device", "_started_s", "_forward_done_s", "_start", "_forward_done")
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self._started_s = time.perf_counter()
         self._forward_done_s = self._started_s
         self._start = DeviceEvent(device, timing=True).record()

@@ -238,6 +238,18 @@ class Driver:
     def run(self, entries, new=(), forget=()):
         """entries: (seq_id, start, tokens, sample). new: (seq_id, num_prompt, cached) or
         (seq_id, num_prompt, cached, SamplingParams); greedy when left out."""
+        return self.check(self.engine.step(self.plan(entries, new, forget)))
+
+    @staticmethod
+    def check(result):
+        if result.step_error or result.errors:
+            raise RuntimeError(
+                f"step failed: {result.step_error} {list(result.errors.items())[:3]}"
+            )
+        return result
+
+    def plan(self, entries, new=(), forget=()):
+        """The StepPlan of `run`'s arguments, its blocks allocated."""
         self.step_id += 1
         plan = self.StepPlan(step_id=self.step_id, token_offsets=[0], block_offsets=[0])
         for seq_id, num_prompt, cached, *sampling in new:
@@ -257,12 +269,7 @@ class Driver:
             self.next_block += need
             self.blocks[seq_id] += need
         plan.forget_seq_ids = list(forget)
-        result = self.engine.step(plan)
-        if result.step_error or result.errors:
-            raise RuntimeError(
-                f"step failed: {result.step_error} {list(result.errors.items())[:3]}"
-            )
-        return result
+        return plan
 
 
 def greedy_engine(engine, prompts, new_tokens, chunk=None, stagger=True):
@@ -638,6 +645,12 @@ def bench(eng) -> None:
             f"decode B={batch:3d} ctx={ctx:5d}: step {wall:7.2f} ms (forward {fwd:.2f}, sample {smp:.2f})"
             f" = {batch / wall * 1e3:8.0f} tok/s; roofline {roof:.2f} ms -> {wall / roof:.2f}x{extra}",
         )
+        ahead = ahead_decode_ms(eng, d, batch, ctx, 10 if not SMOKE else 3)
+        say(
+            "TIME",
+            f"decode B={batch:3d} ctx={ctx:5d} launched ahead: {ahead:7.2f} ms a step "
+            f"= {batch / ahead * 1e3:8.0f} tok/s; roofline {roof:.2f} ms -> {ahead / roof:.2f}x",
+        )
         if (batch, ctx) == (64, 1024) and eng.decode_graphs is not None:
             graphs, eng.decode_graphs = eng.decode_graphs, None
             wall_e, fwd_e, _ = _timed_steps(d, entries, 3)
@@ -663,6 +676,29 @@ def bench(eng) -> None:
             f"prefill {n} tokens (eager): step {wall:.2f} ms (forward {fwd:.2f}) = {n / wall * 1e3:.0f} tok/s",
         )
         d.reset([0])
+
+
+def ahead_decode_ms(eng, d, batch, ctx, num_steps):
+    """Wall time a decode step of `batch` rows at `ctx` takes when each step is launched
+    before the one before it is read (its rows fed that step's tokens on the device), as
+    the worker runs them under --launch-ahead: the host's work hides behind the device's.
+    Each row first samples the token at position ctx (a serial step), then one step a
+    position further each time."""
+    rows = list(range(batch))
+    eng.launches_ahead = True
+    d.run([(i, ctx - 1, [5], True) for i in rows])
+    sync()
+    started = time.perf_counter()
+    launched = None
+    for k in range(num_steps):
+        plan = d.plan([(i, ctx + k, [0], True) for i in rows])
+        plan.last_sampled_rows = list(rows)
+        following = eng.launch(plan)
+        if launched is not None:
+            d.check(eng.read(launched))
+        launched = following
+    d.check(eng.read(launched))
+    return (time.perf_counter() - started) * 1e3 / num_steps
 
 
 def replay_ms(eng, batch):
@@ -825,13 +861,33 @@ def sampled_decode(eng, d, new, entries, label: str) -> None:
         temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.1,
         presence_penalty=0.2, seed=7, logit_bias_token_ids=(5,), logit_bias_values=(1.5,),
     )  # fmt: skip
+    sync()
+    started = time.perf_counter()
     d.run(entries, new=[(*n[:3], params) for n in new])
-    wall, fwd, smp = _timed_steps(d, entries, 5 if not SMOKE else 2)
+    sync()
+    first_ms = (time.perf_counter() - started) * 1e3
+    # Each timed step feeds the next position, as decoding does: re-feeding one position
+    # would be a recompute, which counts the penalized rows' whole histories again (the
+    # 138 ms of the second lease's one timing).
+    rows = [entry[0] for entry in entries]
+    position = entries[0][1] + 1
+    times, fwd, smp = [], [], []
+    for k in range(5 if not SMOKE else 2):
+        sync()
+        t = time.perf_counter()
+        r = d.run([(i, position + k, [5], True) for i in rows])
+        sync()
+        times.append((time.perf_counter() - t) * 1e3)
+        fwd.append(r.forward_ms)
+        smp.append(r.sample_ms)
     say(
         "TIME",
         f"decode {label} SAMPLED (temperature, top-p/k, min-p, penalties, bias): step "
-        f"{wall:.2f} ms (forward {fwd:.2f}, sample {smp:.2f})",
+        f"{statistics.median(times):.2f} ms (forward {statistics.median(fwd):.2f}, sample "
+        f"{statistics.median(smp):.2f}); the first, which counts the new rows' prompts for "
+        f"the penalties: {first_ms:.2f} ms",
     )
+    entries = [(i, position + len(times), [5], True) for i in rows]
     uploads = []
     real_upload = sampler.upload_columns
 

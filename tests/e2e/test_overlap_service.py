@@ -5,6 +5,7 @@ time (--no-overlap-steps), on the dummy worker and on a tiny real model."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import grpc
 import pytest
@@ -95,3 +96,24 @@ def test_tiny_model_greedy_output_is_generate_s_with_and_without_overlap(tmp_pat
         ) as service:
             assert concurrent_greedy(service, TINY_PROMPTS) == expected, flag
             assert service.stats().num_kv_blocks_used == 0
+
+
+def test_tiny_model_steps_launched_ahead_give_generate_s_output(tmp_path, tiny_model):  # noqa: F811
+    """--launch-ahead on: the worker enqueues step N+1 (its rows fed N's tokens where N
+    sampled them) before it reads N. On a CPU nothing overlaps, but every step after the
+    first may go through that bookkeeping, through the real scheduler and socket."""
+    directory, model = tiny_model
+    expected = [generate(model, ids, NUM_NEW_TOKENS) for ids in TINY_PROMPTS]
+    with running_service(
+        tmp_path,
+        model=str(directory),
+        worker_args=[*EXACT, "--device", "cpu", "--launch-ahead", "on"],
+        scheduler_args=["--max-num-batched-tokens", "8", "--overlap-steps"],
+    ) as service:
+        assert concurrent_greedy(service, TINY_PROMPTS) == expected
+        assert service.stats().num_kv_blocks_used == 0
+    (log_path,) = tmp_path.glob("worker-*.log")
+    log = log_path.read_text()
+    assert "steps launched ahead: yes" in log
+    launched = re.search(r"(\d+) of (\d+) steps were launched ahead", log)
+    assert launched is not None and int(launched[1]) > int(launched[2]) // 2, launched

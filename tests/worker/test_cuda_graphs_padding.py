@@ -38,10 +38,10 @@ def test_padded_decode_steps_give_the_eager_engines_tokens(llama_models, num_pro
     graphs.fits = every_decode_step  # no graph is captured: run() pads and runs eagerly
     run = graphs.run
 
-    def run_and_check_the_table(plan):
+    def run_and_check_the_table(plan, fill=None):
         """The static block table: each row gathered from the engine's device table, each
         padded row pointing at the scratch block."""
-        logits = run(plan)
+        logits = run(plan, fill)
         table = graphs._block_table
         for row, seq in enumerate(engine.table.sequences_of(plan.seq_ids)):
             block_ids = seq.block_ids

@@ -152,7 +152,7 @@ def test_placeholders_are_filled_into_the_admitted_token_ids():
     admitted, _ = admit(
         table, plan_of([(1, 0, [10, 11], [0]), (2, 0, [12], [1])], new=[(1, [], 2), (2, [], 1)])
     )
-    table.record_sampled(admitted, [42, 43])
+    table.record_sampled(table.sampling_rows(admitted), [42, 43])
     wire = plan_of([(1, 2, [0], []), (2, 1, [0], [])])
     wire.last_sampled_rows.append(1)
     plan = decode_plan(wire)
