@@ -302,6 +302,57 @@ def greedy_engine(engine, prompts, new_tokens, chunk=None, stagger=True):
     return [state[i]["out"][:new_tokens] for i in range(len(prompts))]
 
 
+def greedy_engine_ahead(engine, prompts, new_tokens, chunk=None):
+    """greedy_engine's steps (staggered, chunked), each launched before the one before it
+    is read, its rows fed that step's tokens on the device (placeholders), as the worker
+    runs them under --launch-ahead."""
+    d = Driver(engine)
+    engine.launches_ahead = True
+    state = {i: dict(pos=0, out=[], planned=0) for i in range(len(prompts))}
+    num_plans = 0
+
+    def more():
+        return any(s["planned"] < new_tokens for s in state.values())
+
+    def plan():
+        nonlocal num_plans
+        entries, new, placeholders = [], [], []
+        for i, p in enumerate(prompts):
+            s = state[i]
+            if s["planned"] >= new_tokens or i > num_plans:
+                continue
+            if s["pos"] == 0:
+                new.append((i, len(p), []))
+            if s["pos"] < len(p):
+                n = len(p) - s["pos"] if chunk is None else min(chunk, len(p) - s["pos"])
+                end = s["pos"] + n
+                entries.append((i, s["pos"], p[s["pos"] : end], end == len(p)))
+                s["planned"] += end == len(p)
+                s["pos"] = end
+            else:
+                index = s["pos"] - len(p)
+                known = index < len(s["out"])
+                if not known:  # sampled by the step not read yet
+                    placeholders.append(len(entries))
+                entries.append((i, s["pos"], [s["out"][index] if known else 0], True))
+                s["planned"] += 1
+                s["pos"] += 1
+        num_plans += 1
+        step_plan = d.plan(entries, new)
+        step_plan.last_sampled_rows = placeholders
+        return step_plan
+
+    launched = engine.launch(plan())
+    while launched is not None:
+        following = engine.launch(plan()) if more() else None
+        result = d.check(engine.read(launched))
+        for seq_id, token in zip(result.seq_ids, result.token_ids, strict=True):
+            state[seq_id]["out"].append(token)
+        launched = following
+    d.reset(range(len(prompts)))
+    return [state[i]["out"][:new_tokens] for i in range(len(prompts))]
+
+
 def hf_greedy(model, prompt, n):
     ids = torch.tensor([prompt], device=DEV)
     with torch.inference_mode():
@@ -414,6 +465,13 @@ def engine() -> None:
                 f"[bf16] engine vs HF bf16 generate: first token {first}/{len(prompts)}, "
                 f"exact {exact}/{len(prompts)}, first-divergence {prefix} (bf16: late divergence is OK)",
             )
+        ahead = greedy_engine_ahead(eng, prompts, n_new, chunk=24)
+        same = sum(a == g for a, g in zip(ahead, got, strict=True))
+        say(
+            "PASS" if same == len(prompts) else "FAIL",
+            f"[{dtype}] steps launched ahead (each before the one before it is read, fed its "
+            f"tokens on the device) == the same steps one at a time: {same}/{len(prompts)}",
+        )
         # graph replay vs eager: the same decode step both ways, logits compared. The dry run
         # (no graphs on the CPU) walks it eager vs eager, so the hooks it uses cannot rot.
         if eng.decode_graphs is not None or SMOKE:

@@ -147,3 +147,37 @@ def _run_plain(llama_models, prompts) -> dict[int, list[int]]:
     for seq_id, prompt in enumerate(prompts):
         scheduler.add(seq_id, prompt, admit_at_step=seq_id)
     return scheduler.run(20)
+
+
+def test_a_burst_of_new_penalized_sequences_grows_the_tables_once(monkeypatch):
+    """Nine new penalized sequences in one step from a table with one free row: the tables
+    grow once, to 16 rows (not 4, 8, then 16), and every row's counts are its own."""
+    steps = Steps()
+    tables_made = []
+    real_zeros = torch.zeros
+
+    def counting_zeros(*shape, **kwargs):
+        if shape[1:] == (VOCAB,):
+            tables_made.append(shape[0])
+        return real_zeros(*shape, **kwargs)
+
+    real_update = steps.counts.update
+
+    def update(*args):
+        monkeypatch.setattr(torch, "zeros", counting_zeros)
+        try:
+            real_update(*args)
+        finally:
+            monkeypatch.setattr(torch, "zeros", real_zeros)
+
+    steps.counts.update = update
+    steps.run(
+        [(seq_id, 0, [seq_id + 3, seq_id + 3, 40]) for seq_id in range(9)],
+        new=[
+            NewSequence(seq_id, REPEAT if seq_id % 2 else FREQUENT, num_prompt_tokens=2)
+            for seq_id in range(9)
+        ],
+    )  # Steps.run checks every row against its history
+    assert tables_made == [16, 16]  # seen and output counts, once each
+    assert steps.counts.num_rows_in_use == 9
+    steps.run([(seq_id, 3, [seq_id + 3]) for seq_id in range(9)])

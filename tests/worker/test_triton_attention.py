@@ -370,6 +370,24 @@ def test_any_block_size(kernels, block_size):
     assert_matches(kernels, make_step(sequences, 2, 2, 64, seed=7, block_size=block_size))
 
 
+# The shapes of the models served (issue 29): heads of 256, GQA groups up to 16, and
+# contexts of hundreds of blocks, a decode row and a prefill chunk in the same step.
+# (bfloat16 is checked on CUDA alone, test_bf16_on_cuda, which passed on an H200: under
+# the interpreter a bfloat16 step's output is garbage, differences of about 8e8.)
+@pytest.mark.parametrize(("head_dim", "group"), [(256, 2), (128, 16), (64, 12)])
+def test_large_heads_and_groups(kernels, head_dim, group):
+    sequences = [Sequence(31, 1), Sequence(16, 17), Sequence(0, 9)]
+    assert_matches(kernels, make_step(sequences, 1, group, head_dim, seed=9))
+
+
+def test_hundreds_of_blocks(kernels):
+    sequences = [Sequence(4000, 1), Sequence(3100, 12), Sequence(17, 1)]
+    step = make_step(sequences, 2, 4, 64, seed=10)
+    assert step.block_table.shape[1] > 250
+    assert_matches(kernels, step)
+    assert_matches(kernels, make_step(sequences[::2], 2, 4, 64, seed=11), num_segments=8)
+
+
 # Split-KV: a decode step's keys cut into ranges whose partial softmax states are merged.
 # More segments than key tiles leaves some empty (their state is max -inf, weight 0).
 @pytest.mark.parametrize("num_segments", [2, 4, 16])
