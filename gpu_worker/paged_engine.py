@@ -163,19 +163,13 @@ class PagedEngine(Engine):
         return ComputedTokens(self.group_sampling.compute(plan, self.forward_and_sample))
 
     def can_launch_ahead(self, plan: StepPlan) -> bool:
-        """Also not on a tensor-parallel rank, under the fault hook (it reads fed tokens
-        on the host), nor when a placeholder row's sequence has a penalty (TokenCounts
-        counts fed tokens from the host's history)."""
-        if not super().can_launch_ahead(plan):
-            return False
-        if self.group_sampling is not None or self.fail_on_token_id is not None:
-            return False
-        seq_ids = plan.seq_ids
-        for row in plan.last_sampled_rows:
-            seq = self.table.get(seq_ids[row]) if 0 <= row < len(seq_ids) else None
-            if seq is not None and has_penalty(seq.sampling):
-                return False
-        return True
+        """Also not on a tensor-parallel rank, nor under the fault hook (it reads fed
+        tokens on the host)."""
+        return (
+            super().can_launch_ahead(plan)
+            and self.group_sampling is None
+            and self.fail_on_token_id is None
+        )
 
     def _pending_fill(self, plan: StepPlan) -> TokenFill | None:
         """Where the admitted `plan` feeds PENDING_TOKEN, the unread step's sampled tokens
@@ -207,7 +201,7 @@ class PagedEngine(Engine):
         `fill`) and, when `samples`, its sampling; nothing here waits for the device but
         a plan whose masks follow (sampling_rows)."""
         clock = StepClock(self.device)
-        self.token_counts.update(plan, self.table)
+        self.token_counts.update(plan, self.table, fill)
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(plan):
             return self._sample(graphs.run(plan, fill), plan, clock, samples)

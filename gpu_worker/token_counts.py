@@ -15,11 +15,15 @@ its history. Rows of sequences the table no longer holds are reclaimed each step
 from __future__ import annotations
 
 from array import array
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagoda.common.step import SamplingParams, StepPlan
 from pagoda.gpu_worker.sequence_table import Sequence, SequenceTable
+
+if TYPE_CHECKING:
+    from pagoda.gpu_worker.paged_engine import TokenFill
 
 
 def has_penalty(params: SamplingParams) -> bool:
@@ -51,8 +55,9 @@ class TokenCounts:
         entry = self._rows.get(seq.seq_id)
         return entry[1] if entry is not None and entry[0] is seq else 0
 
-    def update(self, plan: StepPlan, table: SequenceTable) -> None:
-        """Count the tokens an admitted `plan` feeds (in its sequences' histories now)."""
+    def update(self, plan: StepPlan, table: SequenceTable, fill: TokenFill | None = None) -> None:
+        """Count the tokens an admitted `plan` feeds (in its sequences' histories now; a
+        row that `fill` feeds, launched ahead, has its token on the device alone)."""
         self._reclaim(table)
         penalized = [
             (i, seq)
@@ -68,6 +73,11 @@ class TokenCounts:
         output_rows: list[int] = []
         output_tokens: list[int] = []
         cleared: list[int] = []  # rows counted from position 0 again
+        # Rows whose one token the unread step sampled (PENDING_TOKEN in the history): its
+        # row here and its index in that step's tokens, counted from the device.
+        source_of = dict(zip(fill.rows, fill.sources, strict=True)) if fill is not None else {}
+        device_rows: list[int] = []
+        device_sources: list[int] = []
         offsets = plan.token_offsets
         for i, seq in penalized:
             start = plan.start_positions[i]
@@ -84,6 +94,11 @@ class TokenCounts:
             history = seq.token_ids
             num_prompt = seq.num_prompt_tokens
             end = start + offsets[i + 1] - offsets[i]
+            self._num_counted[seq.seq_id] = end
+            if i in source_of:  # a sampled token: generated
+                device_rows.append(row)
+                device_sources.append(source_of[i])
+                end -= 1
             prompt_end = min(end, num_prompt)
             if prompt_end > counted:
                 prompt_rows += [row] * (prompt_end - counted)
@@ -92,11 +107,36 @@ class TokenCounts:
             if end > output_start:
                 output_rows += [row] * (end - output_start)
                 output_tokens += history[output_start:end]
-            self._num_counted[seq.seq_id] = end
         if cleared:
             index = torch.tensor(cleared).to(self.device, non_blocking=True)
             self.seen.index_fill_(0, index, False)
             self.output_counts.index_fill_(0, index, 0)
+        self._count_from_host(prompt_rows, prompt_tokens, output_rows, output_tokens)
+        if device_rows:
+            index = torch.tensor(device_rows + device_sources)
+            if self.device.type != "cpu":
+                index = index.pin_memory()
+            index = index.to(self.device, non_blocking=True)
+            num_rows = len(device_rows)
+            rows, tokens = index[:num_rows], fill.tokens.index_select(0, index[num_rows:])
+            self.seen.index_put_(
+                (rows, tokens), torch.ones((), dtype=torch.bool, device=self.device)
+            )
+            self.output_counts.index_put_(
+                (rows, tokens),
+                torch.ones((), dtype=torch.int32, device=self.device).expand(num_rows),
+                accumulate=True,
+            )
+
+    def _count_from_host(
+        self,
+        prompt_rows: list[int],
+        prompt_tokens: list[int],
+        output_rows: list[int],
+        output_tokens: list[int],
+    ) -> None:
+        """Set seen[row, token] for every pair, and add one to output_counts[row, token]
+        for every output pair."""
         num_prompt_pairs, num_output_pairs = len(prompt_rows), len(output_rows)
         if not num_prompt_pairs + num_output_pairs:
             return

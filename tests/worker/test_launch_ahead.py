@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from pagoda.common.step import NewSequence, SamplingParams, StepPlan
 from pagoda.gpu_worker.sequence_table import PENDING_TOKEN
 from tests.worker.conftest import TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, random_prompts
@@ -242,7 +244,6 @@ def test_a_refused_row_launched_ahead_is_refused_alone(llama_models):
 
 def test_what_may_not_be_launched_ahead(llama_models):
     engine = llama_models.engine()
-    engine.launches_ahead = True
     driver = Driver(engine, ahead=True, num_new_tokens=8)
     driver.add(0, [5, 6, 7])
     driver.add(1, [8, 9], SamplingParams(repetition_penalty=1.3))
@@ -250,9 +251,7 @@ def test_what_may_not_be_launched_ahead(llama_models):
     engine.launch(driver.plan())
     plan = driver.plan()  # both rows are placeholders now
     assert plan.last_sampled_rows == [0, 1]
-    assert not engine.can_launch_ahead(plan)  # seq 1 has a penalty
-    plan.last_sampled_rows = [0]
-    assert engine.can_launch_ahead(plan)
+    assert engine.can_launch_ahead(plan)  # a penalty is counted on the device too
     plan.masks_follow = True  # its masks come once the step before is answered
     assert not engine.can_launch_ahead(plan)
     plan.masks_follow = False
@@ -263,12 +262,35 @@ def test_what_may_not_be_launched_ahead(llama_models):
     assert not engine.can_launch_ahead(plan)
 
 
-def test_penalized_rows_wait_for_the_read_and_give_the_serial_tokens(llama_models):
+def test_penalized_rows_launched_ahead_give_the_serial_tokens_and_counts(llama_models):
+    """Repetition, presence and frequency penalties read counts that a row launched ahead
+    takes from the unread step's tokens on the device (TokenCounts.update's fill)."""
+    from pagoda.gpu_worker.sampler import SampleRow, counts_from_histories
+
     def sampling(seq_id):
-        return SamplingParams(repetition_penalty=1.5) if seq_id == 1 else SamplingParams()
+        if seq_id == 1:
+            return SamplingParams(repetition_penalty=1.5)
+        if seq_id == 2:
+            return SamplingParams(presence_penalty=0.8, frequency_penalty=0.6)
+        return SamplingParams()
 
     prompts = random_prompts(3, seed=37)
-    serial, tokens_serial, ahead, tokens_ahead = run_both(llama_models.engine, prompts, 8, sampling)
+    serial, tokens_serial, ahead, tokens_ahead = run_both(
+        llama_models.engine, prompts, 10, sampling
+    )
     assert tokens_ahead == tokens_serial
-    # Seq 1's placeholder rows waited for each read; the others' steps went ahead with it.
-    assert ahead.num_launched_ahead > 0
+    assert tokens_serial[1] != llama_models.greedy(prompts[1], 10)  # the penalty bites
+    assert ahead.num_launched_ahead == ahead.num_plans - 1  # every step after the first
+    engine = llama_models.engine()
+    driver = staggered(Driver(engine, ahead=True, num_new_tokens=10, forget=False), prompts)
+    for job in driver.jobs:
+        job.sampling = sampling(job.seq_id)
+    driver.run()
+    counts = engine.token_counts
+    for job in driver.jobs[1:]:
+        seq = engine.table.get(job.seq_id)
+        position = len(seq.token_ids)
+        row = SampleRow(seq.sampling, seq.token_ids, seq.num_prompt_tokens, position)
+        want_seen, want_generated = counts_from_histories([row], counts.vocab_size, "cpu")
+        seen, generated = counts.gather([counts.row_of(seq)])
+        assert torch.equal(seen, want_seen) and torch.equal(generated, want_generated)
