@@ -202,6 +202,7 @@ class Engine(ABC):
         if self._unread is launched:
             self._unread = None
         after = launched.after
+        launched.after = None  # else each step would keep every step before it alive
         if launched.failure is None and after is not None and after.failure is not None:
             self._fail(
                 launched,
@@ -216,6 +217,7 @@ class Engine(ABC):
                 self.table.record_sampled(launched.sampling, sampled.token_ids)
             except Exception as exc:  # a device error surfaces at the wait
                 self._fail(launched, exc)
+        launched.tokens = None  # its device tensors: a step launched on it holds its own
         now_s = time.perf_counter()
         # Its own time: a step launched ahead waited for the one before it to be read.
         ahead = launched.started_s < self._last_read_s

@@ -17,6 +17,11 @@ let the plan being run finish and answer, send GOODBYE (the scheduler then recom
 the plans left unstarted without suspecting their requests), close the socket and exit
 0. Imports no torch.
 
+With --launch-ahead (the engine's `launches_ahead`), while a step's device work runs the
+loop polls for the next PLAN and, when the engine may launch it ahead, launches it before
+it reads and answers the step before (engine.py); results still go out one per plan, in
+order. Any other message received meanwhile waits for the loop, in arrival order.
+
 Under tensor parallelism this is rank 0, and `group` (tensor_parallel.GroupLeader) hears of
 every plan (its frames) and reset before the engine runs it; a lost group exits
 EXIT_GROUP_LOST.

@@ -95,6 +95,8 @@ class Driver:
 
     def read(self, launched) -> None:
         result = self.engine.read(launched)
+        # Read, a step keeps no step before it alive (nor its own device tensors).
+        assert launched.after is None and launched.tokens is None
         self.results.append(result)
         assert not result.step_error, result.step_error
         assert not result.errors, result.errors
