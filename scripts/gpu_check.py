@@ -1219,8 +1219,11 @@ def service(directory: str) -> None:
         for name, f in logs.items():
             f.close()
             with open(os.path.join(run_dir, f"{name}.log")) as log_file:
-                tail = log_file.read()[-2500:]
-            print(f"INFO {name} log tail:\n{tail}", flush=True)
+                text = log_file.read()
+            for line in text.splitlines():
+                if "steps were launched ahead" in line:  # the worker's count, at its stop
+                    say("INFO", f"service: {line.split(': ', 1)[-1]}")
+            print(f"INFO {name} log tail:\n{text[-2500:]}", flush=True)
 
 
 def reference_greedy(directory: str, prompt: str, n_new: int) -> tuple[list[int], list[int]]:
