@@ -33,6 +33,8 @@ import torch
 
 from benchmarks import docs_section
 from pagoda.common import step_codec
+from pagoda.common.step import StepPlan
+from pagoda.gpu_worker.config import LAUNCH_AHEAD, resolves_launch_ahead
 from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
 from pagoda.gpu_worker.paged_engine import PagedEngine, pick_device
 from pagoda.gpu_worker.quantization import quantize, resolve_quantization
@@ -118,6 +120,25 @@ def median_ms(*runs: Callable[[], object], repeats: int, warmup: int = 1) -> lis
             _synchronize()
             samples.append((time.perf_counter() - started_s) * 1e3)
     return [statistics.median(samples) for samples in times]
+
+
+def launched_ahead_ms(
+    engine: PagedEngine, plan_at: Callable[[int], StepPlan], num_steps: int
+) -> float:
+    """Mean milliseconds a step takes when each plan_at(k), k < num_steps, is launched
+    before the one before it is read (engine.py, --launch-ahead), to the device's end of
+    the last. Every step must run whole (no step error, no refused row)."""
+    launched = None
+    _synchronize()
+    started_s = time.perf_counter()
+    for k in range(num_steps + 1):
+        following = engine.launch(plan_at(k)) if k < num_steps else None
+        if launched is not None:
+            result = engine.read(launched)
+            assert not result.step_error and not result.errors, (result.step_error, result.errors)
+        launched = following
+    _synchronize()
+    return (time.perf_counter() - started_s) * 1e3 / num_steps
 
 
 class Plans:
@@ -245,11 +266,8 @@ class Bench:
         is read, its rows fed that step's tokens on the device: AHEAD_STEPS steps at
         positions context, context + 1, ... (each sequence sampled its token at `context`
         in the steps timed before)."""
-        engine = self.engine
-        launched = None
-        _synchronize()
-        started_s = time.perf_counter()
-        for k in range(AHEAD_STEPS):
+
+        def plan_at(k: int) -> StepPlan:
             position = context + k
             plan = step_pb2.StepPlan()
             for seq_id in seq_ids:
@@ -260,17 +278,9 @@ class Bench:
                     table.extend(new_blocks)
                 Plans.entry(plan, seq_id, position, [0], new_blocks)
             plan.last_sampled_rows.extend(range(len(seq_ids)))
-            following = engine.launch(step_codec.decode_plan(plan))
-            if launched is not None:
-                self._read(launched)
-            launched = following
-        self._read(launched)
-        _synchronize()
-        return (time.perf_counter() - started_s) * 1e3 / AHEAD_STEPS
+            return step_codec.decode_plan(plan)
 
-    def _read(self, launched) -> None:
-        result = self.engine.read(launched)
-        assert not result.step_error and not result.errors, (result.step_error, result.errors)
+        return launched_ahead_ms(self.engine, plan_at, AHEAD_STEPS)
 
     def _transformers_decode(self, batch: int, context: int) -> Callable[[], None]:
         from transformers import DynamicCache
@@ -443,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--launch-ahead",
-        choices=("auto", "on", "off"),
+        choices=LAUNCH_AHEAD,
         default="auto",
         help="as the worker's: also time decode steps launched back to back, each before "
         "the one before it is read (auto: on CUDA)",
@@ -479,9 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.decode_graphs.capture()
     bench = Bench(engine, reference, args.repeats)
     started_s = time.monotonic()
-    engine.launches_ahead = args.launch_ahead == "on" or (
-        args.launch_ahead == "auto" and kind == "cuda"
-    )
+    engine.launches_ahead = resolves_launch_ahead(args.launch_ahead, device)
     rows = [row for batch, context in cases for row in bench.decode(batch, context)]
     rows += [bench.prefill(num_tokens) for num_tokens in args.prefill_lengths]
     if not args.no_mixed:

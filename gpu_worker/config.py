@@ -154,6 +154,12 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def resolves_launch_ahead(setting: str, device: str) -> bool:
+    """Whether --launch-ahead `setting` (LAUNCH_AHEAD) launches steps ahead on `device`
+    ("cpu", "cuda", "cuda:N"): auto does on CUDA only."""
+    return setting == "on" or (setting == "auto" and device.startswith("cuda"))
+
+
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m pagoda.gpu_worker",

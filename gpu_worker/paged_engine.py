@@ -19,7 +19,7 @@ from pagoda.common.step import StepPlan
 from pagoda.gpu_worker import paged_attention
 from pagoda.gpu_worker.attention import create_backend
 from pagoda.gpu_worker.block_tables import BlockTables
-from pagoda.gpu_worker.config import WorkerConfig
+from pagoda.gpu_worker.config import WorkerConfig, resolves_launch_ahead
 from pagoda.gpu_worker.cuda_graphs import DecodeGraphs, can_capture
 from pagoda.gpu_worker.engine import (
     ComputedTokens,
@@ -36,7 +36,7 @@ from pagoda.gpu_worker.quantization import quantize, resolve_quantization
 from pagoda.gpu_worker.ragged_batch import build_ragged_batch, packed_rows
 from pagoda.gpu_worker.sampler import DeviceSample, SampleRow, sample_on_device
 from pagoda.gpu_worker.sequence_table import PENDING_TOKEN
-from pagoda.gpu_worker.step_events import DeviceEvent, StepClock
+from pagoda.gpu_worker.step_events import DeviceEvent, StepClock, upload
 from pagoda.gpu_worker.token_counts import TokenCounts, has_penalty
 from pagoda.gpu_worker.warm_up import warm_up
 
@@ -313,9 +313,7 @@ class TokenFill:
     def apply(self, input_ids: torch.Tensor, positions: list[int]) -> None:
         """input_ids[positions[k]] = tokens[sources[k]], in stream order (after the copies
         that wrote input_ids, before the forward that reads it)."""
-        index = torch.tensor([*positions, *self.sources], dtype=torch.long)
-        if input_ids.device.type != "cpu":
-            index = index.pin_memory().to(input_ids.device, non_blocking=True)
+        _, index = upload([*positions, *self.sources], torch.long, input_ids.device)
         n = len(positions)
         input_ids.index_copy_(0, index[:n], self.tokens.index_select(0, index[n:]))
 
@@ -411,8 +409,8 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
         log.info("no CUDA graphs: the %s backend loops on the host", engine.attention_backend.name)
     # After the capture, which compiled the decode variants of its buckets already.
     warm_up(engine, max_num_seqs=config.max_num_batched_tokens)
-    engine.launches_ahead = config.tensor_parallel_size == 1 and (
-        config.launch_ahead == "on" or (config.launch_ahead == "auto" and device.startswith("cuda"))
+    engine.launches_ahead = config.tensor_parallel_size == 1 and resolves_launch_ahead(
+        config.launch_ahead, device
     )
     log.info(
         "quantization %s; steps launched ahead: %s; engine built in %.1f s",

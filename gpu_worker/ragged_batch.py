@@ -16,6 +16,7 @@ import torch
 from pagoda.common.step import StepPlan
 from pagoda.gpu_worker.attention.backend import AttentionMetadata
 from pagoda.gpu_worker.sequence_table import SequenceTable
+from pagoda.gpu_worker.step_events import upload
 
 
 @dataclass(slots=True)
@@ -28,15 +29,6 @@ class RaggedBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
-
-
-def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> tuple:
-    """(host tensor, device tensor) of `values`; one copy, pinned and async on CUDA."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return host, host
-    host = host.pin_memory()
-    return host, host.to(device, non_blocking=True)
 
 
 def build_ragged_batch(
@@ -119,10 +111,8 @@ def build_ragged_batch(
         ordered_ids = seq_ids if order is None else [seq_ids[i] for i in order]
         table_ids = [rows_of[seq_id] for seq_id in ordered_ids]  # one row number each
 
-    longs_host, longs = _to_device(
-        [*input_ids, *positions, *slots, *sample_rows], torch.long, device
-    )
-    ints_host, ints = _to_device([*query_start_loc, *context_lens, *table_ids], torch.int32, device)
+    longs_host, longs = upload([*input_ids, *positions, *slots, *sample_rows], torch.long, device)
+    ints_host, ints = upload([*query_start_loc, *context_lens, *table_ids], torch.int32, device)
     if block_tables is None:
         block_table = ints[2 * num_seqs + 1 :].view(num_seqs, width)
     else:

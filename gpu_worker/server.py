@@ -327,9 +327,9 @@ class WorkerServer:
                     result = step_codec.encode_result(self.engine.read(launched))
             except Exception as exc:  # the engine reports its own failures; this is a backstop
                 step_id = launched.plan.step_id
-                log.error("step %d: engine crashed: %s", step_id, one_line(exc))
-                self.engine.table.forget(launched.plan.named_seq_ids())
-                result = step_pb2.StepResult(step_id=step_id, step_error=one_line(exc))
+                result = step_pb2.StepResult(
+                    step_id=step_id, step_error=self._crashed(launched.plan, exc)
+                )
             if self._group_lost():
                 return EXIT_GROUP_LOST  # a partial sum is no result: the scheduler sees a loss
             log.debug(
@@ -352,9 +352,15 @@ class WorkerServer:
             with self._computing(plan.step_id):
                 return self.engine.launch(plan)
         except Exception as exc:  # the engine reports its own failures; this is a backstop
-            log.error("step %d: engine crashed: %s", plan.step_id, one_line(exc))
-            self.engine.table.forget(plan.named_seq_ids())
-            return Launched(plan, time.perf_counter(), after=None, failure=one_line(exc))
+            failure = self._crashed(plan, exc)
+            return Launched(plan, time.perf_counter(), after=None, failure=failure)
+
+    def _crashed(self, plan: StepPlan, exc: Exception) -> str:
+        """The engine raised where it never should: forget the plan's sequences (the
+        scheduler recomputes them) and say why in one line."""
+        log.error("step %d: engine crashed: %s", plan.step_id, one_line(exc))
+        self.engine.table.forget(plan.named_seq_ids())
+        return one_line(exc)
 
     def _plan_ahead(self, launched: Launched) -> tuple[StepPlan, list[bytes]] | None:
         """The next plan and its frames, if it comes while `launched` is on the device and

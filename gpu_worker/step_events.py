@@ -53,9 +53,16 @@ class DeviceEvent:
         return self._event.elapsed_time(later._event)
 
 
-def wait_for_device(device: torch.device) -> None:
-    """Wait for the work enqueued so far on the current stream (a no-op on a CPU)."""
-    DeviceEvent(device).record().synchronize()
+def upload(
+    values: list[int], dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(host tensor, device tensor) of `values`: one copy, from pinned memory and not
+    waited for on CUDA (the host tensor itself on a CPU)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host, host
+    host = host.pin_memory()
+    return host, host.to(device, non_blocking=True)
 
 
 class HostCopy:
@@ -82,11 +89,6 @@ class HostCopy:
         return self._host
 
 
-def read_on_host(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`'s values on the host, waited for now (HostCopy, read at once)."""
-    return HostCopy(tensor).read()
-
-
 class StepClock:
     """A step's start and end of forward, on the host's clock and (CUDA) the device's."""
 
@@ -104,8 +106,8 @@ class StepClock:
         self._forward_done.record()
 
     def timings_ms(self) -> tuple[float, float]:
-        """(forward_ms, sample_ms); call after the step's wait (read_on_host or
-        wait_for_device), when the forward's events are done."""
+        """(forward_ms, sample_ms); call after the step's wait (HostCopy.read or
+        DeviceEvent.synchronize), when the forward's events are done."""
         total_ms = (time.perf_counter() - self._started_s) * 1e3
         forward_ms = self._start.elapsed_ms(self._forward_done)
         if forward_ms is None:  # a CPU: the forward was done when it returned

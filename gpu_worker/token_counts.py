@@ -21,6 +21,7 @@ import torch
 
 from pagoda.common.step import SamplingParams, StepPlan
 from pagoda.gpu_worker.sequence_table import Sequence, SequenceTable
+from pagoda.gpu_worker.step_events import upload
 
 if TYPE_CHECKING:
     from pagoda.gpu_worker.paged_engine import TokenFill
@@ -108,25 +109,15 @@ class TokenCounts:
                 output_rows += [row] * (end - output_start)
                 output_tokens += history[output_start:end]
         if cleared:
-            index = torch.tensor(cleared).to(self.device, non_blocking=True)
+            _, index = upload(cleared, torch.long, self.device)
             self.seen.index_fill_(0, index, False)
             self.output_counts.index_fill_(0, index, 0)
         self._count_from_host(prompt_rows, prompt_tokens, output_rows, output_tokens)
         if device_rows:
-            index = torch.tensor(device_rows + device_sources)
-            if self.device.type != "cpu":
-                index = index.pin_memory()
-            index = index.to(self.device, non_blocking=True)
+            _, index = upload(device_rows + device_sources, torch.long, self.device)
             num_rows = len(device_rows)
-            rows, tokens = index[:num_rows], fill.tokens.index_select(0, index[num_rows:])
-            self.seen.index_put_(
-                (rows, tokens), torch.ones((), dtype=torch.bool, device=self.device)
-            )
-            self.output_counts.index_put_(
-                (rows, tokens),
-                torch.ones((), dtype=torch.int32, device=self.device).expand(num_rows),
-                accumulate=True,
-            )
+            pairs = (index[:num_rows], fill.tokens.index_select(0, index[num_rows:]))
+            self._count(pairs, pairs)  # sampled tokens: generated
 
     def _count_from_host(
         self,
@@ -135,8 +126,8 @@ class TokenCounts:
         output_rows: list[int],
         output_tokens: list[int],
     ) -> None:
-        """Set seen[row, token] for every pair, and add one to output_counts[row, token]
-        for every output pair."""
+        """_count of (row, token) pairs from host lists: every pair seen, the output pairs
+        also generated; in one copy to the device."""
         num_prompt_pairs, num_output_pairs = len(prompt_rows), len(output_rows)
         if not num_prompt_pairs + num_output_pairs:
             return
@@ -148,15 +139,26 @@ class TokenCounts:
             host = host.pin_memory()
         index = host.to(self.device, non_blocking=True)  # one copy for both tables
         split = 2 * num_prompt_pairs
-        seen_rows = torch.cat([index[:num_prompt_pairs], index[split : split + num_output_pairs]])
-        seen_tokens = torch.cat([index[num_prompt_pairs:split], index[split + num_output_pairs :]])
-        self.seen.index_put_(
-            (seen_rows, seen_tokens), torch.ones((), dtype=torch.bool, device=self.device)
+        output = (index[split : split + num_output_pairs], index[split + num_output_pairs :])
+        seen = (
+            torch.cat([index[:num_prompt_pairs], output[0]]),
+            torch.cat([index[num_prompt_pairs:split], output[1]]),
         )
-        if num_output_pairs:
+        self._count(seen, output)
+
+    def _count(
+        self,
+        seen: tuple[torch.Tensor, torch.Tensor],
+        generated: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """seen[row, token] = True for each (rows, tokens) pair of `seen`, and one more in
+        output_counts[row, token] for each pair of `generated` (device tensors)."""
+        self.seen.index_put_(seen, torch.ones((), dtype=torch.bool, device=self.device))
+        num_generated = generated[0].shape[0]
+        if num_generated:
             self.output_counts.index_put_(
-                (index[split : split + num_output_pairs], index[split + num_output_pairs :]),
-                torch.ones((), dtype=torch.int32, device=self.device).expand(num_output_pairs),
+                generated,
+                torch.ones((), dtype=torch.int32, device=self.device).expand(num_generated),
                 accumulate=True,
             )
 

@@ -742,21 +742,18 @@ def ahead_decode_ms(eng, d, batch, ctx, num_steps):
     the worker runs them under --launch-ahead: the host's work hides behind the device's.
     Each row first samples the token at position ctx (a serial step), then one step a
     position further each time."""
+    from benchmarks.worker_step import launched_ahead_ms
+
     rows = list(range(batch))
     eng.launches_ahead = True
     d.run([(i, ctx - 1, [5], True) for i in rows])
-    sync()
-    started = time.perf_counter()
-    launched = None
-    for k in range(num_steps):
+
+    def plan_at(k):
         plan = d.plan([(i, ctx + k, [0], True) for i in rows])
         plan.last_sampled_rows = list(rows)
-        following = eng.launch(plan)
-        if launched is not None:
-            d.check(eng.read(launched))
-        launched = following
-    d.check(eng.read(launched))
-    return (time.perf_counter() - started) * 1e3 / num_steps
+        return plan
+
+    return launched_ahead_ms(eng, plan_at, num_steps)
 
 
 def replay_ms(eng, batch):

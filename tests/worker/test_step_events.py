@@ -64,9 +64,10 @@ def test_a_step_that_samples_nothing_still_waits(llama_models, monkeypatch):
     assert list(result.token_ids) == [] and len(waits) == 1
 
 
-def test_read_on_host_and_clock_on_cpu():
+def test_host_copy_and_clock_on_cpu():
     tensor = torch.arange(5)
-    assert step_events.read_on_host(tensor) is tensor
+    copy = step_events.HostCopy(tensor)
+    assert copy.done() and copy.read() is tensor
     clock = step_events.StepClock(torch.device("cpu"))
     clock.forward_enqueued()
     forward_ms, sample_ms = clock.timings_ms()
