@@ -58,6 +58,7 @@ class WorkerConfig:
     fail_on_token_id: int | None = None  # fault-injection hook for tests
     dummy_step_ms: float = 0.0  # --model dummy: the least wall time of each step's compute
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA + triton only)
+    piecewise_graphs: bool = True  # with cuda_graphs: other steps replay the dense parts
     fused_ops: bool = True  # fused RMSNorm, SiLU*up and RoPE (CUDA + triton, or CPU + int8)
     launch_ahead: str = "auto"  # step N+1 enqueued before N is read: auto is on CUDA only
     # --model dummy, tests only: the process dies at once on a step feeding this token id.
@@ -301,6 +302,16 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="on CUDA with the triton attention backend, capture the forward of decode-only "
         "steps at padded batch sizes 1, 2, 4, 8, 16, 24 .. 256 before saying hello, and "
         "replay them (pagoda.gpu_worker.cuda_graphs); --no-cuda-graphs runs every step eagerly",
+    )
+    add(
+        "--piecewise-graphs",
+        type=_bool,
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --cuda-graphs, also capture the dense parts of the forward (all but "
+        "attention) at token buckets 16 .. --max-num-batched-tokens, for the steps a decode "
+        "graph cannot take, prompt chunks included (pagoda.gpu_worker.piecewise_graphs); "
+        "--no-piecewise-graphs runs those steps eagerly",
     )
     add(
         "--fused-ops",

@@ -20,7 +20,7 @@ from pagoda.gpu_worker import paged_attention
 from pagoda.gpu_worker.attention import create_backend
 from pagoda.gpu_worker.block_tables import BlockTables
 from pagoda.gpu_worker.config import WorkerConfig, resolves_launch_ahead
-from pagoda.gpu_worker.cuda_graphs import DecodeGraphs, can_capture
+from pagoda.gpu_worker.cuda_graphs import CAPTURE_BUDGET_S, DecodeGraphs, can_capture
 from pagoda.gpu_worker.engine import (
     ComputedTokens,
     Engine,
@@ -32,6 +32,7 @@ from pagoda.gpu_worker.kv_pool import GIB, KVGeometry, KVPool, num_blocks_for_bu
 from pagoda.gpu_worker.kv_sizing import kv_budget_bytes, measure_memory, profile_plan
 from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
 from pagoda.gpu_worker.numerics import describe_numerics, make_batch_invariant
+from pagoda.gpu_worker.piecewise_graphs import PiecewiseGraphs, refusal, token_buckets
 from pagoda.gpu_worker.quantization import quantize, resolve_quantization
 from pagoda.gpu_worker.ragged_batch import build_ragged_batch, packed_rows
 from pagoda.gpu_worker.sampler import DeviceSample, SampleRow, sample_on_device
@@ -80,6 +81,8 @@ class PagedEngine(Engine):
         quantization: str = "none",  # "int8": see pagoda.gpu_worker.quantization
         attention_backend: str = "reference",  # see pagoda.gpu_worker.attention
         cuda_graphs: bool = False,  # see pagoda.gpu_worker.cuda_graphs
+        # With cuda_graphs, the largest step captured in pieces (piecewise_graphs.py); 0: none.
+        piecewise_tokens: int = 0,
         fused_ops: bool = True,  # see pagoda.gpu_worker.fused_model and _fuse_dense_ops
     ) -> None:
         quantize(model, quantization)
@@ -127,8 +130,14 @@ class PagedEngine(Engine):
         self.block_tables = BlockTables(max_blocks_per_seq, self.device)
         self.decode_graphs: DecodeGraphs | None = None
         self.group_sampling: GroupSampling | None = None  # one device: None
+        self.piecewise_graphs: PiecewiseGraphs | None = None
         if graphs:  # captured by load_engine, before the hello
             self.decode_graphs = DecodeGraphs(self, scratch_block=num_kv_blocks)
+            refused = refusal(model) if piecewise_tokens else "not asked for"
+            if refused is None:
+                self.piecewise_graphs = PiecewiseGraphs(self, token_buckets(piecewise_tokens))
+            else:
+                log.info("no piecewise graphs: %s", refused)
 
     def _fuse_dense_ops(self, model, quantization: str, max_context_tokens: int) -> str:
         """Patch the fused RMSNorm (with its residual add), SiLU*up and RoPE in where they
@@ -211,6 +220,9 @@ class PagedEngine(Engine):
         )
         if fill is not None:
             fill.apply(batch.input_ids[0], packed_rows(plan, fill.rows))
+        pieces = self.piecewise_graphs
+        if pieces is not None and pieces.fits(batch):
+            return self._sample(pieces.run(batch), plan, clock, samples)
         logits = self.model(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,
@@ -392,12 +404,15 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
         attention_backend=config.attention_backend,
         # Not across tensor-parallel ranks: their collectives are not captured here.
         cuda_graphs=config.cuda_graphs and config.tensor_parallel_size == 1,
+        piecewise_tokens=config.max_num_batched_tokens if config.piecewise_graphs else 0,
         fused_ops=config.fused_ops,
     )
     log.info("attention backend %s", engine.attention_backend.name)
     if engine.decode_graphs is not None:
         try:
             engine.decode_graphs.capture()  # before the hello: no step waits on it
+            if engine.piecewise_graphs is not None:
+                engine.piecewise_graphs.capture(CAPTURE_BUDGET_S)
         except Exception:
             # Not retried eagerly: a failed capture can leave the CUDA context unusable.
             log.error(

@@ -16,6 +16,7 @@ no graphs), so the suite runs this file and it cannot rot between leases.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -40,6 +41,17 @@ def say(kind: str, msg: str) -> None:
 def sync() -> None:
     if DEV == "cuda":
         torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def eager(eng):
+    """Steps inside run the model's forward eagerly: no decode graph, no pieces."""
+    graphs, pieces = eng.decode_graphs, eng.piecewise_graphs
+    eng.decode_graphs = eng.piecewise_graphs = None
+    try:
+        yield
+    finally:
+        eng.decode_graphs, eng.piecewise_graphs = graphs, pieces
 
 
 # --------------------------------------------------------------------------- kernels
@@ -397,6 +409,7 @@ def engine() -> None:
     import copy
 
     from pagoda.gpu_worker.paged_engine import PagedEngine
+    from pagoda.gpu_worker.piecewise_graphs import PiecewiseGraphs, token_buckets
 
     backend = "triton"
     for dtype in (torch.float32,) if SMOKE else (torch.float32, torch.bfloat16):
@@ -415,6 +428,7 @@ def engine() -> None:
             block_size=16,
             attention_backend="reference" if SMOKE else backend,
             cuda_graphs=not SMOKE,
+            piecewise_tokens=512,
         )
         if SMOKE:  # create_backend refuses triton on a CPU; the interpreter runs it anyway
             from pagoda.gpu_worker.attention.triton_paged import TritonBackend
@@ -431,6 +445,11 @@ def engine() -> None:
                 eng.decode_graphs.fits = lambda ch: (
                     is_decode_only(ch) and bucket_for(len(ch.seq_ids)) is not None
                 )
+            # Uncaptured pieces: the padded forward through the cut, attention between.
+            pieces = PiecewiseGraphs(eng, token_buckets(512))
+            pieces.fits = lambda batch, p=pieces: p.bucket_for(batch.num_tokens) is not None
+            pieces.run = pieces.run_eager
+            eng.piecewise_graphs = pieces
         if eng.decode_graphs is not None and not SMOKE:
             t = time.time()
             eng.decode_graphs.capture()
@@ -439,6 +458,18 @@ def engine() -> None:
                 f"[{dtype}] captured buckets {eng.decode_graphs.captured_buckets[:4]}.. "
                 f"({len(eng.decode_graphs.captured_buckets)}) in {time.time() - t:.1f}s",
             )
+            pieces = eng.piecewise_graphs
+            if pieces is None:
+                say("FAIL", f"[{dtype}] engine built no piecewise graphs")
+            else:
+                t = time.time()
+                pieces.capture(60.0)
+                say(
+                    "PASS" if pieces.captured_buckets == pieces.buckets else "FAIL",
+                    f"[{dtype}] captured {len(pieces.captured_buckets)}/{len(pieces.buckets)} "
+                    f"token buckets in {len(pieces.layers) + 1} pieces each in "
+                    f"{time.time() - t:.1f}s",
+                )
         elif not SMOKE:
             say(
                 "FAIL",
@@ -476,6 +507,8 @@ def engine() -> None:
         # (no graphs on the CPU) walks it eager vs eager, so the hooks it uses cannot rot.
         if eng.decode_graphs is not None or SMOKE:
             graph_vs_eager(eng, dtype)
+        if eng.piecewise_graphs is not None:
+            pieces_vs_eager(eng, dtype)
         if eng.decode_graphs is not None and (not SMOKE or os.environ.get("SMOKE_MANY")):
             many_sequences(eng, dtype)
         del eng
@@ -501,9 +534,8 @@ def graph_vs_eager(eng, dtype):
     eng._sample = spy
     entries = [(i, len(p), [5], True) for i, p in enumerate(prompts)]  # rewinds: same step twice
     d.run(entries)
-    graphs, eng.decode_graphs = eng.decode_graphs, None
-    d.run(entries)
-    eng.decode_graphs = graphs
+    with eager(eng):
+        d.run(entries)
     d.run(entries)  # the graph again: replay must be deterministic
     eng._sample = orig
     g1, e, g2 = stash
@@ -518,6 +550,54 @@ def graph_vs_eager(eng, dtype):
         f"(|logit|max {scale:.1f}), argmax equal={same_argmax}, replay deterministic={det}",
     )
     d.reset(range(n))
+
+
+def pieces_vs_eager(eng, dtype):
+    """A mixed step (a 37-token chunk of one prompt beside 5 decode rows: 42 tokens, bucket
+    64) through the piecewise graphs and eagerly: the sampled rows' logits compared, and a
+    second replay equal to the first. In the dry run, the uncaptured pieces' padded forward."""
+    d = Driver(eng)
+    prompts = [[(11 * i + j) % 1000 + 3 for j in range(20 + 9 * i)] for i in range(6)]
+    d.run(
+        [(i, 0, p, True) for i, p in enumerate(prompts[:5])],
+        new=[(i, len(p), []) for i, p in enumerate(prompts)],
+    )
+    chunk = (5, 0, prompts[5][:37], True)
+    entries = [(i, len(p), [5], True) for i, p in enumerate(prompts[:5])] + [chunk]
+    stash = []
+    orig = eng._sample
+
+    def spy(logits, *rest, **kw):
+        stash.append(logits.float().clone())
+        return orig(logits, *rest, **kw)
+
+    eng._sample = spy
+    pieces = eng.piecewise_graphs
+    replays = []
+    run = pieces.run
+    pieces.run = lambda batch: replays.append(batch.num_tokens) or run(batch)
+    try:
+        d.run(entries)  # rewinds: the same step three times
+        with eager(eng):
+            d.run(entries)
+        d.run(entries)
+    finally:
+        eng._sample, pieces.run = orig, run
+    p1, e, p2 = stash
+    diff = (p1 - e).abs().max().item()
+    scale = e.abs().max().item()
+    same_argmax = torch.equal(p1.argmax(-1), e.argmax(-1))
+    det = torch.equal(p1, p2)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    say(
+        "PASS"
+        if diff <= tol * max(scale, 1) and same_argmax and det and replays == [42, 42]
+        else "FAIL",
+        f"[{dtype}] piecewise replay vs eager logits (mixed step of 42 tokens, bucket 64, "
+        f"6 sampled rows): max|diff|={diff:.2e} (|logit|max {scale:.1f}), argmax equal="
+        f"{same_argmax}, replay deterministic={det}, steps through the pieces {replays}",
+    )
+    d.reset(range(6))
 
 
 def many_sequences(eng, dtype):
@@ -654,6 +734,12 @@ def startup_bench(directory: str) -> None:
             "PASS" if g is not None and len(g.captured_buckets) == 35 else "FAIL",
             f"captured buckets: {None if g is None else len(g.captured_buckets)}/35",
         )
+        p = eng.piecewise_graphs
+        say(
+            "PASS" if p is not None and p.captured_buckets == p.buckets else "FAIL",
+            "piecewise token buckets captured: "
+            + ("none" if p is None else f"{len(p.captured_buckets)}/{len(p.buckets)} {p.buckets}"),
+        )
     bench(eng)
 
 
@@ -710,9 +796,8 @@ def bench(eng) -> None:
             f"= {batch / ahead * 1e3:8.0f} tok/s; roofline {roof:.2f} ms -> {ahead / roof:.2f}x",
         )
         if (batch, ctx) == (64, 1024) and eng.decode_graphs is not None:
-            graphs, eng.decode_graphs = eng.decode_graphs, None
-            wall_e, fwd_e, _ = _timed_steps(d, entries, 3)
-            eng.decode_graphs = graphs
+            with eager(eng):
+                wall_e, fwd_e, _ = _timed_steps(d, entries, 3)
             say(
                 "TIME",
                 f"decode B=64 ctx=1024 EAGER (no graph): step {wall_e:.2f} ms (forward {fwd_e:.2f})",
@@ -724,16 +809,50 @@ def bench(eng) -> None:
             d.reset(range(batch))
             sampled_decode(eng, d, new, entries, f"B={batch} ctx={ctx}")
         d.reset(range(batch))
-    # prefill and mixed
-    for n in (512, 2048) if not SMOKE else (30,):
+    # prefill: the production path (pieces when captured) and eager
+    for n in (100, 512, 2048) if not SMOKE else (30,):
         toks = torch.randint(3, vocab, (n,), generator=g).tolist()
         d.run([(0, 0, toks, True)], new=[(0, n, [])])
         wall, fwd, smp = _timed_steps(d, [(0, 0, toks, True)], 3)
+        with eager(eng):
+            wall_e, fwd_e, _ = _timed_steps(d, [(0, 0, toks, True)], 3)
+        pieces = eng.piecewise_graphs
+        kind = (
+            "pieces" if pieces is not None and pieces.bucket_for(n) in pieces._graphs else "eager"
+        )
         say(
             "TIME",
-            f"prefill {n} tokens (eager): step {wall:.2f} ms (forward {fwd:.2f}) = {n / wall * 1e3:.0f} tok/s",
+            f"prefill {n} tokens ({kind}): step {wall:.2f} ms (forward {fwd:.2f}) = "
+            f"{n / wall * 1e3:.0f} tok/s; eager {wall_e:.2f} ms (forward {fwd_e:.2f}) -> "
+            f"{wall_e / wall:.2f}x",
         )
         d.reset([0])
+    mixed_step(d, g)
+
+
+def mixed_step(d, g) -> None:
+    """A prompt chunk beside decode rows, the step chunked prefill makes while others
+    decode: the production path (pieces when captured) against eager."""
+    eng = d.engine
+    vocab = eng.facts.vocab_size
+    batch, ctx, chunk = (64, 1024, 256) if not SMOKE else (4, 20, 12)
+    new = [
+        (i, ctx, torch.randint(3, vocab, (ctx - 1,), generator=g).tolist()) for i in range(batch)
+    ]
+    d.run([(i, 0, t, False) for i, _, t in new], new=new)
+    toks = torch.randint(3, vocab, (chunk,), generator=g).tolist()
+    d.run([], new=[(batch, 4 * chunk, [])])
+    entries = [(i, ctx - 1, [5], True) for i in range(batch)] + [(batch, 0, toks, False)]
+    wall, fwd, _ = _timed_steps(d, entries, 5 if not SMOKE else 2)
+    with eager(eng):
+        wall_e, fwd_e, _ = _timed_steps(d, entries, 5 if not SMOKE else 2)
+    say(
+        "TIME",
+        f"mixed step: {chunk}-token chunk beside {batch} decode rows at ctx {ctx} "
+        f"({batch + chunk} tokens): step {wall:.2f} ms (forward {fwd:.2f}); eager "
+        f"{wall_e:.2f} ms (forward {fwd_e:.2f}) -> {wall_e / wall:.2f}x",
+    )
+    d.reset(range(batch + 1))
 
 
 def ahead_decode_ms(eng, d, batch, ctx, num_steps):
@@ -799,24 +918,17 @@ def synchronizing_calls(d, entries) -> dict[str, int]:
 def count_syncs_and_kernels(eng, d, entries):
     """Synchronizing calls per decode step (graph and eager) and kernels per eager step."""
     for label, use_graph in (("graph", True), ("eager", False)):
-        graphs = eng.decode_graphs
-        if not use_graph:
-            eng.decode_graphs = None
-        try:
+        with contextlib.nullcontext() if use_graph else eager(eng):
             msgs = synchronizing_calls(d, entries)
-        finally:
-            eng.decode_graphs = graphs
         say(
             "INFO",
             f"sync-debug {label} decode step: {sum(msgs.values())} synchronizing calls: {json.dumps(msgs)[:600]}",
         )
     from torch.profiler import ProfilerActivity, profile
 
-    graphs, eng.decode_graphs = eng.decode_graphs, None
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with eager(eng), profile(activities=[ProfilerActivity.CUDA]) as prof:
         d.run(entries)
         sync()
-    eng.decode_graphs = graphs
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     say(
         "INFO",
@@ -831,14 +943,11 @@ def kernel_breakdown(eng, d, entries, label: str, top: int = 14) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CUDA] if DEV == "cuda" else [ProfilerActivity.CPU]
-    graphs, eng.decode_graphs = eng.decode_graphs, None
-    try:
+    with eager(eng):
         d.run(entries)  # warm
         with profile(activities=activities) as prof:
             d.run(entries)
             sync()
-    finally:
-        eng.decode_graphs = graphs
     wanted = "CUDA" if DEV == "cuda" else "CPU"
     by_name: dict[str, list[float]] = {}
     for e in prof.events():
@@ -893,15 +1002,12 @@ def _count_host_waits(eng, d, entries, use_graph: bool) -> dict[str, int]:
         counts["event waits"] += 1
         return real_wait(self)
 
-    graphs = eng.decode_graphs
-    if not use_graph:
-        eng.decode_graphs = None
     torch.cuda.synchronize, step_events.DeviceEvent.synchronize = counted_sync, counted_wait
     try:
-        d.run(entries)
+        with contextlib.nullcontext() if use_graph else eager(eng):
+            d.run(entries)
     finally:
         torch.cuda.synchronize, step_events.DeviceEvent.synchronize = real_sync, real_wait
-        eng.decode_graphs = graphs
     return counts
 
 

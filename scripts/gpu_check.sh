@@ -82,12 +82,13 @@ CHECK="$PY scripts/gpu_check.py $DRY_RUN"
 CUDA_TESTS=(tests/worker/test_kv_sizing.py tests/worker/test_attention_backends.py
   tests/worker/test_cuda_graphs.py tests/worker/test_cuda_graphs_padding.py
   tests/worker/test_block_tables.py tests/worker/test_triton_attention.py
-  tests/worker/test_fused_ops.py)
+  tests/worker/test_fused_ops.py tests/worker/test_piecewise_graphs.py)
 # GPU_CHECK_CUDA_TESTS="file ..." runs only those (a short lease re-checks what changed).
 [[ -n ${GPU_CHECK_CUDA_TESTS:-} ]] && read -ra CUDA_TESTS <<<"$GPU_CHECK_CUDA_TESTS"
 step pytest-cuda 180 $PY -m pytest -q -p no:cacheprovider -rs --timeout 60 --durations=8 "${CUDA_TESTS[@]}"
 # 2. Engine (triton + captured graphs) vs generate(): fp32 exact, bf16 first tokens; graph
-#    replay vs eager logits; 260 sequences (past the largest bucket, block-table growth).
+#    replay vs eager logits, for a decode step and for a mixed step through the pieces;
+#    260 sequences (past the largest bucket, block-table growth).
 step engine 100 $CHECK engine
 # 3. The production start path (KV sizing, pool, graph capture) on a Qwen3-0.6B-shaped
 #    model, then decode and prefill step timings with the roofline beside them.

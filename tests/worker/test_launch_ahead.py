@@ -66,8 +66,8 @@ class Driver:
             start = job.num_fed
             if start < len(job.prompt):
                 size = job.chunks.pop(0) if job.chunks else len(job.prompt) - start
-                fed = job.prompt[start : start + size]
-                samples = start + size == len(job.prompt)
+                fed = job.prompt[start : start + size]  # a chunk may run past the prompt
+                samples = start + len(fed) == len(job.prompt)
             else:
                 index = start - len(job.prompt)
                 known = index < len(job.generated)
@@ -198,6 +198,30 @@ def test_padded_graph_steps_launched_ahead_are_the_serial_ones(llama_models):
         == {i: llama_models.greedy(p, 12) for i, p in enumerate(prompts)}
     )
     assert ahead.engine.decode_graphs._num_staged > 2
+
+
+def test_piecewise_steps_launched_ahead_are_the_serial_ones(llama_models):
+    """Mixed steps through the piecewise graphs' padded forward (eager here): the
+    placeholder rows are filled in the packed batch before it is staged."""
+    from pagoda.gpu_worker.piecewise_graphs import PiecewiseGraphs
+
+    def piecewise_engine():
+        engine = llama_models.engine()
+        graphs = PiecewiseGraphs(engine, (16, 32, 64, 128))
+        graphs.fits = lambda batch: graphs.bucket_for(batch.num_tokens) is not None
+        graphs.run = graphs.run_eager
+        engine.piecewise_graphs = graphs
+        return engine
+
+    prompts = random_prompts(5, seed=36)
+    serial, tokens_serial, ahead, tokens_ahead = run_both(piecewise_engine, prompts)
+    assert (
+        tokens_ahead
+        == tokens_serial
+        == {i: llama_models.greedy(p, 10) for i, p in enumerate(prompts)}
+    )
+    assert ahead.num_launched_ahead >= 10
+    assert ahead.engine.piecewise_graphs.layers  # the cut ran
 
 
 def test_a_failed_read_fails_the_step_launched_ahead_of_it(llama_models):
