@@ -15,6 +15,7 @@ import torch
 
 from pagoda.common.step import StepPlan
 from pagoda.gpu_worker.sequence_table import Sequence, SequenceTable
+from pagoda.gpu_worker.step_events import upload
 
 
 class BlockTables:
@@ -57,10 +58,7 @@ class BlockTables:
                 self._num_synced[seq.seq_id] = len(ids)
             rows_of[seq.seq_id] = row
         if rows:
-            host = torch.tensor(rows + columns + block_ids, dtype=torch.long)
-            if self.device.type != "cpu":
-                host = host.pin_memory()
-            values = host.to(self.device, non_blocking=True)
+            _, values = upload(rows + columns + block_ids, torch.long, self.device)
             num = len(rows)
             self.table.index_put_(
                 (values[:num], values[num : 2 * num]), values[2 * num :].to(torch.int32)
