@@ -516,14 +516,9 @@ def engine() -> None:
             torch.cuda.empty_cache()
 
 
-def graph_vs_eager(eng, dtype):
-    d = Driver(eng)
-    n = 5  # bucket 8: three padded rows
-    prompts = [[(7 * i + j) % 1000 + 3 for j in range(20 + 9 * i)] for i in range(n)]
-    d.run(
-        [(i, 0, p, True) for i, p in enumerate(prompts)],
-        new=[(i, len(p), []) for i, p in enumerate(prompts)],
-    )
+def graphed_eager_graphed(eng, d, entries):
+    """The sampled rows' logits (float32) of one step run three times (it rewinds): on the
+    engine's graphs, eagerly, on the graphs again."""
     stash = []
     orig = eng._sample
 
@@ -532,22 +527,45 @@ def graph_vs_eager(eng, dtype):
         return orig(logits, *rest, **kw)
 
     eng._sample = spy
-    entries = [(i, len(p), [5], True) for i, p in enumerate(prompts)]  # rewinds: same step twice
-    d.run(entries)
-    with eager(eng):
+    try:
         d.run(entries)
-    d.run(entries)  # the graph again: replay must be deterministic
-    eng._sample = orig
+        with eager(eng):
+            d.run(entries)
+        d.run(entries)  # the graph again: replay must be deterministic
+    finally:
+        eng._sample = orig
+    return stash
+
+
+def replay_verdict(stash, dtype) -> tuple[bool, str]:
+    """Whether graphed_eager_graphed's logits agree (within dtype's rounding, same argmax,
+    replays identical), and the figures."""
     g1, e, g2 = stash
     diff = (g1 - e).abs().max().item()
     scale = e.abs().max().item()
     same_argmax = torch.equal(g1.argmax(-1), e.argmax(-1))
     det = torch.equal(g1, g2)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
+    ok = diff <= tol * max(scale, 1) and same_argmax and det
+    return ok, (
+        f"max|diff|={diff:.2e} (|logit|max {scale:.1f}), argmax equal={same_argmax}, "
+        f"replay deterministic={det}"
+    )
+
+
+def graph_vs_eager(eng, dtype):
+    d = Driver(eng)
+    n = 5  # bucket 8: three padded rows
+    prompts = [[(7 * i + j) % 1000 + 3 for j in range(20 + 9 * i)] for i in range(n)]
+    d.run(
+        [(i, 0, p, True) for i, p in enumerate(prompts)],
+        new=[(i, len(p), []) for i, p in enumerate(prompts)],
+    )
+    entries = [(i, len(p), [5], True) for i, p in enumerate(prompts)]
+    ok, figures = replay_verdict(graphed_eager_graphed(eng, d, entries), dtype)
     say(
-        "PASS" if diff <= tol * max(scale, 1) and same_argmax and det else "FAIL",
-        f"[{dtype}] graph replay vs eager logits (5 rows, bucket 8): max|diff|={diff:.2e} "
-        f"(|logit|max {scale:.1f}), argmax equal={same_argmax}, replay deterministic={det}",
+        "PASS" if ok else "FAIL",
+        f"[{dtype}] graph replay vs eager logits (5 rows, bucket 8): {figures}",
     )
     d.reset(range(n))
 
@@ -564,38 +582,18 @@ def pieces_vs_eager(eng, dtype):
     )
     chunk = (5, 0, prompts[5][:37], True)
     entries = [(i, len(p), [5], True) for i, p in enumerate(prompts[:5])] + [chunk]
-    stash = []
-    orig = eng._sample
-
-    def spy(logits, *rest, **kw):
-        stash.append(logits.float().clone())
-        return orig(logits, *rest, **kw)
-
-    eng._sample = spy
     pieces = eng.piecewise_graphs
     replays = []
     run = pieces.run
     pieces.run = lambda batch: replays.append(batch.num_tokens) or run(batch)
     try:
-        d.run(entries)  # rewinds: the same step three times
-        with eager(eng):
-            d.run(entries)
-        d.run(entries)
+        ok, figures = replay_verdict(graphed_eager_graphed(eng, d, entries), dtype)
     finally:
-        eng._sample, pieces.run = orig, run
-    p1, e, p2 = stash
-    diff = (p1 - e).abs().max().item()
-    scale = e.abs().max().item()
-    same_argmax = torch.equal(p1.argmax(-1), e.argmax(-1))
-    det = torch.equal(p1, p2)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+        pieces.run = run
     say(
-        "PASS"
-        if diff <= tol * max(scale, 1) and same_argmax and det and replays == [42, 42]
-        else "FAIL",
+        "PASS" if ok and replays == [42, 42] else "FAIL",
         f"[{dtype}] piecewise replay vs eager logits (mixed step of 42 tokens, bucket 64, "
-        f"6 sampled rows): max|diff|={diff:.2e} (|logit|max {scale:.1f}), argmax equal="
-        f"{same_argmax}, replay deterministic={det}, steps through the pieces {replays}",
+        f"6 sampled rows): {figures}, steps through the pieces {replays}",
     )
     d.reset(range(6))
 
