@@ -35,6 +35,7 @@ from benchmarks import docs_section
 from pagoda.common import step_codec
 from pagoda.common.step import StepPlan
 from pagoda.gpu_worker.config import LAUNCH_AHEAD, resolves_launch_ahead
+from pagoda.gpu_worker.cuda_graphs import CAPTURE_BUDGET_S
 from pagoda.gpu_worker.model_loader import load_model, resolve_model_dir
 from pagoda.gpu_worker.paged_engine import PagedEngine, pick_device
 from pagoda.gpu_worker.quantization import quantize, resolve_quantization
@@ -49,6 +50,7 @@ MAX_REFERENCE_CONTEXT_TOKENS = 1 << 18
 PREFILL_LENGTHS = (128, 512, 2048)
 MIXED_CHUNK_TOKENS = 512
 MIXED_DECODES = 32
+PIECEWISE_TOKENS = 2048  # the worker's default --max-num-batched-tokens: its buckets
 # Decode steps launched back to back, each before the one before it is read (--launch-ahead).
 AHEAD_STEPS = 8
 
@@ -452,6 +454,11 @@ def main(argv: list[str] | None = None) -> int:
         help="decode steps eagerly (the worker captures graphs on CUDA by default)",
     )
     parser.add_argument(
+        "--no-piecewise-graphs",
+        action="store_true",
+        help="steps a decode graph cannot take eagerly (the worker replays them in pieces)",
+    )
+    parser.add_argument(
         "--launch-ahead",
         choices=LAUNCH_AHEAD,
         default="auto",
@@ -484,9 +491,14 @@ def main(argv: list[str] | None = None) -> int:
     engine = PagedEngine(model, model_id=resolved.model_id, num_kv_blocks=num_kv_blocks,
                          block_size=BLOCK_SIZE, quantization=quantization,
                          attention_backend=args.attention_backend,
-                         cuda_graphs=not args.no_cuda_graphs)  # fmt: skip
+                         cuda_graphs=not args.no_cuda_graphs,
+                         piecewise_tokens=0 if args.no_piecewise_graphs else max(
+                             PIECEWISE_TOKENS, *args.prefill_lengths,
+                             MIXED_CHUNK_TOKENS + MIXED_DECODES))  # fmt: skip
     if engine.decode_graphs is not None:
         engine.decode_graphs.capture()
+    if engine.piecewise_graphs is not None:
+        engine.piecewise_graphs.capture(CAPTURE_BUDGET_S)
     bench = Bench(engine, reference, args.repeats)
     started_s = time.monotonic()
     engine.launches_ahead = resolves_launch_ahead(args.launch_ahead, device)
@@ -504,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = (
         f"{resolved.model_id}, {engine.facts.dtype} on {device}, quantization {quantization}, "
         f"attention {engine.attention_backend.name}, CUDA graphs "
-        f"{'on' if engine.decode_graphs is not None else 'off'}, steps launched ahead "
+        f"{'on' if engine.decode_graphs is not None else 'off'}, pieces "
+        f"{'on' if engine.piecewise_graphs is not None else 'off'}, steps launched ahead "
         f"{'timed' if engine.launches_ahead else 'off'}; {machine}; "
         f"block size {BLOCK_SIZE}; median of {args.repeats} repeats "
         f"(fewer for long prefills); run took {time.monotonic() - started_s:.0f} s."
