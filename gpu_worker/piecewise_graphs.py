@@ -33,7 +33,6 @@ replay need CUDA; `make gpu-check` compares replayed logits with eager ones).
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagoda.gpu_worker.cuda_graphs import bucket_for
 from pagoda.gpu_worker.fused_model import FUSED_MODEL_TYPES
 
 if TYPE_CHECKING:
@@ -120,8 +120,7 @@ class PiecewiseGraphs:
         return tuple(sorted(self._graphs))
 
     def bucket_for(self, num_tokens: int) -> int | None:
-        index = bisect.bisect_left(self.buckets, num_tokens)
-        return self.buckets[index] if num_tokens >= 1 and index < len(self.buckets) else None
+        return bucket_for(num_tokens, self.buckets)
 
     def fits(self, batch: RaggedBatch) -> bool:
         """A packed step whose token bucket was captured."""
