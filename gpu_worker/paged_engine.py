@@ -408,13 +408,11 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
         fused_ops=config.fused_ops,
     )
     log.info("attention backend %s", engine.attention_backend.name)
+    # Not retried eagerly on failure: a failed capture can leave the CUDA context unusable.
     if engine.decode_graphs is not None:
         try:
             engine.decode_graphs.capture()  # before the hello: no step waits on it
-            if engine.piecewise_graphs is not None:
-                engine.piecewise_graphs.capture(CAPTURE_BUDGET_S)
         except Exception:
-            # Not retried eagerly: a failed capture can leave the CUDA context unusable.
             log.error(
                 "CUDA graph capture failed; --no-cuda-graphs "
                 "(PAGODA_WORKER_CUDA_GRAPHS=false) runs the worker without graphs"
@@ -422,6 +420,15 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
             raise
     elif config.cuda_graphs and device.startswith("cuda"):
         log.info("no CUDA graphs: the %s backend loops on the host", engine.attention_backend.name)
+    if engine.piecewise_graphs is not None:
+        try:
+            engine.piecewise_graphs.capture(CAPTURE_BUDGET_S)
+        except Exception:
+            log.error(
+                "piecewise CUDA graph capture failed; --no-piecewise-graphs "
+                "(PAGODA_WORKER_PIECEWISE_GRAPHS=false) keeps the decode graphs alone"
+            )
+            raise
     # After the capture, which compiled the decode variants of its buckets already.
     warm_up(engine, max_num_seqs=config.max_num_batched_tokens)
     engine.launches_ahead = config.tensor_parallel_size == 1 and resolves_launch_ahead(
