@@ -22,7 +22,10 @@
  * Two loops over the same arithmetic: few rows rebuild each weight in registers as they
  * go, four tiles side by side; more rows rebuild a strip of 16 outputs x k inputs once
  * into a buffer and run blocks of ROWS rows over it (the rebuild is then shared by every
- * row of the call).
+ * row of the call). Where the CPU has AVX-512, the strip loop takes 32 outputs at a time
+ * in 512-bit registers (two tiles a register, blocks of ROWS512 rows): each lane still
+ * computes its output's one chain of FMAs, so the bits are the AVX2 loop's, only twice
+ * as many chains run per instruction (tested bit for bit against it).
  */
 
 #include <immintrin.h>
@@ -31,6 +34,8 @@
 
 #define GROUP 32
 #define ROWS 6       /* rows per block: 12 accumulators + 2 weights + 1 broadcast */
+#define ROWS512 8    /* AVX-512: 16 accumulators + 2 weights + 1 broadcast (of 32) */
+#define QUAD 4       /* AVX-512: tiles per strip, 32 outputs, two registers an input */
 #define STRIP_ROWS 4 /* from this many rows, rebuild the weights once into a strip */
 #define Q4_1 0
 #define INT8 1
@@ -180,33 +185,196 @@ static __attribute__((noinline)) void blocks(const Weights *w, const float *x, f
     }
 }
 
+/* ---- AVX-512: the strip loop over four tiles at a time --------------------------------- */
+
+#define AVX512 __attribute__((target("avx512f,avx512vl,avx512dq")))
+
+/* Tiles t .. t+3's weights as [k][32] float32: tile j's 8 at 8j .. 8j+7 of each input
+ * (the values `rebuild` gives, interleaved so that one input's 32 are two registers). */
+AVX512 static void rebuild_quad(const Weights *w, int64_t t, float *strip, int FORMAT) {
+    for (int j = 0; j < QUAD; j++) {
+        for (int64_t g = 0; g < w->k / GROUP; g++) {
+            __m256 d, m;
+            group_constants(w, t + j, g, &d, &m, FORMAT);
+            for (int64_t i = g * GROUP; i < (g + 1) * GROUP; i++)
+                _mm256_store_ps(strip + i * 32 + j * 8, weights_at(w, t + j, i, d, m, FORMAT));
+        }
+    }
+}
+
+/* Rows r0 .. r0+NROWS-1 against the quad at t: lane l of register h is output
+ * 8t + 16h + l, whose chain is acc = fma(x[i], w[i], acc) in input order, as in `block`. */
+AVX512 INLINE void block512(const Weights *w, const float *x, float *y, const float *strip,
+                            int64_t t, int64_t r0, const int NROWS, const int FORMAT) {
+    const int64_t k = w->k;
+    __m512 acc[2][ROWS512];
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < NROWS; r++) acc[h][r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        const __m512 w0 = _mm512_load_ps(strip + i * 32);
+        const __m512 w1 = _mm512_load_ps(strip + i * 32 + 16);
+        for (int r = 0; r < NROWS; r++) {
+            const __m512 v = _mm512_set1_ps(x[(r0 + r) * k + i]);
+            acc[0][r] = _mm512_fmadd_ps(v, w0, acc[0][r]);
+            acc[1][r] = _mm512_fmadd_ps(v, w1, acc[1][r]);
+        }
+    }
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < NROWS; r++) {
+            float *y_row = y + (r0 + r) * w->n;
+            store_tile(w, y_row, t + 2 * h, _mm512_castps512_ps256(acc[h][r]), FORMAT);
+            store_tile(w, y_row, t + 2 * h + 1, _mm512_extractf32x8_ps(acc[h][r], 1), FORMAT);
+        }
+}
+
+#define BLOCK512_CASE(NR) block512(w, x, y, strip, t, r0, NR, FORMAT)
+
+AVX512 static __attribute__((noinline)) void blocks512(const Weights *w, const float *x,
+                                                       float *y, const float *strip, int64_t t,
+                                                       int64_t rows, int FORMAT) {
+    for (int64_t r0 = 0; r0 < rows; r0 += ROWS512) {
+        switch (rows - r0 < ROWS512 ? (int)(rows - r0) : ROWS512) {
+        case 8: BLOCK512_CASE(8); break;
+        case 7: BLOCK512_CASE(7); break;
+        case 6: BLOCK512_CASE(6); break;
+        case 5: BLOCK512_CASE(5); break;
+        case 4: BLOCK512_CASE(4); break;
+        case 3: BLOCK512_CASE(3); break;
+        case 2: BLOCK512_CASE(2); break;
+        case 1: BLOCK512_CASE(1); break;
+        }
+    }
+}
+
+/* Tiles t and t+1's weights at input i in one register, lanes 0-7 tile t's (the values
+ * weights_at gives each; d2 and m2 hold the two tiles' group constants the same way). */
+AVX512 INLINE __m512 pair_at(const Weights *w, int64_t t, int64_t i, __m512 d2, __m512 m2,
+                             const int FORMAT) {
+    if (FORMAT == Q4_1) {
+        const uint32_t *levels = (const uint32_t *)w->levels;
+        const __m128i two = _mm_setr_epi32((int)levels[t * w->k + i],
+                                           (int)levels[(t + 1) * w->k + i], 0, 0);
+        const __m512i which = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        const __m512i shifts =
+            _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+        __m512i q = _mm512_permutexvar_epi32(which, _mm512_castsi128_si512(two));
+        q = _mm512_and_si512(_mm512_srlv_epi32(q, shifts), _mm512_set1_epi32(0xF));
+        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d2, m2);
+    }
+    const int8_t *q = (const int8_t *)w->levels;
+    const __m128i first = _mm_loadl_epi64((const __m128i *)(q + (t * w->k + i) * 8));
+    const __m128i second = _mm_loadl_epi64((const __m128i *)(q + ((t + 1) * w->k + i) * 8));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(first, second)));
+}
+
+AVX512 INLINE __m512 joined(__m256 low, __m256 high) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
+}
+
+/* tiles_direct in 512-bit registers: NPAIRS pairs of tiles from t (2 * NPAIRS tiles), all
+ * NROWS rows, each lane's chain the same as there. */
+AVX512 INLINE void pairs_direct(const Weights *w, const float *x, float *y, int64_t t,
+                                const int NPAIRS, const int NROWS, const int FORMAT) {
+    const Weights local = *w;
+    w = &local;
+    const int64_t k = w->k;
+    __m512 acc[4][STRIP_ROWS];
+    for (int p = 0; p < NPAIRS; p++)
+        for (int r = 0; r < NROWS; r++) acc[p][r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        __m512 d2[4], m2[4];
+        for (int p = 0; p < NPAIRS; p++) {
+            __m256 d0, m0, d1, m1;
+            group_constants(w, t + 2 * p, g, &d0, &m0, FORMAT);
+            group_constants(w, t + 2 * p + 1, g, &d1, &m1, FORMAT);
+            d2[p] = joined(d0, d1);
+            m2[p] = joined(m0, m1);
+        }
+        for (int64_t i = g * GROUP; i < (g + 1) * GROUP; i++) {
+            for (int p = 0; p < NPAIRS; p++) {
+                const __m512 wv = pair_at(w, t + 2 * p, i, d2[p], m2[p], FORMAT);
+                for (int r = 0; r < NROWS; r++)
+                    acc[p][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * k + i]), wv, acc[p][r]);
+            }
+        }
+    }
+    for (int p = 0; p < NPAIRS; p++)
+        for (int r = 0; r < NROWS; r++) {
+            store_tile(w, y + r * w->n, t + 2 * p, _mm512_castps512_ps256(acc[p][r]), FORMAT);
+            store_tile(w, y + r * w->n, t + 2 * p + 1, _mm512_extractf32x8_ps(acc[p][r], 1),
+                       FORMAT);
+        }
+}
+
+#define PAIRS_CASE(NR) pairs_direct(w, x, y, t, 4, NR, FORMAT)
+
+/* Eight tiles from t (all of them there), the rows of a call below STRIP_ROWS. */
+AVX512 static __attribute__((noinline)) void octet_direct(const Weights *w, const float *x,
+                                                          float *y, int64_t t, int rows,
+                                                          int FORMAT) {
+    switch (rows) {
+    case 1: PAIRS_CASE(1); break;
+    case 2: PAIRS_CASE(2); break;
+    case 3: PAIRS_CASE(3); break;
+    }
+}
+
+/* Whether the strip loop takes the AVX-512 path: -1 until the first call asks the CPU. */
+static int avx512_on = -1;
+
+/* setting 0: the AVX2 loops only; 1: AVX-512 where the CPU has it; -1: as it is. Returns
+ * whether the AVX-512 path is on (tests compare the two paths' bits). */
+int gemm_avx512(int setting) {
+    if (setting >= 0 || avx512_on < 0)
+        avx512_on = setting != 0 && __builtin_cpu_supports("avx512f") &&
+                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    return avx512_on;
+}
+
+/* ---- entry points ----------------------------------------------------------------------- */
+
 /* x [rows, k] and y [rows, n] row-major float32, contiguous; k % 32 == 0, n % 8 == 0.
  * Returns 0, or -1 when a buffer could not be allocated (y is then unwritten). */
 INLINE int gemm(const Weights *w, const float *x, int64_t rows, float *y, int num_threads,
                 const int FORMAT) {
     const int64_t num_tiles = w->n / 8;
     if (rows < STRIP_ROWS) {
-        const int64_t num_quads = (num_tiles + 3) / 4;
+        /* Work items: eights of tiles (AVX-512), then fours of the tiles left. */
+        const int64_t num_octets = gemm_avx512(-1) ? num_tiles / 8 : 0;
+        const int64_t first_quad_tile = 8 * num_octets;
+        const int64_t num_quads = (num_tiles - first_quad_tile + 3) / 4;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t q = 0; q < num_quads; q++) {
-            const int64_t t = 4 * q;
+        for (int64_t item = 0; item < num_octets + num_quads; item++) {
+            if (item < num_octets) {
+                octet_direct(w, x, y, 8 * item, (int)rows, FORMAT);
+                continue;
+            }
+            const int64_t t = first_quad_tile + 4 * (item - num_octets);
             const int ntiles = num_tiles - t < 4 ? (int)(num_tiles - t) : 4;
             direct(w, x, y, t, ntiles, (int)rows, FORMAT);
         }
         return 0;
     }
-    const int64_t num_pairs = (num_tiles + 1) / 2;
+    /* Work items: the quads (AVX-512), then pairs of the tiles left (1 or 2 the last). */
+    const int64_t num_quads = gemm_avx512(-1) ? num_tiles / QUAD : 0;
+    const int64_t first_pair_tile = QUAD * num_quads;
+    const int64_t num_pairs = (num_tiles - first_pair_tile + 1) / 2;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *strip = aligned_alloc(32, (size_t)(2 * w->k * 8) * sizeof(float));
+        float *strip = aligned_alloc(64, (size_t)(QUAD * w->k * 8) * sizeof(float));
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < num_pairs; p++) {
+        for (int64_t item = 0; item < num_quads + num_pairs; item++) {
             if (!strip) { /* every thread must reach the loop; one without a buffer fails */
                 failed = 1;
                 continue;
             }
-            const int64_t t = 2 * p;
+            if (item < num_quads) {
+                rebuild_quad(w, QUAD * item, strip, FORMAT);
+                blocks512(w, x, y, strip, QUAD * item, rows, FORMAT);
+                continue;
+            }
+            const int64_t t = first_pair_tile + 2 * (item - num_quads);
             const int ntiles = t + 1 < num_tiles ? 2 : 1;
             for (int j = 0; j < ntiles; j++) rebuild(w, t + j, strip + j * w->k * 8, FORMAT);
             blocks(w, x, y, strip, t, ntiles, rows, FORMAT);

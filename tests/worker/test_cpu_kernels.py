@@ -89,3 +89,31 @@ def test_int8_rows_do_not_depend_on_their_batch_mates_or_threads(kernels_here):
             assert torch.equal(layer(batch)[at], alone[0]), (num_threads, num_mates)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 64, 130])  # few rows, then strips
+@pytest.mark.parametrize("out_features", [32, 56, 72, 88, 128])  # ragged eights and fours
+def test_the_avx512_loops_give_the_avx2_loops_bits(kernels_here, rows, out_features):
+    """Each lane of a 512-bit register computes its output's one chain of FMAs, as an AVX2
+    lane does: the same bits, Q4_1 with a bias and int8, ragged row blocks and tiles."""
+    kernels = cpu_kernels.load()
+    if not kernels.gemm_avx512():
+        pytest.skip("this CPU has no AVX-512: only the AVX2 loops run")
+    generator = torch.Generator().manual_seed(rows + out_features)
+    levels = torch.randint(0, 16, (out_features, 96), dtype=torch.int32, generator=generator)
+    scales = torch.rand(out_features, 3, generator=generator) / 8
+    packed = cpu_kernels.pack_q4_1(levels, scales, -8 * scales)
+    packed_int8 = cpu_kernels.pack_int8(torch.randn(out_features, 96, generator=generator))
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, 96, generator=generator)
+    wide = kernels.q4_1_matmul(x, packed, bias), kernels.int8_matmul(x, packed_int8)
+    try:
+        assert not kernels.gemm_avx512(False)
+        narrow = kernels.q4_1_matmul(x, packed, bias), kernels.int8_matmul(x, packed_int8)
+    finally:
+        assert kernels.gemm_avx512(True)
+    assert torch.equal(wide[0], narrow[0]) and torch.equal(wide[1], narrow[1])
+    expected = (
+        x @ (levels * scales.repeat_interleave(32, 1) - 8 * scales.repeat_interleave(32, 1)).t()
+    )
+    torch.testing.assert_close(wide[0], expected + bias, rtol=1e-4, atol=1e-4)
