@@ -1,7 +1,7 @@
 """Pagoda's CPU kernels (gpu_worker/kernels/*.c), built on first use and called with ctypes.
 
-All float32 on AVX2 + FMA (the GEMMs' many-rows loop in 512-bit registers where the CPU
-has AVX-512, with the same bits), all batch-invariant by construction (a row's bits never
+All float32 on AVX2 + FMA (the GEMMs in 512-bit registers where the CPU has AVX-512, with
+the same bits), all batch-invariant by construction (a row's bits never
 depend on the rest of its call, on the number of threads, or on the vector width):
 - `q4_1_matmul`: y = x W^T + b with W held as Q4_1 groups, each weight rebuilt exactly as
   the float model holds it (d * q + m) and each output one float32 sum over the inputs in
@@ -129,9 +129,9 @@ class CpuKernels:
         int8_gemm.restype = ctypes.c_int
         int8_gemm.argtypes = [_POINTER, _SIZE, _SIZE, _SIZE] + [_POINTER] * 4 + [ctypes.c_int]
         self._int8_gemm = int8_gemm
-        self._gemm_avx512 = library.gemm_avx512
-        self._gemm_avx512.restype = ctypes.c_int
-        self._gemm_avx512.argtypes = [ctypes.c_int]
+        self._wide_vectors = library.wide_vectors
+        self._wide_vectors.restype = ctypes.c_int
+        self._wide_vectors.argtypes = [ctypes.c_int]
         attention = library.paged_attention
         attention.restype = ctypes.c_int
         attention.argtypes = (
@@ -149,11 +149,12 @@ class CpuKernels:
         heads = [_POINTER, _SIZE, _SIZE, _SIZE]  # a tensor, its token and head strides, heads
         self._rotary.argtypes = heads * 2 + [_POINTER] * 2 + [_SIZE, _SIZE, ctypes.c_int]
 
-    def gemm_avx512(self, on: bool | None = None) -> bool:
-        """Whether the GEMMs' many-rows loop runs in 512-bit registers: on wherever the CPU
-        has AVX-512 (F, VL, DQ) unless turned off here (`on`: False keeps the AVX2 loop,
-        True turns it back on where the CPU has it; None asks). Same bits either way."""
-        return bool(self._gemm_avx512(-1 if on is None else int(on)))
+    def avx512(self, on: bool | None = None) -> bool:
+        """Whether the kernels run their AVX-512 paths (the GEMMs' loops): on wherever the
+        CPU has AVX-512 (F, VL, DQ) unless turned off here (`on`: False keeps the AVX2
+        paths, True turns them back on where the CPU has them; None asks). Same bits
+        either way."""
+        return bool(self._wide_vectors(-1 if on is None else int(on)))
 
     def q4_1_matmul(
         self, x: torch.Tensor, packed: PackedQ4, bias: torch.Tensor | None = None

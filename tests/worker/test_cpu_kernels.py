@@ -97,7 +97,7 @@ def test_the_avx512_loops_give_the_avx2_loops_bits(kernels_here, rows, out_featu
     """Each lane of a 512-bit register computes its output's one chain of FMAs, as an AVX2
     lane does: the same bits, Q4_1 with a bias and int8, ragged row blocks and tiles."""
     kernels = cpu_kernels.load()
-    if not kernels.gemm_avx512():
+    if not kernels.avx512():
         pytest.skip("this CPU has no AVX-512: only the AVX2 loops run")
     generator = torch.Generator().manual_seed(rows + out_features)
     levels = torch.randint(0, 16, (out_features, 96), dtype=torch.int32, generator=generator)
@@ -108,12 +108,13 @@ def test_the_avx512_loops_give_the_avx2_loops_bits(kernels_here, rows, out_featu
     x = torch.randn(rows, 96, generator=generator)
     wide = kernels.q4_1_matmul(x, packed, bias), kernels.int8_matmul(x, packed_int8)
     try:
-        assert not kernels.gemm_avx512(False)
+        assert not kernels.avx512(False)
         narrow = kernels.q4_1_matmul(x, packed, bias), kernels.int8_matmul(x, packed_int8)
     finally:
-        assert kernels.gemm_avx512(True)
+        assert kernels.avx512(True)
     assert torch.equal(wide[0], narrow[0]) and torch.equal(wide[1], narrow[1])
     expected = (
         x @ (levels * scales.repeat_interleave(32, 1) - 8 * scales.repeat_interleave(32, 1)).t()
     )
     torch.testing.assert_close(wide[0], expected + bias, rtol=1e-4, atol=1e-4)
+
