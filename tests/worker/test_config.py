@@ -42,6 +42,16 @@ def test_environment_fills_in_and_flags_win():
     assert config.zmq_endpoint == "tcp://127.0.0.1:5555"
 
 
+def test_the_two_kinds_of_graph_turn_off_apart():
+    """--no-piecewise-graphs keeps the decode graphs (PagedEngine builds the pieces only
+    beside them, so --no-cuda-graphs turns both off)."""
+    assert parse_config([], {}).piecewise_graphs and parse_config([], {}).cuda_graphs
+    config = parse_config(["--no-piecewise-graphs"], {})
+    assert config.cuda_graphs and not config.piecewise_graphs
+    config = parse_config([], {"PAGODA_WORKER_PIECEWISE_GRAPHS": "false"})
+    assert not config.piecewise_graphs
+
+
 @pytest.mark.parametrize(
     ("argv", "environ"),
     [

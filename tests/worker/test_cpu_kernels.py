@@ -117,4 +117,3 @@ def test_the_avx512_loops_give_the_avx2_loops_bits(kernels_here, rows, out_featu
         x @ (levels * scales.repeat_interleave(32, 1) - 8 * scales.repeat_interleave(32, 1)).t()
     )
     torch.testing.assert_close(wide[0], expected + bias, rtol=1e-4, atol=1e-4)
-
