@@ -408,8 +408,8 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
         fused_ops=config.fused_ops,
     )
     log.info("attention backend %s", engine.attention_backend.name)
-    # Not retried eagerly on failure: a failed capture can leave the CUDA context unusable.
     if engine.decode_graphs is not None:
+        # Not retried eagerly on failure: a failed capture can leave the CUDA context unusable.
         try:
             engine.decode_graphs.capture()  # before the hello: no step waits on it
         except Exception:
@@ -424,11 +424,14 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
         try:
             engine.piecewise_graphs.capture(CAPTURE_BUDGET_S)
         except Exception:
-            log.error(
-                "piecewise CUDA graph capture failed; --no-piecewise-graphs "
-                "(PAGODA_WORKER_PIECEWISE_GRAPHS=false) keeps the decode graphs alone"
+            # The capture was ended (PiecewiseGraphs._end_open_capture): the worker goes on
+            # with the decode graphs; a device it left unusable fails the synchronize below.
+            log.exception(
+                "piecewise CUDA graph capture failed: steps with prompt chunks run eagerly "
+                "(--no-piecewise-graphs, PAGODA_WORKER_PIECEWISE_GRAPHS=false, skips it)"
             )
-            raise
+            engine.piecewise_graphs = None
+            torch.cuda.synchronize()
     # After the capture, which compiled the decode variants of its buckets already.
     warm_up(engine, max_num_seqs=config.max_num_batched_tokens)
     engine.launches_ahead = config.tensor_parallel_size == 1 and resolves_launch_ahead(

@@ -160,7 +160,11 @@ class PiecewiseGraphs:
             torch.cuda.synchronize()
             self._cut.pieces = [torch.cuda.CUDAGraph()]
             self._cut.pieces[0].capture_begin(pool=self._pool)
-            hidden = self._forward(bucket, _Mode.CAPTURE)
+            try:
+                hidden = self._forward(bucket, _Mode.CAPTURE)
+            except BaseException:
+                self._end_open_capture()
+                raise
             self._cut.pieces[-1].capture_end()
         torch.cuda.current_stream().wait_stream(stream)
         pieces, self._cut.pieces = self._cut.pieces, []
@@ -168,6 +172,17 @@ class PiecewiseGraphs:
             raise RuntimeError(f"{len(pieces)} pieces for {len(self.layers)} attention layers")
         self._graphs[bucket] = pieces
         self._hidden[bucket] = hidden  # kept: the last piece writes there at every replay
+
+    def _end_open_capture(self) -> None:
+        """After a failure inside a capture, end it, as torch.cuda.graph does on its way
+        out: a stream left capturing would refuse the device's next work (the error that
+        ended it, if any, is the one raised)."""
+        self._cut.pieces, pieces = [], self._cut.pieces
+        if pieces and torch.cuda.is_current_stream_capturing():
+            try:
+                pieces[-1].capture_end()
+            except RuntimeError:
+                pass
 
     def run(self, batch: RaggedBatch) -> torch.Tensor:
         """The logits of a step that `fits` at the rows that sample, in plan order."""

@@ -149,28 +149,36 @@ class StandInGraph:
         self.log.append(("replay", self.number))
 
 
-def test_capture_cuts_at_every_layer_and_replay_attends_between_pieces(llama_models, monkeypatch):
-    """With stand-in graphs (the capture's calls run eagerly on the CPU): L + 1 pieces,
-    begun and ended in turn, one cut per attention layer on that layer's cache; a replay
-    runs piece i, then layer i's attention over the step's real rows, then piece i + 1."""
+def stand_in_cuda(monkeypatch, log: list) -> None:
+    """torch.cuda's graph and stream classes replaced by StandInGraph and no-ops, so that a
+    capture's calls run eagerly on the CPU."""
     import contextlib
 
     import torch
-
-    from pagoda.gpu_worker.piecewise_graphs import PiecewiseGraphs
-
-    log: list = []
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: StandInGraph(log))
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
 
     class Stream:
         def wait_stream(self, other):
             pass
 
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: StandInGraph(log))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", Stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+
+def test_capture_cuts_at_every_layer_and_replay_attends_between_pieces(llama_models, monkeypatch):
+    """With stand-in graphs (the capture's calls run eagerly on the CPU): L + 1 pieces,
+    begun and ended in turn, one cut per attention layer on that layer's cache; a replay
+    runs piece i, then layer i's attention over the step's real rows, then piece i + 1."""
+    import torch
+
+    from pagoda.gpu_worker.piecewise_graphs import PiecewiseGraphs
+
+    log: list = []
+    stand_in_cuda(monkeypatch, log)
     engine = llama_models.engine()
     graphs = PiecewiseGraphs(engine, (16, 32))
     graphs.capture(budget_s=60.0)
@@ -193,6 +201,30 @@ def test_capture_cuts_at_every_layer_and_replay_attends_between_pieces(llama_mod
     graphs.run(batch)  # bucket 32: the first bucket captured, graphs 0 .. L
     between = [[("replay", i), ("attend", i, 20)] for i in range(num_layers)]
     assert log == [entry for pair in between for entry in pair] + [("replay", num_layers)]
+
+
+def test_a_failure_inside_a_capture_ends_the_open_piece(llama_models, monkeypatch):
+    """The error goes up (load_engine then runs without the pieces), but the stream is not
+    left capturing: the piece open when it failed is ended, as torch.cuda.graph does."""
+    from pagoda.gpu_worker.piecewise_graphs import PiecewiseGraphs
+
+    log: list = []
+    stand_in_cuda(monkeypatch, log)
+    graphs = PiecewiseGraphs(llama_models.engine(), (16,))
+    cut = graphs._at_cut
+    calls = []
+
+    def fails_in_the_capture(*args):
+        calls.append(len(log))
+        if len(calls) > 2 * len(graphs.layers) + 1:  # after two warm-ups, the second cut
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return cut(*args)
+
+    monkeypatch.setattr(graphs, "_at_cut", fails_in_the_capture)
+    with pytest.raises(RuntimeError, match="not permitted"):
+        graphs.capture(budget_s=60.0)
+    assert log == [("begin", 0), ("end", 0), ("begin", 1), ("end", 1)]
+    assert not graphs.captured_buckets and not graphs._cut.pieces
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="capture and replay need CUDA")
