@@ -27,16 +27,18 @@ admits nothing new, so an admission never costs an older request its blocks.
 
 Tenants (tenants.py): while two tenants or more have work, each admission round admits
 one request of the least-served waiting tenant (by its policy, within its own queue),
-partial prefills continue least-served first, victims come from the most-served tenant
-first, and every token fed is charged to its tenant; before each plan, the least-served
-waiting tenant may preempt requests of tenants above their share to start (preempt to
-admit, tenants.py). Otherwise none of this runs.
+partial prefills continue least-served first (those of tenants served as much as that
+tenant or more after its round: `_split_at_neediest_head`), victims come from the
+most-served tenant first, and every token fed is charged to its tenant; before each plan,
+the least-served waiting tenant may preempt requests of tenants above their share to
+start (preempt to admit, tenants.py). Otherwise none of this runs.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from pagoda.common.step import WorkerGeometry
 from pagoda.scheduler_svc.core.admission import (
@@ -317,14 +319,54 @@ class Planner:
     ) -> int:
         """Continue partial prefills, then admit from the waiting queue (unless the plan
         preempted: `num_preemptions_before` is the count when it began); tokens used."""
-        used = 0
-        step_id, only = b.step_id, b.only
+        only = b.only
         continuing = list(self.prefilling.values())
         if only is not None:
             continuing = [request for request in continuing if request.request_id in only]
+        behind: list[Request] = []
         if self.tenants.fair:  # the chunk budget goes to the least-served tenant first
-            continuing = by_least_served(continuing, self.tenants.counters())
+            counters = self.tenants.counters()
+            continuing = by_least_served(continuing, counters)
+            if only is None:
+                continuing, behind = self._split_at_neediest_head(continuing, counters)
+        used = self._continue_prefills(b, continuing, num_tokens)
+        # A step that had to preempt admits nothing: new work would only be preempted
+        # next, and the budget it leaves lets the running requests move (no livelock).
+        rounds = _AdmissionRounds()
+        if behind and self.num_preemptions == num_preemptions_before:
+            used += self._admit(b, num_tokens - used, step_prefill_tokens, now, rounds, 1)
+        used += self._continue_prefills(b, behind, num_tokens - used)
+        if self.num_preemptions == num_preemptions_before:
+            used += self._admit(b, num_tokens - used, step_prefill_tokens, now, rounds)
+        return used
+
+    def _split_at_neediest_head(
+        self, continuing: list[Request], counters: dict[str, float]
+    ) -> tuple[list[Request], list[Request]]:
+        """`continuing` (least served first) as the prompts in progress that go before the
+        neediest waiting tenant's head and those that go after it: the tenants served as
+        much as it or more (tenants.neediest_tenant's order, ties to the waiting one), so
+        that a short request of a tenant just lifted to a flood's counter is not left what
+        the flood's chunks leave."""
+        num_requests = self.tenants.num_requests()
+        needy = neediest_tenant(self.waiting.tenant_names(), counters, num_requests)
+        if needy is None:
+            return continuing, []
+        needy_key = (counters[needy], num_requests[needy])
+        ahead: list[Request] = []
+        behind: list[Request] = []
         for request in continuing:
+            tenant = request.tenant
+            goes_first = tenant == needy or (counters[tenant], num_requests[tenant]) < needy_key
+            (ahead if goes_first else behind).append(request)
+        return ahead, behind
+
+    def _continue_prefills(self, b: PlanBuilder, requests: list[Request], num_tokens: int) -> int:
+        """Feed the next chunks of `requests` (prompts in progress) in order, within
+        `num_tokens`; tokens used."""
+        used = 0
+        step_id = b.step_id
+        for request in requests:
             if used >= num_tokens:
                 break
             if request.state is not _RUNNING or request.last_scheduled_step == step_id:
@@ -334,26 +376,38 @@ class Planner:
             if num_fed:
                 self._feed(b, request, num_fed)
                 used += num_fed
-        # A step that had to preempt admits nothing: new work would only be preempted
-        # next, and the budget it leaves lets the running requests move (no livelock).
-        if self.num_preemptions == num_preemptions_before:
-            used += self._admit(b, num_tokens - used, step_prefill_tokens, now)
         return used
 
-    def _admit(self, b: PlanBuilder, num_tokens: int, step_prefill_tokens: int, now: float) -> int:
-        """Admission rounds until one admits nothing: a later round sees the prefix blocks
-        an earlier one keyed, so identical prompts are computed once. Under `only` only
-        those requests are admitted."""
+    def _admit(
+        self,
+        b: PlanBuilder,
+        num_tokens: int,
+        step_prefill_tokens: int,
+        now: float,
+        rounds: _AdmissionRounds,
+        max_rounds: int | None = None,
+    ) -> int:
+        """Admission rounds until one admits nothing (or `max_rounds` of them have): a
+        later round sees the prefix blocks an earlier one keyed, so identical prompts are
+        computed once. `rounds` carries the step's rounds from one call to the next. Under
+        `only` only those requests are admitted."""
         config, blocks, waiting, only = self.config, self.blocks, self.waiting, b.only
         batch_cap = config.prefill_max_batch_size or config.max_active_requests
-        used = num_admitted = 0
-        first_round = True
+        used = 0
         # Decodes come after admission (decode_first off): the blocks they will need are
         # theirs, so an admission never makes an older request preempt in its own step.
         num_reserved_blocks = -1  # counted on first need
-        while still_waiting(only) if only is not None else waiting:
+        num_rounds = 0
+        while not rounds.ended and (still_waiting(only) if only is not None else waiting):
+            if max_rounds is not None and num_rounds == max_rounds:
+                break
+            num_rounds += 1
+            rounds.ended = True  # unless this round admits some
+            first_round = rounds.first
             num_running = len(self.running)
-            num_requests = min(batch_cap - num_admitted, config.max_active_requests - num_running)
+            num_requests = min(
+                batch_cap - rounds.num_admitted, config.max_active_requests - num_running
+            )
             tokens_left = num_tokens - used
             # Without chunked prefill an oversize head may still go alone on 0 tokens left.
             if num_requests <= 0 or (
@@ -410,8 +464,8 @@ class Planner:
                 break
             for index in admitted:
                 waiting.remove(window[index])
-            num_admitted += len(admitted)
-            first_round = False
+            rounds.num_admitted += len(admitted)
+            rounds.first = rounds.ended = False
         return used
 
     def _admission_victims(self, step_id: int) -> list[Request]:
@@ -547,3 +601,14 @@ class Planner:
         if self.tenants.fair:
             self.tenants.charge_prompt(request.tenant, num_tokens)
         self.sequences.fed(request)
+
+
+@dataclass(slots=True)
+class _AdmissionRounds:
+    """A step's admission rounds so far, across the calls of Planner._admit: whether the
+    first is still to run, how many requests they admitted, and whether one admitted
+    nothing (which ends admission for the step)."""
+
+    first: bool = True
+    num_admitted: int = 0
+    ended: bool = False

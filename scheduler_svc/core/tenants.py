@@ -4,9 +4,10 @@ The Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language M
 (OSDI 2024): a tenant's counter grows by (prompt tokens computed * prompt_weight +
 generated tokens * generated_weight) / its weight. Admission serves the waiting tenant
 with the lowest counter first; preemption takes its victims from the most-served tenant
-first; partial prefills continue least-served first. A tenant that arrives (or returns
-from idle) is lifted to the least-served active tenant's counter, so it cannot bank
-credit while idle. Within a tenant the admission policy and priority apply as before.
+first; partial prefills continue least-served first, those of tenants served as much as
+the neediest waiting one or more after its next admission. A tenant that arrives (or
+returns from idle) is lifted to the least-served active tenant's counter, so it cannot
+bank credit while idle. Within a tenant the admission policy and priority apply as before.
 
 Admission alone waits for a free slot, one flood request's length under a flood that
 holds every slot (issue 27). So before each plan, the least-served waiting tenant may

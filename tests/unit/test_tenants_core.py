@@ -284,3 +284,31 @@ def test_backlogged_tenants_service_stays_within_a_bound_of_their_weights(seed):
     # Measured: at most 366 of the bound's 864 over these seeds; 1,800 to 6,400 with
     # fair_share off.
     assert worst <= bound, (worst, bound)
+
+
+def test_the_neediest_tenants_new_prompt_goes_before_a_more_served_ones_chunks():
+    """Issue 27 item 2, the chunk budget: a's long prompt is in progress, 16 tokens a step;
+    b's short one arrives. b, lifted to a's counter and waiting, is the neediest: its head
+    takes the budget before a's next chunk, whole, and samples in that step, where it used
+    to wait until a's prompt was done (or take what a's chunk left)."""
+    geometry = make_geometry(num_kv_blocks=64, block_size=4)
+    config = SchedulerConfig(max_num_batched_tokens=16, target_step_ms=None)
+    scheduler = Scheduler(config)
+    scheduler.attach_worker(geometry)
+    worker = FakeWorker(geometry)
+    long = dataclasses.replace(make_request("a0", 64, max_new_tokens=4), tenant="a")
+    scheduler.add(long, 0.0)
+    scheduler.apply(worker.step(scheduler.schedule(1.0)), 1.5)  # a0's first chunk
+    short = dataclasses.replace(make_request("b0", 8, max_new_tokens=4), tenant="b")
+    scheduler.add(short, 2.0)
+    plan = scheduler.schedule(3.0)
+    assert plan_feeds(scheduler, plan) == {"b0": 8, "a0": 8}
+
+
+def plan_feeds(scheduler, plan) -> dict[str, int]:
+    """Tokens each request feeds in `plan`, by request id."""
+    offsets, running = plan.token_offsets, scheduler._planner.running
+    return {
+        running[seq_id].request_id: offsets[i + 1] - offsets[i]
+        for i, seq_id in enumerate(plan.seq_ids)
+    }
