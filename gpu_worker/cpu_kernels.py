@@ -1,8 +1,8 @@
 """Pagoda's CPU kernels (gpu_worker/kernels/*.c), built on first use and called with ctypes.
 
 All float32 on AVX2 + FMA (the GEMMs in 512-bit registers where the CPU has AVX-512, with
-the same bits), all batch-invariant by construction (a row's bits never
-depend on the rest of its call, on the number of threads, or on the vector width):
+the same bits), all batch-invariant by construction (a row's bits never depend on the rest
+of its call, on the number of threads, or on the vector width):
 - `q4_1_matmul`: y = x W^T + b with W held as Q4_1 groups, each weight rebuilt exactly as
   the float model holds it (d * q + m) and each output one float32 sum over the inputs in
   their order: Q4Linear's fast path (quantization.py);

@@ -22,10 +22,11 @@
  * Two loops over the same arithmetic: few rows rebuild each weight in registers as they
  * go, four tiles side by side; more rows rebuild a strip of 16 outputs x k inputs once
  * into a buffer and run blocks of ROWS rows over it (the rebuild is then shared by every
- * row of the call). Where the CPU has AVX-512, the strip loop takes 32 outputs at a time
- * in 512-bit registers (two tiles a register, blocks of ROWS512 rows): each lane still
- * computes its output's one chain of FMAs, so the bits are the AVX2 loop's, only twice
- * as many chains run per instruction (tested bit for bit against it).
+ * row of the call). Where the CPU has AVX-512, both loops hold two tiles a 512-bit
+ * register (the strips 32 outputs at a time in blocks of ROWS512 rows, two or three rows
+ * eight tiles at a time; one row stays on AVX2): each lane still computes its output's
+ * one chain of FMAs, so the bits are the AVX2 loops', only twice as many chains run per
+ * instruction (tested bit for bit against them).
  */
 
 #include <immintrin.h>
@@ -78,10 +79,10 @@ INLINE void group_constants(const Weights *w, int64_t t, int64_t g, __m256 *d, _
 }
 
 /* Ask for tile t's weights of group g (its levels, and its scales and minimums for Q4_1)
- * before they are read: the AVX-512 few-rows loop reads sixteen tiles' streams at once,
- * more than the hardware prefetcher follows (measured there: 5.4 -> 4.4 ms at two rows
- * for the default model's decoder from memory; the AVX2 loop gained nothing from it). A
- * prefetch past the end is never issued. */
+ * before they are read: the AVX-512 few-rows loop reads eight tiles' levels, scales and
+ * minimums at once, 24 streams a thread, more than the hardware prefetcher follows
+ * (measured there: 5.4 -> 4.4 ms at two rows for the default model's decoder from memory;
+ * the AVX2 loop gained nothing from it). A prefetch past the end is never issued. */
 #define PREFETCH_GROUPS 2
 INLINE void prefetch_group(const Weights *w, int64_t t, int64_t g, const int FORMAT) {
     if (g >= w->k / GROUP) return;
@@ -154,13 +155,16 @@ INLINE void direct(const Weights *w, const float *x, float *y, int64_t t, int nt
     }
 }
 
-/* Tile t's weights, [k][8] float32, into `strip` (the values tiles_direct rebuilds). */
-INLINE void rebuild(const Weights *w, int64_t t, float *strip, const int FORMAT) {
+/* Tile t's weights into `strip`, input i's 8 floats at strip + i * stride (the values
+ * tiles_direct rebuilds): [k][8] for the AVX2 blocks, every fourth 8 of [k][32] for the
+ * AVX-512 ones. */
+INLINE void rebuild(const Weights *w, int64_t t, float *strip, const int64_t stride,
+                    const int FORMAT) {
     for (int64_t g = 0; g < w->k / GROUP; g++) {
         __m256 d, m;
         group_constants(w, t, g, &d, &m, FORMAT);
         for (int64_t i = g * GROUP; i < (g + 1) * GROUP; i++)
-            _mm256_store_ps(strip + i * 8, weights_at(w, t, i, d, m, FORMAT));
+            _mm256_store_ps(strip + i * stride, weights_at(w, t, i, d, m, FORMAT));
     }
 }
 
@@ -210,19 +214,6 @@ static __attribute__((noinline)) void blocks(const Weights *w, const float *x, f
 }
 
 /* ---- AVX-512: the strip loop over four tiles at a time --------------------------------- */
-
-/* Tiles t .. t+3's weights as [k][32] float32: tile j's 8 at 8j .. 8j+7 of each input
- * (the values `rebuild` gives, interleaved so that one input's 32 are two registers). */
-AVX512 static void rebuild_quad(const Weights *w, int64_t t, float *strip, int FORMAT) {
-    for (int j = 0; j < QUAD; j++) {
-        for (int64_t g = 0; g < w->k / GROUP; g++) {
-            __m256 d, m;
-            group_constants(w, t + j, g, &d, &m, FORMAT);
-            for (int64_t i = g * GROUP; i < (g + 1) * GROUP; i++)
-                _mm256_store_ps(strip + i * 32 + j * 8, weights_at(w, t + j, i, d, m, FORMAT));
-        }
-    }
-}
 
 /* Rows r0 .. r0+NROWS-1 against the quad at t: lane l of register h is output
  * 8t + 16h + l, whose chain is acc = fma(x[i], w[i], acc) in input order, as in `block`. */
@@ -293,19 +284,20 @@ AVX512 INLINE __m512 joined(__m256 low, __m256 high) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
 }
 
-/* tiles_direct in 512-bit registers: NPAIRS pairs of tiles from t (2 * NPAIRS tiles), all
+/* tiles_direct in 512-bit registers: PAIRS pairs of tiles from t (all of them there), all
  * NROWS rows, each lane's chain the same as there. */
+#define PAIRS 4
 AVX512 INLINE void pairs_direct(const Weights *w, const float *x, float *y, int64_t t,
-                                const int NPAIRS, const int NROWS, const int FORMAT) {
+                                const int NROWS, const int FORMAT) {
     const Weights local = *w;
     w = &local;
     const int64_t k = w->k;
-    __m512 acc[4][STRIP_ROWS];
-    for (int p = 0; p < NPAIRS; p++)
+    __m512 acc[PAIRS][STRIP_ROWS];
+    for (int p = 0; p < PAIRS; p++)
         for (int r = 0; r < NROWS; r++) acc[p][r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < k / GROUP; g++) {
-        __m512 d2[4], m2[4];
-        for (int p = 0; p < NPAIRS; p++) {
+        __m512 d2[PAIRS], m2[PAIRS];
+        for (int p = 0; p < PAIRS; p++) {
             prefetch_group(w, t + 2 * p, g + PREFETCH_GROUPS, FORMAT);
             prefetch_group(w, t + 2 * p + 1, g + PREFETCH_GROUPS, FORMAT);
             __m256 d0, m0, d1, m1;
@@ -315,14 +307,14 @@ AVX512 INLINE void pairs_direct(const Weights *w, const float *x, float *y, int6
             m2[p] = joined(m0, m1);
         }
         for (int64_t i = g * GROUP; i < (g + 1) * GROUP; i++) {
-            for (int p = 0; p < NPAIRS; p++) {
+            for (int p = 0; p < PAIRS; p++) {
                 const __m512 wv = pair_at(w, t + 2 * p, i, d2[p], m2[p], FORMAT);
                 for (int r = 0; r < NROWS; r++)
                     acc[p][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * k + i]), wv, acc[p][r]);
             }
         }
     }
-    for (int p = 0; p < NPAIRS; p++)
+    for (int p = 0; p < PAIRS; p++)
         for (int r = 0; r < NROWS; r++) {
             store_tile(w, y + r * w->n, t + 2 * p, _mm512_castps512_ps256(acc[p][r]), FORMAT);
             store_tile(w, y + r * w->n, t + 2 * p + 1, _mm512_extractf32x8_ps(acc[p][r], 1),
@@ -330,17 +322,15 @@ AVX512 INLINE void pairs_direct(const Weights *w, const float *x, float *y, int6
         }
 }
 
-#define PAIRS_CASE(NR) pairs_direct(w, x, y, t, 4, NR, FORMAT)
-
-/* Eight tiles from t (all of them there), the rows of a call below STRIP_ROWS. */
+/* The 2 * PAIRS tiles from t, for the 2 or 3 rows of a call (one row stays on the AVX2
+ * loop: gemm). */
 AVX512 static __attribute__((noinline)) void octet_direct(const Weights *w, const float *x,
                                                           float *y, int64_t t, int rows,
                                                           int FORMAT) {
-    switch (rows) {
-    case 1: PAIRS_CASE(1); break;
-    case 2: PAIRS_CASE(2); break;
-    case 3: PAIRS_CASE(3); break;
-    }
+    if (rows == 2)
+        pairs_direct(w, x, y, t, 2, FORMAT);
+    else
+        pairs_direct(w, x, y, t, 3, FORMAT);
 }
 
 /* Whether the kernels take their AVX-512 paths: -1 until the first call asks the CPU. */
@@ -368,14 +358,15 @@ INLINE int gemm(const Weights *w, const float *x, int64_t rows, float *y, int nu
          * on the AVX2 loop: it broadcasts each tile's word straight from memory, where a
          * pair joins two words first, and is the faster there (weights read from memory:
          * 4.1 against 4.5 ms for the default model's decoder on two Zen 5 cores; from two
-         * rows on, the pairs: 4.4 against 4.9 ms at two, 4.6 against 7.0 at three). */
-        const int64_t num_octets = rows > 1 && wide_vectors(-1) ? num_tiles / 8 : 0;
-        const int64_t first_quad_tile = 8 * num_octets;
+         * rows on, the pairs: 4.4-4.5 against 5.1-5.2 ms at two, 4.6-4.7 against 7.0 at
+         * three). */
+        const int64_t num_octets = rows > 1 && wide_vectors(-1) ? num_tiles / (2 * PAIRS) : 0;
+        const int64_t first_quad_tile = 2 * PAIRS * num_octets;
         const int64_t num_quads = (num_tiles - first_quad_tile + 3) / 4;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
         for (int64_t item = 0; item < num_octets + num_quads; item++) {
             if (item < num_octets) {
-                octet_direct(w, x, y, 8 * item, (int)rows, FORMAT);
+                octet_direct(w, x, y, 2 * PAIRS * item, (int)rows, FORMAT);
                 continue;
             }
             const int64_t t = first_quad_tile + 4 * (item - num_octets);
@@ -399,13 +390,16 @@ INLINE int gemm(const Weights *w, const float *x, int64_t rows, float *y, int nu
                 continue;
             }
             if (item < num_quads) {
-                rebuild_quad(w, QUAD * item, strip, FORMAT);
+                /* [k][32]: tile j's 8 at 8j of each input, so one input's 32 are two
+                 * registers. */
+                for (int j = 0; j < QUAD; j++)
+                    rebuild(w, QUAD * item + j, strip + 8 * j, 8 * QUAD, FORMAT);
                 blocks512(w, x, y, strip, QUAD * item, rows, FORMAT);
                 continue;
             }
             const int64_t t = first_pair_tile + 2 * (item - num_quads);
             const int ntiles = t + 1 < num_tiles ? 2 : 1;
-            for (int j = 0; j < ntiles; j++) rebuild(w, t + j, strip + j * w->k * 8, FORMAT);
+            for (int j = 0; j < ntiles; j++) rebuild(w, t + j, strip + j * w->k * 8, 8, FORMAT);
             blocks(w, x, y, strip, t, ntiles, rows, FORMAT);
         }
         free(strip);
