@@ -63,6 +63,7 @@ from pagoda.scheduler_svc.core.tenants import (
     admission_victims,
     by_least_served,
     neediest_tenant,
+    neediness,
 )
 from pagoda.scheduler_svc.core.waiting_queue import WaitingQueue, still_waiting
 
@@ -327,7 +328,7 @@ class Planner:
         if self.tenants.fair:  # the chunk budget goes to the least-served tenant first
             counters = self.tenants.counters()
             continuing = by_least_served(continuing, counters)
-            if only is None:
+            if continuing and only is None:
                 continuing, behind = self._split_at_neediest_head(continuing, counters)
         used = self._continue_prefills(b, continuing, num_tokens)
         # A step that had to preempt admits nothing: new work would only be preempted
@@ -352,12 +353,12 @@ class Planner:
         needy = neediest_tenant(self.waiting.tenant_names(), counters, num_requests)
         if needy is None:
             return continuing, []
-        needy_key = (counters[needy], num_requests[needy])
+        needy_key = neediness(needy, counters, num_requests)
         ahead: list[Request] = []
         behind: list[Request] = []
         for request in continuing:
             tenant = request.tenant
-            goes_first = tenant == needy or (counters[tenant], num_requests[tenant]) < needy_key
+            goes_first = tenant == needy or neediness(tenant, counters, num_requests) < needy_key
             (ahead if goes_first else behind).append(request)
         return ahead, behind
 

@@ -189,10 +189,18 @@ def neediest_tenant(
     first given."""
     best, best_key = None, (0.0, 0)
     for name in waiting:
-        key = (counters[name], num_requests[name] if num_requests is not None else 0)
+        key = neediness(name, counters, num_requests)
         if best is None or key < best_key:
             best, best_key = name, key
     return best
+
+
+def neediness(
+    name: str, counters: Mapping[str, float], num_requests: Mapping[str, int] | None = None
+) -> tuple[float, int]:
+    """The order neediest_tenant takes: a lower key is needier (its counter, then its
+    unfinished requests when given)."""
+    return counters[name], num_requests[name] if num_requests is not None else 0
 
 
 def by_least_served(requests: list, counters: Mapping[str, float]) -> list:
