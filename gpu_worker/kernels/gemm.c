@@ -280,10 +280,6 @@ AVX512 INLINE __m512 pair_at(const Weights *w, int64_t t, int64_t i, __m512 d2, 
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(first, second)));
 }
 
-AVX512 INLINE __m512 joined(__m256 low, __m256 high) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
-}
-
 /* tiles_direct in 512-bit registers: PAIRS pairs of tiles from t (all of them there), all
  * NROWS rows, each lane's chain the same as there. */
 #define PAIRS 4

@@ -19,7 +19,13 @@
  * key is read once for the whole tile, its dot products run twelve at a time (three
  * queries by four keys, the next block's keys fetched meanwhile), and the
  * tile's keys and values stay in cache while each pair's P.V runs in registers. Tiling
- * changes which pairs share a read, never a pair's arithmetic.
+ * changes which pairs share a read, never a pair's arithmetic. The scores' maximum is
+ * taken after q.k, over the stored scores.
+ *
+ * Where the CPU has AVX-512 (wide_vectors, simd.h), q.k holds two keys a 512-bit register
+ * (eight keys a block), and P.V runs the heads of one row together, each value read once
+ * for all of them: each lane still computes the AVX2 lane's chain, so the bits are the
+ * AVX2 loops' (tested bit for bit against them).
  */
 
 #include <immintrin.h>
@@ -38,12 +44,15 @@ typedef struct {
     float *o;         /* its output row */
     float *scores;    /* its keys' scores, then weights: scores[j - first] */
     int64_t first, position;
-    float top;
 } Query;
 
 /* The cache slot of position j of a sequence (block table `blocks`), walked without a
  * division per key by the loops below. */
 #define SLOT(blocks, j) ((int64_t)(blocks)[(j) / block_size] * block_size + (j) % block_size)
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* ---- P.V -------------------------------------------------------------------------------- */
 
 /* qr->o = sum over its keys j, in order, of weight_j * v_j, divided by the denominator
  * (the weights' sum in the same order, added by the first pass beside its FMAs): head_dim
@@ -79,6 +88,59 @@ static void weighted_values(Query *qr, const float *value_cache, const int32_t *
     }
 }
 
+/* Heads of one row at most, run together by the AVX-512 P.V: 16 accumulators + 4 values
+ * + 1 weight of the 32 registers. */
+#define ROW_HEADS 4
+
+/* weighted_values for NQ queries that see the same keys, head_dim % 64 == 0, in 512-bit
+ * registers: each value is read once for all of them, and NQ x 4 chains hide the FMA's
+ * latency. Each lane's chain is the one above, and so is each denominator (every chunk
+ * adds the same weights in the same order). */
+AVX512 INLINE void row_values(Query *qs, const int NQ, const float *value_cache,
+                              const int32_t *blocks, int64_t block_size, int64_t token_stride,
+                              int64_t kv_offset, int64_t head_dim) {
+    const int64_t first = qs[0].first, position = qs[0].position;
+    for (int64_t c = 0; c < head_dim; c += 64) {
+        float denominator[ROW_HEADS] = {0.0f};
+        __m512 acc[ROW_HEADS][4];
+        for (int i = 0; i < NQ; i++)
+            for (int l = 0; l < 4; l++) acc[i][l] = _mm512_setzero_ps();
+        for (int64_t j = first; j <= position;) {
+            const int64_t block = j / block_size;
+            const int64_t end = (block + 1) * block_size - 1 < position ? (block + 1) * block_size - 1 : position;
+            const float *v = value_cache + SLOT(blocks, j) * token_stride + kv_offset + c;
+            for (; j <= end; j++, v += token_stride) {
+                const __m512 values[4] = {_mm512_loadu_ps(v), _mm512_loadu_ps(v + 16),
+                                          _mm512_loadu_ps(v + 32), _mm512_loadu_ps(v + 48)};
+                for (int i = 0; i < NQ; i++) {
+                    const float w = qs[i].scores[j - first];
+                    denominator[i] += w;
+                    const __m512 weight = _mm512_set1_ps(w);
+                    for (int l = 0; l < 4; l++) acc[i][l] = _mm512_fmadd_ps(weight, values[l], acc[i][l]);
+                }
+            }
+        }
+        for (int i = 0; i < NQ; i++) {
+            const __m512 denominators = _mm512_set1_ps(denominator[i]);
+            for (int l = 0; l < 4; l++)
+                _mm512_storeu_ps(qs[i].o + c + 16 * l, _mm512_div_ps(acc[i][l], denominators));
+        }
+    }
+}
+
+AVX512 static void row_values_of(Query *qs, int nq, const float *value_cache,
+                                 const int32_t *blocks, int64_t block_size,
+                                 int64_t token_stride, int64_t kv_offset, int64_t head_dim) {
+    switch (nq) {
+    case 4: row_values(qs, 4, value_cache, blocks, block_size, token_stride, kv_offset, head_dim); break;
+    case 3: row_values(qs, 3, value_cache, blocks, block_size, token_stride, kv_offset, head_dim); break;
+    case 2: row_values(qs, 2, value_cache, blocks, block_size, token_stride, kv_offset, head_dim); break;
+    default: row_values(qs, 1, value_cache, blocks, block_size, token_stride, kv_offset, head_dim); break;
+    }
+}
+
+/* ---- q.k -------------------------------------------------------------------------------- */
+
 /* Ask for `count` cache slots' head_dim floats from p on (slots token_stride apart). */
 #define prefetch_slots(p, count, token_stride, head_dim, hint)                       \
     do {                                                                              \
@@ -98,17 +160,53 @@ static inline __m128 lanes_sums4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_unpacklo_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
 }
 
+/* lanes_sum of the eight keys whose 8 lanes lie two a register in p[0..3] (key 2i in p[i]'s
+ * low half, 2i+1 in its high half), each added in exactly its order. */
+AVX512 INLINE __m256 lanes_sums8(const __m512 p[4]) {
+    /* 128-bit lane i: key i's l0+l4 .. l3+l7 (keys 0-3, then 4-7) */
+    const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(p[0], p[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(p[0], p[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(p[2], p[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_f32x4(p[2], p[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* lane i: key i's (l0+l4)+(l2+l6), (l1+l5)+(l3+l7), then key i+4's */
+    const __m512 pairs = _mm512_add_ps(_mm512_shuffle_ps(low, high, _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm512_shuffle_ps(low, high, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* lane i: key i's sum, key i+4's sum (twice) */
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pairs, pairs, _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_ps(pairs, pairs, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, sums));
+}
+
+/* Keep qr's scores of keys j .. j + keys - 1 (scores[key]) that it sees, softcapped: a
+ * whole block inside its range without a softcap in one copy. */
+INLINE void keep_scores(Query *qr, const float *scores, int keys, const int BLOCK, int64_t j,
+                        float softcap) {
+    if (keys == BLOCK && !(softcap > 0.0f) && j >= qr->first && j + BLOCK - 1 <= qr->position) {
+        __builtin_memcpy(qr->scores + (j - qr->first), scores, BLOCK * sizeof(float));
+        return;
+    }
+    for (int key = 0; key < keys; key++) {
+        const int64_t position = j + key;
+        if (position < qr->first || position > qr->position) continue;
+        float score = scores[key];
+        if (softcap > 0.0f) score = softcap * tanhf(score / softcap);
+        qr->scores[position - qr->first] = score;
+    }
+}
+
 /* Keys and queries of one block of q.k: QUERIES x KEYS independent FMA chains (12 of the
  * 16 registers) hide the FMA's latency, and each key is loaded once for all its queries. */
 #define KEYS 4
 #define QUERIES 3
+/* AVX-512: two keys a register, so twice the keys for the same 12 accumulators. */
+#define WIDE_KEYS 8
 
 /* Scores of `keys` (1 .. KEYS) consecutive cache slots from k (position j onwards) for
  * NQ (1 .. QUERIES) queries: each one query's sum over head_dim in 8 lanes, as one chain
  * whatever the block (a missing key repeats the last one and is not kept). */
-static inline __attribute__((always_inline)) void score_block(
-    Query *tile, const int NQ, const float *k, int64_t token_stride, int keys, int64_t j,
-    int64_t head_dim, float scale, float softcap) {
+INLINE void score_block(Query *tile, const int NQ, const float *k, int64_t token_stride,
+                        int keys, int64_t j, int64_t head_dim, float scale, float softcap) {
     const float *k1 = k + (keys > 1 ? 1 : 0) * token_stride;
     const float *k2 = k + (keys > 2 ? 2 : keys - 1) * token_stride;
     const float *k3 = k + (keys > 3 ? 3 : keys - 1) * token_stride;
@@ -124,18 +222,37 @@ static inline __attribute__((always_inline)) void score_block(
         }
     }
     for (int i = 0; i < NQ; i++) {
-        Query *qr = &tile[i];
         float scores[KEYS];
         _mm_storeu_ps(scores, _mm_mul_ps(lanes_sums4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]),
                                          _mm_set1_ps(scale)));
-        for (int key = 0; key < keys; key++) {
-            const int64_t position = j + key;
-            if (position < qr->first || position > qr->position) continue;
-            float score = scores[key];
-            if (softcap > 0.0f) score = softcap * tanhf(score / softcap);
-            qr->scores[position - qr->first] = score;
-            if (score > qr->top) qr->top = score;
+        keep_scores(&tile[i], scores, keys, KEYS, j, softcap);
+    }
+}
+
+/* score_block for up to WIDE_KEYS keys, two a 512-bit register: lane l of key 2i in
+ * register i's low half, of key 2i+1 in its high half, each the same chain as there. */
+AVX512 INLINE void wide_score_block(Query *tile, const int NQ, const float *k,
+                                    int64_t token_stride, int keys, int64_t j,
+                                    int64_t head_dim, float scale, float softcap) {
+    const float *key_at[WIDE_KEYS];
+    for (int key = 0; key < WIDE_KEYS; key++)
+        key_at[key] = k + (key < keys ? key : keys - 1) * token_stride;
+    __m512 acc[QUERIES][WIDE_KEYS / 2];
+    for (int i = 0; i < NQ; i++)
+        for (int p = 0; p < WIDE_KEYS / 2; p++) acc[i][p] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < head_dim; c += 8) {
+        __m512 kc[WIDE_KEYS / 2];
+        for (int p = 0; p < WIDE_KEYS / 2; p++)
+            kc[p] = joined(_mm256_loadu_ps(key_at[2 * p] + c), _mm256_loadu_ps(key_at[2 * p + 1] + c));
+        for (int i = 0; i < NQ; i++) {
+            const __m512 qc = _mm512_broadcast_f32x8(_mm256_loadu_ps(tile[i].q + c));
+            for (int p = 0; p < WIDE_KEYS / 2; p++) acc[i][p] = _mm512_fmadd_ps(qc, kc[p], acc[i][p]);
         }
+    }
+    for (int i = 0; i < NQ; i++) {
+        float scores[WIDE_KEYS];
+        _mm256_storeu_ps(scores, _mm256_mul_ps(lanes_sums8(acc[i]), _mm256_set1_ps(scale)));
+        keep_scores(&tile[i], scores, keys, WIDE_KEYS, j, softcap);
     }
 }
 
@@ -148,6 +265,51 @@ static void score_keys(Query *tile, int nq, const float *k, int64_t token_stride
     }
 }
 
+AVX512 static void wide_score_keys(Query *tile, int nq, const float *k, int64_t token_stride,
+                                   int keys, int64_t j, int64_t head_dim, float scale,
+                                   float softcap) {
+    switch (nq) {
+    case 3: wide_score_block(tile, 3, k, token_stride, keys, j, head_dim, scale, softcap); break;
+    case 2: wide_score_block(tile, 2, k, token_stride, keys, j, head_dim, scale, softcap); break;
+    default: wide_score_block(tile, 1, k, token_stride, keys, j, head_dim, scale, softcap); break;
+    }
+}
+
+/* ---- softmax ---------------------------------------------------------------------------- */
+
+/* The largest of count scores, NaNs passed over (as `if (s > top) top = s` in order
+ * would find it), -inf for none. */
+static float top_score(const float *scores, int64_t count) {
+    __m256 tops = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= count; j += 8) tops = _mm256_max_ps(_mm256_loadu_ps(scores + j), tops);
+    float lanes[8], top = -INFINITY;
+    _mm256_storeu_ps(lanes, tops);
+    for (int i = 0; i < 8; i++)
+        if (lanes[i] > top) top = lanes[i];
+    for (; j < count; j++)
+        if (scores[j] > top) top = scores[j];
+    return top;
+}
+
+/* scores[j] = e^(scores[j] - top) for each of qr's keys, 8 at a time. */
+static void exponentiate(Query *qr) {
+    const int64_t count = qr->position - qr->first + 1;
+    const float top_value = top_score(qr->scores, count);
+    const __m256 top = _mm256_set1_ps(top_value);
+    int64_t j = 0;
+    for (; j + 8 <= count; j += 8)
+        _mm256_storeu_ps(qr->scores + j, exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(qr->scores + j), top)));
+    if (j < count) {
+        float rest[8] = {0};
+        for (int64_t i = j; i < count; i++) rest[i - j] = qr->scores[i] - top_value;
+        _mm256_storeu_ps(rest, exp_lanes(_mm256_loadu_ps(rest)));
+        for (int64_t i = j; i < count; i++) qr->scores[i] = rest[i - j];
+    }
+}
+
+/* ---- entry point ------------------------------------------------------------------------ */
+
 /* head_dim % 8 == 0; all tensors contiguous float32 (int32 for the metadata).
  * Returns 0, or -1 when scratch could not be allocated. */
 int paged_attention(const float *query, const float *key_cache, const float *value_cache,
@@ -159,6 +321,9 @@ int paged_attention(const float *query, const float *key_cache, const float *val
                     int64_t sliding_window, float *out, int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim; /* floats per cache slot */
+    const int wide = wide_vectors(-1);
+    const int wide_values = wide && head_dim % 64 == 0;
+    const int block_keys = wide ? WIDE_KEYS : KEYS;
     /* Rows per item: as many as fit MAX_TILE queries with the group's heads. */
     const int64_t tile_rows = group >= MAX_TILE ? 1 : MAX_TILE / group;
     const int64_t heads_per_item = group >= MAX_TILE ? MAX_TILE : group;
@@ -213,7 +378,6 @@ int paged_attention(const float *query, const float *key_cache, const float *val
                     qr->scores = scratch + n * span;
                     qr->first = first;
                     qr->position = position;
-                    qr->top = -INFINITY;
                     n++;
                 }
                 if (first < lo) lo = first;
@@ -233,36 +397,37 @@ int paged_attention(const float *query, const float *key_cache, const float *val
                     ? key_cache + ((int64_t)blocks[block + 1] * block_size + j % block_size) * token_stride + kv_offset
                     : NULL;
                 while (j <= end) {
-                    const int keys = end - j + 1 < KEYS ? (int)(end - j + 1) : KEYS;
+                    const int keys = end - j + 1 < block_keys ? (int)(end - j + 1) : block_keys;
                     if (next_k) prefetch_slots(next_k, keys, token_stride, head_dim, _MM_HINT_T0);
                     prefetch_slots(v, keys, token_stride, head_dim, _MM_HINT_T1);
-                    for (int i0 = 0; i0 < n; i0 += QUERIES)
-                        score_keys(tile + i0, n - i0 < QUERIES ? n - i0 : QUERIES, k,
-                                   token_stride, keys, j, head_dim, scale, softcap);
+                    for (int i0 = 0; i0 < n; i0 += QUERIES) {
+                        const int nq = n - i0 < QUERIES ? n - i0 : QUERIES;
+                        if (wide)
+                            wide_score_keys(tile + i0, nq, k, token_stride, keys, j, head_dim, scale, softcap);
+                        else
+                            score_keys(tile + i0, nq, k, token_stride, keys, j, head_dim, scale, softcap);
+                    }
                     j += keys;
                     k += keys * token_stride;
                     v += keys * token_stride;
                     if (next_k) next_k += keys * token_stride;
                 }
             }
-            /* The softmax's weights and denominator, then P.V in registers, each query over
-             * its own keys in order (its values stay in cache from one query to the next). */
-            for (int i = 0; i < n; i++) {
-                Query *qr = &tile[i];
-                /* e^(score - top), 8 keys at a time; the denominator adds them in order. */
-                const int64_t count = qr->position - qr->first + 1;
-                const __m256 top = _mm256_set1_ps(qr->top);
-                int64_t j = 0;
-                for (; j + 8 <= count; j += 8)
-                    _mm256_storeu_ps(qr->scores + j,
-                                     exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(qr->scores + j), top)));
-                if (j < count) {
-                    float rest[8] = {0};
-                    for (int64_t i = j; i < count; i++) rest[i - j] = qr->scores[i] - qr->top;
-                    _mm256_storeu_ps(rest, exp_lanes(_mm256_loadu_ps(rest)));
-                    for (int64_t i = j; i < count; i++) qr->scores[i] = rest[i - j];
+            /* The softmax's weights, then P.V in registers over each query's own keys in
+             * order (its values stay in cache from one query to the next); with AVX-512 the
+             * heads of a row (consecutive in the tile, the same keys) together. */
+            for (int i = 0; i < n; i++) exponentiate(&tile[i]);
+            for (int i = 0; i < n;) {
+                int same = 1;
+                if (wide_values) {
+                    while (same < ROW_HEADS && i + same < n && tile[i + same].position == tile[i].position &&
+                           tile[i + same].first == tile[i].first)
+                        same++;
+                    row_values_of(tile + i, same, value_cache, blocks, block_size, token_stride, kv_offset, head_dim);
+                } else {
+                    weighted_values(&tile[i], value_cache, blocks, block_size, token_stride, kv_offset, head_dim);
                 }
-                weighted_values(qr, value_cache, blocks, block_size, token_stride, kv_offset, head_dim);
+                i += same;
             }
         }
         free(scratch);

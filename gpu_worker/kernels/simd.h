@@ -45,4 +45,9 @@ int wide_vectors(int setting);
 
 #define AVX512 __attribute__((target("avx512f,avx512vl,avx512dq")))
 
+/* One 512-bit register of two 8-lane halves. */
+AVX512 static inline __m512 joined(__m256 low, __m256 high) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
+}
+
 #endif

@@ -150,6 +150,31 @@ def test_the_thread_count_does_not_change_a_bit():
     assert all(torch.equal(output, outputs[0]) for output in outputs)
 
 
+@pytest.mark.parametrize("block_size", [1, 16, 48])
+@pytest.mark.parametrize(
+    "num_kv_heads, group, head_dim",
+    # 64/128/256: values four 512-bit registers a chunk; 72, 96: q.k only; group 20: parts
+    [(3, 3, 64), (8, 2, 128), (2, 4, 256), (3, 4, 72), (2, 5, 96), (1, 20, 64), (4, 1, 64)],
+)
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 24, "softcap": 5.0}])
+def test_the_avx512_loops_give_the_avx2_loops_bits(
+    block_size, num_kv_heads, group, head_dim, options
+):
+    """q.k two keys a 512-bit register and P.V the heads of a row together: each lane still
+    runs the AVX2 lane's chain, so a row's bits are the same either way."""
+    kernels = cpu_kernels.load()
+    if not kernels.avx512():
+        pytest.skip("this CPU has no AVX-512: only the AVX2 loops run")
+    step = step_of(MIXED + [(127, 1)] * 3, num_kv_heads, group, head_dim, block_size, seed=5)
+    wide = run(CpuBackend(), step, **options)
+    try:
+        assert not kernels.avx512(False)
+        narrow = run(CpuBackend(), step, **options)
+    finally:
+        assert kernels.avx512(True)
+    assert torch.equal(wide, narrow)
+
+
 def test_what_the_kernel_does_not_take_runs_on_the_reference():
     step = step_of([(10, 1), (0, 9)], 2, 2, 20, 16)  # head size not a multiple of 8
     torch.testing.assert_close(run(CpuBackend(), step), run(ReferenceBackend(), step))
