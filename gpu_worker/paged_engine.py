@@ -21,6 +21,7 @@ from pagoda.gpu_worker.attention import create_backend
 from pagoda.gpu_worker.block_tables import BlockTables
 from pagoda.gpu_worker.config import WorkerConfig, resolves_launch_ahead
 from pagoda.gpu_worker.cuda_graphs import CAPTURE_BUDGET_S, DecodeGraphs, can_capture
+from pagoda.gpu_worker.direct_forward import DirectForward
 from pagoda.gpu_worker.engine import (
     ComputedTokens,
     Engine,
@@ -105,6 +106,7 @@ class PagedEngine(Engine):
             " (Pagoda's float32 kernel, keys summed in position order)" if kernel else ""
         )
         max_context_tokens = max_context_tokens or max_positions_of(model)
+        self.direct: DirectForward | None = None  # the CPU fast path's (direct_forward.py)
         if fused_ops:
             numerics += self._fuse_dense_ops(model, quantization, max_context_tokens)
         geometry = KVGeometry.from_model_config(model.config, block_size, parameter.dtype)
@@ -161,6 +163,7 @@ class PagedEngine(Engine):
         counts = fused_model.fuse_model(model, max_context_tokens, cpu_kernels.load())
         if not counts.total:
             return ""
+        self.direct = DirectForward.of(model, cpu_kernels.load())
         return "; RMSNorm, SiLU*up and RoPE: Pagoda's float32 kernels"
 
     def compute(self, plan: StepPlan) -> SampledTokens:
@@ -223,6 +226,10 @@ class PagedEngine(Engine):
         pieces = self.piecewise_graphs
         if pieces is not None and pieces.fits(batch):
             return self._sample(pieces.run(batch), plan, clock, samples)
+        if self.direct is not None:
+            return self._sample(
+                self.direct(batch, self.pool, self.attention_backend), plan, clock, samples
+            )
         logits = self.model(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,

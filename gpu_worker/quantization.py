@@ -361,14 +361,22 @@ class Q4Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel is not None:
-            rows = x.reshape(-1, self.in_features).float()
-            out = self._kernel.q4_1_matmul(rows, self._native, self.bias)
+            out = self.rows(x.reshape(-1, self.in_features).float())
             return out.view(*x.shape[:-1], self.out_features)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         out = _int4_mm(rows, self._packed, Q4_GROUP, self._scales_and_zeros).float()
         if self.bias is not None:
             out.add_(self.bias)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def runs_on(self, kernels) -> bool:
+        """Whether this layer runs on `kernels` (Pagoda's, as loaded by cpu_kernels)."""
+        return kernels is not None and self._kernel is kernels
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """forward of float32 rows [n, in_features] on Pagoda's kernel (runs_on it), with
+        no module call: the direct forward's (direct_forward.py)."""
+        return self._kernel.q4_1_matmul(x, self._native, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, q4_1"
