@@ -24,6 +24,7 @@ import torch
 
 from pagoda.gpu_worker.attention.backend import AttentionBackend
 from pagoda.gpu_worker.kv_pool import KVPool
+from pagoda.gpu_worker.paged_attention import attend
 from pagoda.gpu_worker.quantization import Q4Linear, Q4Slice
 from pagoda.gpu_worker.ragged_batch import RaggedBatch
 
@@ -164,14 +165,12 @@ class DirectForward:
                 query = kernels.rms_norm(query, layer.q_norm.weight, layer.q_norm.eps)
                 key = kernels.rms_norm(key, layer.k_norm.weight, layer.k_norm.eps)
             kernels.rotary_in_place(query, key, positions, layer.rotary_cos_sin)
-            key_cache, value_cache = pool.layer_blocks(layer.index)
-            backend.write_kv(key, value, key_cache, value_cache, metadata)
-            attended = backend.forward(
+            attended = attend(
+                backend,
+                pool.layer_blocks(layer.index),
                 query,
                 key,
                 value,
-                key_cache,
-                value_cache,
                 metadata,
                 scale=layer.scale,
                 sliding_window=layer.sliding_window,
