@@ -66,7 +66,7 @@ def logits_of_each_step(engine: PagedEngine) -> list[torch.Tensor]:
         scheduler.add(
             seq_id,
             prompt,
-            chunk_sizes=[5, 7] if seq_id % 2 else [],
+            chunk_sizes=[5, 7] if seq_id % 2 == 0 else [],  # step 0 samples nothing
             admit_at_step=seq_id,
             sampling=seeded if seq_id == 3 else None,
         )
