@@ -138,6 +138,11 @@ class CpuKernels:
             [_POINTER] * 4 + [_SIZE] + [_POINTER] * 2 + [_SIZE] * 6 + [ctypes.c_float] * 2
         ) + [_SIZE, _POINTER, ctypes.c_int]
         self._gemm, self._attention = gemm, attention
+        self._write_kv = library.write_kv
+        self._write_kv.restype = None
+        self._write_kv.argtypes = (
+            [_POINTER] * 2 + [_SIZE] * 2 + [_POINTER] + [_SIZE] * 2 + [_POINTER] * 2
+        )
         self._rms_norm = library.rms_norm
         self._rms_norm.restype = None
         self._rms_norm.argtypes = [_POINTER] * 5 + [_SIZE, _SIZE, ctypes.c_float, ctypes.c_int]
@@ -270,6 +275,31 @@ class CpuKernels:
             query.shape[0],
             query.shape[2],
             torch.get_num_threads(),
+        )
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [T, kv_heads, d] float32, each row's kv_heads * d contiguous
+        value: torch.Tensor,
+        slot_mapping: torch.Tensor,  # int64 [T]
+        key_cache: torch.Tensor,  # [blocks, block_size, kv_heads, d] float32, contiguous
+        value_cache: torch.Tensor,
+    ) -> None:
+        """Row t of key and value into slot slot_mapping[t] of the caches (a copy)."""
+        rows = key.shape[0]
+        if rows == 0:
+            return
+        slots = slot_mapping if slot_mapping.is_contiguous() else slot_mapping.contiguous()
+        self._write_kv(
+            key.data_ptr(),
+            value.data_ptr(),
+            key.stride(0),
+            value.stride(0),
+            slots.data_ptr(),
+            rows,
+            key_cache[0, 0].numel(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
         )
 
     def paged_attention(

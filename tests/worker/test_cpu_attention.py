@@ -4,6 +4,7 @@ keys and values."""
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 
@@ -173,6 +174,31 @@ def test_the_avx512_loops_give_the_avx2_loops_bits(
     finally:
         assert kernels.avx512(True)
     assert torch.equal(wide, narrow)
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads, head_dim, strided",
+    [(3, 64, True), (2, 128, False), (2, 20, True), (1, 72, False)],  # 20, 72: not whole lines
+)
+def test_the_kernel_writes_the_new_keys_and_values_where_the_reference_does(
+    num_kv_heads, head_dim, strided
+):
+    generator = torch.Generator().manual_seed(head_dim)
+    shape = (40, 16, num_kv_heads, head_dim)
+    rows = 37
+    width = num_kv_heads * head_dim
+    # Strided: the k and v columns of one wider projection output, as the model hands them.
+    joined = torch.randn(rows, 3 * width if strided else 2 * width, generator=generator)
+    key = joined[:, :width].view(rows, num_kv_heads, head_dim)
+    value = joined[:, width : 2 * width].view(rows, num_kv_heads, head_dim)
+    slots = torch.randperm(40 * 16, generator=generator)[:rows]
+    metadata = step_of([(0, 1)], num_kv_heads, 1, head_dim, 16)[-1]
+    metadata = dataclasses.replace(metadata, slot_mapping=slots)
+    expected = (torch.zeros(shape), torch.zeros(shape))
+    ReferenceBackend().write_kv(key, value, *expected, metadata)
+    got = (torch.zeros(shape), torch.zeros(shape))
+    CpuBackend().write_kv(key, value, *got, metadata)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
 def test_what_the_kernel_does_not_take_runs_on_the_reference():
