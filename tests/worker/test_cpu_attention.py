@@ -5,6 +5,7 @@ keys and values."""
 from __future__ import annotations
 
 import dataclasses
+
 import pytest
 import torch
 
