@@ -40,7 +40,9 @@ import torch
 log = logging.getLogger("pagoda.cpu_kernels")
 
 KERNELS_DIR = Path(__file__).with_name("kernels")
-SOURCES = tuple(KERNELS_DIR / name for name in ("gemm.c", "paged_attention.c", "elementwise.c"))
+SOURCES = tuple(
+    KERNELS_DIR / name for name in ("gemm.c", "paged_attention.c", "elementwise.c", "select.c")
+)
 HEADERS = (KERNELS_DIR / "simd.h",)
 # No contraction: each product and sum in the sources rounds where it is written (an
 # FMA appears only where an intrinsic asks for one).
@@ -138,6 +140,12 @@ class CpuKernels:
             [_POINTER] * 4 + [_SIZE] + [_POINTER] * 2 + [_SIZE] * 6 + [ctypes.c_float] * 2
         ) + [_SIZE, _POINTER, ctypes.c_int]
         self._gemm, self._attention = gemm, attention
+        self._argmax_rows = library.argmax_rows
+        self._argmax_rows.restype = None
+        self._argmax_rows.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, ctypes.c_int]
+        self._top_k_rows = library.top_k_rows
+        self._top_k_rows.restype = None
+        self._top_k_rows.argtypes = [_POINTER, _SIZE, _SIZE, _SIZE, _POINTER, ctypes.c_int]
         self._write_kv = library.write_kv
         self._write_kv.restype = None
         self._write_kv.argtypes = (
@@ -276,6 +284,28 @@ class CpuKernels:
             query.shape[2],
             torch.get_num_threads(),
         )
+
+    # Selections over rows of logits (select.c): float32 [rows, cols], contiguous.
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, dim=-1) for x [rows, cols] (the first largest; the first NaN
+        where a row has one) -> int64 [rows]."""
+        rows, cols = x.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        if rows and cols:
+            self._argmax_rows(x.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def top_k_rows(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """The indices [rows, k] of each row's k largest (1 <= k <= cols), ties to the lower
+        index, in no particular order."""
+        rows, cols = x.shape
+        if not 1 <= k <= cols:
+            raise ValueError(f"k = {k} of {cols} values")
+        out = torch.empty(rows, k, dtype=torch.int64)
+        if rows:
+            self._top_k_rows(x.data_ptr(), rows, cols, k, out.data_ptr(), torch.get_num_threads())
+        return out
 
     def write_kv(
         self,

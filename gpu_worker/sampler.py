@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.common.step import SamplingParams
+from pagoda.gpu_worker import cpu_kernels
 from pagoda.gpu_worker.sampling_columns import SamplingColumns, upload_columns
 from pagoda.gpu_worker.step_events import HostCopy
 
@@ -314,6 +315,15 @@ class DeviceSample:
         return output
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1), by Pagoda's kernel for float32 rows on the CPU (the same
+    index, first among equals; torch's took about 1 ms at 64 x 49,152 on two cores)."""
+    kernels = cpu_kernels.load() if logits.device.type == "cpu" else None
+    if kernels is None or logits.dtype != torch.float32 or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    return kernels.argmax_rows(logits)
+
+
 def sample(
     logits: torch.Tensor, rows: list[SampleRow], counts: TokenCountRows | None = None
 ) -> SampleOutput:
@@ -335,7 +345,7 @@ def sample_on_device(
     logits = mask_min_new_tokens(mask_allowed_and_banned(logits, rows, columns), rows, columns)
     logits = mask_disallowed_tokens(logits, rows, columns)
     params = [r.params for r in rows]
-    token_ids = logits.argmax(dim=-1)
+    token_ids = argmax_rows(logits)
     sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     num_logprobs = [p.num_logprobs for p in params]
     if not sampled_rows and not any(num_logprobs):

@@ -1,7 +1,8 @@
 """Building and loading Pagoda's CPU kernels (gpu_worker/cpu_kernels.py): once per source
 into their cache folder, and a clear fallback where they cannot be built. Their arithmetic
 is tested through their callers: Q4Linear (test_q4_linear.py) and the `cpu` attention
-backend (test_attention_backends.py, test_batch_invariance.py)."""
+backend (test_attention_backends.py, test_batch_invariance.py); the selections over logits
+(select.c) here, against torch's."""
 
 from __future__ import annotations
 
@@ -117,3 +118,38 @@ def test_the_avx512_loops_give_the_avx2_loops_bits(kernels_here, rows, out_featu
         x @ (levels * scales.repeat_interleave(32, 1) - 8 * scales.repeat_interleave(32, 1)).t()
     )
     torch.testing.assert_close(wide[0], expected + bias, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cols", [1, 7, 8, 13, 64, 49152])
+def test_argmax_rows_is_torchs_argmax(kernels_here, cols):
+    """The first largest of each row, as torch.argmax: ties, a row of -inf (a masked row),
+    NaNs (torch takes the first NaN), widths below and off whole vectors."""
+    generator = torch.Generator().manual_seed(cols)
+    x = torch.randn(9, cols, generator=generator)
+    x[1] = 0.0  # all tied
+    x[2] = -float("inf")
+    x[3, cols // 2 :] = x[3].max() + 1  # the largest repeated to the end
+    x[4, cols - 1] = float("nan")
+    x[5, cols // 3] = float("nan")
+    x[5, cols - 1] = float("nan")
+    x[6, 0] = float("inf")
+    got = cpu_kernels.load().argmax_rows(x)
+    assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize(("cols", "k"), [(49152, 32), (40, 32), (33, 33), (100, 1), (9, 4)])
+def test_top_k_rows_keeps_the_k_largest_ties_to_the_lower_index(kernels_here, cols, k):
+    kernels = cpu_kernels.load()
+    generator = torch.Generator().manual_seed(cols + k)
+    x = torch.randn(6, cols, generator=generator)
+    got = kernels.top_k_rows(x, k).sort(dim=-1).values
+    assert torch.equal(got, x.topk(k, dim=-1).indices.sort(dim=-1).values)
+    tied = torch.zeros(2, cols)
+    tied[1, cols - 1] = 1.0  # one larger at the end, the rest tied
+    expected = torch.stack([torch.arange(k), torch.tensor([*range(k - 1), cols - 1])])
+    assert torch.equal(kernels.top_k_rows(tied, k).sort(dim=-1).values, expected)
+    for row in (0, 5):  # a row's answer is its own
+        alone = kernels.top_k_rows(x[row : row + 1].clone(), k)
+        assert torch.equal(alone[0], kernels.top_k_rows(x, k)[row])
+    with pytest.raises(ValueError, match="of"):
+        kernels.top_k_rows(x, cols + 1)
