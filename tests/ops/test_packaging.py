@@ -93,5 +93,6 @@ def test_wheel_imports_the_engine_and_the_scheduler_alone(tmp_path):
         "gemm.c",
         "paged_attention.c",
         "elementwise.c",
+        "select.c",
         "simd.h",
     }
