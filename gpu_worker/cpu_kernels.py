@@ -1,7 +1,7 @@
 """Pagoda's CPU kernels (gpu_worker/kernels/*.c), built on first use and called with ctypes.
 
-All float32 on AVX2 + FMA (the GEMMs in 512-bit registers where the CPU has AVX-512, with
-the same bits), all batch-invariant by construction (a row's bits never depend on the rest
+All float32 on AVX2 + FMA (the GEMMs and the attention in 512-bit registers where the CPU
+has AVX-512, with the same bits), all batch-invariant by construction (a row's bits never depend on the rest
 of its call, on the number of threads, or on the vector width):
 - `q4_1_matmul`: y = x W^T + b with W held as Q4_1 groups, each weight rebuilt exactly as
   the float model holds it (d * q + m) and each output one float32 sum over the inputs in
@@ -163,10 +163,10 @@ class CpuKernels:
         self._rotary.argtypes = heads * 2 + [_POINTER] * 2 + [_SIZE, _SIZE, ctypes.c_int]
 
     def avx512(self, on: bool | None = None) -> bool:
-        """Whether the kernels run their AVX-512 paths (the GEMMs' loops): on wherever the
-        CPU has AVX-512 (F, VL, DQ) unless turned off here (`on`: False keeps the AVX2
-        paths, True turns them back on where the CPU has them; None asks). Same bits
-        either way."""
+        """Whether the kernels run their AVX-512 paths (the GEMMs' and the attention's
+        loops): on wherever the CPU has AVX-512 (F, VL, DQ) unless turned off here (`on`:
+        False keeps the AVX2 paths, True turns them back on where the CPU has them; None
+        asks). Same bits either way."""
         return bool(self._wide_vectors(-1 if on is None else int(on)))
 
     def q4_1_matmul(
@@ -383,6 +383,14 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
     if x.dtype is not torch.float32:
         x = x.float()
     return x if x.is_contiguous() else x.contiguous()
+
+
+def for_rows(x: torch.Tensor) -> CpuKernels | None:
+    """The kernels where they take `x` as rows of logits (select.c's: float32 on the CPU,
+    contiguous), else None (the caller runs torch's op)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
+        return None
+    return load()
 
 
 @functools.cache

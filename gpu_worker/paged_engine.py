@@ -160,10 +160,11 @@ class PagedEngine(Engine):
             return ""
         from pagoda.gpu_worker import cpu_kernels
 
-        counts = fused_model.fuse_model(model, max_context_tokens, cpu_kernels.load())
+        kernels = cpu_kernels.load()
+        counts = fused_model.fuse_model(model, max_context_tokens, kernels)
         if not counts.total:
             return ""
-        self.direct = DirectForward.of(model, cpu_kernels.load())
+        self.direct = DirectForward.of(model, kernels)
         return "; RMSNorm, SiLU*up and RoPE: Pagoda's float32 kernels"
 
     def compute(self, plan: StepPlan) -> SampledTokens:

@@ -547,8 +547,8 @@ class RescoredHead(torch.nn.Module):
         """The indices of each row's num_rescored highest int8 logits: by Pagoda's kernel on
         the CPU (ties to the lower index; torch's topk took 1.5 ms at 64 rows of 49,152),
         else torch's."""
-        kernels = cpu_kernels.load() if flat.device.type == "cpu" else None
-        if kernels is None or flat.dtype != torch.float32 or not flat.is_contiguous():
+        kernels = cpu_kernels.for_rows(flat)
+        if kernels is None:
             return flat.topk(self.num_rescored, dim=1, sorted=False).indices
         return kernels.top_k_rows(flat, self.num_rescored)
 

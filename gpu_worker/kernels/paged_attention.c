@@ -419,14 +419,16 @@ int paged_attention(const float *query, const float *key_cache, const float *val
         const int64_t span = max_context_len > 0 ? max_context_len : 1;
         float *scratch = malloc((size_t)(MAX_TILE * span) * sizeof(float));
         int64_t item = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
-        Item it = {0};
+        Item it = item < num_items ? item_at(&items, item, 0) : (Item){0};
         for (int64_t next; item < num_items; item = next) {
             next = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
+            /* The next item, decoded once: this item fetches its keys, then it runs. */
+            const Item following = next < num_items ? item_at(&items, next, it.seq) : it;
             if (!scratch) {
                 failed = 1;
+                it = following;
                 continue;
             }
-            it = item_at(&items, item, it.seq);
             const int64_t s = it.seq;
             const int64_t rows = query_start_loc[s + 1] - query_start_loc[s];
             const int32_t *blocks = block_table + s * table_width;
@@ -478,13 +480,9 @@ int paged_attention(const float *query, const float *key_cache, const float *val
                     if (next_k) next_k += keys * token_stride;
                 }
             }
-            /* The softmax's weights, then P.V in registers over each query's own keys in
-             * order (its values stay in cache from one query to the next); with AVX-512 the
-             * heads of a row (consecutive in the tile, the same keys) together. */
-            /* Nothing to fetch after the last item, nor for more rows of these keys (a
-             * prompt's next rows: q.k has just read them). */
+            /* The next item's keys, fetched during P.V: nothing after the last item, nor
+             * for more rows of these keys (a prompt's next rows: q.k has just read them). */
             Ahead ahead = {.j = 1, .last = 0};
-            const Item following = next < num_items ? item_at(&items, next, s) : it;
             if (following.seq != s || following.kv_head != it.kv_head) {
                 const float *cache = key_cache + following.kv_head * head_dim;
                 const int32_t *its_blocks = block_table + following.seq * table_width;
@@ -492,6 +490,9 @@ int paged_attention(const float *query, const float *key_cache, const float *val
                                 following.lo, following.hi, 0,
                                 cache + SLOT(its_blocks, following.lo) * token_stride};
             }
+            /* The softmax's weights, then P.V in registers over each query's own keys in
+             * order (its values stay in cache from one query to the next); with AVX-512 the
+             * heads of a row (consecutive in the tile, the same keys) together. */
             for (int i = 0; i < n; i++) exponentiate(&tile[i]);
             for (int i = 0; i < n;) {
                 int same = 1;
@@ -507,6 +508,7 @@ int paged_attention(const float *query, const float *key_cache, const float *val
                 }
                 i += same;
             }
+            it = following;
         }
         free(scratch);
     }

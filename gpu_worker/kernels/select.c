@@ -84,6 +84,16 @@ static int weakest(const float *values, const int64_t *indices, int64_t k) {
     return weakest_at;
 }
 
+/* Value `value` at index `at` offered to the k kept: it replaces the weakest (*low) when
+ * larger, and *low becomes the new weakest. */
+static inline void offer(float *values, int64_t *indices, int64_t k, int *low, float value,
+                         int64_t at) {
+    if (!(value > values[*low])) return;
+    values[*low] = value;
+    indices[*low] = at;
+    *low = weakest(values, indices, k);
+}
+
 /* x [rows, cols] contiguous, 1 <= k <= cols; out [rows, k]. A value enters the k kept so
  * far when it is larger than their smallest (a later equal one does not), so the kept are
  * the k largest with ties to the lower index; eight values at a time are passed over at
@@ -105,18 +115,8 @@ void top_k_rows(const float *x, int64_t rows, int64_t cols, int64_t k, int64_t *
         for (; c + 8 <= cols; c += 8) {
             const __m256 greater = _mm256_cmp_ps(_mm256_loadu_ps(row + c), _mm256_set1_ps(values[low]), _CMP_GT_OQ);
             if (!_mm256_movemask_ps(greater)) continue;
-            for (int64_t j = c; j < c + 8; j++)
-                if (row[j] > values[low]) {
-                    values[low] = row[j];
-                    indices[low] = j;
-                    low = weakest(values, indices, k);
-                }
+            for (int64_t j = c; j < c + 8; j++) offer(values, indices, k, &low, row[j], j);
         }
-        for (; c < cols; c++)
-            if (row[c] > values[low]) {
-                values[low] = row[c];
-                indices[low] = c;
-                low = weakest(values, indices, k);
-            }
+        for (; c < cols; c++) offer(values, indices, k, &low, row[c], c);
     }
 }

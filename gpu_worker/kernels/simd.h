@@ -39,8 +39,9 @@ static inline __m256 exp_lanes(__m256 x) {
     return _mm256_andnot_ps(small, result);
 }
 
-/* Whether the kernels run their AVX-512 paths (gemm.c): same bits as the AVX2 ones, each
- * lane computing the same chain. setting 0: off, 1: on where the CPU has it, -1: ask. */
+/* Whether the kernels run their AVX-512 paths (gemm.c, paged_attention.c): same bits as the
+ * AVX2 ones, each lane computing the same chain. setting 0: off, 1: on where the CPU has
+ * it, -1: ask. */
 int wide_vectors(int setting);
 
 #define AVX512 __attribute__((target("avx512f,avx512vl,avx512dq")))
