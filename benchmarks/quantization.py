@@ -200,6 +200,21 @@ def on_int4pack(model):
         return quantize_int8(model, head="rescored")
 
 
+def on_float_rows(model):
+    """The shipped int8 path as on a CPU without AVX-512 VNNI: the head's first pass takes
+    float32 activations (gemm.c) instead of int8 rows and int32 sums (int8_dot.c)."""
+    from pagoda.gpu_worker import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        return quantize_int8(model, head="rescored")
+    integer, kernels.int8_dot = kernels.int8_dot, False
+    try:
+        return quantize_int8(model, head="rescored")
+    finally:
+        kernels.int8_dot = integer
+
+
 VARIANTS = {
     "fp32": Variant("fp32", lambda model: model),
     "quantize_dynamic": Variant("quantize_dynamic", plain_quantize_dynamic),
@@ -212,6 +227,7 @@ VARIANTS = {
         "int8+rescored-head", lambda model: quantize_int8(model, head="rescored")
     ),
     "int8+rescored-head+int4pack": Variant("int8+rescored-head+int4pack", on_int4pack),
+    "int8+rescored-head+float-rows": Variant("int8+rescored-head+float-rows", on_float_rows),
     "int8-per-token+rescored-head": Variant(
         "int8-per-token+rescored-head",
         lambda model: quantize_int8(model, head="rescored", q4=False),

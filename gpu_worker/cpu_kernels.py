@@ -6,8 +6,10 @@ of its call, on the number of threads, or on the vector width):
 - `q4_1_matmul`: y = x W^T + b with W held as Q4_1 groups, each weight rebuilt exactly as
   the float model holds it (d * q + m) and each output one float32 sum over the inputs in
   their order: Q4Linear's fast path (quantization.py);
-- `int8_matmul`: the same over int8 weights with one scale per output row: the rescored
-  output head's first pass (quantization.py, RescoredHead);
+- `int8_matmul`: the same over int8 weights with one scale per output row, and
+  `int8_dot_matmul` (int8_dot.c, where the CPU has AVX-512 VNNI): those int8 weights
+  against each row of x rounded to int8, summed exactly in int32: the rescored output
+  head's first pass (quantization.py, RescoredHead);
 - `paged_attention`: one call per layer over the whole step, reading keys and values
   through the block table in place (the `cpu` attention backend, attention/cpu.py);
 - `rms_norm` (with its residual add), `silu_and_mul` and `rotary_in_place`: a decoder
@@ -41,13 +43,15 @@ log = logging.getLogger("pagoda.cpu_kernels")
 
 KERNELS_DIR = Path(__file__).with_name("kernels")
 SOURCES = tuple(
-    KERNELS_DIR / name for name in ("gemm.c", "paged_attention.c", "elementwise.c", "select.c")
+    KERNELS_DIR / name
+    for name in ("gemm.c", "int8_dot.c", "paged_attention.c", "elementwise.c", "select.c")
 )
 HEADERS = (KERNELS_DIR / "simd.h",)
 # No contraction: each product and sum in the sources rounds where it is written (an
 # FMA appears only where an intrinsic asks for one).
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 TILE = 8  # outputs per tile of the Q4_1 kernel: one AVX2 register of float32
+DOT_OUTPUTS = 64  # outputs per work item of int8_dot.c: four registers of int32
 GROUP = 32  # inputs per Q4_1 group
 Q4_SCHEME = "float32 activations, float32 sums in input order (Pagoda's Q4_1 kernel)"
 
@@ -110,11 +114,42 @@ def pack_int8(weight: torch.Tensor) -> PackedInt8:
     out_features, in_features = weight.shape
     if out_features % TILE or in_features % GROUP:
         raise ValueError(f"a {out_features} x {in_features} weight is not whole tiles")
+    levels, scales = _int8_rows(weight)
+    tiles = levels.reshape(out_features // TILE, TILE, in_features).transpose(1, 2)
+    return PackedInt8(tiles.contiguous(), scales, out_features, in_features)
+
+
+@dataclass(frozen=True, slots=True)
+class PackedInt8Dot:
+    """A [out, in] weight as int8 with one symmetric scale per output row, in int8_dot.c's
+    layout: `levels` int8 [out / 16, in / 4, 16, 4], `offsets` int32 [out] (128 times each
+    row's sum of levels), `scales` float32 [out]."""
+
+    levels: torch.Tensor
+    offsets: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def pack_int8_dot(weight: torch.Tensor) -> PackedInt8Dot:
+    """`weight` [out, in] (out a multiple of 64, in of 8 and below 65,536, where the int32
+    sums cannot overflow) rounded per row to int8 at max |w| / 127, as pack_int8 rounds it."""
+    out_features, in_features = weight.shape
+    if out_features % DOT_OUTPUTS or in_features % 8 or in_features >= 65536:
+        raise ValueError(f"a {out_features} x {in_features} weight is not whole tiles")
+    levels, scales = _int8_rows(weight)
+    offsets = levels.to(torch.int32).sum(dim=1, dtype=torch.int32) * 128
+    quads = levels.reshape(out_features // 16, 16, in_features // 4, 4).transpose(1, 2)
+    return PackedInt8Dot(quads.contiguous(), offsets, scales, out_features, in_features)
+
+
+def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of `weight` rounded to int8 at max |w| / 127: levels [out, in], scales [out]."""
     weight = weight.detach().float()
     scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
     levels = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
-    tiles = levels.reshape(out_features // TILE, TILE, in_features).transpose(1, 2)
-    return PackedInt8(tiles.contiguous(), scales.contiguous(), out_features, in_features)
+    return levels, scales.contiguous()
 
 
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
@@ -131,6 +166,12 @@ class CpuKernels:
         int8_gemm.restype = ctypes.c_int
         int8_gemm.argtypes = [_POINTER, _SIZE, _SIZE, _SIZE] + [_POINTER] * 4 + [ctypes.c_int]
         self._int8_gemm = int8_gemm
+        int8_dot = library.int8_dot_gemm
+        int8_dot.restype = ctypes.c_int
+        int8_dot.argtypes = [_POINTER, _SIZE, _SIZE, _SIZE] + [_POINTER] * 5 + [ctypes.c_int]
+        self._int8_dot = int8_dot
+        # Whether int8_dot_matmul runs here (AVX-512 VNNI).
+        self.int8_dot = bool(library.int8_dot_available())
         self._wide_vectors = library.wide_vectors
         self._wide_vectors.restype = ctypes.c_int
         self._wide_vectors.argtypes = [ctypes.c_int]
@@ -184,15 +225,25 @@ class CpuKernels:
         scale."""
         return self._matmul(self._int8_gemm, x, packed, (packed.levels, packed.scales), bias)
 
+    def int8_dot_matmul(
+        self, x: torch.Tensor, packed: PackedInt8Dot, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [rows, in] float32 (made contiguous here) -> [rows, out] float32: each row of x
+        rounded to int8 at max |x| / 127 (to nearest, ties to even), its int32 sums against
+        the levels, times the row's step and the output's scale (int8_dot.c). Only where
+        `self.int8_dot`."""
+        weights = (packed.levels, packed.offsets, packed.scales)
+        return self._matmul(self._int8_dot, x, packed, weights, bias)
+
     @staticmethod
     def _matmul(
         function,
         x: torch.Tensor,
-        packed: PackedQ4 | PackedInt8,
+        packed: PackedQ4 | PackedInt8 | PackedInt8Dot,
         weights: tuple[torch.Tensor, ...],
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        """One of gemm.c's entry points: (x, rows, in, out, *weights, bias, y, threads)."""
+        """One of the GEMMs' entry points: (x, rows, in, out, *weights, bias, y, threads)."""
         rows = x.contiguous()
         out = torch.empty(rows.shape[0], packed.out_features)
         if rows.shape[0] == 0:
@@ -208,7 +259,7 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         if failed:
-            raise MemoryError("a CPU GEMM kernel could not allocate its weight strip")
+            raise MemoryError("a CPU GEMM kernel could not allocate its buffers")
         return out
 
     # The dense ops between a decoder layer's GEMMs, with fused_ops.py's signatures so that

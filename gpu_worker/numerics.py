@@ -105,11 +105,13 @@ def describe_numerics(model, quantization: str) -> str:
     ]
     float_names = [n for n in named(BatchInvariantLinear) if n != "lm_head"]
     if isinstance(head, int8.RescoredHead):
-        first = (
-            "int8 weights x float32 activations (Pagoda's kernel)"
-            if isinstance(head.int8, int8.Int8RowsLinear)
-            else "int8"
-        )
+        first = "int8"
+        if isinstance(head.int8, int8.Int8RowsLinear):
+            first = (
+                "int8 weights x int8 activations, int32 sums (Pagoda's VNNI kernel)"
+                if head.int8.integer
+                else "int8 weights x float32 activations (Pagoda's kernel)"
+            )
         head_text = f"{first} logits, each row's top {head.num_rescored} recomputed in float32"
     else:
         head_text = "int8" if isinstance(head, int8.Int8Linear) else "float32"

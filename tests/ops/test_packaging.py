@@ -91,6 +91,7 @@ def test_wheel_imports_the_engine_and_the_scheduler_alone(tmp_path):
     kernels = unpacked / "pagoda" / "gpu_worker" / "kernels"
     assert {p.name for p in kernels.glob("*.[ch]")} == {
         "gemm.c",
+        "int8_dot.c",
         "paged_attention.c",
         "elementwise.c",
         "select.c",

@@ -71,12 +71,15 @@ def test_int8_rows_rebuild_each_weight_as_its_level_times_its_rows_scale(kernels
         assert torch.equal(got, (levels * packed.scales[:, None]).t()[:rows]), rows
 
 
-def test_int8_rows_do_not_depend_on_their_batch_mates_or_threads(kernels_here):
+@pytest.mark.parametrize("out_features", [88, 128])  # gemm.c's; int8_dot.c's where it runs
+def test_int8_rows_do_not_depend_on_their_batch_mates_or_threads(kernels_here, out_features):
     from pagoda.gpu_worker.quantization import Int8RowsLinear
 
     generator = torch.Generator().manual_seed(2)
     layer = Int8RowsLinear(
-        torch.randn(88, 96, generator=generator), torch.randn(88), cpu_kernels.load()
+        torch.randn(out_features, 96, generator=generator),
+        torch.randn(out_features),
+        cpu_kernels.load(),
     )
     row = torch.randn(1, 96, generator=generator)
     alone = layer(row)
@@ -90,6 +93,53 @@ def test_int8_rows_do_not_depend_on_their_batch_mates_or_threads(kernels_here):
             assert torch.equal(layer(batch)[at], alone[0]), (num_threads, num_mates)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def int8_dot_here(kernels_here):
+    if not cpu_kernels.load().int8_dot:
+        pytest.skip("this CPU has no AVX-512 VNNI: int8_dot.c does not run")
+
+
+def int8_dot_reference(x, weight, bias=None):
+    """int8_dot.c's arithmetic in torch: x rounded per row at max |x| / 127, exact integer
+    sums (int64 here), then float32 (* step) (* scale) (+ bias), each rounding once."""
+    levels, scales = cpu_kernels._int8_rows(weight)
+    steps = x.abs().amax(dim=1, keepdim=True) / 127
+    rounded = torch.where(steps > 0, x / steps, 0).round().long()
+    out = (rounded @ levels.long().t()).float() * steps * scales
+    return out if bias is None else out + bias
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 131])  # whole and ragged blocks of 6
+@pytest.mark.parametrize("shape", [(64, 8), (128, 96), (192, 576)])
+def test_int8_dot_is_its_integer_arithmetic_bit_for_bit(int8_dot_here, rows, shape):
+    out_features, in_features = shape
+    generator = torch.Generator().manual_seed(rows + out_features)
+    weight = torch.randn(shape, generator=generator) * 0.05
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator) * 3
+    x[0, 1] = 40.0  # an outlier sets the row's step
+    if rows > 2:
+        x[2] = 0.0  # a zero row stays zero
+    kernels = cpu_kernels.load()
+    packed = cpu_kernels.pack_int8_dot(weight)
+    assert torch.equal(kernels.int8_dot_matmul(x, packed), int8_dot_reference(x, weight))
+    got = kernels.int8_dot_matmul(x, packed, bias)
+    assert torch.equal(got, int8_dot_reference(x, weight, bias))
+    torch.testing.assert_close(got, x @ weight.t() + bias, rtol=0.02, atol=0.05 * in_features**0.5)
+
+
+def test_pack_int8_dot_rounds_as_pack_int8_and_refuses_ragged_tiles():
+    weight = torch.randn(64, 32)
+    dot, rows = cpu_kernels.pack_int8_dot(weight), cpu_kernels.pack_int8(weight)
+    assert torch.equal(dot.scales, rows.scales)
+    assert torch.equal(
+        dot.levels.transpose(1, 2).reshape(64, 32), rows.levels.transpose(1, 2).reshape(64, 32)
+    )
+    assert torch.equal(dot.offsets, 128 * rows.levels.int().sum(dim=(1,)).flatten())
+    with pytest.raises(ValueError, match="not whole tiles"):
+        cpu_kernels.pack_int8_dot(torch.randn(56, 32))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 64, 130])  # few rows, then strips

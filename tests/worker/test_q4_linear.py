@@ -134,9 +134,13 @@ def test_int8_runs_q4_1_decoder_layers_as_q4_and_the_rest_as_before(q4_path, lla
     else:
         assert "scale and offset in bfloat16, bfloat16 activations" in numerics
     assert "q_proj/k_proj/v_proj and gate_proj/up_proj in one call each" in numerics
-    first = (
-        "int8 weights x float32 activations (Pagoda's kernel)" if q4_path == "kernel" else "int8"
-    )
+    first = "int8"
+    if q4_path == "kernel":
+        first = (
+            "int8 weights x int8 activations, int32 sums (Pagoda's VNNI kernel)"
+            if model.get_output_embeddings().int8.integer
+            else "int8 weights x float32 activations (Pagoda's kernel)"
+        )
     assert f"head: {first} logits, each row's top 32 recomputed in float32" in numerics
 
 

@@ -122,13 +122,20 @@ def test_the_head_is_rescored_unless_asked_otherwise(llama_models):
         quantize_int8(copy.deepcopy(llama_models.reference), head="fp8")
 
 
-def test_the_rescored_head_decides_on_float_logits_where_int8_flips_near_ties():
+@pytest.mark.parametrize("first_pass", ["Int8Linear", "Int8RowsLinear"])
+def test_the_rescored_head_decides_on_float_logits_where_int8_flips_near_ties(first_pass):
     """Rows 0 and 1 of the head differ by a hair, so their logits nearly tie: the int8
     head picks the wrong one for some inputs, the rescored head never does; its top
-    logits are the float head's, the rest the int8 head's."""
+    logits are the float head's, the rest the int8 head's. The first pass is PyTorch's
+    int8 GEMM or Pagoda's kernel (int8 rows of x and int32 sums where the CPU has VNNI)."""
     import torch
 
-    from pagoda.gpu_worker.quantization import Int8Linear, RescoredHead
+    from pagoda.gpu_worker import cpu_kernels
+    from pagoda.gpu_worker.quantization import Int8Linear, Int8RowsLinear, RescoredHead
+
+    kernels = cpu_kernels.load()
+    if first_pass == "Int8RowsLinear" and kernels is None:
+        pytest.skip("Pagoda's CPU kernels cannot be built or run here")
 
     generator = torch.Generator().manual_seed(0)
     vocab, width, num_rescored = 512, 64, 16
@@ -139,8 +146,11 @@ def test_the_rescored_head_decides_on_float_logits_where_int8_flips_near_ties():
     bias[1] = bias[0]
     rows = torch.randn(400, width, generator=generator)
     rows[:, :] += weight[0] / weight[0].norm()  # leaning towards the pair
-    int8 = Int8Linear(weight, bias)
-    head = RescoredHead(Int8Linear(weight, bias), weight, bias, num_rescored=num_rescored)
+    if first_pass == "Int8Linear":
+        int8 = Int8Linear(weight, bias)
+    else:
+        int8 = Int8RowsLinear(weight, bias, kernels)
+    head = RescoredHead(int8, weight, bias, num_rescored=num_rescored)
     with torch.inference_mode():
         exact = torch.nn.functional.linear(rows, weight, bias)
         approx, got = int8(rows), head(rows)
