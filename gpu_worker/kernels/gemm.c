@@ -16,7 +16,8 @@
  * Layout (cpu_kernels.py packs it): outputs go in tiles of 8. Q4_1: for tile t and input
  * i, levels[t * k + i] is one uint32 holding the 8 outputs' levels, output j of the tile
  * in bits 4j .. 4j+3; scales[t][g][8] and mins[t][g][8] hold d and m of tile t's 8
- * outputs for group g (inputs 32g .. 32g+31). int8: levels[(t * k + i) * 8 + j] is
+ * outputs for group g (inputs 32g .. 32g+31) in float16, as Q4_1 stores them (widened
+ * exactly as they are read; in float32 they were a quarter of a step's reads). int8: levels[(t * k + i) * 8 + j] is
  * output 8t+j's int8 at input i; scales[n] the rows' scales.
  *
  * Two loops over the same arithmetic: few rows rebuild each weight in registers as they
@@ -47,8 +48,8 @@
 
 typedef struct {
     const void *levels;
-    const float *scales; /* Q4_1: per tile and group; int8: per output row */
-    const float *mins;   /* Q4_1 only */
+    const void *scales; /* Q4_1: float16 per tile and group; int8: float32 per output row */
+    const uint16_t *mins; /* Q4_1 only: float16 per tile and group */
     const float *bias;   /* or NULL */
     int64_t k, n;
 } Weights;
@@ -71,8 +72,8 @@ INLINE void group_constants(const Weights *w, int64_t t, int64_t g, __m256 *d, _
                             const int FORMAT) {
     if (FORMAT == Q4_1) {
         const int64_t at = (t * (w->k / GROUP) + g) * 8;
-        *d = _mm256_loadu_ps(w->scales + at);
-        *m = _mm256_loadu_ps(w->mins + at);
+        *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w->scales + at)));
+        *m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->mins + at)));
     } else {
         *d = *m = _mm256_setzero_ps();
     }
@@ -91,7 +92,7 @@ INLINE void prefetch_group(const Weights *w, int64_t t, int64_t g, const int FOR
         _mm_prefetch((const char *)levels, _MM_HINT_T0);
         _mm_prefetch((const char *)(levels + 16), _MM_HINT_T0);
         const int64_t at = (t * (w->k / GROUP) + g) * 8;
-        _mm_prefetch((const char *)(w->scales + at), _MM_HINT_T0);
+        _mm_prefetch((const char *)((const uint16_t *)w->scales + at), _MM_HINT_T0);
         _mm_prefetch((const char *)(w->mins + at), _MM_HINT_T0);
     } else {
         const int8_t *levels = (const int8_t *)w->levels + (t * w->k + g * GROUP) * 8;
@@ -102,7 +103,7 @@ INLINE void prefetch_group(const Weights *w, int64_t t, int64_t g, const int FOR
 
 /* Output tile t of one row: acc (* the rows' scales for int8) (+ bias). */
 INLINE void store_tile(const Weights *w, float *y_row, int64_t t, __m256 acc, const int FORMAT) {
-    if (FORMAT == INT8) acc = _mm256_mul_ps(acc, _mm256_loadu_ps(w->scales + t * 8));
+    if (FORMAT == INT8) acc = _mm256_mul_ps(acc, _mm256_loadu_ps((const float *)w->scales + t * 8));
     if (w->bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(w->bias + t * 8));
     _mm256_storeu_ps(y_row + t * 8, acc);
 }
@@ -404,7 +405,7 @@ INLINE int gemm(const Weights *w, const float *x, int64_t rows, float *y, int nu
 }
 
 int q4_1_gemm(const float *x, int64_t rows, int64_t k, int64_t n, const uint32_t *levels,
-              const float *scales, const float *mins, const float *bias, float *y,
+              const uint16_t *scales, const uint16_t *mins, const float *bias, float *y,
               int num_threads) {
     const Weights w = {levels, scales, mins, bias, k, n};
     return gemm(&w, x, rows, y, num_threads, Q4_1);

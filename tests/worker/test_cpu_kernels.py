@@ -46,6 +46,13 @@ def test_pack_refuses_a_weight_that_is_not_whole_tiles():
         cpu_kernels.pack_q4_1(levels, torch.ones(12, 2), torch.zeros(12, 2))
 
 
+def test_pack_refuses_scales_that_are_not_float16_values():
+    """Q4_1's d and m are float16 (q4_1_blocks finds them so); the kernel reads them so."""
+    levels = torch.zeros(8, 32, dtype=torch.int32)
+    with pytest.raises(ValueError, match="float16 values"):
+        cpu_kernels.pack_q4_1(levels, torch.full((8, 1), 0.1), torch.zeros(8, 1))
+
+
 def test_pack_keeps_the_top_level_of_the_last_output_of_a_tile():
     levels = torch.full((8, 32), 15, dtype=torch.int32)  # every bit of each word set
     packed = cpu_kernels.pack_q4_1(levels, torch.ones(8, 1), torch.zeros(8, 1))
@@ -152,7 +159,7 @@ def test_the_avx512_loops_give_the_avx2_loops_bits(kernels_here, rows, out_featu
         pytest.skip("this CPU has no AVX-512: only the AVX2 loops run")
     generator = torch.Generator().manual_seed(rows + out_features)
     levels = torch.randint(0, 16, (out_features, 96), dtype=torch.int32, generator=generator)
-    scales = torch.rand(out_features, 3, generator=generator) / 8
+    scales = (torch.rand(out_features, 3, generator=generator) / 8).half().float()
     packed = cpu_kernels.pack_q4_1(levels, scales, -8 * scales)
     packed_int8 = cpu_kernels.pack_int8(torch.randn(out_features, 96, generator=generator))
     bias = torch.randn(out_features, generator=generator)
