@@ -17,15 +17,16 @@
  * i, levels[t * k + i] is one uint32 holding the 8 outputs' levels, output j of the tile
  * in bits 4j .. 4j+3; scales[t][g][8] and mins[t][g][8] hold d and m of tile t's 8
  * outputs for group g (inputs 32g .. 32g+31) in float16, as Q4_1 stores them (widened
- * exactly as they are read; in float32 they were a quarter of a step's reads). int8: levels[(t * k + i) * 8 + j] is
- * output 8t+j's int8 at input i; scales[n] the rows' scales.
+ * exactly as they are read; in float32 they were a quarter of a step's reads). int8:
+ * levels[(t * k + i) * 8 + j] is output 8t+j's int8 at input i; scales[n] the rows'
+ * scales, float32.
  *
  * Two loops over the same arithmetic: few rows rebuild each weight in registers as they
  * go, four tiles side by side; more rows rebuild a strip of 16 outputs x k inputs once
  * into a buffer and run blocks of ROWS rows over it (the rebuild is then shared by every
  * row of the call). Where the CPU has AVX-512, both loops hold two tiles a 512-bit
- * register (the strips 32 outputs at a time in blocks of ROWS512 rows, two or three rows
- * eight tiles at a time; one row stays on AVX2): each lane still computes its output's
+ * register (the strips 32 outputs at a time in blocks of ROWS512 rows, one to three rows
+ * eight or twelve tiles at a time): each lane still computes its output's
  * one chain of FMAs, so the bits are the AVX2 loops', only twice as many chains run per
  * instruction (tested bit for bit against them).
  */
@@ -281,20 +282,21 @@ AVX512 INLINE __m512 pair_at(const Weights *w, int64_t t, int64_t i, __m512 d2, 
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(first, second)));
 }
 
-/* tiles_direct in 512-bit registers: PAIRS pairs of tiles from t (all of them there), all
+/* tiles_direct in 512-bit registers: NPAIRS pairs of tiles from t (all of them there), all
  * NROWS rows, each lane's chain the same as there. */
-#define PAIRS 4
+#define MAX_PAIRS 6
+#define PAIRS_FEW 6 /* pairs an item at one or two rows (pairs_for) */
 AVX512 INLINE void pairs_direct(const Weights *w, const float *x, float *y, int64_t t,
-                                const int NROWS, const int FORMAT) {
+                                const int NPAIRS, const int NROWS, const int FORMAT) {
     const Weights local = *w;
     w = &local;
     const int64_t k = w->k;
-    __m512 acc[PAIRS][STRIP_ROWS];
-    for (int p = 0; p < PAIRS; p++)
+    __m512 acc[MAX_PAIRS][STRIP_ROWS];
+    for (int p = 0; p < NPAIRS; p++)
         for (int r = 0; r < NROWS; r++) acc[p][r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < k / GROUP; g++) {
-        __m512 d2[PAIRS], m2[PAIRS];
-        for (int p = 0; p < PAIRS; p++) {
+        __m512 d2[MAX_PAIRS], m2[MAX_PAIRS];
+        for (int p = 0; p < NPAIRS; p++) {
             prefetch_group(w, t + 2 * p, g + PREFETCH_GROUPS, FORMAT);
             prefetch_group(w, t + 2 * p + 1, g + PREFETCH_GROUPS, FORMAT);
             __m256 d0, m0, d1, m1;
@@ -304,14 +306,14 @@ AVX512 INLINE void pairs_direct(const Weights *w, const float *x, float *y, int6
             m2[p] = joined(m0, m1);
         }
         for (int64_t i = g * GROUP; i < (g + 1) * GROUP; i++) {
-            for (int p = 0; p < PAIRS; p++) {
+            for (int p = 0; p < NPAIRS; p++) {
                 const __m512 wv = pair_at(w, t + 2 * p, i, d2[p], m2[p], FORMAT);
                 for (int r = 0; r < NROWS; r++)
                     acc[p][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * k + i]), wv, acc[p][r]);
             }
         }
     }
-    for (int p = 0; p < PAIRS; p++)
+    for (int p = 0; p < NPAIRS; p++)
         for (int r = 0; r < NROWS; r++) {
             store_tile(w, y + r * w->n, t + 2 * p, _mm512_castps512_ps256(acc[p][r]), FORMAT);
             store_tile(w, y + r * w->n, t + 2 * p + 1, _mm512_extractf32x8_ps(acc[p][r], 1),
@@ -319,15 +321,24 @@ AVX512 INLINE void pairs_direct(const Weights *w, const float *x, float *y, int6
         }
 }
 
-/* The 2 * PAIRS tiles from t, for the 2 or 3 rows of a call (one row stays on the AVX2
- * loop: gemm). */
-AVX512 static __attribute__((noinline)) void octet_direct(const Weights *w, const float *x,
-                                                          float *y, int64_t t, int rows,
-                                                          int FORMAT) {
-    if (rows == 2)
-        pairs_direct(w, x, y, t, 2, FORMAT);
+/* Pairs of tiles an item of the AVX-512 few-rows loop, by the call's rows (1 to 3). Each
+ * output's sum is one chain of dependent FMAs, so the fewer the rows, the more outputs
+ * side by side it takes to hide the FMA's latency; three rows fill the registers at four.
+ * The default model's decoder (weights read from memory) on two Zen 5 cores, medians of 8:
+ * one row 4.49 ms on the AVX2 loop (four tiles; its way before), 4.30 at four pairs, 3.82
+ * at six, about 4.2 at eight; two rows 4.42 at four pairs (before), 4.11 at six. */
+static int pairs_for(int64_t rows) { return rows == 3 ? 4 : PAIRS_FEW; }
+
+/* The 2 * pairs_for(rows) tiles from t, for the 1-3 rows of a call. */
+AVX512 static __attribute__((noinline)) void pairs_item(const Weights *w, const float *x,
+                                                        float *y, int64_t t, int rows,
+                                                        int FORMAT) {
+    if (rows == 1)
+        pairs_direct(w, x, y, t, PAIRS_FEW, 1, FORMAT);
+    else if (rows == 2)
+        pairs_direct(w, x, y, t, PAIRS_FEW, 2, FORMAT);
     else
-        pairs_direct(w, x, y, t, 3, FORMAT);
+        pairs_direct(w, x, y, t, 4, 3, FORMAT);
 }
 
 /* Whether the kernels take their AVX-512 paths: -1 until the first call asks the CPU. */
@@ -351,22 +362,20 @@ INLINE int gemm(const Weights *w, const float *x, int64_t rows, float *y, int nu
                 const int FORMAT) {
     const int64_t num_tiles = w->n / 8;
     if (rows < STRIP_ROWS) {
-        /* Work items: eights of tiles (AVX-512), then fours of the tiles left. One row stays
-         * on the AVX2 loop: it broadcasts each tile's word straight from memory, where a
-         * pair joins two words first, and is the faster there (weights read from memory:
-         * 4.1 against 4.5 ms for the default model's decoder on two Zen 5 cores; from two
-         * rows on, the pairs: 4.4-4.5 against 5.1-5.2 ms at two, 4.6-4.7 against 7.0 at
-         * three). */
-        const int64_t num_octets = rows > 1 && wide_vectors(-1) ? num_tiles / (2 * PAIRS) : 0;
-        const int64_t first_quad_tile = 2 * PAIRS * num_octets;
+        /* Work items: pairs of tiles (AVX-512, pairs_for(rows) of them), then fours of the
+         * tiles left (the AVX2 loop; from memory, the pairs took 4.4-4.5 against 5.1-5.2 ms
+         * at two rows, 4.6-4.7 against 7.0 at three). */
+        const int64_t item_tiles = 2 * pairs_for(rows);
+        const int64_t num_wide = wide_vectors(-1) ? num_tiles / item_tiles : 0;
+        const int64_t first_quad_tile = item_tiles * num_wide;
         const int64_t num_quads = (num_tiles - first_quad_tile + 3) / 4;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t item = 0; item < num_octets + num_quads; item++) {
-            if (item < num_octets) {
-                octet_direct(w, x, y, 2 * PAIRS * item, (int)rows, FORMAT);
+        for (int64_t item = 0; item < num_wide + num_quads; item++) {
+            if (item < num_wide) {
+                pairs_item(w, x, y, item_tiles * item, (int)rows, FORMAT);
                 continue;
             }
-            const int64_t t = first_quad_tile + 4 * (item - num_octets);
+            const int64_t t = first_quad_tile + 4 * (item - num_wide);
             const int ntiles = num_tiles - t < 4 ? (int)(num_tiles - t) : 4;
             direct(w, x, y, t, ntiles, (int)rows, FORMAT);
         }

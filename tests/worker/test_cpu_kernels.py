@@ -150,7 +150,8 @@ def test_pack_int8_dot_rounds_as_pack_int8_and_refuses_ragged_tiles():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 64, 130])  # few rows, then strips
-@pytest.mark.parametrize("out_features", [32, 56, 72, 88, 128])  # ragged eights and fours
+# ragged eights, twelves (one or two rows) and fours
+@pytest.mark.parametrize("out_features", [32, 56, 72, 88, 96, 128, 200])
 def test_the_avx512_loops_give_the_avx2_loops_bits(kernels_here, rows, out_features):
     """Each lane of a 512-bit register computes its output's one chain of FMAs, as an AVX2
     lane does: the same bits, Q4_1 with a bias and int8, ragged row blocks and tiles."""
