@@ -67,7 +67,7 @@ def default_cache_dir() -> Path:
 @dataclass(frozen=True, slots=True)
 class PackedQ4:
     """A [out, in] Q4_1 weight in the kernel's layout (see gemm.c): `levels` int32
-    [out / 8, in], eight 4-bit levels per word; `scales` and `minimums` float16 (Q4_1's
+    [ceil(out / 16), in, 2], eight 4-bit levels per word, the tiles of 8 outputs in pairs; `scales` and `minimums` float16 (Q4_1's
     d and m, which q4_1_blocks finds float16 exactly) [out / 8, in / 32, 8]."""
 
     levels: torch.Tensor
@@ -88,7 +88,12 @@ def pack_q4_1(levels: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor
     for j in range(TILE):
         words |= tiles[:, j, :] << (4 * j)
     # The same 32 bits as int32 (the top level's high bit lands in the sign).
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    # Tiles in pairs, input by input: [tiles / 2, in, 2] (a last odd tile beside zeros),
+    # so the AVX-512 loops read a pair's two words at an input in one load.
+    if words.shape[0] % 2:
+        words = torch.cat([words, torch.zeros_like(words[:1])])
+    words = words.view(-1, 2, in_features).transpose(1, 2).contiguous()
 
     def per_tile(values: torch.Tensor) -> torch.Tensor:
         # float16, as Q4_1 holds them: a quarter less to read a step than float32, and

@@ -14,8 +14,9 @@
  * construction).
  *
  * Layout (cpu_kernels.py packs it): outputs go in tiles of 8. Q4_1: for tile t and input
- * i, levels[t * k + i] is one uint32 holding the 8 outputs' levels, output j of the tile
- * in bits 4j .. 4j+3; scales[t][g][8] and mins[t][g][8] hold d and m of tile t's 8
+ * i, levels[((t / 2) * k + i) * 2 + t % 2] is one uint32 holding the 8 outputs' levels,
+ * output j of the tile in bits 4j .. 4j+3 (tiles in pairs, input by input: one 64-bit
+ * load gives a pair's words); scales[t][g][8] and mins[t][g][8] hold d and m of tile t's 8
  * outputs for group g (inputs 32g .. 32g+31) in float16, as Q4_1 stores them (widened
  * exactly as they are read; in float32 they were a quarter of a step's reads). int8:
  * levels[(t * k + i) * 8 + j] is output 8t+j's int8 at input i; scales[n] the rows'
@@ -55,11 +56,17 @@ typedef struct {
     int64_t k, n;
 } Weights;
 
+/* Q4_1: where tile t's word at input i is: the tiles go in pairs, input by input
+ * (see the layout above). */
+INLINE int64_t level_at(const Weights *w, int64_t t, int64_t i) {
+    return ((t >> 1) * w->k + i) * 2 + (t & 1);
+}
+
 /* Tile t's 8 weights at input i (g = i / 32's d and m already loaded for Q4_1). */
 INLINE __m256 weights_at(const Weights *w, int64_t t, int64_t i, __m256 d, __m256 m,
                          const int FORMAT) {
     if (FORMAT == Q4_1) {
-        const uint32_t word = ((const uint32_t *)w->levels)[t * w->k + i];
+        const uint32_t word = ((const uint32_t *)w->levels)[level_at(w, t, i)];
         const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
         __m256i q = _mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts);
         q = _mm256_and_si256(q, _mm256_set1_epi32(0xF));
@@ -89,9 +96,11 @@ INLINE void group_constants(const Weights *w, int64_t t, int64_t g, __m256 *d, _
 INLINE void prefetch_group(const Weights *w, int64_t t, int64_t g, const int FORMAT) {
     if (g >= w->k / GROUP) return;
     if (FORMAT == Q4_1) {
-        const uint32_t *levels = (const uint32_t *)w->levels + t * w->k + g * GROUP;
-        _mm_prefetch((const char *)levels, _MM_HINT_T0);
-        _mm_prefetch((const char *)(levels + 16), _MM_HINT_T0);
+        if ((t & 1) == 0) { /* the pair's 32 inputs x 2 words: four lines */
+            const uint32_t *levels = (const uint32_t *)w->levels + level_at(w, t, g * GROUP);
+            for (int line = 0; line < 4; line++)
+                _mm_prefetch((const char *)(levels + 16 * line), _MM_HINT_T0);
+        }
         const int64_t at = (t * (w->k / GROUP) + g) * 8;
         _mm_prefetch((const char *)((const uint16_t *)w->scales + at), _MM_HINT_T0);
         _mm_prefetch((const char *)(w->mins + at), _MM_HINT_T0);
@@ -261,25 +270,41 @@ AVX512 static __attribute__((noinline)) void blocks512(const Weights *w, const f
     }
 }
 
-/* Tiles t and t+1's weights at input i in one register, lanes 0-7 tile t's (the values
- * weights_at gives each; d2 and m2 hold the two tiles' group constants the same way). */
+/* low's and high's lanes interleaved: low[0], high[0], low[1], high[1], ... */
+AVX512 INLINE __m512 interleaved(__m256 low, __m256 high) {
+    const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    return _mm512_permutexvar_ps(order, joined(low, high));
+}
+
+/* Tiles t and t+1's weights at input i in one register (t even), interleaved: lane 2j is
+ * output j of tile t, lane 2j + 1 output j of tile t + 1 (the values weights_at gives
+ * each; d2 and m2 hold the two tiles' group constants the same way: interleaved()). For
+ * Q4_1 that is the pair's two adjacent words broadcast, each lane shifting out its own
+ * level: one load and no shuffle, where two loads, an insert and a permute joined the
+ * words of tiles k apart (the default model's decoder from memory on two Zen 5 cores,
+ * alternated 4 times: one row 3.7-4.1 -> 2.8-3.1 ms, two rows 3.8-4.4 -> 3.0-3.3, three
+ * 4.4-5.1 -> 3.5-4.0; the strips, which read words one at a time, unchanged). */
 AVX512 INLINE __m512 pair_at(const Weights *w, int64_t t, int64_t i, __m512 d2, __m512 m2,
                              const int FORMAT) {
     if (FORMAT == Q4_1) {
-        const uint32_t *levels = (const uint32_t *)w->levels;
-        const __m128i two = _mm_setr_epi32((int)levels[t * w->k + i],
-                                           (int)levels[(t + 1) * w->k + i], 0, 0);
-        const __m512i which = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        const uint32_t *levels = (const uint32_t *)w->levels + level_at(w, t, i);
         const __m512i shifts =
-            _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-        __m512i q = _mm512_permutexvar_epi32(which, _mm512_castsi128_si512(two));
+            _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+        __m512i q = _mm512_set1_epi64(*(const int64_t *)levels);
         q = _mm512_and_si512(_mm512_srlv_epi32(q, shifts), _mm512_set1_epi32(0xF));
         return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d2, m2);
     }
-    const int8_t *q = (const int8_t *)w->levels;
-    const __m128i first = _mm_loadl_epi64((const __m128i *)(q + (t * w->k + i) * 8));
-    const __m128i second = _mm_loadl_epi64((const __m128i *)(q + ((t + 1) * w->k + i) * 8));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(first, second)));
+    const __m256 none = _mm256_setzero_ps();
+    return interleaved(weights_at(w, t, i, none, none, FORMAT),
+                       weights_at(w, t + 1, i, none, none, FORMAT));
+}
+
+/* The two tiles of an interleaved register, tile t's 8 outputs into *low. */
+AVX512 INLINE void split_pair(__m512 v, __m256 *low, __m256 *high) {
+    const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    v = _mm512_permutexvar_ps(order, v);
+    *low = _mm512_castps512_ps256(v);
+    *high = _mm512_extractf32x8_ps(v, 1);
 }
 
 /* tiles_direct in 512-bit registers: NPAIRS pairs of tiles from t (all of them there), all
@@ -302,8 +327,8 @@ AVX512 INLINE void pairs_direct(const Weights *w, const float *x, float *y, int6
             __m256 d0, m0, d1, m1;
             group_constants(w, t + 2 * p, g, &d0, &m0, FORMAT);
             group_constants(w, t + 2 * p + 1, g, &d1, &m1, FORMAT);
-            d2[p] = joined(d0, d1);
-            m2[p] = joined(m0, m1);
+            d2[p] = interleaved(d0, d1);
+            m2[p] = interleaved(m0, m1);
         }
         for (int64_t i = g * GROUP; i < (g + 1) * GROUP; i++) {
             for (int p = 0; p < NPAIRS; p++) {
@@ -315,17 +340,18 @@ AVX512 INLINE void pairs_direct(const Weights *w, const float *x, float *y, int6
     }
     for (int p = 0; p < NPAIRS; p++)
         for (int r = 0; r < NROWS; r++) {
-            store_tile(w, y + r * w->n, t + 2 * p, _mm512_castps512_ps256(acc[p][r]), FORMAT);
-            store_tile(w, y + r * w->n, t + 2 * p + 1, _mm512_extractf32x8_ps(acc[p][r], 1),
-                       FORMAT);
+            __m256 low, high;
+            split_pair(acc[p][r], &low, &high);
+            store_tile(w, y + r * w->n, t + 2 * p, low, FORMAT);
+            store_tile(w, y + r * w->n, t + 2 * p + 1, high, FORMAT);
         }
 }
 
 /* Pairs of tiles an item of the AVX-512 few-rows loop, by the call's rows (1 to 3). Each
  * output's sum is one chain of dependent FMAs, so the fewer the rows, the more outputs
  * side by side it takes to hide the FMA's latency; three rows fill the registers at four.
- * The default model's decoder (weights read from memory) on two Zen 5 cores, medians of 8:
- * one row 4.49 ms on the AVX2 loop (four tiles; its way before), 4.30 at four pairs, 3.82
+ * The default model's decoder (weights read from memory) on two Zen 5 cores, medians of 8,
+ * before pairs read their words in one load: one row 4.49 ms on the AVX2 loop (four tiles; its way before), 4.30 at four pairs, 3.82
  * at six, about 4.2 at eight; two rows 4.42 at four pairs (before), 4.11 at six. */
 static int pairs_for(int64_t rows) { return rows == 3 ? 4 : PAIRS_FEW; }
 

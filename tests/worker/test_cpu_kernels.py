@@ -57,7 +57,9 @@ def test_pack_keeps_the_top_level_of_the_last_output_of_a_tile():
     levels = torch.full((8, 32), 15, dtype=torch.int32)  # every bit of each word set
     packed = cpu_kernels.pack_q4_1(levels, torch.ones(8, 1), torch.zeros(8, 1))
     assert packed.levels.dtype == torch.int32
-    assert torch.equal(packed.levels, torch.full((1, 32), -1, dtype=torch.int32))
+    # One tile, paired with a tile of zeros: [tile pairs, inputs, 2].
+    assert torch.equal(packed.levels[..., 0], torch.full((1, 32), -1, dtype=torch.int32))
+    assert torch.equal(packed.levels[..., 1], torch.zeros(1, 32, dtype=torch.int32))
 
 
 def test_an_empty_call_gives_an_empty_output(kernels_here):
