@@ -22,14 +22,16 @@
  * levels[(t * k + i) * 8 + j] is output 8t+j's int8 at input i; scales[n] the rows'
  * scales, float32.
  *
- * Two loops over the same arithmetic: few rows rebuild each weight in registers as they
- * go, four tiles side by side; more rows rebuild a strip of 16 outputs x k inputs once
- * into a buffer and run blocks of ROWS rows over it (the rebuild is then shared by every
- * row of the call). Where the CPU has AVX-512, both loops hold two tiles a 512-bit
- * register (the strips 32 outputs at a time in blocks of ROWS512 rows, one to three rows
- * eight or twelve tiles at a time): each lane still computes its output's
- * one chain of FMAs, so the bits are the AVX2 loops', only twice as many chains run per
- * instruction (tested bit for bit against them).
+ * Two loops over the same arithmetic: few rows (below STRIP_ROWS) rebuild each weight in
+ * registers as they go, four tiles side by side; more rows rebuild a strip of 16 outputs x
+ * k inputs once into a buffer and run blocks of ROWS rows over it (the rebuild is then
+ * shared by every row of the call). Where the CPU has AVX-512, both loops hold two tiles a
+ * 512-bit register: the strips 32 outputs at a time in blocks of ROWS512 rows, the few-rows
+ * loop eight or twelve tiles at a time in passes of up to four rows, and up to
+ * WIDE_DIRECT_ROWS rows (rebuilding in registers pass after pass beats the strips' buffer
+ * there). Each lane still computes its output's one chain of FMAs, so the bits are the
+ * AVX2 loops', only twice as many chains run per instruction (tested bit for bit against
+ * them).
  */
 
 #include <immintrin.h>
@@ -311,12 +313,18 @@ AVX512 INLINE void split_pair(__m512 v, __m256 *low, __m256 *high) {
  * NROWS rows, each lane's chain the same as there. */
 #define MAX_PAIRS 6
 #define PAIRS_FEW 6 /* pairs an item at one or two rows (pairs_for) */
+#define PASS_ROWS 4 /* rows a pass of the AVX-512 few-rows loop over an item's weights */
+/* AVX-512: below this many rows, the few-rows loop in passes rather than the strips. The
+ * default model's decoder from memory on two Zen 5 cores, strips against passes, medians
+ * of 5: 4 rows 9.22 / 3.97 ms, 8 rows 10.16 / 6.34, 16 rows 13.65 / 11.01, 24 rows 16.63 /
+ * 15.46, 28 rows 20.06 / 19.78, 32 rows 20.74 / 20.93, 48 rows 27.87 / 31.26. */
+#define WIDE_DIRECT_ROWS 28
 AVX512 INLINE void pairs_direct(const Weights *w, const float *x, float *y, int64_t t,
                                 const int NPAIRS, const int NROWS, const int FORMAT) {
     const Weights local = *w;
     w = &local;
     const int64_t k = w->k;
-    __m512 acc[MAX_PAIRS][STRIP_ROWS];
+    __m512 acc[MAX_PAIRS][PASS_ROWS];
     for (int p = 0; p < NPAIRS; p++)
         for (int r = 0; r < NROWS; r++) acc[p][r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < k / GROUP; g++) {
@@ -347,24 +355,29 @@ AVX512 INLINE void pairs_direct(const Weights *w, const float *x, float *y, int6
         }
 }
 
-/* Pairs of tiles an item of the AVX-512 few-rows loop, by the call's rows (1 to 3). Each
- * output's sum is one chain of dependent FMAs, so the fewer the rows, the more outputs
- * side by side it takes to hide the FMA's latency; three rows fill the registers at four.
- * The default model's decoder (weights read from memory) on two Zen 5 cores, medians of 8,
- * before pairs read their words in one load: one row 4.49 ms on the AVX2 loop (four tiles; its way before), 4.30 at four pairs, 3.82
- * at six, about 4.2 at eight; two rows 4.42 at four pairs (before), 4.11 at six. */
-static int pairs_for(int64_t rows) { return rows == 3 ? 4 : PAIRS_FEW; }
+/* Pairs of tiles an item of the AVX-512 few-rows loop, by the call's rows. Each output's
+ * sum is one chain of dependent FMAs, so the fewer the rows, the more outputs side by side
+ * it takes to hide the FMA's latency; from three rows, four pairs (four rows fill the
+ * registers). The default model's decoder (weights read from memory) on two Zen 5 cores,
+ * medians of 8, before pairs read their words in one load: one row 4.49 ms on the AVX2
+ * loop (four tiles; its way before), 4.30 at four pairs, 3.82 at six, about 4.2 at eight;
+ * two rows 4.42 at four pairs (before), 4.11 at six. After: six pairs still the best at
+ * one and two rows, four and five alike at three. */
+static int pairs_for(int64_t rows) { return rows < 3 ? PAIRS_FEW : 4; }
 
-/* The 2 * pairs_for(rows) tiles from t, for the 1-3 rows of a call. */
+/* The 2 * npairs tiles from t (npairs pairs_for the call's rows), for a pass of 1 to
+ * PASS_ROWS of its rows (x and y at the pass's first row). */
 AVX512 static __attribute__((noinline)) void pairs_item(const Weights *w, const float *x,
-                                                        float *y, int64_t t, int rows,
-                                                        int FORMAT) {
-    if (rows == 1)
-        pairs_direct(w, x, y, t, PAIRS_FEW, 1, FORMAT);
-    else if (rows == 2)
-        pairs_direct(w, x, y, t, PAIRS_FEW, 2, FORMAT);
-    else
-        pairs_direct(w, x, y, t, 4, 3, FORMAT);
+                                                        float *y, int64_t t, int npairs,
+                                                        int rows, int FORMAT) {
+    switch (npairs == PAIRS_FEW ? rows : 8 + rows) {
+    case 1: pairs_direct(w, x, y, t, PAIRS_FEW, 1, FORMAT); break;
+    case 2: pairs_direct(w, x, y, t, PAIRS_FEW, 2, FORMAT); break;
+    case 8 + 1: pairs_direct(w, x, y, t, 4, 1, FORMAT); break;
+    case 8 + 2: pairs_direct(w, x, y, t, 4, 2, FORMAT); break;
+    case 8 + 3: pairs_direct(w, x, y, t, 4, 3, FORMAT); break;
+    case 8 + 4: pairs_direct(w, x, y, t, 4, 4, FORMAT); break;
+    }
 }
 
 /* Whether the kernels take their AVX-512 paths: -1 until the first call asks the CPU. */
@@ -387,23 +400,33 @@ int wide_vectors(int setting) {
 INLINE int gemm(const Weights *w, const float *x, int64_t rows, float *y, int num_threads,
                 const int FORMAT) {
     const int64_t num_tiles = w->n / 8;
-    if (rows < STRIP_ROWS) {
+    const int wide = wide_vectors(-1);
+    if (rows < (wide ? WIDE_DIRECT_ROWS : STRIP_ROWS)) {
         /* Work items: pairs of tiles (AVX-512, pairs_for(rows) of them), then fours of the
          * tiles left (the AVX2 loop; from memory, the pairs took 4.4-4.5 against 5.1-5.2 ms
-         * at two rows, 4.6-4.7 against 7.0 at three). */
-        const int64_t item_tiles = 2 * pairs_for(rows);
-        const int64_t num_wide = wide_vectors(-1) ? num_tiles / item_tiles : 0;
+         * at two rows, 4.6-4.7 against 7.0 at three). Each item runs the rows in passes of
+         * PASS_ROWS (the AVX2 loop STRIP_ROWS - 1), rebuilding its weights in each. */
+        const int npairs = pairs_for(rows);
+        const int64_t item_tiles = 2 * npairs;
+        const int64_t num_wide = wide ? num_tiles / item_tiles : 0;
         const int64_t first_quad_tile = item_tiles * num_wide;
         const int64_t num_quads = (num_tiles - first_quad_tile + 3) / 4;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
         for (int64_t item = 0; item < num_wide + num_quads; item++) {
             if (item < num_wide) {
-                pairs_item(w, x, y, item_tiles * item, (int)rows, FORMAT);
+                for (int64_t r0 = 0; r0 < rows; r0 += PASS_ROWS) {
+                    const int pass = rows - r0 < PASS_ROWS ? (int)(rows - r0) : PASS_ROWS;
+                    pairs_item(w, x + r0 * w->k, y + r0 * w->n, item_tiles * item, npairs,
+                               pass, FORMAT);
+                }
                 continue;
             }
             const int64_t t = first_quad_tile + 4 * (item - num_wide);
             const int ntiles = num_tiles - t < 4 ? (int)(num_tiles - t) : 4;
-            direct(w, x, y, t, ntiles, (int)rows, FORMAT);
+            for (int64_t r0 = 0; r0 < rows; r0 += STRIP_ROWS - 1) {
+                const int pass = rows - r0 < STRIP_ROWS - 1 ? (int)(rows - r0) : STRIP_ROWS - 1;
+                direct(w, x + r0 * w->k, y + r0 * w->n, t, ntiles, pass, FORMAT);
+            }
         }
         return 0;
     }

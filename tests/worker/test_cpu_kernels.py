@@ -151,7 +151,8 @@ def test_pack_int8_dot_rounds_as_pack_int8_and_refuses_ragged_tiles():
         cpu_kernels.pack_int8_dot(torch.randn(56, 32))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 64, 130])  # few rows, then strips
+# few rows (1-3, then passes of up to four on AVX-512), then strips
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 11, 12, 27, 64, 130])
 # ragged eights, twelves (one or two rows) and fours
 @pytest.mark.parametrize("out_features", [32, 56, 72, 88, 96, 128, 200])
 def test_the_avx512_loops_give_the_avx2_loops_bits(kernels_here, rows, out_features):
