@@ -1,8 +1,9 @@
 """Pagoda's CPU kernels (gpu_worker/kernels/*.c), built on first use and called with ctypes.
 
 All float32 on AVX2 + FMA (the GEMMs and the attention in 512-bit registers where the CPU
-has AVX-512, with the same bits), all batch-invariant by construction (a row's bits never depend on the rest
-of its call, on the number of threads, or on the vector width):
+has AVX-512, with the same bits) but for the head's int32 pass on AVX-512 VNNI, all
+batch-invariant by construction (a row's bits never depend on the rest of its call, on the
+number of threads, or on the vector width):
 - `q4_1_matmul`: y = x W^T + b with W held as Q4_1 groups, each weight rebuilt exactly as
   the float model holds it (d * q + m) and each output one float32 sum over the inputs in
   their order: Q4Linear's fast path (quantization.py);
@@ -67,8 +68,9 @@ def default_cache_dir() -> Path:
 @dataclass(frozen=True, slots=True)
 class PackedQ4:
     """A [out, in] Q4_1 weight in the kernel's layout (see gemm.c): `levels` int32
-    [ceil(out / 16), in, 2], eight 4-bit levels per word, the tiles of 8 outputs in pairs; `scales` and `minimums` float16 (Q4_1's
-    d and m, which q4_1_blocks finds float16 exactly) [out / 8, in / 32, 8]."""
+    [ceil(out / 16), in, 2], eight 4-bit levels per word, the tiles of 8 outputs in pairs;
+    `scales` and `minimums` float16 (Q4_1's d and m, which q4_1_blocks finds float16
+    exactly) [out / 8, in / 32, 8]."""
 
     levels: torch.Tensor
     scales: torch.Tensor
