@@ -296,9 +296,11 @@ AVX512 INLINE __m512 pair_at(const Weights *w, int64_t t, int64_t i, __m512 d2, 
         q = _mm512_and_si512(_mm512_srlv_epi32(q, shifts), _mm512_set1_epi32(0xF));
         return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d2, m2);
     }
-    const __m256 none = _mm256_setzero_ps();
-    return interleaved(weights_at(w, t, i, none, none, FORMAT),
-                       weights_at(w, t + 1, i, none, none, FORMAT));
+    /* int8: the two tiles' 8 levels at input i, byte by byte (first[0], second[0], ...) */
+    const int8_t *q = (const int8_t *)w->levels;
+    const __m128i first = _mm_loadl_epi64((const __m128i *)(q + (t * w->k + i) * 8));
+    const __m128i second = _mm_loadl_epi64((const __m128i *)(q + ((t + 1) * w->k + i) * 8));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(first, second)));
 }
 
 /* The two tiles of an interleaved register, tile t's 8 outputs into *low. */
