@@ -45,7 +45,14 @@ log = logging.getLogger("pagoda.cpu_kernels")
 KERNELS_DIR = Path(__file__).with_name("kernels")
 SOURCES = tuple(
     KERNELS_DIR / name
-    for name in ("gemm.c", "int8_dot.c", "paged_attention.c", "elementwise.c", "select.c")
+    for name in (
+        "gemm.c",
+        "int8_dot.c",
+        "paged_attention.c",
+        "elementwise.c",
+        "select.c",
+        "decoder.c",
+    )
 )
 HEADERS = (KERNELS_DIR / "simd.h",)
 # No contraction: each product and sum in the sources rounds where it is written (an
@@ -167,6 +174,79 @@ def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 
+# decoder.c's structs, field for field.
+class Q4Weight(ctypes.Structure):
+    _fields_ = [
+        ("levels", _POINTER),
+        ("scales", _POINTER),
+        ("mins", _POINTER),
+        ("bias", _POINTER),
+        ("k", _SIZE),
+        ("n", _SIZE),
+    ]
+
+    @classmethod
+    def of(cls, packed: PackedQ4, bias: torch.Tensor | None) -> Q4Weight:
+        return cls(
+            packed.levels.data_ptr(),
+            packed.scales.data_ptr(),
+            packed.minimums.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            packed.in_features,
+            packed.out_features,
+        )
+
+
+class DecoderLayer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _POINTER),
+        ("post_norm", _POINTER),
+        ("q_norm", _POINTER),
+        ("k_norm", _POINTER),
+        ("input_eps", ctypes.c_float),
+        ("post_eps", ctypes.c_float),
+        ("q_eps", ctypes.c_float),
+        ("k_eps", ctypes.c_float),
+        ("qkv", Q4Weight),
+        ("o_proj", Q4Weight),
+        ("gate_up", Q4Weight),
+        ("down", Q4Weight),
+        ("cos_sin", _POINTER),
+        ("scale", ctypes.c_float),
+        ("sliding_window", _SIZE),
+        ("key_cache", _POINTER),
+        ("value_cache", _POINTER),
+    ]
+
+
+class DecoderShape(ctypes.Structure):
+    _fields_ = [
+        (name, _SIZE)
+        for name in (
+            "hidden",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate",
+            "block_size",
+        )
+    ]
+
+
+class DecoderStep(ctypes.Structure):
+    _fields_ = [
+        ("num_tokens", _SIZE),
+        ("num_seqs", _SIZE),
+        ("max_context_len", _SIZE),
+        ("table_width", _SIZE),
+        ("positions", _POINTER),
+        ("slots", _POINTER),
+        ("block_table", _POINTER),
+        ("query_start_loc", _POINTER),
+        ("context_lens", _POINTER),
+    ]
+
+
 class CpuKernels:
     """The loaded library."""
 
@@ -214,6 +294,16 @@ class CpuKernels:
         self._rotary.restype = None
         heads = [_POINTER, _SIZE, _SIZE, _SIZE]  # a tensor, its token and head strides, heads
         self._rotary.argtypes = heads * 2 + [_POINTER] * 2 + [_SIZE, _SIZE, ctypes.c_int]
+        self._decoder_layers = library.decoder_layers
+        self._decoder_layers.restype = ctypes.c_int
+        self._decoder_layers.argtypes = [
+            _POINTER,
+            _SIZE,
+            _POINTER,
+            _POINTER,
+            _POINTER,
+            ctypes.c_int,
+        ]
 
     def avx512(self, on: bool | None = None) -> bool:
         """Whether the kernels run their AVX-512 paths (the GEMMs' and the attention's
@@ -369,6 +459,26 @@ class CpuKernels:
         if rows:
             self._top_k_rows(x.data_ptr(), rows, cols, k, out.data_ptr(), torch.get_num_threads())
         return out
+
+    def decoder_layers(
+        self,
+        layers: ctypes.Array,  # of DecoderLayer
+        shape: DecoderShape,
+        step: DecoderStep,
+        hidden: torch.Tensor,  # [T, shape.hidden] float32, contiguous: updated in place
+    ) -> None:
+        """Every layer of a Llama or Qwen3 decoder over one step (decoder.c; the direct
+        forward's)."""
+        failed = self._decoder_layers(
+            ctypes.addressof(layers),
+            len(layers),
+            ctypes.addressof(shape),
+            ctypes.addressof(step),
+            hidden.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("the decoder kernel could not allocate its buffers")
 
     def write_kv(
         self,

@@ -2,29 +2,32 @@
 
 On the CPU under `int8` a Llama or Qwen3 model runs on Pagoda's kernels alone: the
 decoder's Linear layers as Q4_1 GEMMs (quantization.py; q/k/v and gate/up one call each),
-the norms, SiLU*up and RoPE on elementwise.c (fused_model.py), the attention on the
-configured backend, the head rescored. What transformers' code still adds is glue: a
-dozen module calls a layer, keyword arguments handed down to each, position embeddings
-and a mask it builds and never reads. At one row that glue was a third of a decode step
-(3.2 of 9.7 ms on two Zen 5 cores).
+the norms, SiLU*up and RoPE on elementwise.c (fused_model.py), the attention on the `cpu`
+backend's kernel (the engine builds this only with it), the head rescored. What
+transformers' code still adds is glue: a dozen module calls a layer, keyword arguments
+handed down to each, position embeddings and a mask it builds and never reads. At one row
+that glue was a third of a decode step (3.2 of 9.7 ms on two Zen 5 cores).
 
-`DirectForward.of(model, kernels)` reads those parts off a model patched that way and
-runs the same kernels in the same order on the same tensors, so its logits are the model
-call's, bit for bit (tests/worker/test_direct_forward.py); it returns None, with the
-reason logged, when a part is not what it expects, and the engine then calls the model.
+`DirectForward.of(model, kernels)` reads those parts off a model patched that way; a step
+then runs the whole decoder stack in one call of decoder.c, the same kernels in the same
+order on the same values as the model's code, so its logits are the model call's, bit for
+bit (tests/worker/test_direct_forward.py). One call where the stack took about ten a layer
+from Python: each ctypes call and OpenMP wake-up cost 3-4 us and more, 1.6 of a 5.3 ms
+decode step at batch 1 (5.24-5.43 -> 3.59-3.74 ms). It returns None, with the reason
+logged, when a part is not what it expects, and the engine then calls the model.
 `--no-fused-ops` leaves the model unpatched, so it turns this off too.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 
 import torch
 
-from pagoda.gpu_worker.attention.backend import AttentionBackend
+from pagoda.gpu_worker import cpu_kernels
 from pagoda.gpu_worker.kv_pool import KVPool
-from pagoda.gpu_worker.paged_attention import attend
 from pagoda.gpu_worker.quantization import Q4Linear, Q4Slice
 from pagoda.gpu_worker.ragged_batch import RaggedBatch
 
@@ -62,13 +65,15 @@ class _Layer:
 
 
 class DirectForward:
-    def __init__(self, kernels, embed, layers: list[_Layer], norm: _Norm, head, head_dim: int):
+    def __init__(self, kernels, embed, layers: list[_Layer], norm: _Norm, head, shape):
         self.kernels = kernels
         self.embed = embed
         self.layers = layers
         self.norm = norm
         self.head = head
-        self.head_dim = head_dim
+        self._shape = shape  # cpu_kernels.DecoderShape
+        self._pool: KVPool | None = None  # the pool _layer_args points into
+        self._layer_args: ctypes.Array | None = None
 
     @classmethod
     def of(cls, model, kernels) -> DirectForward | None:
@@ -96,13 +101,25 @@ class DirectForward:
         norm = _Norm.of(decoder.norm)
         if norm is None:
             raise _NotDirect("the final norm is not patched")
+        attention = decoder.layers[0].self_attn
+        head_dim = attention.head_dim
+        if head_dim % 8:
+            raise _NotDirect(f"head_dim {head_dim} is not a multiple of 8 (the attention's)")
+        shape = cpu_kernels.DecoderShape(
+            text.hidden_size,
+            layers[0].q_width // head_dim,
+            layers[0].k_width // head_dim,
+            head_dim,
+            layers[0].gate_up.out_features // 2,
+            0,  # the pool's block size: set with its caches (_layers_in)
+        )
         return cls(
             kernels,
             model.get_input_embeddings(),
             layers,
             norm,
             model.get_output_embeddings(),
-            decoder.layers[0].self_attn.head_dim,
+            shape,
         )
 
     @staticmethod
@@ -145,43 +162,69 @@ class DirectForward:
             down=mlp.down_proj,
         )
 
-    def __call__(self, batch: RaggedBatch, pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
+    def __call__(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
         """The logits [rows sampled, vocabulary] of the step `batch`, its K/V written into
-        `pool`: what `model(input_ids=..., logits_to_keep=...).logits[0]` gives."""
-        kernels, head_dim = self.kernels, self.head_dim
-        hidden = self.embed(batch.input_ids[0])  # [T, hidden]
-        positions = batch.position_ids.reshape(-1)
+        `pool` (float32, as the engine makes it on the CPU): what
+        `model(input_ids=..., logits_to_keep=...).logits[0]` gives."""
+        kernels = self.kernels
+        hidden = self.embed(batch.input_ids[0]).contiguous()  # [T, hidden], a new tensor
         metadata = batch.attention
-        num_tokens = hidden.shape[0]
-        for layer in self.layers:
-            x = kernels.rms_norm(hidden, layer.input_norm.weight, layer.input_norm.eps)
-            qkv = layer.qkv.rows(x)
-            q_end = layer.q_width
-            k_end = q_end + layer.k_width
-            query = qkv[:, :q_end].view(num_tokens, -1, head_dim)
-            key = qkv[:, q_end:k_end].view(num_tokens, -1, head_dim)
-            value = qkv[:, k_end:].view(num_tokens, -1, head_dim)
-            if layer.q_norm is not None:
-                query = kernels.rms_norm(query, layer.q_norm.weight, layer.q_norm.eps)
-                key = kernels.rms_norm(key, layer.k_norm.weight, layer.k_norm.eps)
-            kernels.rotary_in_place(query, key, positions, layer.rotary_cos_sin)
-            attended = attend(
-                backend,
-                pool.layer_blocks(layer.index),
-                query,
-                key,
-                value,
-                metadata,
-                scale=layer.scale,
-                sliding_window=layer.sliding_window,
-            )
-            out = layer.o_proj.rows(attended.reshape(num_tokens, -1))
-            x, residual = kernels.rms_norm(
-                out, layer.post_norm.weight, layer.post_norm.eps, residual=hidden
-            )
-            hidden = residual + layer.down.rows(kernels.silu_and_mul(layer.gate_up.rows(x)))
+        positions = batch.position_ids.reshape(-1).to(torch.int64).contiguous()
+        slots = metadata.slot_mapping.contiguous()
+        table = metadata.block_table.contiguous()
+        starts = metadata.query_start_loc.contiguous()
+        context_lens = metadata.context_lens.contiguous()
+        step = cpu_kernels.DecoderStep(
+            hidden.shape[0],
+            context_lens.shape[0],
+            metadata.max_context_len,
+            table.shape[1],
+            positions.data_ptr(),
+            slots.data_ptr(),
+            table.data_ptr(),
+            starts.data_ptr(),
+            context_lens.data_ptr(),
+        )
+        kernels.decoder_layers(self._layers_in(pool), self._shape, step, hidden)
         hidden = kernels.rms_norm(hidden, self.norm.weight, self.norm.eps)
         return self.head(hidden[batch.sample_token_indices])
+
+    def _layers_in(self, pool: KVPool) -> ctypes.Array:
+        """The layers as decoder.c reads them, with `pool`'s caches (built once a pool)."""
+        if self._pool is not pool:
+            self._layer_args = (cpu_kernels.DecoderLayer * len(self.layers))(
+                *(_layer_args(layer, pool) for layer in self.layers)
+            )
+            self._shape.block_size = pool.layer_blocks(0)[0].shape[1]
+            self._pool = pool
+        return self._layer_args
+
+
+def _layer_args(layer: _Layer, pool: KVPool) -> cpu_kernels.DecoderLayer:
+    key_cache, value_cache = pool.layer_blocks(layer.index)
+    for cache in (key_cache, value_cache):
+        if cache.dtype != torch.float32 or not cache.is_contiguous():
+            raise RuntimeError("the direct forward needs a contiguous float32 KV pool")
+    q_norm, k_norm = layer.q_norm, layer.k_norm
+    return cpu_kernels.DecoderLayer(
+        layer.input_norm.weight.data_ptr(),
+        layer.post_norm.weight.data_ptr(),
+        None if q_norm is None else q_norm.weight.data_ptr(),
+        None if k_norm is None else k_norm.weight.data_ptr(),
+        layer.input_norm.eps,
+        layer.post_norm.eps,
+        0.0 if q_norm is None else q_norm.eps,
+        0.0 if k_norm is None else k_norm.eps,
+        *(
+            cpu_kernels.Q4Weight.of(g.packed, g.bias)
+            for g in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        ),
+        layer.rotary_cos_sin.data_ptr(),
+        layer.scale,
+        layer.sliding_window or 0,
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+    )
 
 
 class _NotDirect(Exception):

@@ -228,9 +228,7 @@ class PagedEngine(Engine):
         if pieces is not None and pieces.fits(batch):
             return self._sample(pieces.run(batch), plan, clock, samples)
         if self.direct is not None:
-            return self._sample(
-                self.direct(batch, self.pool, self.attention_backend), plan, clock, samples
-            )
+            return self._sample(self.direct(batch, self.pool), plan, clock, samples)
         logits = self.model(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,

@@ -369,6 +369,11 @@ class Q4Linear(torch.nn.Module):
             out.add_(self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
+    @property
+    def packed(self) -> cpu_kernels.PackedQ4 | None:
+        """The weight in Pagoda's kernel layout (where it runs_on the kernels), else None."""
+        return self._native if self._kernel is not None else None
+
     def runs_on(self, kernels) -> bool:
         """Whether this layer runs on `kernels` (Pagoda's, as loaded by cpu_kernels)."""
         return kernels is not None and self._kernel is kernels
