@@ -68,6 +68,7 @@ typedef struct { /* the step (its AttentionMetadata and positions) */
 int decoder_layers(const Layer *layers, int64_t num_layers, const Shape *shape,
                    const Step *step, float *hidden, int num_threads) {
     const int64_t T = step->num_tokens, H = shape->hidden, d = shape->head_dim;
+    if (T == 0) return 0;
     const int64_t q_width = shape->num_heads * d, kv_width = shape->num_kv_heads * d;
     const int64_t qkv_width = q_width + 2 * kv_width, I = shape->intermediate;
     const int64_t widest = qkv_width > 2 * I ? qkv_width : 2 * I;
