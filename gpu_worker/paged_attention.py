@@ -72,45 +72,19 @@ def paged_attention_forward(
             f"layer {module.layer_idx} has {key.shape[1]}x{head_dim} K/V heads; "
             f"the pool was sized for {tuple(key_cache.shape[2:])}"
         )
-    output = attend(
-        attention_backend,
-        (key_cache, value_cache),
-        query[0].transpose(0, 1),  # [T, heads, d]
-        key[0].transpose(0, 1),  # [T, kv_heads, d]
-        value[0].transpose(0, 1),
+    queries = query[0].transpose(0, 1)  # [T, heads, d]
+    keys = key[0].transpose(0, 1)  # [T, kv_heads, d]
+    values = value[0].transpose(0, 1)
+    attention_backend.write_kv(keys, values, key_cache, value_cache, attention_metadata)
+    output = attention_backend.forward(
+        queries,
+        keys,
+        values,
+        key_cache,
+        value_cache,
         attention_metadata,
         scale=head_dim**-0.5 if scaling is None else scaling,
         sliding_window=kwargs.get("sliding_window"),
         softcap=kwargs.get("softcap"),
     )
     return output[None], None
-
-
-def attend(
-    backend: AttentionBackend,
-    caches: tuple[torch.Tensor, torch.Tensor],
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    metadata: AttentionMetadata,
-    *,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """One layer's step: its new keys/values [T, kv_heads, d] written into its (key,
-    value) caches, then every row's attention -> [T, heads, d] (direct_forward.py calls it
-    too)."""
-    key_cache, value_cache = caches
-    backend.write_kv(keys, values, key_cache, value_cache, metadata)
-    return backend.forward(
-        queries,
-        keys,
-        values,
-        key_cache,
-        value_cache,
-        metadata,
-        scale=scale,
-        sliding_window=sliding_window,
-        softcap=softcap,
-    )
