@@ -102,6 +102,10 @@ def to_response(
             entry.top_token_bytes.extend(map(token_bytes, logprob.top_token_ids))
     if output.finish_reason is not None:
         response.finish_reason = _FINISH_REASONS[output.finish_reason]
+    if output.tool_calls:
+        response.finish_reason = generation_pb2.TOOL_CALLS
+        for call in output.tool_calls:
+            response.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
     if output.usage is not None:
         response.usage.CopyFrom(_usage(output.usage))
     if output.timings is not None:

@@ -62,10 +62,16 @@ class GrammarError(ValueError):
 @dataclass(frozen=True, slots=True)
 class ValidConstraint:
     """A constraint as the request gave it: kind in KINDS, source its text (for "choice",
-    a JSON list of the strings; for "json_object", empty)."""
+    a JSON list of the strings; for "json_object", empty). `field`: the request's field it
+    came from, for a refusal's sentence (empty: constraint.<kind>)."""
 
     kind: str
     source: str
+    field: str = ""
+
+    @property
+    def field_name(self) -> str:
+        return self.field or f"constraint.{self.kind}"
 
 
 KINDS = ("json_schema", "json_object", "regex", "lark_grammar", "gbnf_grammar", "choice")
@@ -111,7 +117,7 @@ def _grammar_text(constraint: ValidConstraint) -> str:
         if kind == "json_schema":
             schema = json.loads(source)
             if not isinstance(schema, dict | bool):
-                raise GrammarError("constraint.json_schema must be a JSON object")
+                raise GrammarError(f"{constraint.field_name} must be a JSON object")
             return matcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         if kind == "json_object":
             return matcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
@@ -127,7 +133,7 @@ def _grammar_text(constraint: ValidConstraint) -> str:
     except GrammarError:
         raise
     except Exception as exc:  # the schema's JSON, the GBNF converter's own errors
-        raise GrammarError(f"constraint.{kind} is invalid: {str(exc)[:200]}") from None
+        raise GrammarError(f"{constraint.field_name} is invalid: {str(exc)[:200]}") from None
     raise GrammarError(f"unknown constraint kind {kind!r}")
 
 
@@ -172,11 +178,11 @@ class GrammarCompiler:
         grammar = _grammar_text(constraint)
         problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
         if problem:
-            raise GrammarError(f"constraint.{constraint.kind} is invalid: {problem[:300]}")
+            raise GrammarError(f"{constraint.field_name} is invalid: {problem[:300]}")
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(
-                f"constraint.{constraint.kind} is invalid: {matcher.get_error()[:300]}"
+                f"{constraint.field_name} is invalid: {matcher.get_error()[:300]}"
             )
         with self._lock:
             self._compiled[key] = matcher

@@ -13,7 +13,9 @@ The core streams token ids and ends requests on their ids and lengths alone
   start of a stop string is held back until the next tokens settle it, and released when
   the request ends any other way;
 - no stop string counts until min_new_tokens tokens precede the token (as for stop ids);
-- a stop token id or EOS ended the request in the core: its text is not streamed.
+- a stop token id or EOS ended the request in the core: its text is not streamed;
+- a Chat request with tools has its output read for calls (tool_calls.py): text that may
+  begin a call is held, and the calls come with the finishing output.
 
 One OutputProcessor per scheduler, called from the step loop only; it owns the text state
 of every unfinished request, opened by `open` once the scheduler took the request and
@@ -30,6 +32,9 @@ from collections.abc import Callable
 from pagoda.scheduler_svc.core import FinishReason, RequestOutput, StepOutputs, ValidRequest
 from pagoda.scheduler_svc.core.request import sample_request_ids
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
+from pagoda.scheduler_svc.stop_strings import StopStringMatcher
+from pagoda.scheduler_svc.tool_calls import ToolCallReader
+from pagoda.scheduler_svc.tools import ValidTools
 
 log = logging.getLogger("pagoda.output_processor")
 
@@ -41,96 +46,11 @@ _NO_TEXT_STATE = "internal error: the server lost this request's text state"
 RESYNC_ENTRIES = 4
 
 
-def find_stop_string(text: str, stop_strings: tuple[str, ...]) -> int | None:
-    """Index where the earliest stop string in `text` begins, or None."""
-    earliest: int | None = None
-    for stop in stop_strings:
-        index = text.find(stop)
-        if index >= 0 and (earliest is None or index < earliest):
-            earliest = index
-    return earliest
-
-
-def held_back_length(text: str, stop_strings: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string.
-
-    Each stop string is compared where its first character occurs in the tail of `text`,
-    longest suffix first; no table of prefixes is built (one of 16 stop strings of 256
-    bytes held 0.87 MB, for every queued request: security review N5).
-    """
-    longest = 0
-    for stop in stop_strings:
-        index = text.find(stop[0], max(len(text) - len(stop) + 1, 0))
-        while index >= 0 and len(text) - index > longest:
-            if stop.startswith(text[index:]):
-                longest = len(text) - index
-                break
-            index = text.find(stop[0], index + 1)
-    return longest
-
-
-class StopStringMatcher:
-    """The stop-string state of one request: the text held back so far, and how many more
-    tokens come before a stop string may end it (min_new_tokens)."""
-
-    __slots__ = (
-        "stop_strings",
-        "_first_chars",
-        "trigger",
-        "held_text",
-        "num_tokens_inactive",
-    )
-
-    def __init__(self, stop_strings: tuple[str, ...], min_new_tokens: int = 0) -> None:
-        if not stop_strings or not all(stop_strings):
-            raise ValueError("stop strings must be non-empty")
-        self.stop_strings = stop_strings
-        # A match or a held suffix starts with one of these: text without any is free.
-        self._first_chars = tuple({s[0] for s in stop_strings})
-        # While nothing is held and the matcher is active, text that does not contain
-        # `trigger` passes push() unchanged, so the output processor skips the call. The
-        # stop strings' common first character; "" (in every text) when they start
-        # differently.
-        self.trigger = self._first_chars[0] if len(self._first_chars) == 1 else ""
-        self.held_text = ""
-        self.num_tokens_inactive = min_new_tokens
-
-    def push(self, text: str) -> tuple[str, bool]:
-        """One token's detokenized text -> (text the client may see now, whether a stop
-        string matched).
-
-        Within the first min_new_tokens tokens nothing matches and nothing is held. After
-        a match the caller finishes the request; later text is dropped.
-        """
-        held = self.held_text
-        buffer = held + text if held else text
-        if self.num_tokens_inactive:
-            self.num_tokens_inactive -= 1
-        else:
-            for char in self._first_chars:
-                if char in buffer:
-                    return self._match(buffer)
-        if held:
-            self.held_text = ""
-        return buffer, False
-
-    def _match(self, buffer: str) -> tuple[str, bool]:
-        cut = find_stop_string(buffer, self.stop_strings)
-        if cut is not None:
-            self.held_text = ""
-            return buffer[:cut], True
-        hold = held_back_length(buffer, self.stop_strings)
-        self.held_text = buffer[len(buffer) - hold :] if hold else ""
-        return buffer[: len(buffer) - hold], False
-
-    def flush(self) -> str:
-        """The request ended without a stop string: held text is ordinary text after all."""
-        held, self.held_text = self.held_text, ""
-        return held
-
-
-# A request's text state: its detokenizer, and its matcher (None without stop strings).
-TextState = tuple[IncrementalDetokenizer, StopStringMatcher | None]
+# A request's text state: its detokenizer, and its matcher: a reader of tool calls (which
+# runs the stop strings' matcher first) when its tools are read, else the stop strings'
+# matcher, None without stop strings.
+Matcher = StopStringMatcher | ToolCallReader
+TextState = tuple[IncrementalDetokenizer, Matcher | None]
 
 
 class OutputProcessor:
@@ -150,17 +70,19 @@ class OutputProcessor:
         # the dict's entry: two cache lines a token at hundreds running).
         self._last_ids: list[str] = []
         self._last_detokenizers: list[IncrementalDetokenizer] = []
-        self._last_matchers: list[StopStringMatcher | None] = []
+        self._last_matchers: list[Matcher | None] = []
 
     def open(self, request: ValidRequest) -> None:
         """Open the text state of `request`, which the scheduler has just taken."""
-        stopping = request.stopping
+        stopping, tools = request.stopping, request.tools
         for request_id in sample_request_ids(request.request_id, request.n):  # one per sample
-            matcher = (
+            matcher: Matcher | None = (
                 StopStringMatcher(stopping.stop_strings, stopping.min_new_tokens)
                 if stopping.stop_strings
                 else None
             )
+            if isinstance(tools, ValidTools) and tools.reads_calls:
+                matcher = ToolCallReader(tools, matcher)
             self._texts[request_id] = (self._new_detokenizer(), matcher)
 
     def __len__(self) -> int:
@@ -182,7 +104,7 @@ class OutputProcessor:
         )
         num_last, cursor = len(last_ids), 0
         detokenizers: list[IncrementalDetokenizer] = []
-        matchers: list[StopStringMatcher | None] = []
+        matchers: list[Matcher | None] = []
         # The hot loop: one token per running request. The detokenizer's and the
         # matcher's common cases are looked up here rather than called.
         for request_id, token_id in zip(step.request_ids, step.token_ids, strict=True):
@@ -229,7 +151,7 @@ class OutputProcessor:
 
     def _find(
         self, request_id: str, cursor: int
-    ) -> tuple[IncrementalDetokenizer | None, StopStringMatcher | None, int]:
+    ) -> tuple[IncrementalDetokenizer | None, Matcher | None, int]:
         """The text state of a request not at the cursor, and the cursor after it: a few
         entries ahead when the ones between left the running set, else from the dict (a
         request new to the columns; the cursor stays). None for a request whose text state
@@ -272,15 +194,15 @@ class OutputProcessor:
                 text, hit = matcher.push(text)
                 if hit:
                     output.text, output.finish_reason = text, _STOP
+                    _end_text(output, matcher)
                     self._close(request_id)
                     return reason is None  # the core ended it already otherwise
-        if reason is not None:
-            # Text that waited (a possible stop string's start, a partial character) is
-            # final now.
-            held = matcher.flush() if matcher is not None else ""
-            text += held + detokenizer.flush()
-            self._close(request_id)
         output.text = text
+        if reason is not None:
+            # Text that waited (a possible stop string's start or tool call, a partial
+            # character) is final now.
+            _end_text(output, matcher, detokenizer.flush())
+            self._close(request_id)
         return False
 
     def _end_stopped(self, step: StepOutputs, indices: list[int]) -> list[RequestOutput]:
@@ -291,10 +213,12 @@ class OutputProcessor:
         ended: list[RequestOutput] = []
         for index in reversed(indices):
             request_id = request_ids[index]
-            if request_id in self._texts:
+            state = self._texts.get(request_id)
+            if state is not None:
                 output = RequestOutput(
                     request_id, texts[index], [token_ids[index]], None, finish_reason=_STOP
                 )
+                _end_text(output, state[1])
                 self._close(request_id)
             else:
                 output = RequestOutput(
@@ -307,3 +231,13 @@ class OutputProcessor:
 
     def _close(self, request_id: str) -> None:
         del self._texts[request_id]
+
+
+def _end_text(output: RequestOutput, matcher: Matcher | None, tail: str = "") -> None:
+    """Add a request's last text to its finishing output: what its matcher held, then
+    `tail` (not matched); and the calls of tools a reader read."""
+    if matcher is not None:
+        tail = matcher.flush(tail)
+    output.text += tail
+    if isinstance(matcher, ToolCallReader):
+        output.tool_calls = matcher.calls

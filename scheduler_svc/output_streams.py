@@ -256,6 +256,7 @@ class OutputSlot:
             output.error_message = final.error_message
             output.usage = final.usage
             output.timings = final.timings
+            output.tool_calls = final.tool_calls
         self._texts, self._token_ids, self._logprobs, self._final = [], [], None, None
         self._clear_unread()
         return output

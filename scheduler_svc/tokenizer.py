@@ -8,6 +8,7 @@ a `raise_exception` global and a `tojson` filter).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -17,6 +18,8 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
+
+from pagoda.scheduler_svc.tools import ToolFormat, tool_format
 
 BASE_ROLES = ("system", "user", "assistant", "tool")
 # A model_max_length this large in tokenizer_config.json means "not set".
@@ -40,6 +43,8 @@ class TextTokenizer:
     bos_token_id: int | None
     model_max_length: int | None  # longest sequence the model supports; None if unknown
     known_roles: frozenset[str] = frozenset()
+    # How the template shows tools and the model writes calls (scheduler_svc.tools).
+    tool_format: ToolFormat = ToolFormat.GENERIC
     _template: jinja2.Template | None = None
     # The text of each special token ("<|im_start|>"), and a copy of the tokenizer that
     # reads such text in a message's content as ordinary text (made on first use).
@@ -87,12 +92,25 @@ class TextTokenizer:
         """The token's piece as the vocabulary spells it ("Ġhello" in byte-level BPE)."""
         return self.tokenizer.id_to_token(token_id) or ""
 
-    def render_chat(self, messages: list[tuple[str, str]]) -> str:
-        """(role, content) pairs -> prompt text with the assistant's turn opened."""
+    def render_chat(
+        self,
+        messages: Sequence[tuple[str, str] | Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """Messages ((role, content) pairs, or message dicts as transformers takes them:
+        "tool_calls", "tool_call_id", ...) -> prompt text with the assistant's turn opened.
+        `tools` go to the template as transformers passes them (None: no tools)."""
         if self._template is None:
             raise ChatTemplateError("the model has no chat template")
         return self._template.render(
-            messages=[{"role": role, "content": content} for role, content in messages],
+            messages=[
+                message
+                if isinstance(message, Mapping)
+                else dict(role=message[0], content=message[1])
+                for message in messages
+            ],
+            tools=tools,
+            documents=None,
             add_generation_prompt=True,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
@@ -164,6 +182,7 @@ def load_tokenizer(model_dir: Path) -> TextTokenizer:
         eos_token_ids=frozenset(eos_token_ids),
         bos_token_id=bos_token_id,
         model_max_length=_model_max_length(model_config, tokenizer_config),
+        tool_format=tool_format(chat_template),
         _template=_compile_template(chat_template) if chat_template else None,
     )
     text_tokenizer.known_roles = _probe_roles(text_tokenizer)

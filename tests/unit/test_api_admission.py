@@ -15,6 +15,7 @@ from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc.api import OFF_LOOP_MIN_CHARS, GenerationServicer, Refused
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.settings import ServiceConfig
+from pagoda.scheduler_svc.tools import ToolFormat
 from pagoda.scheduler_svc.validation import validate_chat, validate_generate
 from pagoda.scheduler_svc.worker_link import WorkerInfo
 from tests.unit.conftest import make_hello
@@ -60,6 +61,8 @@ class CountingTokenizer:
     chat_template = "?"
     known_roles = frozenset({"user", "assistant", "system"})
     model_max_length = None
+    tool_format = ToolFormat.GENERIC
+    special_texts = ()
 
     def __init__(self) -> None:
         self.encode_threads: list[str] = []
@@ -75,9 +78,9 @@ class CountingTokenizer:
     def encode_chat(self, rendered: str, contents: list[str]) -> list[int]:
         return self.encode(rendered, add_special_tokens=False)
 
-    def render_chat(self, messages) -> str:
+    def render_chat(self, messages, tools=None) -> str:
         self.render_threads.append(threading.current_thread().name)
-        return "".join(content for _, content in messages)
+        return "".join(message["content"] for message in messages)
 
 
 class FakeLoop:

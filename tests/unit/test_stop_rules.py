@@ -21,13 +21,13 @@ from pagoda.scheduler_svc.core.request import (
     set_stop_rules,
     token_array,
 )
-from pagoda.scheduler_svc.output_processor import (
-    OutputProcessor,
+from pagoda.scheduler_svc.output_processor import OutputProcessor
+from pagoda.scheduler_svc.step_loop import apply_step
+from pagoda.scheduler_svc.stop_strings import (
     StopStringMatcher,
     find_stop_string,
     held_back_length,
 )
-from pagoda.scheduler_svc.step_loop import apply_step
 from pagoda.scheduler_svc.testing import FakeWorker
 from tests.unit.conftest import (
     TextScheduler,

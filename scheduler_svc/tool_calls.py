@@ -1,0 +1,185 @@
+"""Calls of tools read from a sample's output as it streams (see scheduler_svc.tools).
+
+The output processor gives each sample of a request whose tools are read (tool_choice not
+NONE) a ToolCallReader, which runs the request's stop-string matcher first when it has
+one. Text that cannot be part of a call streams as it comes; from where a call may begin,
+the text is held until the sample ends:
+- HERMES and GENERIC formats: from "<tool_call>" on (text at the end that may begin that
+  tag is held until the next tokens settle it);
+- JSON format: an answer that begins with "{" or "[" is held whole;
+- REQUIRED or a named function: the whole output (constrained to the calls' JSON).
+When the sample ends, the held text is parsed. Calls of declared tools whose arguments are
+JSON objects become the last output's tool_calls, and the text between and after them its
+text. Held text that does not parse that way is returned as text, whole: nothing the model
+wrote is lost. With parallel_tool_calls false, AUTO keeps the first call and, in the
+tagged formats, ends the sample as soon as that call's tag closes.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+from pagoda.scheduler_svc.core import ToolCall
+from pagoda.scheduler_svc.stop_strings import StopStringMatcher, held_back_length
+from pagoda.scheduler_svc.tools import ToolChoice, ToolFormat, ValidTools
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+_OPENING = (CALL_OPEN,)
+
+# A parsed call before it has an id: (name, arguments text).
+_Call = tuple[str, str]
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+class ToolCallReader:
+    """One sample's tool-call state: the text held since a call may have begun, and once it
+    ended, the calls read in it. Called from the step loop only (the output processor)."""
+
+    __slots__ = ("tools", "stop", "calls", "_pending", "_held", "_plain", "_closed")
+    # The output processor calls push() for every token of a reader.
+    trigger = ""
+
+    def __init__(self, tools: ValidTools, stop: StopStringMatcher | None = None) -> None:
+        self.tools = tools
+        self.stop = stop
+        self.calls: tuple[ToolCall, ...] = ()
+        # Text that may begin a call: a partial "<tool_call>", or a JSON answer's leading
+        # blanks (until its first other character says whether it is a call).
+        self._pending = ""
+        # Held since a call may have begun (None: nothing held). Constrained output is
+        # nothing but calls: held from the start.
+        self._held: str | None = "" if tools.constrained else None
+        self._plain = False  # JSON format: the answer began as text, so it is text
+        self._closed = False  # the first call closed and parallel calls are off
+
+    @property
+    def held_text(self) -> str:
+        held = self._pending + (self._held or "")
+        return self.stop.held_text + held if self.stop is not None else held
+
+    @property
+    def num_tokens_inactive(self) -> int:
+        return self.stop.num_tokens_inactive if self.stop is not None else 0
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """One token's text -> (text the client may see now, whether the sample ends here:
+        a stop string matched, or its only call closed)."""
+        stopped = False
+        if self.stop is not None:
+            text, stopped = self.stop.push(text)
+        text = self._read(text)
+        return text, stopped or self._closed
+
+    def flush(self, tail: str = "") -> str:
+        """The sample ended, `tail` its last text: read the held text for calls (into
+        `calls`) and return the text still to send."""
+        if self.stop is not None:
+            tail = self.stop.flush(tail)
+        text = self._read(tail) + self._pending
+        held, self._held, self._pending = self._held, None, ""
+        if not held:
+            return text
+        parsed = self._parse(held)
+        if parsed is None:
+            return text + held
+        content, calls = parsed
+        if not self.tools.parallel:
+            calls = calls[:1]
+        self.calls = tuple(ToolCall(new_call_id(), name, arguments) for name, arguments in calls)
+        return text + content
+
+    def _read(self, text: str) -> str:
+        if self._held is not None:
+            self._held += text
+            self._closed = not self.tools.parallel and CALL_CLOSE in self._held
+            return ""
+        if self._plain:
+            return text
+        buffer = self._pending + text if self._pending else text
+        if self.tools.format is ToolFormat.JSON:
+            start = buffer.lstrip()[:1]
+            if not start:  # blanks so far
+                self._pending = buffer
+                return ""
+            self._pending = ""
+            if start in "{[":
+                self._held = buffer
+                return ""
+            self._plain = True
+            return buffer
+        index = buffer.find(CALL_OPEN)
+        if index >= 0:
+            self._pending = ""
+            self._held = ""
+            return buffer[:index] + self._read(buffer[index:])
+        hold = held_back_length(buffer, _OPENING)
+        self._pending = buffer[len(buffer) - hold :]
+        return buffer[: len(buffer) - hold]
+
+    def _parse(self, held: str) -> tuple[str, list[_Call]] | None:
+        tools = self.tools
+        if tools.choice is ToolChoice.FUNCTION:
+            arguments = _json(held)
+            return (
+                ("", [(tools.function_name, held.strip())]) if isinstance(arguments, dict) else None
+            )
+        if tools.choice is ToolChoice.REQUIRED or tools.format is ToolFormat.JSON:
+            calls = _calls_of(_json(held), tools.names)
+            return None if calls is None else ("", calls)
+        return read_tagged_calls(held, tools.names)
+
+
+def read_tagged_calls(text: str, names: frozenset[str]) -> tuple[str, list[_Call]] | None:
+    """The calls between <tool_call> tags in `text` (the last one may be left open: EOS came
+    first) and the text outside them ("" when only blanks); None unless every pair of tags
+    holds a call of a declared tool."""
+    calls: list[_Call] = []
+    outside: list[str] = []
+    position = 0
+    while (start := text.find(CALL_OPEN, position)) >= 0:
+        outside.append(text[position:start])
+        end = text.find(CALL_CLOSE, start)
+        body = text[start + len(CALL_OPEN) : len(text) if end < 0 else end]
+        call = _call_of(_json(body), names)
+        if call is None:
+            return None
+        calls.append(call)
+        position = len(text) if end < 0 else end + len(CALL_CLOSE)
+    outside.append(text[position:])
+    content = "".join(outside)
+    return (content if content.strip() else ""), calls
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _calls_of(value: Any, names: frozenset[str]) -> list[_Call] | None:
+    """A call object, or a non-empty list of them, as models write them untagged."""
+    items = value if isinstance(value, list) else [value]
+    calls = [_call_of(item, names) for item in items]
+    if not calls or None in calls:
+        return None
+    return calls  # type: ignore[return-value]
+
+
+def _call_of(value: Any, names: frozenset[str]) -> _Call | None:
+    """{"name": a declared tool, "arguments" (Llama: "parameters"): an object, or an object's
+    JSON text} -> (name, arguments as JSON text)."""
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters"))
+    if isinstance(arguments, str):
+        arguments = _json(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return value["name"], json.dumps(arguments, ensure_ascii=False)

@@ -1,0 +1,293 @@
+"""Tools (function calling) of a Chat request: checked, shown to the model, and what its
+output must be.
+
+The model sees a request's tools through its chat template. A template that takes `tools`
+gets them in OpenAI's shape, as transformers passes them; one that does not (the default
+SmolLM2's) gets them described in a system message, with the Hermes-style format to call
+them in: a JSON object of the name and arguments between <tool_call> tags. What the output
+is depends on tool_choice:
+- AUTO: whatever the model writes, read for calls in its template's format
+  (scheduler_svc.tool_calls), text streamed until a call may begin;
+- NONE: text, not read for calls;
+- REQUIRED and a named function: constrained (structured output) to JSON calls, so every
+  model, even one never trained to call tools, answers with valid calls. REQUIRED's
+  output is a JSON array of {"name", "arguments"} objects (one at most when
+  parallel_tool_calls is false); a named function's is its arguments object alone.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pagoda.scheduler_svc.grammars import ValidConstraint
+
+if TYPE_CHECKING:
+    from pagoda.scheduler_svc.tokenizer import TextTokenizer
+
+MAX_TOOLS = 128
+# Names, descriptions and parameter schemas of one request's tools together.
+MAX_TOOLS_BYTES = 65536
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class ToolsError(ValueError):
+    """A request's tools or tool calls the server refuses; the message is the sentence."""
+
+
+class ToolChoice(enum.Enum):
+    AUTO = "auto"
+    NONE = "none"
+    REQUIRED = "required"
+    FUNCTION = "function"  # ValidTools.function_name, once
+
+
+class ToolFormat(enum.Enum):
+    """How a model writes calls, known from its chat template."""
+
+    HERMES = "hermes"  # <tool_call>{"name": ..., "arguments": ...}</tool_call> (Qwen, Hermes)
+    JSON = "json"  # the whole answer a call or a list of them (Llama 3, Mistral)
+    # The template takes no tools: the server describes them and asks for HERMES.
+    GENERIC = "generic"
+
+
+def tool_format(chat_template: str | None) -> ToolFormat:
+    if chat_template is None or not re.search(r"\btools\b", chat_template):
+        return ToolFormat.GENERIC
+    return ToolFormat.HERMES if "<tool_call>" in chat_template else ToolFormat.JSON
+
+
+@dataclass(frozen=True, slots=True)
+class ToolFunction:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # a JSON Schema of the arguments object
+
+
+@dataclass(frozen=True, slots=True)
+class ValidTools:
+    functions: tuple[ToolFunction, ...]
+    choice: ToolChoice
+    function_name: str = ""  # ToolChoice.FUNCTION's
+    parallel: bool = True  # several calls in one answer
+    format: ToolFormat = ToolFormat.HERMES
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(function.name for function in self.functions)
+
+    @property
+    def reads_calls(self) -> bool:
+        return self.choice is not ToolChoice.NONE
+
+    @property
+    def constrained(self) -> bool:
+        return self.choice in (ToolChoice.REQUIRED, ToolChoice.FUNCTION)
+
+    def for_template(self) -> list[dict[str, Any]]:
+        """The tools as a chat template takes them (transformers' `tools`: OpenAI's shape)."""
+        return [
+            {
+                "type": "function",
+                "function": {
+                    "name": function.name,
+                    "description": function.description,
+                    "parameters": function.parameters,
+                },
+            }
+            for function in self.functions
+        ]
+
+    def constraint(self) -> ValidConstraint | None:
+        """The structured output of REQUIRED and of a named function; None otherwise."""
+        if self.choice is ToolChoice.FUNCTION:
+            (function,) = (f for f in self.functions if f.name == self.function_name)
+            return ValidConstraint("json_schema", json.dumps(function.parameters), "tools")
+        if self.choice is not ToolChoice.REQUIRED:
+            return None
+        calls = {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {
+                            "name": {"const": function.name},
+                            "arguments": function.parameters,
+                        },
+                        "required": ["name", "arguments"],
+                        "additionalProperties": False,
+                    }
+                    for function in self.functions
+                ]
+            },
+        }
+        if not self.parallel:
+            calls["maxItems"] = 1
+        return ValidConstraint("json_schema", json.dumps(calls), "tools")
+
+
+def valid_tools(
+    tools: list[tuple[str, str, str]],
+    mode: str,
+    function_name: str,
+    parallel: bool,
+    format: ToolFormat,
+    special_texts: tuple[str, ...],
+) -> ValidTools | None:
+    """A request's (name, description, parameters JSON text) tools and its choice, checked;
+    None without tools and with no choice that needs them. `mode`: "auto", "none",
+    "required", or "function" for `function_name`."""
+    if not tools:
+        if mode in ("required", "function"):
+            raise ToolsError(f"tool_choice {_choice_words(mode, function_name)} needs tools")
+        return None
+    if len(tools) > MAX_TOOLS:
+        raise ToolsError(f"tools holds {len(tools)} tools; at most {MAX_TOOLS}")
+    num_bytes = sum(len(part.encode()) for tool in tools for part in tool)
+    if num_bytes > MAX_TOOLS_BYTES:
+        raise ToolsError(f"tools hold {num_bytes} bytes; at most {MAX_TOOLS_BYTES}")
+    functions = []
+    for index, (name, description, parameters) in enumerate(tools):
+        if not _NAME.fullmatch(name):
+            raise ToolsError(f"tools[{index}].name must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-'")
+        if any(f.name == name for f in functions):
+            raise ToolsError(f"tools[{index}].name {name!r} is used twice")
+        check_no_special_text(f"tools[{index}].description", description, special_texts)
+        check_no_special_text(f"tools[{index}].parameters", parameters, special_texts)
+        functions.append(ToolFunction(name, description, _parameters(index, parameters)))
+    if mode == "function" and all(f.name != function_name for f in functions):
+        raise ToolsError(
+            f"tool_choice.function_name {function_name[:64]!r} is not one of the tools"
+        )
+    return ValidTools(tuple(functions), ToolChoice(mode), function_name, parallel, format)
+
+
+def _parameters(index: int, text: str) -> dict[str, Any]:
+    if not text:
+        return {"type": "object"}
+    try:
+        parameters = json.loads(text)
+    except ValueError as exc:
+        raise ToolsError(f"tools[{index}].parameters is not JSON: {exc}") from None
+    if not isinstance(parameters, dict):
+        raise ToolsError(f"tools[{index}].parameters must be a JSON object (a JSON Schema)")
+    return parameters
+
+
+def call_arguments(field_name: str, text: str) -> dict[str, Any]:
+    """A call's arguments in a conversation's history: a JSON object's text."""
+    try:
+        arguments = json.loads(text) if text else {}
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise ToolsError(f"{field_name} must be a JSON object's text")
+    return arguments
+
+
+def check_no_special_text(field_name: str, text: str, special_texts: tuple[str, ...]) -> None:
+    """Tool definitions and calls are written into the prompt by the template as JSON, where
+    a special token's text could not be kept apart from the template's own (a forged turn
+    marker), so they may not hold one."""
+    for special in special_texts:
+        if special in text:
+            raise ToolsError(f"{field_name} holds the special token text {special!r}")
+
+
+def _choice_words(mode: str, function_name: str) -> str:
+    return f"function {function_name[:64]!r}" if mode == "function" else mode.upper()
+
+
+def generic_tools_prompt(tools: ValidTools) -> str:
+    """The system message text that describes the tools to a template without `tools`."""
+    listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools.for_template())
+    return (
+        "You may call functions to answer. Each is given as a JSON Schema of its arguments:\n"
+        f"<tools>\n{listed}\n</tools>\n"
+        "To call one, answer with its name and arguments as a JSON object between "
+        "<tool_call></tool_call> tags, one pair of tags per call:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n'
+        "</tool_call>"
+    )
+
+
+def generic_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """A past call as a template without tool calls shows it: in the assistant's text."""
+    call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+def template_messages(
+    messages: Iterable[Any], tools: ValidTools | None, tokenizer: TextTokenizer
+) -> list[dict[str, Any]]:
+    """A conversation's pagoda.v1.ChatMessages (roles already checked) as the template takes
+    them: transformers' dicts, with an assistant's "tool_calls" ({"id", "type", "function":
+    {"name", "arguments": a dict}}) and a tool answer's "tool_call_id". For a template
+    without tools (GENERIC), the tools' description opens the system message, past calls
+    are written in the assistant's text, and where the template knows no "tool" role an
+    answer is a user message in <tool_response> tags."""
+    generic = tokenizer.tool_format is ToolFormat.GENERIC
+    special_texts = tokenizer.special_texts
+    conversation: list[dict[str, Any]] = []
+    for index, message in enumerate(messages):
+        entry: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise ToolsError(f"messages[{index}].tool_calls is for an assistant message")
+            calls = [
+                _past_call(f"messages[{index}].tool_calls[{j}]", call, special_texts)
+                for j, call in enumerate(message.tool_calls)
+            ]
+            if generic:
+                shown = [
+                    generic_call_text(c["function"]["name"], c["function"]["arguments"])
+                    for c in calls
+                ]
+                entry["content"] = "\n".join(filter(None, [message.content, *shown]))
+            else:
+                entry["tool_calls"] = calls
+        for name in ("tool_call_id", "name"):
+            value = getattr(message, name)
+            if value:
+                check_no_special_text(f"messages[{index}].{name}", value, special_texts)
+                entry[name] = value
+        if message.role == "tool" and "tool" not in tokenizer.known_roles:
+            entry = {
+                "role": "user",
+                "content": f"<tool_response>\n{message.content}\n</tool_response>",
+            }
+        conversation.append(entry)
+    if tools is not None and generic:
+        _open_with(conversation, generic_tools_prompt(tools), tokenizer.known_roles)
+    return conversation
+
+
+def _past_call(field_name: str, call: Any, special_texts: tuple[str, ...]) -> dict[str, Any]:
+    if not _NAME.fullmatch(call.name):
+        raise ToolsError(f"{field_name}.name must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-'")
+    for part in ("id", "arguments"):
+        check_no_special_text(f"{field_name}.{part}", getattr(call, part), special_texts)
+    arguments = call_arguments(f"{field_name}.arguments", call.arguments)
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": arguments},
+    }
+
+
+def _open_with(conversation: list[dict[str, Any]], text: str, known_roles: frozenset[str]) -> None:
+    """Put `text` first in the system message: the one there, a new one, or (a template
+    without the role) the start of the first message."""
+    first = conversation[0]
+    if first["role"] == "system":
+        first["content"] = f"{first['content']}\n\n{text}" if first["content"] else text
+    elif "system" in known_roles:
+        conversation.insert(0, {"role": "system", "content": text})
+    else:
+        first["content"] = f"{text}\n\n{first['content']}"

@@ -1,0 +1,132 @@
+"""Tool calling end to end: a scheduler, a tiny random-weight model on a real worker, and the
+gRPC Chat API. A named function and REQUIRED are constrained, so even a random model calls
+declared tools with arguments that fit their schemas; the calls come on the last message
+with TOOL_CALLS, and token_ids stream every token. AUTO output that is not a call (all a
+random model writes) comes back as text, whole. A conversation that goes on after a call
+renders and runs; a bad tool is INVALID_ARGUMENT."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from pagoda.protos import generation_pb2 as pb
+from pagoda.protos import generation_pb2_grpc
+from tests.conftest import long_context_copy
+from tests.e2e.conftest import running_service
+
+pytestmark = pytest.mark.slow
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+WEATHER = pb.Tool(name="get_weather", description="Weather in a city", parameters=json.dumps(CITY))
+TIME = pb.Tool(
+    name="get_time",
+    parameters=json.dumps({"type": "object", "properties": {}, "additionalProperties": False}),
+)
+QUESTION = pb.ChatMessage(role="user", content="The weather in Paris?")
+
+
+@pytest.fixture(scope="module")
+def service(tiny_model_factory, tmp_path_factory):
+    model = long_context_copy(tiny_model_factory("llama"), tmp_path_factory.mktemp("model"))
+    with running_service(tmp_path_factory.mktemp("tools"), model=str(model)) as running:
+        yield running
+
+
+def chat(service, **fields) -> list[pb.GenerateResponse]:
+    fields.setdefault("messages", [QUESTION])
+    fields.setdefault("stopping", pb.StoppingCriteria(max_new_tokens=64))
+    with service.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        return list(stub.Chat(pb.ChatRequest(**fields), timeout=300))
+
+
+def test_a_named_function_is_called_with_arguments_that_fit_its_schema(service):
+    for sampling in (pb.SamplingParams(), pb.SamplingParams(temperature=1.0, seed=3)):
+        responses = chat(
+            service,
+            tools=[WEATHER, TIME],
+            tool_choice=pb.ToolChoice(function_name="get_weather"),
+            sampling=sampling,
+        )
+        last = responses[-1]
+        assert last.finish_reason == pb.TOOL_CALLS
+        assert "".join(r.text for r in responses) == ""
+        (call,) = last.tool_calls
+        assert call.name == "get_weather" and call.id.startswith("call_")
+        arguments = json.loads(call.arguments)
+        assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+        assert all(not r.tool_calls for r in responses[:-1])
+        assert sum(len(r.token_ids) for r in responses) == last.usage.completion_tokens
+
+
+def test_required_calls_declared_tools_once_each_sample(service):
+    responses = chat(
+        service,
+        tools=[WEATHER, TIME],
+        tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_REQUIRED),
+        parallel_tool_calls=False,
+        sampling=pb.SamplingParams(temperature=1.0, seed=11),
+        n=4,
+    )
+    lasts = [r for r in responses if r.finish_reason]
+    assert sorted(r.index for r in lasts) == [0, 1, 2, 3]
+    for last in lasts:
+        assert last.finish_reason == pb.TOOL_CALLS, last
+        (call,) = last.tool_calls
+        arguments = json.loads(call.arguments)
+        if call.name == "get_weather":
+            assert set(arguments) == {"city"}
+        else:
+            assert call.name == "get_time" and arguments == {}
+    assert len({call.id for last in lasts for call in last.tool_calls}) == 4
+
+
+def test_auto_output_that_is_no_call_is_text_whole(service):
+    responses = chat(service, tools=[WEATHER, TIME], sampling=pb.SamplingParams(seed=5))
+    last = responses[-1]
+    assert last.finish_reason in (pb.LENGTH, pb.STOP) and not last.tool_calls
+    tokens = [t for r in responses for t in r.token_ids]
+    plain = chat(service, sampling=pb.SamplingParams(seed=5), tools=[WEATHER, TIME],
+                 tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_NONE))  # fmt: skip
+    assert [t for r in plain for t in r.token_ids] == tokens  # the same prompt, greedy
+    assert "".join(r.text for r in responses) == "".join(r.text for r in plain)
+
+
+def test_a_conversation_goes_on_after_a_call(service):
+    first = chat(service, tools=[WEATHER], tool_choice=pb.ToolChoice(function_name="get_weather"))
+    (call,) = first[-1].tool_calls
+    answer = pb.ChatMessage(role="tool", content='{"celsius": 18}', tool_call_id=call.id)
+    turn = pb.ChatMessage(role="assistant", tool_calls=[call])
+    responses = chat(service, messages=[QUESTION, turn, answer], tools=[WEATHER])
+    assert responses[-1].finish_reason in (pb.LENGTH, pb.STOP, pb.TOOL_CALLS)
+    assert responses[-1].usage.prompt_tokens > first[-1].usage.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("fields", "phrase"),
+    [
+        ({"tools": [pb.Tool(name="f", parameters="[1]")]}, "tools[0].parameters"),
+        ({"tools": [WEATHER], "tool_choice": pb.ToolChoice(function_name="nope")}, "nope"),
+        ({"tools": [WEATHER], "constraint": pb.Constraint(json_object=True)}, "constraint"),
+        (
+            {
+                "tools": [pb.Tool(name="f", parameters='{"type": "nope"}')],
+                "tool_choice": pb.ToolChoice(mode=pb.TOOL_CHOICE_REQUIRED),
+            },
+            "tools is invalid",
+        ),
+    ],
+)
+def test_bad_tools_are_invalid_argument(service, fields, phrase):
+    with pytest.raises(grpc.RpcError) as refused:
+        chat(service, **fields)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert phrase in refused.value.details()
