@@ -103,10 +103,13 @@ class ValidTools:
         ]
 
     def constraint(self) -> ValidConstraint | None:
-        """The structured output of REQUIRED and of a named function; None otherwise."""
+        """The structured output of REQUIRED and of a named function; None otherwise. The
+        arguments are closed objects where the schema leaves that open (as vLLM's strict
+        JSON mode, and OpenAI's strict functions): a call names only declared parameters,
+        and cannot run on inventing new ones until max_new_tokens."""
         if self.choice is ToolChoice.FUNCTION:
             (function,) = (f for f in self.functions if f.name == self.function_name)
-            return ValidConstraint("json_schema", json.dumps(function.parameters), "tools")
+            return ValidConstraint("json_schema", json.dumps(closed(function.parameters)), "tools")
         if self.choice is not ToolChoice.REQUIRED:
             return None
         calls = {
@@ -118,7 +121,7 @@ class ValidTools:
                         "type": "object",
                         "properties": {
                             "name": {"const": function.name},
-                            "arguments": function.parameters,
+                            "arguments": closed(function.parameters),
                         },
                         "required": ["name", "arguments"],
                         "additionalProperties": False,
@@ -130,6 +133,36 @@ class ValidTools:
         if not self.parallel:
             calls["maxItems"] = 1
         return ValidConstraint("json_schema", json.dumps(calls), "tools")
+
+
+# Keywords whose value is a schema, or a list or a map of schemas.
+_SUBSCHEMA = ("items", "additionalItems", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with additionalProperties false in each object schema that lists properties
+    and says nothing of others."""
+    if not isinstance(schema, dict):
+        return schema
+    result = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in result:
+            result[key] = closed(result[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(result.get(key), list):
+            result[key] = [closed(item) for item in result[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(result.get(key), dict):
+            result[key] = {name: closed(item) for name, item in result[key].items()}
+    if (
+        "properties" in result
+        and "additionalProperties" not in result
+        and "patternProperties" not in result
+    ):
+        result["additionalProperties"] = False
+    return result
 
 
 def valid_tools(

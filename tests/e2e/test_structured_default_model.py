@@ -63,3 +63,45 @@ def test_a_person_schema_gives_valid_json(default_model_dir, tmp_path):
         text = "".join(r.text for r in responses)
         assert responses[-1].finish_reason == pb.STOP, (request.messages[0].content, text)
         assert valid_person(json.loads(text)), (request.messages[0].content, text)
+
+
+WEATHER = pb.Tool(
+    name="get_weather",
+    description="Get the current weather in a city",
+    parameters=json.dumps(
+        {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        }
+    ),
+)
+TIME = pb.Tool(
+    name="get_time",
+    description="Get the current time in a time zone",
+    parameters=json.dumps({"type": "object", "properties": {"timezone": {"type": "string"}}}),
+)
+
+
+def test_required_tool_choice_calls_the_fitting_tool_with_the_city(default_model_dir, tmp_path):
+    """The default template takes no tools: the server describes them in the system message,
+    and REQUIRED constrains the answer to calls. The schema leaves extra properties open; the
+    constraint closes it, so the call ends instead of inventing fields."""
+    request = pb.ChatRequest(
+        messages=[
+            pb.ChatMessage(role="user", content="What is the weather like in Paris right now?")
+        ],
+        tools=[WEATHER, TIME],
+        tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_REQUIRED),
+        stopping=pb.StoppingCriteria(max_new_tokens=80),
+    )
+    with (
+        running_service(tmp_path, model=str(default_model_dir)) as service,
+        service.channel() as channel,
+    ):
+        responses = list(generation_pb2_grpc.GenerationStub(channel).Chat(request, timeout=300))
+    assert responses[-1].finish_reason == pb.TOOL_CALLS, responses[-1]
+    (call,) = responses[-1].tool_calls
+    assert call.name == "get_weather"
+    arguments = json.loads(call.arguments)
+    assert arguments["city"] == "Paris" and set(arguments) <= {"city", "unit"}

@@ -12,7 +12,7 @@ import pytest
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc.grammars import GrammarCompiler
 from pagoda.scheduler_svc.tokenizer import load_tokenizer
-from pagoda.scheduler_svc.tools import ToolChoice, ToolFormat, tool_format
+from pagoda.scheduler_svc.tools import ToolChoice, ToolFormat, closed, tool_format
 from pagoda.scheduler_svc.validation import (
     Limits,
     ValidationError,
@@ -200,3 +200,24 @@ def test_a_bad_schema_is_refused_naming_the_tools(tokenizer, compiler):
     request = chat(tools=[bad], tool_choice=REQUIRED)
     with pytest.raises(ValueError, match="^tools is invalid"):
         constrained_matcher(tokenizer, compiler, request)
+
+
+def test_constraints_close_objects_the_schema_leaves_open():
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+            "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {}}}},
+            "open": {"type": "object", "properties": {}, "additionalProperties": True},
+        },
+        "$defs": {"d": {"anyOf": [{"properties": {"x": {}}}, {"type": "string"}]}},
+    }
+    result = closed(schema)
+    assert result["additionalProperties"] is False
+    properties = result["properties"]
+    assert properties["where"]["additionalProperties"] is False
+    assert properties["tags"]["items"]["additionalProperties"] is False
+    assert properties["open"]["additionalProperties"] is True
+    assert result["$defs"]["d"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the tool's own schema is left as it was
