@@ -34,10 +34,12 @@ from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.tenants import Tenant, TokenBucket
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
+from pagoda.scheduler_svc.tools import MAX_TOOLS
 from pagoda.scheduler_svc.validation import (
     MAX_CHAT_MESSAGES,
     Limits,
     ValidationError,
+    num_message_chars,
     validate_chat,
     validate_constraint,
     validate_generate,
@@ -592,6 +594,7 @@ def _input_chars(request) -> int:
     messages = getattr(request, "messages", None)
     if messages is None:
         return len(request.prompt)
-    if len(messages) > MAX_CHAT_MESSAGES:
+    if len(messages) > MAX_CHAT_MESSAGES or len(request.tools) > MAX_TOOLS:
         return 0  # refused before any rendering
-    return sum(len(message.content) for message in messages)
+    tools = sum(len(tool.description) + len(tool.parameters) for tool in request.tools)
+    return tools + sum(num_message_chars(message) for message in messages)

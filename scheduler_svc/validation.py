@@ -95,7 +95,7 @@ def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidReq
         raise ValidationError(
             f"messages holds {len(request.messages)} messages; at most {MAX_CHAT_MESSAGES}"
         )
-    num_chars = sum(_num_message_chars(message) for message in request.messages)
+    num_chars = sum(num_message_chars(message) for message in request.messages)
     if num_chars > limits.max_context_tokens * MAX_PROMPT_BYTES_PER_TOKEN:
         raise ValidationError(
             f"messages hold {num_chars} characters, far beyond the context of "
@@ -162,7 +162,7 @@ def _tools(request, tokenizer: TextTokenizer) -> ValidTools | None:
     )
 
 
-def _num_message_chars(message) -> int:
+def num_message_chars(message) -> int:
     """A chat message's characters, its calls' and their answer's ids included."""
     calls = sum(len(call.id) + len(call.name) + len(call.arguments) for call in message.tool_calls)
     return len(message.content) + calls + len(message.tool_call_id) + len(message.name)

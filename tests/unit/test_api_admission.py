@@ -5,6 +5,7 @@ context before it is encoded (security review M1)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from types import SimpleNamespace
 
@@ -130,14 +131,19 @@ def test_big_inputs_are_tokenized_and_rendered_off_the_event_loop():
             assert valid.prompt_token_ids
         request = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=big)])
         await service._admit(validate_chat, request, Context())
+        # Tools (and past calls) are rendered too: a big schema counts like a big message.
+        tool = pb.Tool(name="f", parameters=json.dumps({"description": small}))
+        request = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")], tools=[tool])
+        await service._admit(validate_chat, request, Context())
         await service.Tokenize(pb.TokenizeRequest(text=small), Context())
         await service.Tokenize(pb.TokenizeRequest(text=big), Context())
         return threading.current_thread().name
 
     loop_thread = asyncio.run(scenario())
     on_loop = [name == loop_thread for name in tokenizer.encode_threads]
-    assert on_loop == [True, False, False, True, False]
+    assert on_loop == [True, False, False, False, True, False]
     assert tokenizer.render_threads[0].startswith("pagoda-tokenize")
+    assert tokenizer.render_threads[1].startswith("pagoda-tokenize")
 
 
 def test_tokenize_text_is_bounded_by_the_context_before_encoding():
