@@ -8,6 +8,8 @@ import dataclasses
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagoda.scheduler_svc.core import FinishReason, RequestOutput
 from pagoda.scheduler_svc.output_processor import OutputProcessor
@@ -172,3 +174,28 @@ def test_the_output_processor_streams_around_a_call_and_ends_with_it():
     assert final.text == "x"  # after the call: text
     assert [call.name for call in final.tool_calls] == ["get_time"]
     assert len(processor) == 0
+
+
+CALL = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+TEXTS = st.lists(
+    st.sampled_from(["Hi", " ", "<", "tool_call>", "</tool_call>", CALL, "{", "}", "\n", "x<t"]),
+    max_size=12,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=TEXTS, cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=8))
+def test_what_a_reader_returns_does_not_depend_on_how_the_text_was_split(text, cuts):
+    """However tokens split the text, the same text shows and the same calls are read; and
+    without calls, every character comes back in order."""
+    bounds = sorted({0, len(text), *(cut for cut in cuts if cut < len(text))})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    results = []
+    for split in (pieces, [text]):
+        reader = ToolCallReader(tools())
+        shown = "".join(reader.push(piece)[0] for piece in split) + reader.flush()
+        results.append((shown, [(c.name, c.arguments) for c in reader.calls]))
+    assert results[0] == results[1]
+    shown, calls = results[0]
+    if not calls:
+        assert shown == text
