@@ -29,12 +29,17 @@ from pagoda.scheduler_svc.core import (
     ValidRequest,
 )
 from pagoda.scheduler_svc.front import Front, Unavailable
-from pagoda.scheduler_svc.grammars import GrammarCompiler, GrammarError
+from pagoda.scheduler_svc.grammars import (
+    GrammarCompiler,
+    GrammarError,
+    RequestGrammar,
+    ValidConstraint,
+)
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.tenants import Tenant, TokenBucket
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
-from pagoda.scheduler_svc.tools import MAX_TOOLS
+from pagoda.scheduler_svc.tools import MAX_TOOLS, ValidTools
 from pagoda.scheduler_svc.validation import (
     MAX_CHAT_MESSAGES,
     Limits,
@@ -394,8 +399,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # Compiling a schema can take a while (and the first one reads the vocabulary).
             grammar = await asyncio.get_running_loop().run_in_executor(
                 self._tokenizer_threads,
-                self._grammars.compile,
+                self._compile,
                 constraint,
+                valid.tools,
                 limits.vocab_size,
                 self._last_hello.eos_token_ids,
             )
@@ -404,6 +410,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except (ValidationError, GrammarError) as exc:
             sentence = str(exc)
         raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, sentence)
+
+    def _compile(
+        self, constraint: ValidConstraint, tools: object, vocab_size: int, eos_token_ids
+    ) -> RequestGrammar:
+        """The request's grammar. When the engine refuses tool_choice REQUIRED's, the
+        sentence names the tool whose parameters it refuses (each compiled alone)."""
+        try:
+            return self._grammars.compile(constraint, vocab_size, eos_token_ids)
+        except GrammarError:
+            if not isinstance(tools, ValidTools) or constraint.field != "tools":
+                raise
+            for alone in tools.argument_constraints():
+                self._grammars.compile(alone, vocab_size, eos_token_ids)  # raises for it
+            raise
 
     def _tenant(self, context) -> Tenant:
         """The caller's tenant (its key's, or the trusted front's header)."""

@@ -181,9 +181,7 @@ class GrammarCompiler:
             raise GrammarError(f"{constraint.field_name} is invalid: {problem[:300]}")
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(
-                f"{constraint.field_name} is invalid: {matcher.get_error()[:300]}"
-            )
+            raise GrammarError(f"{constraint.field_name} is invalid: {matcher.get_error()[:300]}")
         with self._lock:
             self._compiled[key] = matcher
             if len(self._compiled) > MAX_CACHED_GRAMMARS:

@@ -82,7 +82,8 @@ class OutputProcessor:
                 else None
             )
             if isinstance(tools, ValidTools) and tools.reads_calls:
-                matcher = ToolCallReader(tools, matcher)
+                # Constrained calls are JSON, not text a stop string could end.
+                matcher = ToolCallReader(tools, None if tools.constrained else matcher)
             self._texts[request_id] = (self._new_detokenizer(), matcher)
 
     def __len__(self) -> int:

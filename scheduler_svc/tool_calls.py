@@ -126,9 +126,9 @@ class ToolCallReader:
         tools = self.tools
         if tools.choice is ToolChoice.FUNCTION:
             arguments = _json(held)
-            return (
-                ("", [(tools.function_name, held.strip())]) if isinstance(arguments, dict) else None
-            )
+            if not isinstance(arguments, dict):
+                return None
+            return "", [(tools.function_name, json.dumps(arguments, ensure_ascii=False))]
         if tools.choice is ToolChoice.REQUIRED or tools.format is ToolFormat.JSON:
             calls = _calls_of(_json(held), tools.names)
             return None if calls is None else ("", calls)

@@ -108,11 +108,20 @@ class ValidTools:
         JSON mode, and OpenAI's strict functions): a call names only declared parameters,
         and cannot run on inventing new ones until max_new_tokens."""
         if self.choice is ToolChoice.FUNCTION:
-            (function,) = (f for f in self.functions if f.name == self.function_name)
-            return ValidConstraint("json_schema", json.dumps(closed(function.parameters)), "tools")
+            ((index, function),) = (
+                (i, f) for i, f in enumerate(self.functions) if f.name == self.function_name
+            )
+            schema = json.dumps(closed(function.parameters))
+            return ValidConstraint("json_schema", schema, f"tools[{index}].parameters")
         if self.choice is not ToolChoice.REQUIRED:
             return None
+        # Each tool's schema goes whole under $defs, its own references ("#/$defs/...",
+        # pydantic's) rewritten to point into it there.
         calls = {
+            "$defs": {
+                f"tool{index}": moved_under(f"#/$defs/tool{index}", closed(function.parameters))
+                for index, function in enumerate(self.functions)
+            },
             "type": "array",
             "minItems": 1,
             "items": {
@@ -121,18 +130,42 @@ class ValidTools:
                         "type": "object",
                         "properties": {
                             "name": {"const": function.name},
-                            "arguments": closed(function.parameters),
+                            "arguments": {"$ref": f"#/$defs/tool{index}"},
                         },
                         "required": ["name", "arguments"],
                         "additionalProperties": False,
                     }
-                    for function in self.functions
+                    for index, function in enumerate(self.functions)
                 ]
             },
         }
         if not self.parallel:
             calls["maxItems"] = 1
         return ValidConstraint("json_schema", json.dumps(calls), "tools")
+
+    def argument_constraints(self) -> list[ValidConstraint]:
+        """Each tool's arguments alone, to find which one a REQUIRED constraint that the
+        engine refused holds."""
+        return [
+            ValidConstraint(
+                "json_schema", json.dumps(closed(function.parameters)), f"tools[{index}].parameters"
+            )
+            for index, function in enumerate(self.functions)
+        ]
+
+
+def moved_under(pointer: str, schema: Any) -> Any:
+    """`schema` with each local reference ("#...") rewritten for the schema to sit at
+    `pointer` of another document."""
+    if isinstance(schema, list):
+        return [moved_under(pointer, item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {key: moved_under(pointer, value) for key, value in schema.items()}
+    reference = schema.get("$ref")
+    if isinstance(reference, str) and reference.startswith("#"):
+        moved["$ref"] = pointer + reference[1:]
+    return moved
 
 
 # Keywords whose value is a schema, or a list or a map of schemas.

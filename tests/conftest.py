@@ -117,7 +117,6 @@ def long_context_copy(model_dir: Path, directory: Path, num_positions: int = 204
     return directory
 
 
-
 @pytest.fixture(scope="session", params=sorted(TINY_ARCHITECTURES))
 def tiny_model_dir(request, tmp_path_factory) -> Path:
     """A tiny random model directory, once per architecture (parametrized)."""

@@ -118,10 +118,17 @@ def test_a_conversation_goes_on_after_a_call(service):
         ({"tools": [WEATHER], "constraint": pb.Constraint(json_object=True)}, "constraint"),
         (
             {
-                "tools": [pb.Tool(name="f", parameters='{"type": "nope"}')],
+                "tools": [WEATHER, pb.Tool(name="f", parameters='{"type": "nope"}')],
                 "tool_choice": pb.ToolChoice(mode=pb.TOOL_CHOICE_REQUIRED),
             },
-            "tools is invalid",
+            "tools[1].parameters is invalid",
+        ),
+        (
+            {
+                "tools": [WEATHER, pb.Tool(name="f", parameters='{"type": "nope"}')],
+                "tool_choice": pb.ToolChoice(function_name="f"),
+            },
+            "tools[1].parameters is invalid",
         ),
     ],
 )

@@ -104,6 +104,19 @@ def test_without_parallel_calls_the_first_closed_call_ends_the_sample():
     assert [c.name for c in reader.calls] == ["get_time"]
 
 
+def test_stop_strings_do_not_cut_constrained_calls():
+    processor = OutputProcessor(PieceDetokenizer)  # type: ignore[arg-type]
+    request = make_request("r", [1, 2, 3], stop_strings=("name",))
+    processor.open(dataclasses.replace(request, tools=tools("required")))
+    for token_id in (6, 3, 7):  # [{"name": "get_time", "arguments": {}}]
+        output = RequestOutput("r", "", [token_id], None)
+        processor.process([output])
+        assert output.text == "" and output.finish_reason is None
+    final = RequestOutput("r", "", [2], None, finish_reason=FinishReason.STOP)
+    processor.process([final])
+    assert [call.name for call in final.tool_calls] == ["get_time"]
+
+
 def test_stop_strings_apply_first_and_their_held_text_is_read_too():
     reader = ToolCallReader(tools(), StopStringMatcher(("END",)))
     shown, last, ended = read(reader, ["a <", "b E", "N", "D more"])
@@ -137,7 +150,7 @@ def test_required_and_named_outputs_are_calls_from_the_start():
     reader = ToolCallReader(tools("function", function_name="get_weather"))
     shown, last, _ = read(reader, ['{"city":', '"Rome"}'])
     assert last == "" and [(c.name, c.arguments) for c in reader.calls] == [
-        ("get_weather", '{"city":"Rome"}')  # the model's own text
+        ("get_weather", '{"city": "Rome"}')  # as every mode writes arguments
     ]
     reader = ToolCallReader(tools("function", function_name="get_weather"))
     assert read(reader, ['{"city":'])[1] == '{"city":'  # cut short: text, whole
@@ -156,7 +169,16 @@ class PieceDetokenizer:
         return ""
 
 
-PIECES = ["Hi", " <", "tool_call>", '{"name": "get_time", "arguments": {}}', "</tool_call>", "x"]
+PIECES = [
+    "Hi",
+    " <",
+    "tool_call>",
+    '{"name": "get_time", "arguments": {}}',
+    "</tool_call>",
+    "x",
+    "[",
+    "]",
+]
 
 
 def test_the_output_processor_streams_around_a_call_and_ends_with_it():

@@ -221,3 +221,22 @@ def test_constraints_close_objects_the_schema_leaves_open():
     assert properties["open"]["additionalProperties"] is True
     assert result["$defs"]["d"]["anyOf"][0]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the tool's own schema is left as it was
+
+
+def test_required_keeps_each_tools_own_references(tokenizer, compiler, tokens):
+    """A pydantic-style schema ($defs and "#/$defs/..." references) sits under the calls'
+    array: its references must still resolve (they did not: "Pointer does not exist")."""
+    place = {
+        "type": "object",
+        "properties": {"where": {"$ref": "#/$defs/Place"}},
+        "required": ["where"],
+        "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}}}},
+    }
+    tool = pb.Tool(name="go", parameters=json.dumps(place))
+    matcher = constrained_matcher(
+        tokenizer, compiler, chat(tools=[tool, TIME], tool_choice=REQUIRED)
+    )
+    ok = tokens('[{"name":"go","arguments":{"where":{"city":"Oslo"}}}]')
+    assert matcher.validate_tokens(ok) == len(ok)
+    wrong = tokens('[{"name":"go","arguments":{"where":{"town":"Oslo"}}}]')
+    assert matcher.validate_tokens(wrong) < len(wrong)
