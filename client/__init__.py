@@ -20,6 +20,7 @@ from pagoda.client.results import (
     TenantStats,
     Timings,
     TokenLogprob,
+    ToolCall,
     Usage,
     WorkerStats,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "TenantStats",
     "Timings",
     "TokenLogprob",
+    "ToolCall",
     "UnauthenticatedError",
     "UnavailableError",
     "Usage",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, Unpack
 
 import grpc
@@ -17,7 +17,7 @@ from pagoda.client.connection import (
     READY_POLL_INTERVAL_S,
     ConnectionSettings,
 )
-from pagoda.client.convert import GenerationOptions
+from pagoda.client.convert import GenerationOptions, Message
 from pagoda.client.errors import DeadlineExceededError, error_from_rpc
 from pagoda.client.results import Chunk, Completion, ModelInfo, ServerStats
 from pagoda.protos import generation_pb2, generation_pb2_grpc
@@ -112,10 +112,15 @@ class AsyncClient:
 
     def chat(
         self,
-        messages: Iterable[Mapping[str, str] | Sequence[str]],
+        messages: Iterable[Message],
         **options: Unpack[GenerationOptions],
     ) -> AsyncChunkStream:
-        """Stream the assistant's answer to `messages` ({"role", "content"} dicts or pairs)."""
+        """Stream the assistant's answer to `messages` ({"role", "content"} dicts or pairs;
+        an assistant's calls of tools and the tools' answers as `convert.Message` says).
+
+        With `tools=`, the last chunk may carry the model's calls (`Chunk.tool_calls`,
+        finish_reason "tool_calls"); `tool_choice=` and `parallel_tool_calls=` steer them.
+        """
         request = convert.chat_request(messages, **options)
         return AsyncChunkStream(self._stubs()[0].Chat(request, **self._call_kwargs()))
 

@@ -13,9 +13,8 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypedDict, Unpack
 
-import grpc
-
-from pagoda.client.errors import InvalidArgumentError
+from pagoda.client.chat_messages import Message, set_message, set_tool_options
+from pagoda.client.errors import invalid_argument
 from pagoda.client.results import (
     Chunk,
     Completion,
@@ -24,6 +23,7 @@ from pagoda.client.results import (
     TenantStats,
     Timings,
     TokenLogprob,
+    ToolCall,
     Usage,
     WorkerStats,
     join_chunks,
@@ -35,11 +35,13 @@ __all__ = [
     "Chunk",
     "Completion",
     "GenerationOptions",
+    "Message",
     "ModelInfo",
     "ServerStats",
     "TenantStats",
     "Timings",
     "TokenLogprob",
+    "ToolCall",
     "Usage",
     "chat_request",
     "chunk_from_response",
@@ -81,6 +83,15 @@ class GenerationOptions(TypedDict, total=False):
     constraint: Mapping[str, Any]
     # Samples of the one prompt (default 1), sharing its KV; chunks carry their `index`.
     n: int
+    # Chat only. Functions the model may call, each OpenAI's {"type": "function", "function":
+    # {"name", "description", "parameters"}} or that inner dict alone; parameters is a JSON
+    # Schema, a dict or its JSON text.
+    tools: Sequence[Mapping[str, Any]]
+    # "auto" (the default), "none", "required", or one function to call:
+    # {"type": "function", "function": {"name": ...}} or {"name": ...}.
+    tool_choice: str | Mapping[str, Any]
+    # False: at most one call per turn (the server's default: several).
+    parallel_tool_calls: bool
 
 
 _SAMPLING_FIELDS = (
@@ -95,6 +106,7 @@ _SAMPLING_FIELDS = (
 )
 _STOPPING_SCALAR_FIELDS = ("max_new_tokens", "min_new_tokens", "ignore_eos")
 _TOP_LEVEL_FIELDS = ("priority", "logprobs", "request_id", "cache_salt", "n")
+_CHAT_ONLY_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 _OPTION_NAMES = frozenset(GenerationOptions.__annotations__)
 
 _FINISH_REASON_NAMES = {
@@ -102,6 +114,7 @@ _FINISH_REASON_NAMES = {
     pb.STOP: "stop",
     pb.CANCELLED: "cancelled",
     pb.ERROR: "error",
+    pb.TOOL_CALLS: "tool_calls",
 }
 
 
@@ -115,7 +128,7 @@ def generate_request(
     elif isinstance(prompt, Sequence):
         _extend(request.prompt_token_ids.ids, "prompt", prompt)
     else:
-        raise _invalid(
+        raise invalid_argument(
             f"prompt must be a string or a list of token ids, not {type(prompt).__name__}"
         )
     _apply_options(request, options)
@@ -123,20 +136,19 @@ def generate_request(
 
 
 def chat_request(
-    messages: Iterable[Mapping[str, str] | Sequence[str]], **options: Unpack[GenerationOptions]
+    messages: Iterable[Message], **options: Unpack[GenerationOptions]
 ) -> pb.ChatRequest:
-    """A ChatRequest from {"role", "content"} dicts or (role, content) pairs, in order."""
+    """A ChatRequest from the messages (dicts or (role, content) pairs: see `Message`)."""
     request = pb.ChatRequest()
     for index, message in enumerate(messages):
-        role, content = _role_and_content(index, message)
-        request.messages.add(role=role, content=content)
+        set_message(request.messages.add(), index, message)
     _apply_options(request, options)
     return request
 
 
 def tokenize_request(text: str, *, add_special_tokens: bool = False) -> pb.TokenizeRequest:
     if not isinstance(text, str):
-        raise _invalid(f"text must be a string, not {type(text).__name__}")
+        raise invalid_argument(f"text must be a string, not {type(text).__name__}")
     return pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
 
 
@@ -179,6 +191,7 @@ def chunk_from_response(response: pb.GenerateResponse) -> Chunk:
         timings=timings,
         index=response.index,
         total_usage=total_usage,
+        tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in response.tool_calls),
     )
 
 
@@ -206,6 +219,12 @@ def _apply_options(request: pb.GenerateRequest | pb.ChatRequest, options: dict[s
     unknown = sorted(set(options) - _OPTION_NAMES)
     if unknown:
         raise TypeError(f"unexpected generation option(s): {', '.join(unknown)}")
+    if isinstance(request, pb.ChatRequest):
+        set_tool_options(request, options)
+    else:
+        for name in _CHAT_ONLY_FIELDS:
+            if options.get(name) is not None:
+                raise invalid_argument(f"{name} is an option of chat(), not of generate()")
     for name in _SAMPLING_FIELDS:
         _set_scalar(request.sampling, name, options.get(name))
     for name in _STOPPING_SCALAR_FIELDS:
@@ -218,7 +237,7 @@ def _apply_options(request: pb.GenerateRequest | pb.ChatRequest, options: dict[s
         try:
             request.sampling.logit_bias.update(logit_bias)
         except (TypeError, ValueError) as exc:
-            raise _invalid(f"logit_bias holds an invalid entry ({exc})") from None
+            raise invalid_argument(f"logit_bias holds an invalid entry ({exc})") from None
     for name in ("allowed_token_ids", "banned_token_ids"):
         token_ids = options.get(name)
         if token_ids is not None:
@@ -235,7 +254,9 @@ def _apply_options(request: pb.GenerateRequest | pb.ChatRequest, options: dict[s
 
 def _set_constraint(message: pb.Constraint, constraint: Mapping[str, Any]) -> None:
     if not isinstance(constraint, Mapping) or len(constraint) != 1:
-        raise _invalid("constraint must be a dict of exactly one kind, e.g. {'regex': '[0-9]+'}")
+        raise invalid_argument(
+            "constraint must be a dict of exactly one kind, e.g. {'regex': '[0-9]+'}"
+        )
     ((kind, value),) = constraint.items()
     if kind == "choice":
         _extend(message.choice.choices, "constraint.choice", value)
@@ -244,7 +265,7 @@ def _set_constraint(message: pb.Constraint, constraint: Mapping[str, Any]) -> No
     elif kind in ("json_schema", "json_object", "regex", "lark_grammar", "gbnf_grammar"):
         _set_scalar(message, kind, value)
     else:
-        raise _invalid(
+        raise invalid_argument(
             f"constraint kind {kind!r} is not one of json_schema, json_object, "
             "regex, lark_grammar, gbnf_grammar, choice"
         )
@@ -256,29 +277,14 @@ def _set_scalar(message: Any, name: str, value: Any) -> None:
     try:
         setattr(message, name, value)
     except (TypeError, ValueError) as exc:
-        raise _invalid(f"{name}={value!r} is not a valid value ({exc})") from None
+        raise invalid_argument(f"{name}={value!r} is not a valid value ({exc})") from None
 
 
 def _extend(container: Any, name: str, values: Iterable[Any]) -> None:
     try:
         container.extend(values)
     except (TypeError, ValueError) as exc:
-        raise _invalid(f"{name} holds an invalid value ({exc})") from None
-
-
-def _role_and_content(index: int, message: Mapping[str, str] | Sequence[str]) -> tuple[str, str]:
-    if isinstance(message, Mapping):
-        role, content = message.get("role"), message.get("content")
-    elif isinstance(message, Sequence) and not isinstance(message, str) and len(message) == 2:
-        role, content = message
-    else:
-        role = content = None
-    if not isinstance(role, str) or not isinstance(content, str):
-        raise _invalid(
-            f"messages[{index}] must be a {{'role': str, 'content': str}} dict "
-            "or a (role, content) pair of strings"
-        )
-    return role, content
+        raise invalid_argument(f"{name} holds an invalid value ({exc})") from None
 
 
 def _finish_reason_name(value: int) -> str | None:
@@ -294,8 +300,3 @@ def _dataclass_from_message(cls: type, message: Any) -> Any:
         # Repeated fields come back as protobuf containers; hand out plain lists.
         values[field.name] = value if isinstance(value, str | bytes | int | float) else list(value)
     return cls(**values)
-
-
-def _invalid(sentence: str) -> InvalidArgumentError:
-    """A request rejected before it is sent, reported like the server's own rejection."""
-    return InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, sentence)

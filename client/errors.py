@@ -94,3 +94,8 @@ def error_from_rpc(exc: grpc.RpcError) -> PagodaError:
     if not isinstance(code, grpc.StatusCode):
         code = grpc.StatusCode.UNKNOWN
     return error_for_code(code, details or "")
+
+
+def invalid_argument(sentence: str) -> InvalidArgumentError:
+    """A request rejected before it is sent, reported like the server's own rejection."""
+    return InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, sentence)

@@ -51,14 +51,26 @@ class Timings:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One call of a tool (chat's `tools`) read from the model's output."""
+
+    id: str  # the server's: "call_" and 24 hex digits; a "tool" message answers it by id
+    name: str
+    arguments: str  # a JSON object's text: json.loads(call.arguments)
+
+
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """One streamed message: the new text and tokens since the previous one.
 
-    `finish_reason` ("length", "stop", "cancelled", "error"), `usage` and `timings` are set on
-    the last chunk only; `logprobs` is None unless the request asked for them. With n > 1,
-    `index` names the sample (chunks of different samples interleave), each sample has its
-    own last chunk, and the stream's very last chunk also carries `total_usage` (the prompt
-    counted once, the samples' completions summed).
+    `finish_reason` ("length", "stop", "tool_calls", "cancelled", "error"), `usage` and
+    `timings` are set on the last chunk only; `logprobs` is None unless the request asked
+    for them. With n > 1, `index` names the sample (chunks of different samples interleave),
+    each sample has its own last chunk, and the stream's very last chunk also carries
+    `total_usage` (the prompt counted once, the samples' completions summed). A chat with
+    `tools` may end on calls: the last chunk carries them in `tool_calls` and its
+    finish_reason is "tool_calls"; the text streamed is then what the output held besides
+    the calls (often nothing).
     """
 
     request_id: str
@@ -70,6 +82,7 @@ class Chunk:
     timings: Timings | None
     index: int = 0
     total_usage: Usage | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @property
     def is_last(self) -> bool:
@@ -90,6 +103,7 @@ class Completion:
     timings: Timings | None
     num_chunks: int
     index: int = 0  # the sample's, with n > 1
+    tool_calls: tuple[ToolCall, ...] = ()  # with finish_reason "tool_calls"
 
 
 def join_samples(chunks: Iterable[Chunk]) -> list[Completion]:
@@ -110,6 +124,7 @@ def join_chunks(chunks: Iterable[Chunk]) -> Completion:
     finish_reason: str | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
     num_chunks = index = 0
     for chunk in chunks:
         num_chunks += 1
@@ -122,6 +137,7 @@ def join_chunks(chunks: Iterable[Chunk]) -> Completion:
         finish_reason = chunk.finish_reason or finish_reason
         usage = chunk.usage or usage
         timings = chunk.timings or timings
+        tool_calls = chunk.tool_calls or tool_calls
     return Completion(
         request_id=request_id,
         text="".join(texts),
@@ -132,6 +148,7 @@ def join_chunks(chunks: Iterable[Chunk]) -> Completion:
         timings=timings,
         num_chunks=num_chunks,
         index=index,
+        tool_calls=tool_calls,
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import CancelledError
 from typing import Unpack
 
@@ -11,7 +11,7 @@ import grpc
 
 from pagoda.client.async_client import AsyncChunkStream, AsyncClient
 from pagoda.client.connection import DEFAULT_TARGET
-from pagoda.client.convert import GenerationOptions
+from pagoda.client.convert import GenerationOptions, Message
 from pagoda.client.errors import RequestCancelledError
 from pagoda.client.loop_thread import LoopThread
 from pagoda.client.results import Chunk, Completion, ModelInfo, ServerStats
@@ -99,10 +99,15 @@ class Client:
 
     def chat(
         self,
-        messages: Iterable[Mapping[str, str] | Sequence[str]],
+        messages: Iterable[Message],
         **options: Unpack[GenerationOptions],
     ) -> ChunkStream:
-        """Stream the assistant's answer to `messages` ({"role", "content"} dicts or pairs)."""
+        """Stream the assistant's answer to `messages` ({"role", "content"} dicts or pairs;
+        an assistant's calls of tools and the tools' answers as `convert.Message` says).
+
+        With `tools=`, the last chunk may carry the model's calls (`Chunk.tool_calls`,
+        finish_reason "tool_calls"); `tool_choice=` and `parallel_tool_calls=` steer them.
+        """
         return self._open(lambda: self._client.chat(messages, **options))
 
     def complete(

@@ -210,11 +210,10 @@ async def _event_stream(
                     started.add(index)
                     yield sse(responses.role_event(header, index, plan.include_usage))
                 choices[index].add(chunk)
-                yield sse(
-                    responses.chunk_event(
-                        header, call, chunk, plan.num_top_logprobs, plan.include_usage
-                    )
-                )
+                for event in responses.chunk_events(
+                    header, call, chunk, plan.num_top_logprobs, plan.include_usage
+                ):
+                    yield sse(event)
             if plan.include_usage:
                 yield sse(responses.usage_event(header, choices.values()))
         except FrontError as error:

@@ -59,15 +59,21 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return FrontError(400, message, "invalid_request_error", param, code)
 
 
+def unsupported_parameter(param: str, sentence: str) -> FrontError:
+    """A field refused, never silently dropped: OpenAI's code for it, `param` naming it."""
+    return FrontError(400, sentence, "invalid_request_error", param, "unsupported_parameter")
+
+
 def unsupported(param: str, what: str) -> FrontError:
-    """A field the gRPC API cannot honour yet: refused, never silently dropped."""
-    return FrontError(
-        400,
-        f"{param} {what} is not supported yet: Pagoda's gRPC API has no such field",
-        "invalid_request_error",
-        param,
-        "unsupported_parameter",
+    """A field the gRPC API cannot honour yet."""
+    return unsupported_parameter(
+        param, f"{param} {what} is not supported yet: Pagoda's gRPC API has no such field"
     )
+
+
+def deprecated(param: str, successor: str) -> FrontError:
+    """OpenAI's legacy form of a field that is served under its successor's name."""
+    return unsupported_parameter(param, f"{param} is deprecated and not supported: use {successor}")
 
 
 def model_not_found(model: str) -> FrontError:

@@ -4,15 +4,21 @@ Pure: no I/O. A token's string is its text from the gRPC logprobs (`bytes` its U
 bytes; a token that holds part of a character shows U+FFFD in the string, its bytes are
 exact); from a server that sends ids only, `token_id:<id>` (the form of vLLM's
 --return-tokens-as-token-ids) with `bytes` null.
+
+Calls of tools come on a sample's last chunk. A whole response gives them in its message
+(the content null when the output held no other text); a stream sends its text as content
+first, then one event of all the calls (each whole, by `index`, as OpenAI and vLLM stream
+them: a client joins the `arguments` of one index), then the finish "tool_calls".
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.client.results import Chunk, TokenLogprob, Usage
+from pagoda.client.results import Chunk, TokenLogprob, ToolCall, Usage
 from pagoda.openai_front.errors import FrontError
 from pagoda.openai_front.schemas import Endpoint
 from pagoda.openai_front.translation import Call
@@ -55,6 +61,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @property
     def index(self) -> int:
@@ -67,11 +74,12 @@ class Choice:
         if chunk.finish_reason is not None:
             self.finish_reason = finish_reason(chunk.finish_reason)
             self.usage = chunk.usage
+            self.tool_calls = chunk.tool_calls
 
 
 def finish_reason(grpc_reason: str) -> str:
     """OpenAI's finish_reason for the gRPC one; a server-side cancel is an error here."""
-    if grpc_reason in ("stop", "length"):
+    if grpc_reason in ("stop", "length", "tool_calls"):
         return grpc_reason
     if grpc_reason == "cancelled":
         raise FrontError(
@@ -173,7 +181,13 @@ def _whole_choice(endpoint: Endpoint, choice: Choice, num_top: int | None) -> di
     text = "".join(choice.texts)
     logprobs = None if num_top is None else logprobs_json(endpoint, choice.logprobs, num_top)
     out: dict[str, Any] = {"index": choice.index}
-    if endpoint == "chat":
+    if endpoint == "chat" and choice.tool_calls:
+        out["message"] = {
+            "role": "assistant",
+            "content": text if text.strip() else None,
+            "tool_calls": [_tool_call_json(call) for call in choice.tool_calls],
+        }
+    elif endpoint == "chat":
         out["message"] = {"role": "assistant", "content": text}
     else:
         out["text"] = text
@@ -182,6 +196,14 @@ def _whole_choice(endpoint: Endpoint, choice: Choice, num_top: int | None) -> di
     if choice.call.return_token_ids:
         out["token_ids"] = choice.token_ids
     return out
+
+
+def _tool_call_json(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
 
 
 def role_event(header: Header, index: int, include_usage: bool) -> dict[str, Any]:
@@ -193,6 +215,45 @@ def role_event(header: Header, index: int, include_usage: bool) -> dict[str, Any
         "finish_reason": None,
     }
     return _event(header, choice, include_usage)
+
+
+def chunk_events(
+    header: Header,
+    call: Call,
+    chunk: Chunk,
+    num_top_logprobs: int | None,
+    include_usage: bool,
+) -> list[dict[str, Any]]:
+    """The stream events of one chunk: one, none for a chunk with nothing to show, or for a
+    last chunk with calls, its text and tokens (when it has any), the calls, then the
+    finish."""
+    if not chunk.tool_calls:
+        if not (chunk.text or chunk.finish_reason or call.return_token_ids) and (
+            num_top_logprobs is None or not chunk.logprobs
+        ):
+            return []  # tokens whose text is held (a call, a stop string's start): nothing to say
+        return [chunk_event(header, call, chunk, num_top_logprobs, include_usage)]
+    events = []
+    if chunk.text or chunk.token_ids or chunk.logprobs:
+        body = dataclasses.replace(chunk, finish_reason=None, tool_calls=())
+        events.append(chunk_event(header, call, body, num_top_logprobs, include_usage))
+    calls_choice = {
+        "index": call.choice_index + chunk.index,
+        "delta": {
+            "tool_calls": [
+                {"index": k, **_tool_call_json(tool_call)}
+                for k, tool_call in enumerate(chunk.tool_calls)
+            ]
+        },
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    if call.return_token_ids:
+        calls_choice["token_ids"] = []
+    events.append(_event(header, calls_choice, include_usage))
+    end = dataclasses.replace(chunk, text="", token_ids=[], logprobs=None, tool_calls=())
+    events.append(chunk_event(header, call, end, num_top_logprobs, include_usage))
+    return events
 
 
 def chunk_event(

@@ -72,12 +72,50 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str  # a JSON object's text, as the model wrote it
+
+
+class AssistantToolCall(BaseModel):
+    """An assistant message's call of a tool, as a response gave it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: str
     content: str | list[TextPart] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    # A "tool" message: the call it answers; the tool's (or a participant's) name.
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    description: str | None = None
+    # A JSON Schema of the arguments (None: any object); any JSON value is passed on as
+    # text and the scheduler checks it. `strict` is ignored: tool_choice "required" or a
+    # named function holds the calls to their schemas, "auto" never does.
+    parameters: Any = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    function: Function | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -85,9 +123,12 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # The deprecated forms of tools and tool_choice: refused, naming their successors.
     functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
 
 
 Endpoint = Literal["completions", "chat"]

@@ -5,17 +5,27 @@ Pure: no I/O. The `n` choices of each prompt are one Generate (or Chat) call wit
 `call.choice_index + chunk.index`; sample i draws with seed + i when a seed is given (the
 scheduler's rule). Several prompts in one /v1/completions body are one call each. Every
 value is passed on as given and the scheduler validates it (its INVALID_ARGUMENT sentence
-becomes the 400); only what the gRPC API cannot express is refused here.
+becomes the 400); only what the gRPC API cannot express is refused here. Tools are the
+gRPC Chat's own fields: function tools, tool_choice, parallel_tool_calls, assistant
+messages' calls and tool messages go as they are; the scheduler renders them, reads the
+calls from the output and validates everything.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pagoda.client.convert import GenerationOptions
-from pagoda.openai_front.errors import FrontError, invalid, unsupported
+from pagoda.openai_front.errors import (
+    FrontError,
+    deprecated,
+    invalid,
+    unsupported,
+    unsupported_parameter,
+)
 from pagoda.openai_front.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 # OpenAI's default temperature; the gRPC API's own default (0) is greedy.
@@ -29,7 +39,7 @@ class Call:
     choice_index: int  # of its sample 0; sample i (Chunk.index) is choice_index + i
     prompt_index: int
     prompt: str | list[int] | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None  # as client.convert.Message
     options: GenerationOptions
     n: int = 1  # samples of the call (the gRPC n)
     # vLLM's return_token_ids: each choice and stream event lists its token ids.
@@ -76,14 +86,17 @@ def plan_completion(body: CompletionRequest, request_id: str, max_n: int) -> Pla
 
 def plan_chat(body: ChatCompletionRequest, request_id: str, max_n: int) -> Plan:
     _refuse_common(body)
-    if body.tools or body.functions or body.tool_choice not in (None, "none"):
-        raise unsupported("tools", "(tool calling)")
+    if body.functions is not None:
+        raise deprecated("functions", "tools")
+    if body.function_call is not None:
+        raise deprecated("function_call", "tool_choice")
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
     _check_fan_out(body.n, max_n)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
     options = _options(body, max_tokens=max_tokens, num_logprobs=num_top)
+    options.update(_tool_options(body))  # type: ignore[typeddict-item]
     messages = [_message(index, m) for index, m in enumerate(body.messages)]
     calls = [
         Call(
@@ -208,10 +221,43 @@ def _prompts(prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int
     return [p if isinstance(p, str) else list(p) for p in prompt]
 
 
-def _message(index: int, message: Any) -> dict[str, str]:
-    if message.tool_calls:
-        raise unsupported(f"messages[{index}].tool_calls", "(tool calling)")
+def _tool_options(body: ChatCompletionRequest) -> dict[str, Any]:
+    """tools, tool_choice and parallel_tool_calls as the client's keywords: each function's
+    parameters as JSON text (whatever JSON value was given: the scheduler checks it)."""
+    options: dict[str, Any] = {}
+    if body.tools is not None:
+        options["tools"] = [_tool(index, tool) for index, tool in enumerate(body.tools)]
+    if body.tool_choice is not None:
+        options["tool_choice"] = body.tool_choice  # the client's converter reads its forms
+    if body.parallel_tool_calls is not None:
+        options["parallel_tool_calls"] = body.parallel_tool_calls
+    return options
+
+
+def _tool(index: int, tool: Any) -> dict[str, str]:
+    if tool.type != "function":
+        raise _not_a_function(f"tools[{index}].type", tool.type)
+    function = tool.function
+    if function is None:
+        raise invalid(f"tools[{index}].function must be given", f"tools[{index}].function")
+    out = {"name": function.name}
+    if function.description is not None:
+        out["description"] = function.description
+    if function.parameters is not None:
+        out["parameters"] = json.dumps(function.parameters)
+    return out
+
+
+def _not_a_function(param: str, kind: str) -> FrontError:
+    return unsupported_parameter(
+        param, f"{param} {kind[:64]!r} is not supported: the gRPC API has function tools only"
+    )
+
+
+def _message(index: int, message: Any) -> dict[str, Any]:
     content = message.content
+    if content is None and message.tool_calls:
+        content = ""  # an assistant turn of calls only
     if content is None:
         raise invalid(f"messages[{index}].content must be given", f"messages[{index}].content")
     if isinstance(content, list):
@@ -223,4 +269,19 @@ def _message(index: int, message: Any) -> dict[str, str]:
                 )
             parts.append(part.text)
         content = "".join(parts)
-    return {"role": message.role, "content": content}
+    out: dict[str, Any] = {"role": message.role, "content": content}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            _tool_call(index, n, call) for n, call in enumerate(message.tool_calls)
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _tool_call(index: int, number: int, call: Any) -> dict[str, Any]:
+    if call.type != "function":
+        raise _not_a_function(f"messages[{index}].tool_calls[{number}].type", call.type)
+    return {"id": call.id, "name": call.function.name, "arguments": call.function.arguments}

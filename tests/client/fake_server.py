@@ -7,6 +7,9 @@ standard health service, but generates canned text:
   is id 1000 + i and text " t<i>", `token_delay_s` apart; finish LENGTH with usage and timings.
   A prompt seen before reports all but one of its tokens as cached.
 - Chat: the answer is "(<n> messages) you said: <last content>", one word per message.
+  With a tool_choice naming a function, it calls that function instead: FAKE_CALL_TOKENS
+  messages of tokens without text (held back, as a call's are), then the last one carries
+  the call (id FAKE_CALL_ID, arguments FAKE_CALL_ARGUMENTS) and finish TOOL_CALLS.
 - magic prompts (for Chat, the last message's content):
   - "echo": one message whose text is the request in protobuf text format; finish STOP.
   - "error:<CODE>": fails at once with that grpc.StatusCode name (e.g. "error:UNAVAILABLE").
@@ -38,6 +41,9 @@ DEFAULT_NEW_TOKENS = 4
 MAX_NEW_TOKENS = 1000
 HANG_LIMIT_S = 30.0
 FIRST_TOKEN_ID = 1000
+FAKE_CALL_ID = "call_" + "0123456789ab" * 2
+FAKE_CALL_ARGUMENTS = '{"city": "Paris"}'
+FAKE_CALL_TOKENS = 3
 
 MODEL_INFO = pb.ModelInfo(
     model_id="fake-model",
@@ -126,7 +132,12 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
         words = f"({len(request.messages)} messages) you said: {last}".split(" ")
         pieces = [words[0]] + [f" {word}" for word in words[1:]]
         pieces = pieces[: self._num_new_tokens(request, context, default=len(pieces))]
-        yield from self._stream(request, context, last, len(rendered.split()), pieces)
+        tool_calls = []
+        if request.tool_choice.function_name:
+            name = request.tool_choice.function_name
+            tool_calls = [pb.ToolCall(id=FAKE_CALL_ID, name=name, arguments=FAKE_CALL_ARGUMENTS)]
+            pieces = [""] * FAKE_CALL_TOKENS
+        yield from self._stream(request, context, last, len(rendered.split()), pieces, tool_calls)
 
     def Tokenize(self, request, context):
         self._admit("Tokenize", request, context)
@@ -180,7 +191,15 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         return wanted or default
 
-    def _stream(self, request, context, prompt: str, num_prompt_tokens: int, pieces: list[str]):
+    def _stream(
+        self,
+        request,
+        context,
+        prompt: str,
+        num_prompt_tokens: int,
+        pieces: list[str],
+        tool_calls=(),
+    ):
         request_id = request.request_id or f"fake-{next(self._ids)}"
         # The handler's own endings set `handled`; any other end of the RPC is the client's
         # cancellation (or deadline). Registered before anything is sent, since a callback
@@ -196,12 +215,14 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
             on_rpc_end()
         try:
             yield from self._respond(
-                request, request_id, context, prompt, num_prompt_tokens, pieces, ended
+                request, request_id, context, prompt, num_prompt_tokens, pieces, tool_calls, ended
             )
         finally:
             handled.set()
 
-    def _respond(self, request, request_id, context, prompt, num_prompt_tokens, pieces, ended):
+    def _respond(
+        self, request, request_id, context, prompt, num_prompt_tokens, pieces, tool_calls, ended
+    ):
         arrival = time.perf_counter()
         if prompt.startswith("error:"):
             self._abort_with(context, prompt.removeprefix("error:"))
@@ -233,9 +254,11 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
                 # The handler has not returned, so only the client can end the RPC now.
                 ended.wait(HANG_LIMIT_S)
                 return
+            finish_reason = pb.STOP if prompt == "echo" else pb.LENGTH
             yield pb.GenerateResponse(
                 request_id=request_id,
-                finish_reason=pb.STOP if prompt == "echo" else pb.LENGTH,
+                finish_reason=pb.TOOL_CALLS if tool_calls else finish_reason,
+                tool_calls=tool_calls,
                 usage=pb.Usage(
                     prompt_tokens=num_prompt_tokens,
                     completion_tokens=len(pieces),

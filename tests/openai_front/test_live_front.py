@@ -229,7 +229,7 @@ def test_errors_have_openai_shape_and_status(front, sdk, model):
             },
         )
     assert "constraint.json_schema" in caught.value.body["message"]
-    for unsupported in ({"tools": [{"type": "function", "function": {"name": "f"}}]},):
+    for unsupported in ({"functions": [{"name": "f"}]}, {"tools": [{"type": "web_search"}]}):
         with pytest.raises(openai.BadRequestError) as caught:
             sdk.chat.completions.create(model=model, messages=MESSAGES, **unsupported)
         assert caught.value.body["code"] == "unsupported_parameter"

@@ -104,8 +104,8 @@ def test_top_logprobs_without_logprobs_is_refused():
     ("fields", "param"),
     [
         ({"response_format": {"type": "grammar"}}, "response_format"),
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"tool_choice": "required"}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"functions": [{"name": "f"}]}, "functions"),
     ],
 )
 def test_what_the_grpc_api_lacks_is_refused_by_name(fields, param):
