@@ -1,9 +1,11 @@
-"""The HTTP routes: /v1/models, /v1/completions, /v1/chat/completions and /health.
+"""The HTTP routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses and
+/health.
 
 Each request is translated (translation.py), sent as gRPC calls with the caller's bearer
 key (upstream.py) and answered in OpenAI's shapes (responses.py), whole or as server-sent
-events (streaming.py). A streamed response begins only once every call has produced its
-first chunk, so a request the scheduler refuses gets its HTTP status, not a 200 stream.
+events (streaming.py); the Responses API has its own translation and shapes
+(responses_api/). A streamed response begins only once every call has produced its first
+chunk, so a request the scheduler refuses gets its HTTP status, not a 200 stream.
 """
 
 from __future__ import annotations
@@ -26,12 +28,18 @@ from pagoda.openai_front.body_limit import BodyLimit
 from pagoda.openai_front.config import FrontConfig
 from pagoda.openai_front.errors import FrontError, from_pagoda, invalid, model_not_found
 from pagoda.openai_front.responses import Choice, Header
+from pagoda.openai_front.responses_api.events import ResponseEvents
+from pagoda.openai_front.responses_api.output import ResponseHead, echoed_settings, whole_response
+from pagoda.openai_front.responses_api.schema import ResponsesRequest
+from pagoda.openai_front.responses_api.translation import plan_response
 from pagoda.openai_front.schemas import ChatCompletionRequest, CompletionRequest, Endpoint
 from pagoda.openai_front.streaming import (
     DONE_EVENT,
     ClientGone,
+    Events,
     error_event,
     fan_out,
+    replay,
     sse,
     until_disconnected,
 )
@@ -39,8 +47,6 @@ from pagoda.openai_front.translation import Call, Plan, plan_chat, plan_completi
 from pagoda.openai_front.upstream import Upstream, call_metadata
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer; never read
-
-Events = AsyncIterator[tuple[Call, Chunk]]
 
 
 def build_app(config: FrontConfig, upstream: Upstream) -> Any:
@@ -127,6 +133,29 @@ def build_app(config: FrontConfig, upstream: Upstream) -> Any:
             plan = plan_completion(body, request_id, config.max_n)
         model = await served_model(body.model, metadata)
         header = Header(request_id, int(time.time()), model, endpoint)
+        events = start(plan, metadata)
+        if not body.stream:
+            choices = await until_disconnected(request.receive, _collect(events, plan))
+            return JSONResponse(responses.whole_response(header, choices, plan.num_top_logprobs))
+        first = await until_disconnected(request.receive, _first_chunks(events, plan))
+        return _event_source(_event_stream(header, plan, first, events))
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        response_id = f"resp_{uuid.uuid4().hex}"
+        metadata = call_metadata(request.headers.get("authorization"))
+        plan = plan_response(body, response_id)
+        model = await served_model(body.model, metadata)
+        head = ResponseHead(response_id, int(time.time()), model, echoed_settings(body))
+        events = start(plan, metadata)
+        if not body.stream:
+            (choice,) = await until_disconnected(request.receive, _collect(events, plan))
+            return JSONResponse(whole_response(head, choice))
+        first = await until_disconnected(request.receive, _first_chunks(events, plan))
+        return _event_source(_response_event_stream(head, first, events))
+
+    def start(plan: Plan, metadata: tuple) -> Events:
+        """The plan's gRPC calls, started, read as one (closing it cancels them all)."""
         streams = []
         try:
             for call in plan.calls:
@@ -135,18 +164,17 @@ def build_app(config: FrontConfig, upstream: Upstream) -> Any:
             for _, stream in streams:
                 stream.cancel()
             raise
-        events = fan_out(streams)
-        if not body.stream:
-            choices = await until_disconnected(request.receive, _collect(events, plan))
-            return JSONResponse(responses.whole_response(header, choices, plan.num_top_logprobs))
-        first = await until_disconnected(request.receive, _first_chunks(events, plan))
-        return StreamingResponse(
-            _event_stream(header, plan, first, events),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return fan_out(streams)
 
     return BodyLimit(app, config.max_body_bytes)
+
+
+def _event_source(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 def _model_card(info: Any, created_s: int) -> dict[str, Any]:
@@ -195,16 +223,9 @@ async def _event_stream(
 ) -> AsyncIterator[str]:
     choices = _choices(plan)
     started: set[int] = set()
-
-    async def all_events() -> Events:
-        for item in first:
-            yield item
-        async for item in events:
-            yield item
-
     async with aclosing(events):
         try:
-            async for call, chunk in all_events():
+            async for call, chunk in replay(first, events):
                 index = call.choice_index + chunk.index
                 if header.endpoint == "chat" and index not in started:
                     started.add(index)
@@ -219,6 +240,22 @@ async def _event_stream(
         except FrontError as error:
             yield error_event(error)
         yield DONE_EVENT
+
+
+async def _response_event_stream(
+    head: ResponseHead, first: list[tuple[Call, Chunk]], events: Events
+) -> AsyncIterator[str]:
+    """The Responses API's stream: typed events, no [DONE]."""
+    stream = ResponseEvents(head)
+    async with aclosing(events):
+        try:
+            for event in stream.opening():
+                yield event
+            async for _, chunk in replay(first, events):
+                for event in stream.chunk(chunk):
+                    yield event
+        except FrontError as error:
+            yield stream.error(error)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

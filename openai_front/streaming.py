@@ -23,14 +23,25 @@ from pagoda.openai_front.translation import Call
 QUEUE_CHUNKS = 64
 DONE_EVENT = "data: [DONE]\n\n"
 T = TypeVar("T")
+Events = AsyncIterator[tuple[Call, Chunk]]
 
 
 class ClientGone(Exception):
     """The HTTP client disconnected before its response began."""
 
 
-def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+def sse(data: dict[str, Any], event: str | None = None) -> str:
+    """One server-sent event; `event` names its type (the Responses API's are typed)."""
+    named = f"event: {event}\n" if event else ""
+    return f"{named}data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def replay(first: list[tuple[Call, Chunk]], events: Events) -> Events:
+    """The chunks read before a stream began (`first`), then the rest of `events`."""
+    for item in first:
+        yield item
+    async for item in events:
+        yield item
 
 
 async def fan_out(

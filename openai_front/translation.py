@@ -13,19 +13,19 @@ calls from the output and validates everything.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pagoda.client.convert import GenerationOptions
-from pagoda.openai_front.errors import (
-    FrontError,
-    deprecated,
-    invalid,
-    unsupported,
-    unsupported_parameter,
+from pagoda.openai_front.chat_fields import (
+    format_constraint,
+    function_tool,
+    joined_text,
+    not_a_function,
+    tool_options,
 )
+from pagoda.openai_front.errors import FrontError, deprecated, invalid, unsupported
 from pagoda.openai_front.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 # OpenAI's default temperature; the gRPC API's own default (0) is greedy.
@@ -161,23 +161,14 @@ def _options(
 
 
 def _constraint(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
-    """OpenAI's response_format as a gRPC constraint; None for plain text. The scheduler
-    compiles the schema (an invalid one is its INVALID_ARGUMENT, so a 400)."""
-    kind = (response_format or {}).get("type", "text")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise invalid(
-                "response_format.json_schema.schema must be a JSON Schema object",
-                "response_format",
-            )
-        return {"json_schema": schema}
-    raise unsupported("response_format", f"of type {kind!r}")
+    response_format = response_format or {}
+    spec = response_format.get("json_schema")
+    return format_constraint(
+        response_format.get("type", "text"),
+        spec.get("schema") if isinstance(spec, dict) else None,
+        "response_format",
+        "response_format.json_schema.schema",
+    )
 
 
 def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -222,36 +213,20 @@ def _prompts(prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int
 
 
 def _tool_options(body: ChatCompletionRequest) -> dict[str, Any]:
-    """tools, tool_choice and parallel_tool_calls as the client's keywords: each function's
-    parameters as JSON text (whatever JSON value was given: the scheduler checks it)."""
-    options: dict[str, Any] = {}
-    if body.tools is not None:
-        options["tools"] = [_tool(index, tool) for index, tool in enumerate(body.tools)]
-    if body.tool_choice is not None:
-        options["tool_choice"] = body.tool_choice  # the client's converter reads its forms
-    if body.parallel_tool_calls is not None:
-        options["parallel_tool_calls"] = body.parallel_tool_calls
-    return options
+    tools = body.tools
+    if tools is not None:
+        tools = [_tool(index, tool) for index, tool in enumerate(tools)]
+    # The client's converter reads tool_choice's forms.
+    return tool_options(tools, body.tool_choice, body.parallel_tool_calls)
 
 
 def _tool(index: int, tool: Any) -> dict[str, str]:
     if tool.type != "function":
-        raise _not_a_function(f"tools[{index}].type", tool.type)
+        raise not_a_function(f"tools[{index}].type", tool.type)
     function = tool.function
     if function is None:
         raise invalid(f"tools[{index}].function must be given", f"tools[{index}].function")
-    out = {"name": function.name}
-    if function.description is not None:
-        out["description"] = function.description
-    if function.parameters is not None:
-        out["parameters"] = json.dumps(function.parameters)
-    return out
-
-
-def _not_a_function(param: str, kind: str) -> FrontError:
-    return unsupported_parameter(
-        param, f"{param} {kind[:64]!r} is not supported: the gRPC API has function tools only"
-    )
+    return function_tool(function.name, function.description, function.parameters)
 
 
 def _message(index: int, message: Any) -> dict[str, Any]:
@@ -261,14 +236,7 @@ def _message(index: int, message: Any) -> dict[str, Any]:
     if content is None:
         raise invalid(f"messages[{index}].content must be given", f"messages[{index}].content")
     if isinstance(content, list):
-        parts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
-                raise unsupported(
-                    f"messages[{index}].content", f"with a part of type {part.type!r}"
-                )
-            parts.append(part.text)
-        content = "".join(parts)
+        content = joined_text(content, ("text",), f"messages[{index}].content")
     out: dict[str, Any] = {"role": message.role, "content": content}
     if message.tool_calls:
         out["tool_calls"] = [
@@ -283,5 +251,5 @@ def _message(index: int, message: Any) -> dict[str, Any]:
 
 def _tool_call(index: int, number: int, call: Any) -> dict[str, Any]:
     if call.type != "function":
-        raise _not_a_function(f"messages[{index}].tool_calls[{number}].type", call.type)
+        raise not_a_function(f"messages[{index}].tool_calls[{number}].type", call.type)
     return {"id": call.id, "name": call.function.name, "arguments": call.function.arguments}

@@ -44,6 +44,28 @@ FIRST_TOKEN_ID = 1000
 FAKE_CALL_ID = "call_" + "0123456789ab" * 2
 FAKE_CALL_ARGUMENTS = '{"city": "Paris"}'
 FAKE_CALL_TOKENS = 3
+# The tool the fake call calls, as an OpenAI client declares it (`strict` is ignored).
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather of a city.",
+        "parameters": WEATHER_SCHEMA,
+        "strict": True,
+    },
+}
+# OpenAI's tool_choice forms and the pagoda.v1 ToolChoice each becomes (oneof field, value).
+TOOL_CHOICES = [
+    ("auto", "mode", pb.TOOL_CHOICE_AUTO),
+    ("none", "mode", pb.TOOL_CHOICE_NONE),
+    ("required", "mode", pb.TOOL_CHOICE_REQUIRED),
+    ({"type": "function", "function": {"name": "get_weather"}}, "function_name", "get_weather"),
+]
 
 MODEL_INFO = pb.ModelInfo(
     model_id="fake-model",

@@ -13,17 +13,15 @@ from pagoda.client.convert import chat_request, chunk_from_response, generate_re
 from pagoda.client.errors import InvalidArgumentError
 from pagoda.client.results import ToolCall, join_chunks, join_samples
 from pagoda.protos import generation_pb2 as pb
-from tests.client.fake_server import FAKE_CALL_ARGUMENTS, FAKE_CALL_ID, FAKE_CALL_TOKENS
+from tests.client.fake_server import (
+    FAKE_CALL_ARGUMENTS,
+    FAKE_CALL_ID,
+    FAKE_CALL_TOKENS,
+    TOOL_CHOICES,
+    WEATHER,
+    WEATHER_SCHEMA,
+)
 
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"type": "string"}},
-    "required": ["city"],
-}
-WEATHER = {
-    "type": "function",
-    "function": {"name": "get_weather", "description": "Weather of a city.", "parameters": WEATHER_SCHEMA},
-}  # fmt: skip
 USER = ("user", "Weather in Paris?")
 
 
@@ -31,7 +29,7 @@ def test_tools_in_openai_and_flat_shapes():
     flat = {"name": "get_time", "description": "Now.", "parameters": '{"type": "object"}'}
     request = chat_request([USER], tools=[WEATHER, flat, {"name": "anything"}])
     assert [(t.name, t.description) for t in request.tools] == [
-        ("get_weather", "Weather of a city."),
+        ("get_weather", "The weather of a city."),
         ("get_time", "Now."),
         ("anything", ""),
     ]
@@ -42,13 +40,7 @@ def test_tools_in_openai_and_flat_shapes():
 
 @pytest.mark.parametrize(
     ("tool_choice", "field", "value"),
-    [
-        ("auto", "mode", pb.TOOL_CHOICE_AUTO),
-        ("none", "mode", pb.TOOL_CHOICE_NONE),
-        ("required", "mode", pb.TOOL_CHOICE_REQUIRED),
-        ({"type": "function", "function": {"name": "get_weather"}}, "function_name", "get_weather"),
-        ({"name": "get_weather"}, "function_name", "get_weather"),
-    ],
+    [*TOOL_CHOICES, ({"name": "get_weather"}, "function_name", "get_weather")],
 )
 def test_tool_choice_forms(tool_choice, field, value):
     request = chat_request([USER], tools=[WEATHER], tool_choice=tool_choice)

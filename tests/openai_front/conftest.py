@@ -1,19 +1,28 @@
 """A live stack for the front: scheduler + dummy worker (tests/e2e) and pagoda-openai as a
-subprocess on a free loopback port, ready once its /health says the scheduler serves."""
+subprocess on a free loopback port, ready once its /health says the scheduler serves; and
+the front in this process, in front of the client tests' fake gRPC server."""
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+import openai
 import pytest
 
+from pagoda.openai_front.app import build_app
+from pagoda.openai_front.config import FrontConfig
+from pagoda.openai_front.upstream import Upstream
 from pagoda.protos import generation_pb2
+from tests.client.fake_server import FakeGenerationServicer, FakeServer
 from tests.e2e.conftest import (
     READY_TIMEOUT_S,
     REPO_ROOT,
@@ -83,6 +92,19 @@ def start_front(
     return process, url
 
 
+@contextmanager
+def sdk_stack(model_dir: Path, tmp_path: Path) -> Iterator[tuple[Service, openai.OpenAI, str]]:
+    """A scheduler and worker serving `model_dir` and a front before them: the service, the
+    official client on the front and the served model's id."""
+    with running_service(tmp_path, model=str(model_dir)) as service:
+        process, url = start_front(service.address, tmp_path / "openai-front.log")
+        try:
+            sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
+            yield service, sdk, sdk.models.list().data[0].id
+        finally:
+            stop_process(process)
+
+
 @pytest.fixture(scope="module")
 def front(tmp_path_factory) -> Iterator[Front]:
     tmp_path = tmp_path_factory.mktemp("openai-front")
@@ -103,3 +125,35 @@ def front(tmp_path_factory) -> Iterator[Front]:
             raise
         finally:
             stop_process(process)
+
+
+@pytest.fixture(scope="module")
+def fake_server() -> Iterator[FakeServer]:
+    with FakeServer(FakeGenerationServicer()) as server:
+        yield server
+
+
+@asynccontextmanager
+async def front_app(target: str) -> AsyncIterator[Any]:
+    """The front's ASGI app for `target`, its upstream open (as its lifespan would)."""
+    upstream = Upstream(target, None)
+    upstream.open()
+    try:
+        yield build_app(FrontConfig(), upstream)
+    finally:
+        await upstream.close()
+
+
+def with_front(fake_server: FakeServer, scenario) -> object:
+    """Run `scenario(sdk, http)` against the front's ASGI app in this process."""
+
+    async def main() -> object:
+        async with front_app(fake_server.target) as app:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://front") as http:
+                sdk = openai.AsyncOpenAI(
+                    base_url="http://front/v1", api_key="k", http_client=http, max_retries=0
+                )
+                return await scenario(sdk, http)
+
+    return asyncio.run(asyncio.wait_for(main(), timeout=30))

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
-from tests.e2e.conftest import running_service, stop_process
-from tests.openai_front.conftest import start_front
+from tests.openai_front.conftest import sdk_stack
 
 pytestmark = pytest.mark.slow
 
@@ -53,14 +51,8 @@ FEW_SHOT = [*example(1, "Rome", "21 C, sunny"), *example(2, "Berlin", "12 C, rai
 
 @pytest.fixture(scope="module")
 def stack(default_model_dir, tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("default-tools")
-    with running_service(tmp_path, model=str(default_model_dir)) as service:
-        process, url = start_front(service.address, tmp_path / "openai-front.log")
-        try:
-            sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
-            yield sdk, sdk.models.list().data[0].id
-        finally:
-            stop_process(process)
+    with sdk_stack(default_model_dir, tmp_path_factory.mktemp("default-tools")) as stack:
+        yield stack[1:]
 
 
 def test_the_readme_example_calls_get_weather_for_paris(stack):

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 from tokenizers import Tokenizer
 
 from pagoda.protos import generation_pb2, generation_pb2_grpc
-from tests.e2e.conftest import running_service, stop_process
-from tests.openai_front.conftest import start_front
+from tests.openai_front.conftest import sdk_stack
 
 pytestmark = pytest.mark.slow
 
@@ -22,14 +20,8 @@ KEEP_GOING = {"ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_factory, tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("tiny-front")
-    with running_service(tmp_path, model=str(tiny_model_factory("llama"))) as service:
-        process, url = start_front(service.address, tmp_path / "openai-front.log")
-        try:
-            sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-            yield service, sdk, sdk.models.list().data[0].id
-        finally:
-            stop_process(process)
+    with sdk_stack(tiny_model_factory("llama"), tmp_path_factory.mktemp("tiny-front")) as stack:
+        yield stack
 
 
 def grpc_text(service, rpc: str, request) -> str:

@@ -15,8 +15,7 @@ import pytest
 from pagoda.client import Client
 from pagoda.client.results import join_chunks
 from tests.conftest import long_context_copy
-from tests.e2e.conftest import running_service, stop_process
-from tests.openai_front.conftest import start_front
+from tests.openai_front.conftest import sdk_stack
 
 pytestmark = pytest.mark.slow
 
@@ -43,13 +42,8 @@ CALL_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
 def stack(tiny_model_factory, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("tiny-tools")
     model = long_context_copy(tiny_model_factory("llama"), tmp_path / "model")
-    with running_service(tmp_path, model=str(model)) as service:
-        process, url = start_front(service.address, tmp_path / "openai-front.log")
-        try:
-            sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-            yield service, sdk, sdk.models.list().data[0].id
-        finally:
-            stop_process(process)
+    with sdk_stack(model, tmp_path) as stack:
+        yield stack
 
 
 # A greedy call of get_weather, asked whole or streamed.

@@ -5,10 +5,8 @@ the whole route in-process against the client tests' fake gRPC server."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
-import httpx
 import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
@@ -18,36 +16,21 @@ from pagoda.client.convert import chat_request
 from pagoda.client.errors import InvalidArgumentError
 from pagoda.client.results import Chunk, TokenLogprob, ToolCall, Usage
 from pagoda.openai_front import responses
-from pagoda.openai_front.app import build_app
-from pagoda.openai_front.config import FrontConfig
 from pagoda.openai_front.errors import FrontError
 from pagoda.openai_front.responses import Choice, Header
 from pagoda.openai_front.schemas import ChatCompletionRequest
 from pagoda.openai_front.translation import Call, plan_chat
-from pagoda.openai_front.upstream import Upstream
 from pagoda.protos import generation_pb2 as pb
 from tests.client.fake_server import (
     FAKE_CALL_ARGUMENTS,
     FAKE_CALL_ID,
-    FakeGenerationServicer,
-    FakeServer,
+    TOOL_CHOICES,
+    WEATHER,
+    WEATHER_SCHEMA,
 )
+from tests.openai_front.conftest import with_front
 
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"type": "string"}},
-    "required": ["city"],
-}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather of a city.",
-        "parameters": WEATHER_SCHEMA,
-        "strict": True,
-    },
-}
 TIME = {"type": "function", "function": {"name": "get_time"}}
 CALL_A = ToolCall("call_" + "a" * 24, "get_weather", '{"city":"Paris"}')
 CALL_B = ToolCall("call_" + "b" * 24, "get_time", "{}")
@@ -81,12 +64,7 @@ def test_parameters_that_are_not_an_object_go_on_as_json_for_the_scheduler_to_ch
 
 @pytest.mark.parametrize(
     ("tool_choice", "field", "value"),
-    [
-        ("auto", "mode", pb.TOOL_CHOICE_AUTO),
-        ("none", "mode", pb.TOOL_CHOICE_NONE),
-        ("required", "mode", pb.TOOL_CHOICE_REQUIRED),
-        ({"type": "function", "function": {"name": "get_weather"}}, "function_name", "get_weather"),
-    ],
+    TOOL_CHOICES,
 )
 def test_tool_choice_becomes_the_grpc_choice(tool_choice, field, value):
     request = grpc_request(tools=[WEATHER], tool_choice=tool_choice)
@@ -300,32 +278,6 @@ def test_the_openai_package_assembles_the_streamed_calls():
 
 
 # -- the whole route, in-process against the fake gRPC server -------------------------------
-
-
-@pytest.fixture(scope="module")
-def fake_server():
-    with FakeServer(FakeGenerationServicer()) as server:
-        yield server
-
-
-def with_front(fake_server, scenario) -> object:
-    """Run `scenario(sdk, http)` against the front's ASGI app in this process."""
-
-    async def main() -> object:
-        upstream = Upstream(fake_server.target, None)
-        upstream.open()
-        app = build_app(FrontConfig(), upstream)
-        transport = httpx.ASGITransport(app=app)
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://front") as http:
-                sdk = openai.AsyncOpenAI(
-                    base_url="http://front/v1", api_key="k", http_client=http, max_retries=0
-                )
-                return await scenario(sdk, http)
-        finally:
-            await upstream.close()
-
-    return asyncio.run(asyncio.wait_for(main(), timeout=30))
 
 
 def test_a_named_tool_choice_through_the_front_whole_and_streamed(fake_server):
