@@ -5,7 +5,7 @@ NONE) a ToolCallReader, which runs the request's stop-string matcher first when 
 one. Text that cannot be part of a call streams as it comes; from where a call may begin,
 the text is held until the sample ends:
 - HERMES and GENERIC formats: from "<tool_call>" on (text at the end that may begin that
-  tag is held until the next tokens settle it);
+  tag, and blanks at the end, are held until the next tokens settle them);
 - JSON format: an answer that begins with "{" or "[" is held whole;
 - REQUIRED or a named function: the whole output (constrained to the calls' JSON).
 When the sample ends, the held text is parsed. Calls of declared tools whose arguments are
@@ -113,14 +113,17 @@ class ToolCallReader:
                 return ""
             self._plain = True
             return buffer
+        # Blanks at the end are held too: before a call they are no text of the answer
+        # (a model writes "\n\n<tool_call>"), so an answer of calls alone shows none.
         index = buffer.find(CALL_OPEN)
         if index >= 0:
+            shown = buffer[:index].rstrip()
             self._pending = ""
-            self._held = ""
-            return buffer[:index] + self._read(buffer[index:])
-        hold = held_back_length(buffer, _OPENING)
-        self._pending = buffer[len(buffer) - hold :]
-        return buffer[: len(buffer) - hold]
+            self._held = buffer[len(shown) : index]
+            return shown + self._read(buffer[index:])
+        shown = buffer[: len(buffer) - held_back_length(buffer, _OPENING)].rstrip()
+        self._pending = buffer[len(shown) :]
+        return shown
 
     def _parse(self, held: str) -> tuple[str, list[_Call]] | None:
         tools = self.tools

@@ -50,7 +50,7 @@ def test_text_before_a_tagged_call_streams_and_the_call_comes_at_the_end():
     pieces = ["Let me ", "look.<", "tool_", 'call>\n{"name": "get_weather", ',
               '"arguments": {"city": "Paris"}}\n</tool_call>', "\n"]  # fmt: skip
     shown, last, ended = read(reader, pieces)
-    assert shown == ["Let me ", "look.", "", "", "", ""]
+    assert shown == ["Let me", " look.", "", "", "", ""]  # a blank waits for what follows
     assert (last, ended) == ("", False)
     (call,) = reader.calls
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
@@ -61,7 +61,7 @@ def test_a_lone_angle_bracket_is_text_once_the_next_piece_settles_it():
     reader = ToolCallReader(tools())
     shown, last, _ = read(reader, ["1 <", " 2", " <tool", "box>"])
     assert "".join(shown) + last == "1 < 2 <toolbox>"
-    assert shown == ["1 ", "< 2", " ", "<toolbox>"]
+    assert shown == ["1", " < 2", "", " <toolbox>"]
     assert reader.calls == ()
 
 
@@ -77,8 +77,8 @@ def test_a_lone_angle_bracket_is_text_once_the_next_piece_settles_it():
 def test_held_text_that_is_not_calls_comes_back_whole(held):
     reader = ToolCallReader(tools())
     shown, last, _ = read(reader, ["Sure: ", *held])  # one character a piece
-    assert "".join(shown) == "Sure: "
-    assert last == held
+    assert "".join(shown) == "Sure:"
+    assert last == " " + held
     assert reader.calls == ()
 
 
@@ -120,10 +120,10 @@ def test_stop_strings_do_not_cut_constrained_calls():
 def test_stop_strings_apply_first_and_their_held_text_is_read_too():
     reader = ToolCallReader(tools(), StopStringMatcher(("END",)))
     shown, last, ended = read(reader, ["a <", "b E", "N", "D more"])
-    assert (shown, last, ended) == (["a ", "<b ", "", ""], "", True)
+    assert (shown, last, ended) == (["a", " <b", "", ""], " ", True)
     reader = ToolCallReader(tools(), StopStringMatcher(("END",)))
     shown, last, ended = read(reader, ["x EN"])
-    assert (shown, last, ended) == (["x "], "EN", False)
+    assert (shown, last, ended) == (["x"], " EN", False)
 
 
 def test_json_format_holds_an_answer_that_begins_as_json_and_streams_one_that_does_not():
@@ -181,6 +181,12 @@ PIECES = [
 ]
 
 
+def test_blanks_before_calls_alone_are_no_text():
+    reader = ToolCallReader(tools())
+    shown, last, _ = read(reader, ["\n", "\n", "<tool_call>", CALL[len("<tool_call>") :], "\n"])
+    assert "".join(shown) + last == "" and [c.name for c in reader.calls] == ["get_time"]
+
+
 def test_the_output_processor_streams_around_a_call_and_ends_with_it():
     processor = OutputProcessor(PieceDetokenizer)  # type: ignore[arg-type]
     request = make_request("r", [1, 2, 3])
@@ -192,8 +198,8 @@ def test_the_output_processor_streams_around_a_call_and_ends_with_it():
         texts.append(output.text)
     final = RequestOutput("r", "", [5], None, finish_reason=FinishReason.LENGTH)
     processor.process([final])
-    assert texts == ["Hi", " ", "", "", ""]
-    assert final.text == "x"  # after the call: text
+    assert texts == ["Hi", "", "", "", ""]  # the blank waited: it may precede a call
+    assert final.text == " x"  # the text around the call
     assert [call.name for call in final.tool_calls] == ["get_time"]
     assert len(processor) == 0
 
