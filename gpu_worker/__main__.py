@@ -8,12 +8,12 @@ import sys
 from collections.abc import Sequence
 
 from pagoda.common import curve
+from pagoda.common.logs import configure_logging
 from pagoda.common.settings import insecure_tcp_warning
 from pagoda.common.transport import UnsafeSocketDirectory
 from pagoda.gpu_worker.config import (
     QuantizationError,
     WorkerConfig,
-    configure_logging,
     describe,
     load_config,
 )
@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(describe(loaded))
         return 0
     config = loaded.config
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format, service="worker")
     warning = insecure_tcp_warning(
         config.zmq_endpoint, curve=config.zmq_curve_secret_key is not None
     )

@@ -8,10 +8,10 @@ location in model_loader). Imports no torch.
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pagoda.common.logs import LOG_FORMAT_HELP, LOG_FORMATS
 from pagoda.common.settings import (
     LoadedConfig,
     default_zmq_endpoint,
@@ -54,6 +54,7 @@ class WorkerConfig:
     zmq_curve_server_key: str | None = None  # the scheduler's public .key file
     zmq_allow_insecure_tcp: bool = False  # a tcp:// endpoint without CurveZMQ keys
     log_level: str = "INFO"
+    log_format: str = "text"  # text or json lines (pagoda.common.logs)
     hang_timeout_s: float = 300.0  # a step running longer is taken as hung (step_pulse.py)
     fail_on_token_id: int | None = None  # fault-injection hook for tests
     dummy_step_ms: float = 0.0  # --model dummy: the least wall time of each step's compute
@@ -125,6 +126,8 @@ class WorkerConfig:
             problems.append("--dummy-crash-on-token-id needs --model dummy")
         if self.log_level not in LOG_LEVELS:
             problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+        if self.log_format not in LOG_FORMATS:
+            problems.append(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -271,6 +274,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "whoever reaches the port can pose as the scheduler); logged as a warning",
     )
     add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
+    add("--log-format", default="text", type=str.lower, choices=LOG_FORMATS, help=LOG_FORMAT_HELP)
     add(
         "--hang-timeout-s",
         type=float,
@@ -371,10 +375,3 @@ def parse_config(
 def describe(loaded: LoadedConfig) -> str:
     """One line per setting, `name = value  # source`, as the other services print them."""
     return loaded.describe()
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )

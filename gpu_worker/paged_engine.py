@@ -349,6 +349,10 @@ def load_engine(config: WorkerConfig) -> PagedEngine:
     from pagoda.gpu_worker import tensor_parallel
 
     transformers_logging.disable_progress_bar()  # one log line per event, no bars
+    # transformers prints through a handler of its own; through the root's instead, its
+    # lines take the worker's --log-format (pagoda.common.logs).
+    transformers_logging.disable_default_handler()
+    transformers_logging.enable_propagation()
     device = pick_device(config.device)
     quantization = resolve_quantization(config.quantization, device, config.dtype)
     started_s = time.monotonic()

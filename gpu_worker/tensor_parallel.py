@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from pagoda.common import step_codec, wire
+from pagoda.common.logs import configure_logging
 from pagoda.common.step import StepPlan
 from pagoda.gpu_worker.config import WorkerConfig
 from pagoda.gpu_worker.engine import SampledTokens, one_line
@@ -554,16 +555,8 @@ def _spawned_rank(index: int, config: WorkerConfig, port: int, world_size: int) 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rank = index + 1
-    _configure_logging(config.log_level, rank)
+    configure_logging(config.log_level, config.log_format, service="worker", rank=rank)
     exit_process(_run_rank(config, Rendezvous(rank, world_size, rank, port), None))
-
-
-def _configure_logging(level: str, rank: int) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level),
-        format=f"%(asctime)s %(levelname)s %(name)s [rank {rank}]: %(message)s",
-        force=True,
-    )
 
 
 def _run_rank(
@@ -628,7 +621,9 @@ def run(config: WorkerConfig, curve_client=None, environ: Mapping[str, str] | No
         return EXIT_REFUSED
     if rendezvous is not None:  # torchrun started every rank
         if rendezvous.rank != 0:
-            _configure_logging(config.log_level, rendezvous.rank)
+            configure_logging(
+                config.log_level, config.log_format, service="worker", rank=rendezvous.rank
+            )
         return _run_rank(config, rendezvous, curve_client if rendezvous.rank == 0 else None)
     import torch.multiprocessing as multiprocessing
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import uvicorn
 
+from pagoda.common.logs import configure_logging
 from pagoda.common.systemd import notify, watchdog_interval_s
 from pagoda.openai_front.app import build_app
 from pagoda.openai_front.config import FrontConfig, describe, load_config
@@ -28,6 +29,10 @@ def uvicorn_config(config: FrontConfig, app: object) -> uvicorn.Config:
         host=config.listen_host,
         port=config.listen_port,
         log_level=config.log_level.lower(),
+        # No handlers of uvicorn's own (its default config prints to stdout and stderr in
+        # its own format): its loggers propagate to the root handler of configure_logging,
+        # so its lines and access log follow --log-format.
+        log_config=None,
         limit_concurrency=config.max_concurrent_requests,
         timeout_graceful_shutdown=config.drain_timeout_s,
         ssl_certfile=config.tls_cert,
@@ -71,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(loaded))
         return 0
     config = loaded.config
-    logging.basicConfig(
-        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(config.log_level, config.log_format, service="openai")
     root_cert = None
     if config.tls_root_cert is not None:
         try:

@@ -11,6 +11,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pagoda.common.logs import LOG_FORMAT_HELP, LOG_FORMATS
 from pagoda.common.settings import (
     DEFAULT_GRPC_ADDRESS,
     LoadedConfig,
@@ -41,6 +42,7 @@ class FrontConfig:
     # On SIGTERM, seconds in-flight requests may finish before their connections are closed.
     drain_timeout_s: float = 30.0
     log_level: str = "INFO"
+    log_format: str = "text"  # text or json lines (pagoda.common.logs), uvicorn's too
 
     def __post_init__(self) -> None:
         problems = []
@@ -61,6 +63,8 @@ class FrontConfig:
             problems.append("--drain-timeout-s must be >= 0")
         if self.log_level not in LOG_LEVELS:
             problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+        if self.log_format not in LOG_FORMATS:
+            problems.append(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -135,6 +139,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="on SIGTERM, seconds in-flight requests may finish before they are cut",
     )
     add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
+    add("--log-format", default="text", type=str.lower, choices=LOG_FORMATS, help=LOG_FORMAT_HELP)
     add(
         "--config",
         default=environ.get(ENV_PREFIX + "CONFIG"),

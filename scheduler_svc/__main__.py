@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagoda.common import curve, transport
+from pagoda.common.logs import configure_logging
 from pagoda.common.systemd import notify, watchdog_interval_s
 from pagoda.scheduler_svc import settings
 from pagoda.scheduler_svc.api import SERVICE_NAME, GenerationServicer
@@ -181,10 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         print(settings.describe(loaded))
         return 0
     config = loaded.config
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(config.log_level, config.log_format, service="scheduler")
     try:
         curve_settings = load_curve(config)
         tokenizer_dir = resolve_tokenizer_dir(config.model)

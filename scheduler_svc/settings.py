@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.common.logs import LOG_FORMAT_HELP, LOG_FORMATS
 from pagoda.common.settings import (
     DEFAULT_GRPC_ADDRESS,
     SettingError,
@@ -66,6 +67,7 @@ class ServiceConfig:
     zmq_curve_authorized_keys: str | None = None
     zmq_allow_insecure_tcp: bool = False
     log_level: str = "INFO"
+    log_format: str = "text"
     overlap_steps: bool | None = None
     late_plan_ahead: bool = True
     max_workers: int = 1
@@ -132,6 +134,8 @@ class ServiceConfig:
             raise ConfigError(
                 f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}"
             )
+        if self.log_format.lower() not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be text or json, got {self.log_format!r}")
 
 
 HELP: dict[str, str] = {
@@ -186,6 +190,7 @@ HELP: dict[str, str] = {
     "zmq_allow_insecure_tcp": "accept a tcp:// zmq_endpoint without CurveZMQ keys (plaintext, "
     "unauthenticated: anyone reaching the port can pose as the worker); logged as a warning",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_format": LOG_FORMAT_HELP,
     "overlap_steps": "plan and send step N+1 while the worker runs step N (for a worker that "
     "feeds its last sampled tokens; an older one gets one step at a time); unset: on, except "
     "for a CPU worker, whose steps are long enough that planning ahead saves nothing and a "

@@ -37,12 +37,20 @@ def test_the_schedulers_environment_is_not_read():
 
 @pytest.mark.parametrize(
     "argv",
-    [["--listen", "8000"], ["--target", "host"], ["--tls-cert", "c.pem"], ["--max-n", "0"]],
-)
+    [["--listen", "8000"], ["--target", "host"], ["--tls-cert", "c.pem"], ["--max-n", "0"],
+     ["--log-format", "xml"]],
+)  # fmt: skip
 def test_bad_settings_exit_2(argv):
     with pytest.raises(SystemExit) as caught:
         load_config(argv, environ={})
     assert caught.value.code == 2
+
+
+def test_log_format_from_the_environment_is_checked(capsys):
+    assert load_config([], environ={"PAGODA_OPENAI_LOG_FORMAT": "JSON"}).config.log_format == "json"
+    with pytest.raises(SystemExit):
+        load_config([], environ={"PAGODA_OPENAI_LOG_FORMAT": "xml"})
+    assert "--log-format must be one of text, json" in capsys.readouterr().err
 
 
 def test_unknown_toml_key_exits_2(tmp_path):

@@ -54,6 +54,7 @@ def test_optional_knobs_can_be_set_and_unset():
         ([], {}, 'max_active_requests = "ten"\n', "must be int"),
         (["--zmq-endpoint", "udp://x"], {}, None, "zmq_endpoint"),
         (["--admission-policy", "random"], {}, None, "admission_policy"),
+        ([], {"PAGODA_LOG_FORMAT": "xml"}, None, "log_format must be text or json, got 'xml'"),
     ],
 )
 def test_bad_values_stop_with_a_sentence(tmp_path, argv, environ, toml, phrase):
@@ -63,6 +64,15 @@ def test_bad_values_stop_with_a_sentence(tmp_path, argv, environ, toml, phrase):
         argv = [*argv, "--config", str(path)]
     with pytest.raises(ConfigError, match=phrase):
         load(argv, environ)
+
+
+def test_log_format_is_a_setting_like_log_level(tmp_path):
+    assert load().config.log_format == "text"
+    toml = tmp_path / "pagoda.toml"
+    toml.write_text('log_format = "json"\n')
+    assert load(["--config", str(toml)]).config.log_format == "json"
+    assert load(["--log-format", "json"]).sources["log_format"] == "flag"
+    assert "--log-format" in settings.build_parser().format_help()
 
 
 def test_print_config_names_every_source():

@@ -18,6 +18,7 @@ def test_defaults():
     assert config == WorkerConfig(zmq_endpoint="ipc:///run/user/7/pagoda/worker.sock")
     assert config.block_size == 16 and config.num_kv_blocks is None
     assert config.model == "default" and config.device == "auto" and config.log_level == "INFO"
+    assert config.log_format == "text"
 
 
 def test_default_endpoint_without_a_runtime_dir_is_per_user():
@@ -30,6 +31,7 @@ def test_environment_fills_in_and_flags_win():
         "PAGODA_WORKER_MODEL": "dummy",
         "PAGODA_WORKER_NUM_KV_BLOCKS": "100",
         "PAGODA_WORKER_LOG_LEVEL": "debug",
+        "PAGODA_WORKER_LOG_FORMAT": "JSON",
     }
     config = parse_config(
         ["--block-size", "8", "--zmq-endpoint", "tcp://127.0.0.1:5555", "--zmq-allow-insecure-tcp"],
@@ -38,7 +40,7 @@ def test_environment_fills_in_and_flags_win():
     assert config.block_size == 8
     assert config.model == "dummy" and config.is_dummy
     assert config.num_kv_blocks == 100
-    assert config.log_level == "DEBUG"
+    assert config.log_level == "DEBUG" and config.log_format == "json"
     assert config.zmq_endpoint == "tcp://127.0.0.1:5555"
 
 
@@ -60,6 +62,8 @@ def test_the_two_kinds_of_graph_turn_off_apart():
         (["--zmq-endpoint", "no-scheme"], {}),
         ([], {"PAGODA_WORKER_BLOCK_SIZE": "sixteen"}),
         ([], {"PAGODA_WORKER_DEVICE": "tpu"}),
+        ([], {"PAGODA_WORKER_LOG_FORMAT": "xml"}),
+        (["--log-format", "xml"], {}),
         (["--model", "some/model", "--dummy-crash-on-token-id", "5"], {}),
     ],
 )
@@ -85,6 +89,7 @@ def test_help_documents_every_flag(capsys):
         "--num-kv-blocks",
         "--max-context-tokens",
         "--log-level",
+        "--log-format",
         "--fail-on-token-id",
     ]:
         assert flag in text
