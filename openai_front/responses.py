@@ -227,14 +227,17 @@ def chunk_events(
     """The stream events of one chunk: one, none for a chunk with nothing to show, or for a
     last chunk with calls, its text and tokens (when it has any), the calls, then the
     finish."""
+    # Tokens whose text is held (a call, a stop string's start) have nothing to show,
+    # unless their ids or logprobs were asked for.
+    shows = bool(
+        chunk.text or call.return_token_ids or (num_top_logprobs is not None and chunk.logprobs)
+    )
     if not chunk.tool_calls:
-        if not (chunk.text or chunk.finish_reason or call.return_token_ids) and (
-            num_top_logprobs is None or not chunk.logprobs
-        ):
-            return []  # tokens whose text is held (a call, a stop string's start): nothing to say
+        if not shows and chunk.finish_reason is None:
+            return []
         return [chunk_event(header, call, chunk, num_top_logprobs, include_usage)]
     events = []
-    if chunk.text or chunk.token_ids or chunk.logprobs:
+    if shows:
         body = dataclasses.replace(chunk, finish_reason=None, tool_calls=())
         events.append(chunk_event(header, call, body, num_top_logprobs, include_usage))
     calls_choice = {

@@ -250,6 +250,19 @@ def test_a_last_chunk_of_no_tokens_sends_the_calls_and_the_finish_only():
     assert [list(e["choices"][0]["delta"]) for e in events] == [["tool_calls"], []]
 
 
+def test_tokens_of_held_text_send_no_empty_content_delta():
+    """The call's own tokens come with no text: unless ids or logprobs were asked for, they
+    are no event (a live stream showed a {"content": ""} before the calls)."""
+    held = Chunk("r", "", [5, 6], None, None, None, None)
+    last = Chunk("r", "", [7], None, "tool_calls", USAGE, None, tool_calls=(CALL_A,))
+    events = stream_events([held, last])
+    assert [e["choices"][0]["delta"] for e in events][1:] == [
+        {"tool_calls": [{"index": 0, "id": CALL_A.id, "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+        {},
+    ]  # fmt: skip
+
+
 def test_the_streamed_calls_keep_tokens_logprobs_and_the_choice_index():
     entry = TokenLogprob(token_id=7, logprob=-0.5, top_token_ids=[7], top_logprobs=[-0.5])
     chunk = Chunk("r", "", [7], [entry], "tool_calls", USAGE, None, index=1, tool_calls=(CALL_A,))
