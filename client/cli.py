@@ -8,6 +8,7 @@ errors, 130 when interrupted (Ctrl-C cancels the running stream first). Errors p
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -83,6 +84,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the prompt text as it is, without the model's chat template",
     )
     _add_generation_arguments(generate)
+    generate.add_argument(
+        "--tools",
+        type=_tools_file,
+        metavar="FILE",
+        help="a JSON file of tools the model may call (a list of OpenAI's "
+        '{"type": "function", "function": {...}}); its calls are printed as name(arguments)',
+    )
+    generate.add_argument(
+        "--tool-choice",
+        type=_tool_choice,
+        metavar="CHOICE",
+        help="auto (the default with --tools), none, required, or the name of a tool to call",
+    )
     generate.add_argument("--request-id", help="an id echoed by the server and in its logs")
     generate.add_argument(
         "--n",
@@ -162,6 +176,19 @@ def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--logprobs", type=int, metavar="N", help="print top-N logprobs per token to stderr")
     add("--show-usage", action="store_true", help="print usage and timings to stderr")
+
+
+def _tools_file(path: str) -> list[Any]:
+    """The tools in a JSON file: a list of them (or one)."""
+    try:
+        tools = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read tools from {path}: {exc}") from None
+    return tools if isinstance(tools, list) else [tools]
+
+
+def _tool_choice(text: str) -> str | dict[str, str]:
+    return text if text in ("auto", "none", "required") else {"name": text}
 
 
 def _token_ids(text: str) -> list[int]:

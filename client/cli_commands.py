@@ -128,8 +128,10 @@ def _stream_to_stdout(stream: ChunkStream) -> tuple[Completion, float | None]:
 def _finish_answer(
     completion: Completion, args: argparse.Namespace, started: float, first_token_s: float | None
 ) -> None:
-    if not completion.text.endswith("\n"):
+    if not completion.text.endswith("\n") and (completion.text or not completion.tool_calls):
         sys.stdout.write("\n")
+    for call in completion.tool_calls:
+        sys.stdout.write(f"{call.name}({call.arguments})\n")
     sys.stdout.flush()
     if completion.logprobs:
         _print_logprobs(completion)

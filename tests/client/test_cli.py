@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.client.conftest import TEST_API_KEY
+from tests.client.fake_server import FAKE_CALL_ARGUMENTS, WEATHER
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,6 +97,23 @@ def test_generate_options_reach_the_server(fake_server):
     assert list(request.stopping.stop) == ["END", "###"]
     assert request.stopping.ignore_eos and request.stopping.max_new_tokens == 12
     assert 'stop: "END"' in result.stdout
+
+
+def test_generate_with_tools_prints_the_calls(make_server, tmp_path):
+    server = make_server(has_chat_template=True)
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER]))
+    result = run_cli(
+        "generate", "Weather in Paris?", "--tools", str(tools), "--tool-choice", "get_weather",
+        target=server.target,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"get_weather({FAKE_CALL_ARGUMENTS})\n"
+    request = server.servicer.last_request("Chat")
+    assert [tool.name for tool in request.tools] == ["get_weather"]
+    assert request.tool_choice.function_name == "get_weather"
+    bad = run_cli("generate", "x", "--tools", str(tmp_path / "missing.json"), target=server.target)
+    assert bad.returncode == 2 and "cannot read tools from" in bad.stderr
 
 
 def test_prompt_from_stdin_and_target_after_the_command(fake_server):
