@@ -97,7 +97,9 @@ class ToolCallReader:
     def _read(self, text: str) -> str:
         if self._held is not None:
             self._held += text
-            self._closed = not self.tools.parallel and CALL_CLOSE in self._held
+            if not self.tools.parallel:  # only the tail can hold a tag this text closed
+                tail = self._held[-(len(text) + len(CALL_CLOSE)) :]
+                self._closed = self._closed or CALL_CLOSE in tail
             return ""
         if self._plain:
             return text
@@ -162,7 +164,7 @@ def read_tagged_calls(text: str, names: frozenset[str]) -> tuple[str, list[_Call
 def _json(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # a model's "[[[[..." nests past json's limit
         return None
 
 

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 MAX_TOOLS = 128
 # Names, descriptions and parameter schemas of one request's tools together.
 MAX_TOOLS_BYTES = 65536
+# How deep a tool's parameters schema may nest (objects and lists): its copies for the
+# constraint are made by recursion, and no real schema comes near.
+MAX_SCHEMA_DEPTH = 64
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -241,16 +244,39 @@ def _parameters(index: int, text: str) -> dict[str, Any]:
         parameters = json.loads(text)
     except ValueError as exc:
         raise ToolsError(f"tools[{index}].parameters is not JSON: {exc}") from None
+    except RecursionError:  # nested past json's own limit
+        parameters = None
+        too_deep = True
+    else:
+        too_deep = _depth(parameters) > MAX_SCHEMA_DEPTH
+    if too_deep:
+        raise ToolsError(f"tools[{index}].parameters nests deeper than {MAX_SCHEMA_DEPTH} levels")
     if not isinstance(parameters, dict):
         raise ToolsError(f"tools[{index}].parameters must be a JSON object (a JSON Schema)")
     return parameters
+
+
+def _depth(value: Any) -> int:
+    """How deep `value` nests lists and dicts (a scalar: 0), without recursion."""
+    deepest, level = 0, [value]
+    while level:
+        containers = [item for item in level if isinstance(item, dict | list)]
+        if not containers:
+            break
+        deepest += 1
+        level = [
+            child
+            for container in containers
+            for child in (container.values() if isinstance(container, dict) else container)
+        ]
+    return deepest
 
 
 def call_arguments(field_name: str, text: str) -> dict[str, Any]:
     """A call's arguments in a conversation's history: a JSON object's text."""
     try:
         arguments = json.loads(text) if text else {}
-    except ValueError:
+    except (ValueError, RecursionError):
         arguments = None
     if not isinstance(arguments, dict):
         raise ToolsError(f"{field_name} must be a JSON object's text")

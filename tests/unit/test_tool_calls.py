@@ -227,3 +227,19 @@ def test_what_a_reader_returns_does_not_depend_on_how_the_text_was_split(text, c
     shown, calls = results[0]
     if not calls:
         assert shown == text
+
+
+def test_output_nested_past_jsons_limit_is_text_not_a_crash_of_the_step_loop():
+    """json.loads raises RecursionError (not ValueError) past about 1,000 levels: a model
+    writing "[[[[..." in a call must not raise out of the text stage."""
+    for reader in (ToolCallReader(tools()), ToolCallReader(tools("required"))):
+        nested = "<tool_call>" * (reader.tools.choice.value == "auto") + "[" * 5000
+        shown, last, _ = read(reader, [nested])
+        assert "".join(shown) + last == nested and reader.calls == ()
+
+
+def test_without_parallel_calls_a_close_tag_split_across_tokens_ends_the_sample():
+    reader = ToolCallReader(tools(parallel=False))
+    pieces = ['<tool_call>{"name": "get_time", "arguments": {}}</tool', "_ca", "ll>", "more"]
+    shown, last, ended = read(reader, pieces)
+    assert ended and len(shown) == 3 and [c.name for c in reader.calls] == ["get_time"]

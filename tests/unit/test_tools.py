@@ -240,3 +240,25 @@ def test_required_keeps_each_tools_own_references(tokenizer, compiler, tokens):
     assert matcher.validate_tokens(ok) == len(ok)
     wrong = tokens('[{"name":"go","arguments":{"where":{"town":"Oslo"}}}]')
     assert matcher.validate_tokens(wrong) < len(wrong)
+
+
+@pytest.mark.parametrize("depth", [65, 3000])
+def test_parameters_nested_too_deep_are_refused(tokenizer, depth):
+    """The constraint copies a schema by recursion; json itself gives up near 1,000 levels
+    with a RecursionError, which must be a refusal, not an internal error."""
+    parameters = '{"items": ' * depth + "{}" + "}" * depth
+    request = chat(tools=[pb.Tool(name="f", parameters=parameters)])
+    with pytest.raises(
+        ValidationError, match="tools\\[0\\].parameters nests deeper than 64 levels"
+    ):
+        validate_chat(request, tokenizer, LIMITS)
+
+
+def test_past_call_arguments_nested_past_jsons_limit_are_refused(tokenizer):
+    call = pb.ToolCall(name="f", arguments="[" * 5000)
+    request = chat(
+        pb.ChatMessage(role="user", content="x"),
+        pb.ChatMessage(role="assistant", tool_calls=[call]),
+    )
+    with pytest.raises(ValidationError, match="arguments must be a JSON object's text"):
+        validate_chat(request, tokenizer, LIMITS)
