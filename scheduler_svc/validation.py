@@ -15,13 +15,8 @@ from dataclasses import dataclass
 from pagoda.scheduler_svc.core import SamplingParams, ValidRequest, ValidStopping
 from pagoda.scheduler_svc.grammars import MAX_CHOICES, MAX_CONSTRAINT_BYTES, ValidConstraint
 from pagoda.scheduler_svc.tokenizer import ChatTemplateError, TextTokenizer
-from pagoda.scheduler_svc.tools import (
-    ToolFormat,
-    ToolsError,
-    ValidTools,
-    template_messages,
-    valid_tools,
-)
+from pagoda.scheduler_svc.tool_templates import template_messages
+from pagoda.scheduler_svc.tools import ToolFormat, ToolsError, ValidTools, valid_tools
 
 MAX_REQUEST_ID_BYTES = 128
 MAX_CACHE_SALT_BYTES = 256
