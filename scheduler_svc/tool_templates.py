@@ -14,11 +14,11 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from pagoda.scheduler_svc.tools import (
-    NAME,
     ToolFormat,
     ToolsError,
     ValidTools,
     call_arguments,
+    check_name,
     check_no_special_text,
 )
 
@@ -91,8 +91,7 @@ def template_messages(
 
 
 def _past_call(field_name: str, call: Any, special_texts: tuple[str, ...]) -> dict[str, Any]:
-    if not NAME.fullmatch(call.name):
-        raise ToolsError(f"{field_name}.name must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-'")
+    check_name(f"{field_name}.name", call.name)
     for part in ("id", "arguments"):
         check_no_special_text(f"{field_name}.{part}", getattr(call, part), special_texts)
     arguments = call_arguments(f"{field_name}.arguments", call.arguments)

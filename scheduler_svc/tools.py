@@ -29,7 +29,7 @@ MAX_TOOLS_BYTES = 65536
 # How deep a tool's parameters schema may nest (objects and lists): its copies for the
 # constraint are made by recursion, and no real schema comes near.
 MAX_SCHEMA_DEPTH = 64
-NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class ToolsError(ValueError):
@@ -105,11 +105,8 @@ class ValidTools:
         JSON mode, and OpenAI's strict functions): a call names only declared parameters,
         and cannot run on inventing new ones until max_new_tokens."""
         if self.choice is ToolChoice.FUNCTION:
-            ((index, function),) = (
-                (i, f) for i, f in enumerate(self.functions) if f.name == self.function_name
-            )
-            schema = json.dumps(closed(function.parameters))
-            return ValidConstraint("json_schema", schema, f"tools[{index}].parameters")
+            (index,) = (i for i, f in enumerate(self.functions) if f.name == self.function_name)
+            return self._arguments_constraint(index)
         if self.choice is not ToolChoice.REQUIRED:
             return None
         # Each tool's schema goes whole under $defs, its own references ("#/$defs/...",
@@ -143,12 +140,11 @@ class ValidTools:
     def argument_constraints(self) -> list[ValidConstraint]:
         """Each tool's arguments alone, to find which one a REQUIRED constraint that the
         engine refused holds."""
-        return [
-            ValidConstraint(
-                "json_schema", json.dumps(closed(function.parameters)), f"tools[{index}].parameters"
-            )
-            for index, function in enumerate(self.functions)
-        ]
+        return [self._arguments_constraint(index) for index in range(len(self.functions))]
+
+    def _arguments_constraint(self, index: int) -> ValidConstraint:
+        schema = json.dumps(closed(self.functions[index].parameters))
+        return ValidConstraint("json_schema", schema, f"tools[{index}].parameters")
 
 
 def moved_under(pointer: str, schema: Any) -> Any:
@@ -217,8 +213,7 @@ def valid_tools(
         raise ToolsError(f"tools hold {num_bytes} bytes; at most {MAX_TOOLS_BYTES}")
     functions = []
     for index, (name, description, parameters) in enumerate(tools):
-        if not NAME.fullmatch(name):
-            raise ToolsError(f"tools[{index}].name must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-'")
+        check_name(f"tools[{index}].name", name)
         if any(f.name == name for f in functions):
             raise ToolsError(f"tools[{index}].name {name!r} is used twice")
         check_no_special_text(f"tools[{index}].description", description, special_texts)
@@ -234,17 +229,15 @@ def valid_tools(
 def _parameters(index: int, text: str) -> dict[str, Any]:
     if not text:
         return {"type": "object"}
+    too_deep = ToolsError(f"tools[{index}].parameters nests deeper than {MAX_SCHEMA_DEPTH} levels")
     try:
         parameters = json.loads(text)
     except ValueError as exc:
         raise ToolsError(f"tools[{index}].parameters is not JSON: {exc}") from None
     except RecursionError:  # nested past json's own limit
-        parameters = None
-        too_deep = True
-    else:
-        too_deep = _depth(parameters) > MAX_SCHEMA_DEPTH
-    if too_deep:
-        raise ToolsError(f"tools[{index}].parameters nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        raise too_deep from None
+    if _depth(parameters) > MAX_SCHEMA_DEPTH:
+        raise too_deep
     if not isinstance(parameters, dict):
         raise ToolsError(f"tools[{index}].parameters must be a JSON object (a JSON Schema)")
     return parameters
@@ -275,6 +268,12 @@ def call_arguments(field_name: str, text: str) -> dict[str, Any]:
     if not isinstance(arguments, dict):
         raise ToolsError(f"{field_name} must be a JSON object's text")
     return arguments
+
+
+def check_name(field_name: str, name: str) -> None:
+    """A tool's name, declared or in a past call: what OpenAI allows."""
+    if not _NAME.fullmatch(name):
+        raise ToolsError(f"{field_name} must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-'")
 
 
 def check_no_special_text(field_name: str, text: str, special_texts: tuple[str, ...]) -> None:
