@@ -41,7 +41,16 @@ class ToolCallReader:
     """One sample's tool-call state: the text held since a call may have begun, and once it
     ended, the calls read in it. Called from the step loop only (the output processor)."""
 
-    __slots__ = ("tools", "stop", "calls", "_pending", "_held", "_plain", "_closed")
+    __slots__ = (
+        "tools",
+        "stop",
+        "calls",
+        "_pending",
+        "_held",
+        "_plain",
+        "_ends_at_close",
+        "_closed",
+    )
     # The output processor calls push() for every token of a reader.
     trigger = ""
 
@@ -56,7 +65,12 @@ class ToolCallReader:
         # nothing but calls: held from the start.
         self._held: str | None = "" if tools.constrained else None
         self._plain = False  # JSON format: the answer began as text, so it is text
-        self._closed = False  # the first call closed and parallel calls are off
+        # Without parallel calls, AUTO in a tagged format ends at the first closing tag;
+        # in JSON calls (constrained, or the JSON format) that text is a string's.
+        self._ends_at_close = not (
+            tools.parallel or tools.constrained or tools.format is ToolFormat.JSON
+        )
+        self._closed = False  # the first call's tag closed, where that ends the sample
 
     @property
     def held_text(self) -> str:
@@ -97,7 +111,7 @@ class ToolCallReader:
     def _read(self, text: str) -> str:
         if self._held is not None:
             self._held += text
-            if not self.tools.parallel:  # only the tail can hold a tag this text closed
+            if self._ends_at_close:  # only the tail can hold a tag this text closed
                 tail = self._held[-(len(text) + len(CALL_CLOSE)) :]
                 self._closed = self._closed or CALL_CLOSE in tail
             return ""

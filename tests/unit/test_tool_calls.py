@@ -243,3 +243,22 @@ def test_without_parallel_calls_a_close_tag_split_across_tokens_ends_the_sample(
     pieces = ['<tool_call>{"name": "get_time", "arguments": {}}</tool', "_ca", "ll>", "more"]
     shown, last, ended = read(reader, pieces)
     assert ended and len(shown) == 3 and [c.name for c in reader.calls] == ["get_time"]
+
+
+def test_a_close_tag_inside_constrained_or_json_arguments_does_not_end_the_sample():
+    """Only the tagged formats under AUTO end a sample at a closing tag: in a constrained
+    call or a bare JSON one, "</tool_call>" is a string in the arguments."""
+    for choice, fmt, text in (
+        (
+            "required",
+            ToolFormat.HERMES,
+            '[{"name":"get_weather","arguments":{"city":"</tool_call>"}}]',
+        ),
+        ("auto", ToolFormat.JSON, '{"name": "get_weather", "arguments": {"city": "</tool_call>"}}'),
+    ):
+        reader = ToolCallReader(tools(choice, fmt, parallel=False))
+        shown, last, ended = read(reader, [text[:40], text[40:]])
+        assert not ended, choice
+        assert [(c.name, json.loads(c.arguments)) for c in reader.calls] == [
+            ("get_weather", {"city": "</tool_call>"})
+        ]
