@@ -7,6 +7,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import llguidance
+import pytest
+
 from pagoda.common import wire
 from pagoda.common.dummy_tokens import dummy_next_token
 from pagoda.protos import step_pb2
@@ -24,9 +27,11 @@ from pagoda.scheduler_svc.core import (
     WorkerGeometry,
 )
 from pagoda.scheduler_svc.core.request import RequestState
+from pagoda.scheduler_svc.grammars import GrammarCompiler
 from pagoda.scheduler_svc.output_processor import OutputProcessor
 from pagoda.scheduler_svc.step_loop import apply_step
 from pagoda.scheduler_svc.testing import FakeWorker
+from tests.conftest import TINY_VOCAB_SIZE
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -340,3 +345,17 @@ def drive(
     if stop_early:
         return streams
     raise AssertionError(f"not done after {max_steps} steps")
+
+
+@pytest.fixture(scope="module")
+def compiler(tiny_tokenizer_dir) -> GrammarCompiler:
+    """The structured-output compiler on the tiny tokenizer's vocabulary."""
+    return GrammarCompiler(lambda: (tiny_tokenizer_dir / "tokenizer.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tiny_llg_tokenizer(tiny_tokenizer_dir) -> llguidance.LLTokenizer:
+    """llguidance's view of the tiny tokenizer (TINY_VOCAB_SIZE ids)."""
+    return llguidance.LLTokenizer(
+        (tiny_tokenizer_dir / "tokenizer.json").read_text(), n_vocab=TINY_VOCAB_SIZE
+    )

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import llguidance
 import numpy as np
 import pytest
 
@@ -21,7 +20,6 @@ from pagoda.scheduler_svc import grammars
 from pagoda.scheduler_svc.core import NewSequence, StepPlan
 from pagoda.scheduler_svc.core.request import Request, token_array
 from pagoda.scheduler_svc.grammars import (
-    GrammarCompiler,
     GrammarError,
     ValidConstraint,
     fill_masks,
@@ -35,16 +33,8 @@ EOS = 2
 
 
 @pytest.fixture(scope="module")
-def compiler(tiny_tokenizer_dir):
-    return GrammarCompiler(lambda: (tiny_tokenizer_dir / "tokenizer.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def vocabulary(tiny_tokenizer_dir):
-    tokenizer = llguidance.LLTokenizer(
-        (tiny_tokenizer_dir / "tokenizer.json").read_text(), n_vocab=TINY_VOCAB_SIZE
-    )
-    return [tokenizer.decode_bytes([t]) for t in range(TINY_VOCAB_SIZE)]
+def vocabulary(tiny_llg_tokenizer):
+    return [tiny_llg_tokenizer.decode_bytes([t]) for t in range(TINY_VOCAB_SIZE)]
 
 
 def allowed_ids(bitmask: bytes) -> set[int]:

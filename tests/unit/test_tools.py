@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 
-import llguidance
 import pytest
 
 from pagoda.protos import generation_pb2 as pb
-from pagoda.scheduler_svc.grammars import GrammarCompiler
 from pagoda.scheduler_svc.tokenizer import load_tokenizer
 from pagoda.scheduler_svc.tools import ToolChoice, ToolFormat, closed, tool_format
 from pagoda.scheduler_svc.validation import (
@@ -155,17 +153,9 @@ def test_template_formats():
 
 
 @pytest.fixture(scope="module")
-def compiler(tiny_tokenizer_dir):
-    return GrammarCompiler(lambda: (tiny_tokenizer_dir / "tokenizer.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def tokens(tiny_tokenizer_dir):
+def tokens(tiny_llg_tokenizer):
     """Text -> the tiny vocabulary's token ids."""
-    tokenizer = llguidance.LLTokenizer(
-        (tiny_tokenizer_dir / "tokenizer.json").read_text(), n_vocab=TINY_VOCAB_SIZE
-    )
-    return tokenizer.tokenize_str
+    return tiny_llg_tokenizer.tokenize_str
 
 
 def constrained_matcher(tokenizer, compiler, request):
