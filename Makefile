@@ -63,6 +63,9 @@ bench-scheduler: $(STAMP) ## schedule() + apply() per step at 16..1024 running s
 bench-tenants: $(STAMP) ## two API keys on the dummy worker, fair share off and on: a flood vs short requests
 	$(PY) -m benchmarks.tenants $(ARGS)
 
+bench-router: $(STAMP) ## two replicas of the default model behind pagoda-router: cache-aware vs least-loaded vs round-robin
+	$(PY) -m benchmarks.router $(ARGS)
+
 llama-server: $(STAMP) ## build llama.cpp's llama-server + the Q4_1 model into ~/.cache (a make bench peer)
 	scripts/build_llama_server.sh $(PY) $(LLAMA_CPP_PYTHON_VERSION)
 

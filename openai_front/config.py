@@ -16,6 +16,7 @@ from pagoda.common.settings import (
     DEFAULT_GRPC_ADDRESS,
     LoadedConfig,
     load_flags,
+    split_host_port,
 )
 
 ENV_PREFIX = "PAGODA_OPENAI_"
@@ -75,14 +76,6 @@ class FrontConfig:
     @property
     def listen_port(self) -> int:
         return split_host_port(self.listen)[1]
-
-
-def split_host_port(address: str) -> tuple[str, int]:
-    """("::1", 8000) from "[::1]:8000"; ("127.0.0.1", 8000) from "127.0.0.1:8000"."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"{address!r} is not HOST:PORT")
-    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:

@@ -52,6 +52,14 @@ def insecure_tcp_warning(endpoint: str, *, curve: bool) -> str | None:
     )
 
 
+def split_host_port(address: str) -> tuple[str, int]:
+    """("::1", 8000) from "[::1]:8000"; ("127.0.0.1", 8000) from "127.0.0.1:8000"."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{address!r} is not HOST:PORT")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
 class SettingError(ValueError):
     """A setting that cannot be read; the message is one sentence naming it and its source."""
 

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from pagoda.openai_front.config import FrontConfig, describe, load_config, split_host_port
+from pagoda.common.settings import split_host_port
+from pagoda.openai_front.config import FrontConfig, describe, load_config
 
 
 def test_defaults_listen_on_loopback_and_target_the_local_scheduler():

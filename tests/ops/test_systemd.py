@@ -99,7 +99,13 @@ def last(settings: dict[str, list[str]], key: str) -> str | None:
 
 
 @pytest.mark.parametrize(
-    "unit", ["pagoda-scheduler.service", "pagoda-worker.service", "pagoda-openai.service"]
+    "unit",
+    [
+        "pagoda-scheduler.service",
+        "pagoda-worker.service",
+        "pagoda-openai.service",
+        "pagoda-router.service",
+    ],
 )
 def test_units_carry_the_sandbox(unit):
     text = (UNITS / unit).read_text()

@@ -1,0 +1,123 @@
+"""The scheduler replicas behind the router: a channel to each, its health as its own
+grpc.health.v1 reports it, and the requests the router has in flight there.
+
+A replica is routed to only while it says SERVING (a scheduler does so only while a
+worker is attached), and not after it refused a call UNAVAILABLE until it says so again.
+When it stops serving, what the router believed of its prefix cache is dropped: a
+scheduler that lost its worker dropped its cache too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = logging.getLogger("pagoda.router")
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+# A health check may take this long even when checks are more frequent.
+MIN_CHECK_TIMEOUT_S = 1.0
+
+# Reconnect quickly to a replica that restarts, as the client does (client/connection.py);
+# replies as large as a scheduler may send.
+CHANNEL_OPTIONS: tuple[tuple[str, str | int], ...] = (
+    ("grpc.primary_user_agent", "pagoda-router"),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+)
+
+
+@dataclass(slots=True)
+class Backend:
+    """One replica. `in_flight` counts requests (a call's n samples) the router has open
+    there, `num_refused` the calls it refused UNAVAILABLE; the event loop owns every field."""
+
+    address: str
+    channel: grpc.aio.Channel
+    serving: bool = False
+    in_flight: int = 0
+    num_refused: int = 0
+    watcher: asyncio.Task | None = field(default=None, repr=False)
+
+
+class Backends:
+    """Opened inside the serving event loop (grpc.aio channels belong to their loop).
+    `on_change(backend)` is called whenever a backend starts or stops serving."""
+
+    def __init__(
+        self,
+        addresses: list[str],
+        credentials: grpc.ChannelCredentials | None,
+        health_interval_s: float,
+        on_change: Callable[[Backend], None],
+    ) -> None:
+        self._interval_s = health_interval_s
+        self._on_change = on_change
+        self.by_address: dict[str, Backend] = {}
+        for address in addresses:
+            if credentials is None:
+                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            else:
+                channel = grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+            self.by_address[address] = Backend(address, channel)
+
+    @property
+    def all(self) -> list[Backend]:
+        return list(self.by_address.values())
+
+    def serving(self) -> list[Backend]:
+        return [backend for backend in self.by_address.values() if backend.serving]
+
+    def start(self) -> None:
+        for backend in self.by_address.values():
+            backend.watcher = asyncio.create_task(
+                self._watch(backend), name=f"watch {backend.address}"
+            )
+
+    async def close(self) -> None:
+        for backend in self.by_address.values():
+            if backend.watcher is not None:
+                backend.watcher.cancel()
+        for backend in self.by_address.values():
+            await backend.channel.close()
+
+    def refused(self, backend: Backend) -> None:
+        """A call there was refused UNAVAILABLE: not serving until its health says so again
+        (the next check, within one interval)."""
+        backend.num_refused += 1
+        self._set(backend, False)
+
+    async def _watch(self, backend: Backend) -> None:
+        """Ask the replica's health every `interval_s`, for good. A health Check, not a
+        Watch stream: a scheduler with API keys answers Check without a key, and only it."""
+        stub = health_pb2_grpc.HealthStub(backend.channel)
+        request = health_pb2.HealthCheckRequest(service="")
+        while True:
+            try:
+                reply = await stub.Check(
+                    request, timeout=max(self._interval_s, MIN_CHECK_TIMEOUT_S)
+                )
+                serving = reply.status == SERVING
+            except grpc.aio.AioRpcError as exc:
+                if backend.serving:
+                    log.warning(
+                        "%s did not answer its health check: %s", backend.address, exc.code()
+                    )
+                serving = False
+            self._set(backend, serving)
+            await asyncio.sleep(self._interval_s)
+
+    def _set(self, backend: Backend, serving: bool) -> None:
+        if serving == backend.serving:
+            return
+        backend.serving = serving
+        log.info("%s is %s", backend.address, "serving" if serving else "not serving")
+        self._on_change(backend)

@@ -1,0 +1,306 @@
+"""The router's Generation service: each call forwarded, as bytes, to one replica.
+
+Generate and Chat go where the policy says (router/policy.py) (their routing key read from the request); the
+other calls go to the least loaded replica, except GetServerStats, which asks every
+replica and adds their answers up (router/stats.py). What a replica answers (messages,
+status, details, trailing metadata) reaches the client unchanged; the router decides
+nothing about a request's validity, so every refusal is the scheduler's own sentence.
+
+A call that a replica refuses with UNAVAILABLE (no worker attached, or unreachable) before
+any message reached the client is tried on the next replica: nothing was streamed, and a
+greedy or seeded request gives the same tokens on any replica, so no client can tell. After
+the first message a call stays where it is; a replica lost then ends the stream with its
+error, as a lost connection to a scheduler would.
+
+A client's `request_id` names its request within its own connection; every client reaches
+a replica through the router's one connection, so the router scopes the id by the client's
+peer before forwarding it and gives the client back its own id in each reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from pagoda.protos import generation_pb2
+from pagoda.router.backends import Backend, Backends
+from pagoda.router.policy import Route, Thresholds, cache_aware, least_loaded, round_robin
+from pagoda.router.prefix_index import PrefixIndex
+from pagoda.router.routing_key import RoutingKey, chat_key, generate_key, tenant_of
+from pagoda.router.stats import merge_stats
+from pagoda.scheduler_svc.write_watch import StalledWrite, WriteWatch
+
+log = logging.getLogger("pagoda.router")
+
+SERVICE = "pagoda.v1.Generation"
+# Bounded wait for the status of a stream whose client stopped reading (see _end_stalled).
+STALLED_ABORT_TIMEOUT_S = 1.0
+# Metadata that belongs to one hop (HTTP/2 pseudo-headers, gRPC's own, the transport's),
+# never forwarded; every other entry (the bearer key first) is.
+_HOP_PREFIXES = (":", "grpc-")
+_HOP_KEYS = frozenset({"user-agent", "te", "content-type", "host", "connection"})
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    policy: str = "cache-aware"
+    thresholds: Thresholds = Thresholds()
+    max_cached_chunks_per_backend: int = 1 << 20
+    stream_write_timeout_s: float = 60.0
+    health_interval_s: float = 0.5
+
+
+class NoBackend(Exception):
+    """No replica is serving (or every one was tried)."""
+
+
+class Router:
+    """Opened inside the serving event loop; `on_serving(bool)` hears when the router starts
+    or stops having a serving replica (its own health follows it)."""
+
+    def __init__(
+        self,
+        addresses: list[str],
+        credentials: grpc.ChannelCredentials | None,
+        settings: RouterSettings,
+        on_serving: Callable[[bool], None],
+    ) -> None:
+        self._settings = settings
+        self._on_serving = on_serving
+        self._index = PrefixIndex(addresses, settings.max_cached_chunks_per_backend)
+        self._backends = Backends(
+            addresses, credentials, settings.health_interval_s, self._backend_changed
+        )
+        self._write_watch = WriteWatch(settings.stream_write_timeout_s)
+        self._turn = 0
+        # Calls routed, by (replica, reason); read by the metrics.
+        self.num_routes: Counter[tuple[str, str]] = Counter()
+
+    @property
+    def backends(self) -> list[Backend]:
+        return self._backends.all
+
+    def num_cached_chunks(self, address: str) -> int:
+        return self._index.num_chunks(address)
+
+    def start(self) -> None:
+        self._backends.start()
+
+    async def close(self) -> None:
+        self._write_watch.close()
+        await self._backends.close()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The Generation service over raw bytes: nothing is parsed on the way but the
+        routing key, nothing re-encoded but a scoped request_id."""
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Generate": grpc.unary_stream_rpc_method_handler(self.generate),
+                "Chat": grpc.unary_stream_rpc_method_handler(self.chat),
+                "Tokenize": grpc.unary_unary_rpc_method_handler(self.tokenize),
+                "GetModelInfo": grpc.unary_unary_rpc_method_handler(self.model_info),
+                "GetServerStats": grpc.unary_unary_rpc_method_handler(self.server_stats),
+            },
+        )
+
+    # The calls.
+
+    async def generate(self, data: bytes, context) -> None:
+        metadata = forwarded_metadata(context.invocation_metadata())
+        key = generate_key(data, tenant_of(metadata))
+        await self._stream("Generate", generation_pb2.GenerateRequest, data, key, metadata, context)
+
+    async def chat(self, data: bytes, context) -> None:
+        metadata = forwarded_metadata(context.invocation_metadata())
+        key = chat_key(data, tenant_of(metadata))
+        await self._stream("Chat", generation_pb2.ChatRequest, data, key, metadata, context)
+
+    async def tokenize(self, data: bytes, context) -> bytes:
+        return await self._unary("Tokenize", data, context)
+
+    async def model_info(self, data: bytes, context) -> bytes:
+        return await self._unary("GetModelInfo", data, context)
+
+    async def server_stats(self, data: bytes, context) -> bytes:
+        metadata = forwarded_metadata(context.invocation_metadata())
+        timeout_s = context.time_remaining()
+
+        async def ask(backend: Backend) -> bytes:
+            call = backend.channel.unary_unary(_path("GetServerStats"))
+            return await call(data, metadata=metadata, timeout=timeout_s)
+
+        backends = self._backends.all
+        replies = await asyncio.gather(*(ask(b) for b in backends), return_exceptions=True)
+        answers = [reply for reply in replies if isinstance(reply, bytes)]
+        if not answers:
+            error = next(r for r in replies if isinstance(r, grpc.aio.AioRpcError))
+            await context.abort(error.code(), error.details(), tuple(error.trailing_metadata()))
+        if len(answers) < len(backends):
+            failed = [
+                b.address
+                for b, r in zip(backends, replies, strict=True)
+                if not isinstance(r, bytes)
+            ]
+            log.info("GetServerStats: no answer from %s; summing the others", ", ".join(failed))
+        return merge_stats(answers)
+
+    # Routing.
+
+    def route(self, key: RoutingKey | None, tried: Sequence[Backend]) -> Backend:
+        """The replica for a call with this key (None: any), among those serving and not
+        yet tried; its key is then recorded as cached there."""
+        candidates = [b for b in self._backends.serving() if b not in tried]
+        if not candidates:
+            raise NoBackend
+        by_address = {b.address: b for b in candidates}
+        names = list(by_address)
+        loads = {b.address: b.in_flight for b in candidates}
+        cached = {name: self._index.num_chunks(name) for name in names}
+        if key is None or self._settings.policy == "least-loaded":
+            chosen = Route(least_loaded(names, loads, cached), "least-loaded")
+        elif self._settings.policy == "round-robin":
+            chosen = round_robin(names, self._turn)
+            self._turn += 1
+        else:
+            matched = self._index.matched_chunks(key.chunk_hashes)
+            chosen = cache_aware(
+                names, loads, matched, len(key.chunk_hashes), cached, self._settings.thresholds
+            )
+        backend = by_address[chosen.backend]
+        if key is not None:
+            self._index.record(backend.address, key.chunk_hashes)
+        self.num_routes[backend.address, chosen.reason] += 1
+        log.debug("routed to %s (%s)", backend.address, chosen.reason)
+        return backend
+
+    def _backend_changed(self, backend: Backend) -> None:
+        if not backend.serving:
+            # A scheduler that stops serving lost its worker (and the worker's cache) or is
+            # going away: whatever the router believed cached there is gone.
+            self._index.forget(backend.address)
+        self._on_serving(bool(self._backends.serving()))
+
+    # Forwarding.
+
+    async def _stream(self, name, request_class, data, key, metadata, context) -> None:
+        weight = key.weight if key is not None else 1
+        client_id = key.request_id if key is not None else ""
+        if client_id:
+            data += request_class(request_id=f"{context.peer()}/{client_id}").SerializeToString()
+        tried: list[Backend] = []
+        refusal: grpc.aio.AioRpcError | None = None
+        while True:
+            try:
+                backend = self.route(key, tried)
+            except NoBackend:
+                await self._no_backend(context, refusal)
+                return
+            tried.append(backend)
+            backend.in_flight += weight
+            call = backend.channel.unary_stream(_path(name))(
+                data, metadata=metadata, timeout=context.time_remaining()
+            )
+            forwarded_any = False
+            try:
+                async for reply in call:
+                    if client_id:
+                        reply = _with_request_id(reply, client_id)
+                    forwarded_any = True
+                    await self._write_watch.write(context.write(reply))
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.UNAVAILABLE and not forwarded_any:
+                    self._backends.refused(backend)
+                    refusal = error
+                    log.info(
+                        "%s from %s: %s; trying another", name, backend.address, error.details()
+                    )
+                    continue
+                _end_with(context, error.code(), error.details(), error.trailing_metadata())
+                return
+            except StalledWrite:
+                await self._end_stalled(context)
+                return
+            finally:
+                backend.in_flight -= weight
+                call.cancel()  # a no-op once the call ended; else the client left or stalled
+            _end_with(
+                context, await call.code(), await call.details(), await call.trailing_metadata()
+            )
+            return
+
+    async def _unary(self, name: str, data: bytes, context) -> bytes:
+        metadata = forwarded_metadata(context.invocation_metadata())
+        tried: list[Backend] = []
+        refusal: grpc.aio.AioRpcError | None = None
+        while True:
+            try:
+                backend = self.route(None, tried)
+            except NoBackend:
+                await self._no_backend(context, refusal)
+            tried.append(backend)
+            backend.in_flight += 1
+            try:
+                call = backend.channel.unary_unary(_path(name))
+                return await call(data, metadata=metadata, timeout=context.time_remaining())
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._backends.refused(backend)
+                    refusal = error
+                    continue
+                await context.abort(error.code(), error.details(), tuple(error.trailing_metadata()))
+            finally:
+                backend.in_flight -= 1
+
+    async def _no_backend(self, context, refusal: grpc.aio.AioRpcError | None) -> None:
+        """UNAVAILABLE: the last replica's own refusal when every serving one refused the
+        call, else the router's sentence (none was serving)."""
+        if refusal is not None:
+            await context.abort(refusal.code(), refusal.details())
+        sentence = f"no replica is serving ({len(self._backends.all)} configured)"
+        await context.abort(grpc.StatusCode.UNAVAILABLE, sentence)
+
+    async def _end_stalled(self, context) -> None:
+        """As the scheduler ends a stream its client stopped reading: the status waits
+        behind the message the client does not take, so it is bounded, then the handler
+        ends as cancelled and the call's upstream stream is already cancelled."""
+        limit_s = self._write_watch.limit_s
+        sentence = f"the client took no message for {limit_s:g} s; the stream was ended"
+        try:
+            await asyncio.wait_for(
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, sentence), STALLED_ABORT_TIMEOUT_S
+            )
+        except (TimeoutError, grpc.aio.InternalError):
+            pass
+        raise asyncio.CancelledError
+
+
+def forwarded_metadata(metadata) -> tuple[tuple[str, str | bytes], ...]:
+    return tuple(
+        (name, value)
+        for name, value in metadata or ()
+        if not name.startswith(_HOP_PREFIXES) and name not in _HOP_KEYS
+    )
+
+
+def _path(name: str) -> str:
+    return f"/{SERVICE}/{name}"
+
+
+def _with_request_id(reply: bytes, request_id: str) -> bytes:
+    response = generation_pb2.GenerateResponse.FromString(reply)
+    response.request_id = request_id
+    return response.SerializeToString()
+
+
+def _end_with(context, code: grpc.StatusCode, details: str | None, trailing) -> None:
+    if trailing:
+        context.set_trailing_metadata(tuple(trailing))
+    if code != grpc.StatusCode.OK:
+        context.set_code(code)
+        context.set_details(details or "")

@@ -1,0 +1,83 @@
+"""The router's gRPC server: the proxied Generation service, its own health (SERVING while
+any replica serves) and reflection, over TLS or plaintext."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pagoda.protos import generation_pb2  # noqa: F401  (registers pagoda.v1 for reflection)
+from pagoda.router.config import RouterConfig
+from pagoda.router.proxy import SERVICE, Router
+
+MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
+# As the scheduler: ping a connection silent for a minute, close it after 20 s without an
+# answer; refuse handshakes that take longer than 10 s.
+SERVER_OPTIONS = (
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.server_handshake_timeout_ms", 10_000),
+    ("grpc.so_reuseport", 0),
+)
+HEALTH = health_pb2.HealthCheckResponse
+
+
+class RouterHealth:
+    """The router's grpc.health.v1 answer: SERVING while a replica serves, so that the
+    router's own balancer (or systemd, or a client's wait for ready) sees one server."""
+
+    def __init__(self) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self._pending: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        await self._set(False)
+
+    def on_serving(self, serving: bool) -> None:
+        """Called from the event loop (sync): the status is set by a task of its own."""
+        task = asyncio.create_task(self._set(serving))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _set(self, serving: bool) -> None:
+        status = HEALTH.SERVING if serving else HEALTH.NOT_SERVING
+        for service in ("", SERVICE):
+            await self.servicer.set(service, status)
+
+
+def build_server(config: RouterConfig, router: Router, health: RouterHealth) -> grpc.aio.Server:
+    options = [
+        ("grpc.max_receive_message_length", config.max_grpc_message_bytes),
+        (
+            "grpc.max_send_message_length",
+            max(config.max_grpc_message_bytes, MAX_SEND_MESSAGE_BYTES),
+        ),
+        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+        *SERVER_OPTIONS,
+    ]
+    server = grpc.aio.server(options=options)
+    server.add_generic_rpc_handlers((router.handler(),))
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    reflection.enable_server_reflection(
+        (
+            SERVICE,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    if config.tls_cert:
+        credentials = grpc.ssl_server_credentials(
+            [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
+        )
+        port = server.add_secure_port(config.listen, credentials)
+    else:
+        port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {config.listen}")
+    return server
