@@ -307,3 +307,32 @@ def test_streams_a_client_stopped_reading_are_ended_with_its_connection_still_op
         wait_until(lambda: in_flight() == 4, 30, "the stalled streams to be routed")
         assert all(stream_id in connection.responded for stream_id in streams)
         wait_until(lambda: in_flight() == 0, 60, "the router to end the stalled calls")
+
+
+def test_a_call_a_lost_replica_cannot_take_is_retried_on_another(tmp_path):
+    """A replica's scheduler is killed between two health checks (30 s apart): the next
+    call routed there is refused at connect (UNAVAILABLE, nothing streamed), retried on the
+    other replica, and that replica is skipped from then on; no client sees an error."""
+    metrics_address = f"127.0.0.1:{free_port()}"
+    with ExitStack() as stack:
+        replicas = []
+        for i in range(2):
+            (tmp_path / f"r{i}").mkdir()
+            replicas.append(stack.enter_context(running_service(tmp_path / f"r{i}", model="dummy")))
+        address = stack.enter_context(
+            running_router(
+                tmp_path,
+                [r.address for r in replicas],
+                "--health-interval-s",
+                "30",
+                "--metrics-address",
+                metrics_address,
+            )  # fmt: skip
+        )
+        replicas[0].scheduler.kill()
+        replicas[0].scheduler.wait()
+        for seed in range(700, 706):
+            tokens, _ = asyncio.run(generate(address, prompt(seed)))
+            assert tokens == dummy_continuation(prompt(seed), 8)
+        assert metric(metrics_address, "pagoda_router_retries_total") == 1
+        assert metric(metrics_address, "pagoda_router_backend_serving") == 1
