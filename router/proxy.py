@@ -33,13 +33,11 @@ from pagoda.router.policy import Route, Thresholds, cache_aware, least_loaded, r
 from pagoda.router.prefix_index import PrefixIndex
 from pagoda.router.routing_key import RoutingKey, chat_key, generate_key, tenant_of
 from pagoda.router.stats import merge_stats
-from pagoda.scheduler_svc.write_watch import StalledWrite, WriteWatch
+from pagoda.scheduler_svc.write_watch import StalledWrite, WriteWatch, end_stalled
 
 log = logging.getLogger("pagoda.router")
 
 SERVICE = "pagoda.v1.Generation"
-# Bounded wait for the status of a stream whose client stopped reading (see _end_stalled).
-STALLED_ABORT_TIMEOUT_S = 1.0
 # Metadata that belongs to one hop (HTTP/2 pseudo-headers, gRPC's own, the transport's),
 # never forwarded; every other entry (the bearer key first) is.
 _HOP_PREFIXES = (":", "grpc-")
@@ -224,7 +222,11 @@ class Router:
                 _end_with(context, error.code(), error.details(), error.trailing_metadata())
                 return
             except StalledWrite:
-                await self._end_stalled(context)
+                sentence = self._write_watch.stalled_sentence
+                await end_stalled(context, grpc.StatusCode.DEADLINE_EXCEEDED, sentence)
+            except grpc.aio.InternalError:
+                # grpc refused the write: the client's connection closed while it waited.
+                # The call is over, like a cancel; nothing is left to answer.
                 return
             finally:
                 backend.in_flight -= weight
@@ -264,20 +266,6 @@ class Router:
             await context.abort(refusal.code(), refusal.details())
         sentence = f"no replica is serving ({len(self._backends.all)} configured)"
         await context.abort(grpc.StatusCode.UNAVAILABLE, sentence)
-
-    async def _end_stalled(self, context) -> None:
-        """As the scheduler ends a stream its client stopped reading: the status waits
-        behind the message the client does not take, so it is bounded, then the handler
-        ends as cancelled and the call's upstream stream is already cancelled."""
-        limit_s = self._write_watch.limit_s
-        sentence = f"the client took no message for {limit_s:g} s; the stream was ended"
-        try:
-            await asyncio.wait_for(
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, sentence), STALLED_ABORT_TIMEOUT_S
-            )
-        except (TimeoutError, grpc.aio.InternalError):
-            pass
-        raise asyncio.CancelledError
 
 
 def forwarded_metadata(metadata) -> tuple[tuple[str, str | bytes], ...]:

@@ -13,9 +13,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagoda.protos import generation_pb2
-from pagoda.scheduler_svc.api import SERVICE_NAME, GenerationServicer, Undecodable
+from pagoda.scheduler_svc.api import SERVICE_NAME, GenerationServicer
 from pagoda.scheduler_svc.auth import BearerAuth, read_api_keys, warn_if_exposed
 from pagoda.scheduler_svc.core import ConfigError
+from pagoda.scheduler_svc.refusals import Undecodable
 from pagoda.scheduler_svc.rpc_limit import RpcLimit
 from pagoda.scheduler_svc.settings import ServiceConfig
 

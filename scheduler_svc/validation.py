@@ -1,7 +1,9 @@
 """Public requests -> Valid* domain values, or one sentence naming the field and its limit.
 
 Works on the pagoda.v1 request messages by their field names (it never builds one),
-so the servicer stays thin and every limit lives here.
+so the servicer stays thin and every limit lives here, or in chat_validation.py for a
+chat's messages and tools: that module renders a chat to its prompt, then finishes it
+with the checks here that every request shares (`valid_request`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ from dataclasses import dataclass
 
 from pagoda.scheduler_svc.core import SamplingParams, ValidRequest, ValidStopping
 from pagoda.scheduler_svc.grammars import MAX_CHOICES, MAX_CONSTRAINT_BYTES, ValidConstraint
-from pagoda.scheduler_svc.tokenizer import ChatTemplateError, TextTokenizer
-from pagoda.scheduler_svc.tool_templates import template_messages
-from pagoda.scheduler_svc.tools import ToolFormat, ToolsError, ValidTools, valid_tools
+from pagoda.scheduler_svc.tokenizer import TextTokenizer
+from pagoda.scheduler_svc.tools import ValidTools
 
 MAX_REQUEST_ID_BYTES = 128
 MAX_CACHE_SALT_BYTES = 256
@@ -28,7 +29,6 @@ MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
 MAX_ABS_PRESENCE_FREQUENCY = 2.0
 MAX_ABS_PRIORITY = 1_000_000
-MAX_CHAT_MESSAGES = 256
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_ALLOWED_OR_BANNED_IDS = 1024  # each of sampling.allowed_token_ids and banned_token_ids
@@ -77,90 +77,9 @@ def validate_generate(request, tokenizer: TextTokenizer, limits: Limits) -> Vali
             )
     else:
         prompt = request.prompt if which == "prompt" else ""
-        _check_prompt_text(prompt, limits)
+        check_prompt_text(prompt, limits)
         prompt_token_ids = tokenizer.encode(prompt, add_special_tokens=True)
-    return _finish(request, tuple(prompt_token_ids), limits)
-
-
-def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidRequest:
-    """A pagoda.v1.ChatRequest -> ValidRequest, rendered with the model's chat template."""
-    if not request.messages:
-        raise ValidationError("messages must hold at least one message")
-    if len(request.messages) > MAX_CHAT_MESSAGES:
-        raise ValidationError(
-            f"messages holds {len(request.messages)} messages; at most {MAX_CHAT_MESSAGES}"
-        )
-    num_chars = sum(num_message_chars(message) for message in request.messages)
-    if num_chars > limits.max_context_tokens * MAX_PROMPT_BYTES_PER_TOKEN:
-        raise ValidationError(
-            f"messages hold {num_chars} characters, far beyond the context of "
-            f"{limits.max_context_tokens} tokens"
-        )
-    for index, message in enumerate(request.messages):
-        if message.role not in tokenizer.known_roles:
-            roles = ", ".join(sorted(tokenizer.known_roles))
-            raise ValidationError(
-                f"messages[{index}].role {echoed(message.role)} is not one of: {roles}"
-            )
-    try:
-        tools = _tools(request, tokenizer)
-        conversation = template_messages(request.messages, tools, tokenizer)
-    except ToolsError as exc:
-        raise ValidationError(str(exc)) from None
-    shown_tools = None
-    if tools is not None and tokenizer.tool_format is not ToolFormat.GENERIC:
-        shown_tools = tools.for_template()
-    try:
-        rendered = tokenizer.render_chat(conversation, shown_tools)
-    except Exception as exc:  # the template's own raise_exception() and jinja errors
-        # The template's message may quote the conversation.
-        raise ValidationError(
-            f"the model's chat template refused the conversation: {echoed(str(exc))}"
-        ) from None
-    _check_prompt_text(rendered, limits)
-    # The template already wrote the special tokens (BOS, turn markers); the contents'
-    # look-alikes are text.
-    contents = [message["content"] for message in conversation]
-    try:
-        prompt_token_ids = tokenizer.encode_chat(rendered, contents)
-    except ChatTemplateError as exc:
-        sentence = str(exc)
-    else:
-        return _finish(request, tuple(prompt_token_ids), limits, tools)
-    raise ValidationError(sentence)
-
-
-# ToolChoiceMode's values (pagoda.v1), by number.
-_TOOL_CHOICE_MODES = {0: "auto", 1: "none", 2: "required"}
-
-
-def _tools(request, tokenizer: TextTokenizer) -> ValidTools | None:
-    """A ChatRequest's tools, tool_choice and parallel_tool_calls, checked."""
-    which = request.tool_choice.WhichOneof("choice") if request.HasField("tool_choice") else None
-    function_name = ""
-    if which == "function_name":
-        mode, function_name = "function", request.tool_choice.function_name
-    elif which == "mode":
-        mode = _TOOL_CHOICE_MODES.get(request.tool_choice.mode)
-        if mode is None:
-            raise ValidationError(f"tool_choice.mode {request.tool_choice.mode} is unknown")
-    else:
-        mode = "auto"
-    parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
-    return valid_tools(
-        [(tool.name, tool.description, tool.parameters) for tool in request.tools],
-        mode,
-        function_name,
-        parallel,
-        tokenizer.tool_format,
-        tokenizer.special_texts,
-    )
-
-
-def num_message_chars(message) -> int:
-    """A chat message's characters, its calls' and their answer's ids included."""
-    calls = sum(len(call.id) + len(call.name) + len(call.arguments) for call in message.tool_calls)
-    return len(message.content) + calls + len(message.tool_call_id) + len(message.name)
+    return valid_request(request, tuple(prompt_token_ids), limits)
 
 
 def validate_constraint(request, valid: ValidRequest) -> ValidConstraint | None:
@@ -228,7 +147,7 @@ def validate_tokenize_text(text: str, limits: Limits) -> None:
     _check_text_length("text", text, limits)
 
 
-def _check_prompt_text(prompt: str, limits: Limits) -> None:
+def check_prompt_text(prompt: str, limits: Limits) -> None:
     if not prompt:
         raise ValidationError("prompt must not be empty")
     _check_text_length("prompt", prompt, limits)
@@ -252,9 +171,10 @@ def _check_num_prompt_tokens(num_prompt_tokens: int, limits: Limits) -> None:
         )
 
 
-def _finish(
+def valid_request(
     request, prompt_token_ids: tuple[int, ...], limits: Limits, tools: ValidTools | None = None
 ) -> ValidRequest:
+    """The fields every request shares (Generate's and Chat's), checked around its prompt."""
     num_prompt_tokens = len(prompt_token_ids)
     _check_num_prompt_tokens(num_prompt_tokens, limits)
     if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:

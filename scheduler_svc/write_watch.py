@@ -6,6 +6,7 @@ message: at 256 streams an `asyncio.timeout` scope around every write cost the e
 about 7% of its time (py-spy), the loop that also plans the worker's steps. A write is
 ended as `asyncio.timeout` ends one: its task is cancelled at the pending await, and the
 cancellation becomes StalledWrite there. The limit is kept to within one sweep interval.
+`end_stalled` then ends such a stream (the scheduler's and the router's alike).
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+import grpc
+
+# How long a stalled stream's status may wait to be sent before its handler gives up.
+STALLED_ABORT_TIMEOUT_S = 1.0
 # Sweeps per time limit: a stalled write is ended between 1 and 1 + 1/SWEEPS_PER_LIMIT
 # limits after it began.
 SWEEPS_PER_LIMIT = 4
@@ -52,6 +57,11 @@ class WriteWatch:
         finally:
             del self._started_s[task]
 
+    @property
+    def stalled_sentence(self) -> str:
+        """What a client whose stream was ended for not reading is told."""
+        return f"the client took no message for {self.limit_s:g} s; the stream was ended"
+
     def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
@@ -65,3 +75,18 @@ class WriteWatch:
                 if started_s <= began_by_s and task not in self._ended:
                     self._ended.add(task)
                     task.cancel()
+
+
+async def end_stalled(context, code: grpc.StatusCode, sentence: str) -> None:
+    """End a stream its client stopped reading. The status queues behind the message
+    the client does not take, so it can wait for good (and grpc.aio cannot reset one
+    stream): bounded, then the handler ends as cancelled, giving back its request and
+    its RPC slot; the HTTP/2 stream lasts until the client's connection closes."""
+    try:
+        await asyncio.wait_for(context.abort(code, sentence), STALLED_ABORT_TIMEOUT_S)
+    except (TimeoutError, grpc.aio.InternalError):
+        # InternalError: grpc refuses the status while the write is still pending
+        # (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS); expected, one per stalled stream, so
+        # it is not left to grpc.aio to log with a traceback (security review N7).
+        pass
+    raise asyncio.CancelledError

@@ -9,9 +9,10 @@ import shutil
 import pytest
 
 from pagoda.protos import generation_pb2 as pb
+from pagoda.scheduler_svc.chat_validation import validate_chat
 from pagoda.scheduler_svc.tokenizer import load_tokenizer
 from pagoda.scheduler_svc.tools import ToolFormat
-from pagoda.scheduler_svc.validation import Limits, validate_chat
+from pagoda.scheduler_svc.validation import Limits
 
 # Hermes-style, as Qwen's: the tools in the system turn, calls in <tool_call> tags, answers
 # in a user turn.

@@ -13,11 +13,13 @@ import grpc
 import pytest
 
 from pagoda.protos import generation_pb2 as pb
-from pagoda.scheduler_svc.api import OFF_LOOP_MIN_CHARS, GenerationServicer, Refused
+from pagoda.scheduler_svc.api import OFF_LOOP_MIN_CHARS, GenerationServicer
+from pagoda.scheduler_svc.chat_validation import validate_chat
 from pagoda.scheduler_svc.metrics import Metrics
+from pagoda.scheduler_svc.refusals import Refused
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.tools import ToolFormat
-from pagoda.scheduler_svc.validation import validate_chat, validate_generate
+from pagoda.scheduler_svc.validation import validate_generate
 from pagoda.scheduler_svc.worker_link import WorkerInfo
 from tests.unit.conftest import make_hello
 

@@ -78,8 +78,8 @@ def test_cache_salt_by_api_key_flag_env_and_toml(tmp_path):
 
 
 def test_chat_requests_carry_their_cache_salt_too(default_model_dir):
+    from pagoda.scheduler_svc.chat_validation import validate_chat
     from pagoda.scheduler_svc.tokenizer import load_tokenizer
-    from pagoda.scheduler_svc.validation import validate_chat
 
     tokenizer = load_tokenizer(default_model_dir)
     request = pb.ChatRequest(

@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 
 from pagoda.protos import generation_pb2 as pb
+from pagoda.scheduler_svc.chat_validation import validate_chat
 from pagoda.scheduler_svc.tokenizer import load_tokenizer
 from pagoda.scheduler_svc.validation import (
     Limits,
     ValidationError,
-    validate_chat,
     validate_generate,
     validate_tokenize_text,
 )
