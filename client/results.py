@@ -206,6 +206,9 @@ class ServerStats:
     num_isolated_steps: int
     # The caller's own tenant (one entry; never another tenant's figures).
     tenants: list[TenantStats]
+    # Prompt tokens looked up in the prefix cache and found there, since start.
+    num_prefix_queried_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,10 +2,9 @@
 and dashboards see the deployment as one server.
 
 Counts and totals add; `workers` lists every replica's workers; the caller's tenant entry
-is the sum of its entries (histograms bucket by bucket). Two figures are not sums:
-`worker_busy_fraction` is the replicas' mean, and `prefix_cache_hit_rate` the replicas'
-rates weighted by their finished requests (a replica reports a rate, not the token counts
-behind it). `worker_connected` and `draining` hold when they hold for any replica.
+is the sum of its entries (histograms bucket by bucket). `prefix_cache_hit_rate` is the
+summed hit tokens over the summed looked-up tokens, `worker_busy_fraction` the replicas'
+mean; `worker_connected` and `draining` hold when they hold for any replica.
 """
 
 from __future__ import annotations
@@ -26,6 +25,8 @@ _SUMMED = (
     "num_generated_tokens",
     "worker_busy_s",
     "num_isolated_steps",
+    "num_prefix_queried_tokens",
+    "num_prefix_hit_tokens",
 )
 _TENANT_SUMMED = (
     "num_waiting",
@@ -45,13 +46,8 @@ def merge_stats(answers: Sequence[bytes]) -> bytes:
     total.worker_connected = any(reply.worker_connected for reply in replies)
     total.draining = any(reply.draining for reply in replies)
     total.worker_busy_fraction = sum(r.worker_busy_fraction for r in replies) / len(replies)
-    finished = total.num_requests_finished
-    if finished:
-        total.prefix_cache_hit_rate = (
-            sum(r.prefix_cache_hit_rate * r.num_requests_finished for r in replies) / finished
-        )
-    else:
-        total.prefix_cache_hit_rate = sum(r.prefix_cache_hit_rate for r in replies) / len(replies)
+    queried = total.num_prefix_queried_tokens
+    total.prefix_cache_hit_rate = total.num_prefix_hit_tokens / queried if queried else 0.0
     total.worker_incarnation_id = next(
         (r.worker_incarnation_id for r in replies if r.worker_incarnation_id), ""
     )

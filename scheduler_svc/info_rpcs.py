@@ -99,6 +99,8 @@ def server_stats(front: Front, metrics: Metrics, tenant: str) -> generation_pb2.
         num_kv_blocks_total=stats.num_kv_blocks_total,
         num_kv_blocks_cached=stats.num_kv_blocks_cached,
         prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+        num_prefix_queried_tokens=stats.num_prefix_queries_tokens,
+        num_prefix_hit_tokens=stats.num_prefix_hit_tokens,
         num_preemptions=stats.num_preemptions,
         num_steps=stats.num_steps,
         num_isolated_steps=stats.num_isolated_steps,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -238,4 +239,4 @@ def test_info_and_stats(fake_server):
     info_json = json.loads(run_cli("info", "--json", target=fake_server.target).stdout)
     assert info_json["eos_token_ids"] == [2]
     table = run_cli("stats", target=fake_server.target).stdout
-    assert "prefix_cache_hit_rate  0.25" in table
+    assert re.search(r"^prefix_cache_hit_rate +0\.25$", table, re.M)

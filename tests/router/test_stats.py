@@ -18,12 +18,13 @@ def tenant(name: str, finished: int, counts: list[int]) -> pb.TenantStats:
     )
 
 
-def test_counts_add_and_rates_are_weighted():
+def test_counts_add_and_the_hit_rate_is_one_of_the_sums():
     a = pb.ServerStats(
         num_running=2,
         num_kv_blocks_total=100,
         num_requests_finished=30,
-        prefix_cache_hit_rate=0.9,
+        num_prefix_queried_tokens=1000,
+        num_prefix_hit_tokens=900,
         worker_connected=True,
         worker_busy_fraction=0.8,
         workers=[pb.WorkerStats(incarnation_id="wa")],
@@ -33,7 +34,8 @@ def test_counts_add_and_rates_are_weighted():
         num_running=1,
         num_kv_blocks_total=50,
         num_requests_finished=10,
-        prefix_cache_hit_rate=0.1,
+        num_prefix_queried_tokens=3000,
+        num_prefix_hit_tokens=300,
         worker_busy_fraction=0.2,
         workers=[pb.WorkerStats(incarnation_id="wb")],
         tenants=[tenant("alice", 1, [0, 1, 1])],
@@ -44,7 +46,7 @@ def test_counts_add_and_rates_are_weighted():
         150,
         40,
     )
-    assert total.prefix_cache_hit_rate == pytest.approx((0.9 * 30 + 0.1 * 10) / 40)
+    assert total.prefix_cache_hit_rate == pytest.approx((900 + 300) / (1000 + 3000))
     assert total.worker_busy_fraction == pytest.approx(0.5)
     assert total.worker_connected
     assert [w.incarnation_id for w in total.workers] == ["wa", "wb"]
