@@ -8,8 +8,9 @@ shared prefixes (a system prompt each, --prefix-words words of about one token e
 each followed by --per-group short unique questions, sent in a shuffled order at
 --rate-per-s (Poisson arrivals), greedy, --max-new-tokens each. Each policy gets prefixes
 of its own, so no run finds another's in cache. Reported per policy: the share of prompt
-tokens served from the replicas' prefix caches, time to first token (p50, p90), the
-wall time of the whole run, and how the requests split over the replicas.
+tokens served from the replicas' prefix caches and the prompt tokens computed, time to
+first token (mean, p50, p90), the wall time of the whole run, and how the requests split
+over the replicas.
 
 With --num-kv-blocks below what every prefix on both replicas needs, a policy that sends
 every prefix everywhere evicts what a prefix-aware one keeps: the two replicas' caches
@@ -198,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
             f"tokens x {args.per_group} requests, {args.rate_per_s:g}/s, "
             f"KV blocks per replica: {args.num_kv_blocks or 'default'}"
         )
-        print(f"{'policy':>13} {'cached':>7} {'TTFT p50':>9} {'p90':>7} {'wall s':>7} {'split':>8}")
+        print(
+            f"{'policy':>13} {'cached':>7} {'computed':>9} {'TTFT mean':>10} {'p50':>7} "
+            f"{'p90':>7} {'wall s':>7} {'split':>8}"
+        )
         for policy in args.policies.split(","):
             address = f"127.0.0.1:{free_port()}"
             backends = ",".join(replica.address for replica in replicas)
@@ -215,13 +219,14 @@ def main(argv: list[str] | None = None) -> int:
                 split = [a - b for a, b in zip(finished_per_replica(replicas), before, strict=True)]
             finally:
                 stop_process(router)
-            cached = sum(r["cached_tokens"] for r in results) / sum(
-                r["prompt_tokens"] for r in results
-            )
+            prompt_tokens = sum(r["prompt_tokens"] for r in results)
+            cached_tokens = sum(r["cached_tokens"] for r in results)
             ttfts = sorted(r["ttft_s"] for r in results)
             print(
-                f"{policy:>13} {cached:>6.1%} {percentile(ttfts, 50) * 1000:>7.0f}ms "
-                f"{percentile(ttfts, 90) * 1000:>5.0f}ms {wall_s:>7.1f} {split[0]:>4}/{split[1]}"
+                f"{policy:>13} {cached_tokens / prompt_tokens:>6.1%} "
+                f"{prompt_tokens - cached_tokens:>9} {sum(ttfts) / len(ttfts) * 1000:>8.0f}ms "
+                f"{percentile(ttfts, 50) * 1000:>5.0f}ms {percentile(ttfts, 90) * 1000:>5.0f}ms "
+                f"{wall_s:>7.1f} {split[0]:>4}/{split[1]}"
             )
     finally:
         for replica in replicas:
