@@ -11,9 +11,10 @@ import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pagoda.common.logs import LOG_FORMAT_HELP, LOG_FORMATS
+from pagoda.common.logs import add_log_flags, log_setting_problems
 from pagoda.common.settings import (
     LoadedConfig,
+    add_config_flags,
     default_zmq_endpoint,
     insecure_tcp_problem,
     load_flags,
@@ -23,7 +24,6 @@ from pagoda.gpu_worker.attention import BACKEND_NAMES
 ENV_PREFIX = "PAGODA_WORKER_"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 QUANTIZATIONS = ("auto", "none", "int8")  # see pagoda.gpu_worker.quantization
 LAUNCH_AHEAD = ("auto", "on", "off")  # see pagoda.gpu_worker.engine
 MAX_TENSOR_PARALLEL_SIZE = 64  # a sanity bound: one host's GPUs, or a torchrun world
@@ -124,10 +124,7 @@ class WorkerConfig:
             problems.append("--dummy-step-ms must be between 0 and 60000")
         if self.dummy_crash_on_token_id is not None and not self.is_dummy:
             problems.append("--dummy-crash-on-token-id needs --model dummy")
-        if self.log_level not in LOG_LEVELS:
-            problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
-        if self.log_format not in LOG_FORMATS:
-            problems.append(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
+        problems += log_setting_problems(self.log_level, self.log_format)
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -273,8 +270,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="accept a tcp:// endpoint without CurveZMQ keys (plaintext and unauthenticated: "
         "whoever reaches the port can pose as the scheduler); logged as a warning",
     )
-    add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
-    add("--log-format", default="text", type=str.lower, choices=LOG_FORMATS, help=LOG_FORMAT_HELP)
+    add_log_flags(parser)
     add(
         "--hang-timeout-s",
         type=float,
@@ -344,17 +340,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="with --model dummy, a simulated forward: each step's compute takes at least "
         "this many milliseconds of wall time (it sleeps for what the loop did not use)",
     )
-    add(
-        "--config",
-        default=environ.get(ENV_PREFIX + "CONFIG"),
-        help="TOML file of settings, keys as the flags with underscores (block_size = 32); "
-        f"also {ENV_PREFIX}CONFIG",
-    )
-    add(
-        "--print-config",
-        action="store_true",
-        help="print the resolved settings and where each came from, then exit",
-    )
+    add_config_flags(parser, environ, ENV_PREFIX, example=" (block_size = 32)")
     return parser
 
 

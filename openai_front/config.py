@@ -11,17 +11,18 @@ import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pagoda.common.logs import LOG_FORMAT_HELP, LOG_FORMATS
+from pagoda.common.logs import add_log_flags, log_setting_problems
 from pagoda.common.settings import (
     DEFAULT_GRPC_ADDRESS,
     LoadedConfig,
+    add_config_flags,
     load_flags,
+    optional_str,
     split_host_port,
 )
 
 ENV_PREFIX = "PAGODA_OPENAI_"
 DEFAULT_LISTEN = "127.0.0.1:8000"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MAX_N = 128  # a sanity bound on the --max-n setting itself
 
 
@@ -62,10 +63,7 @@ class FrontConfig:
             problems.append("--max-concurrent-requests must be at least 1")
         if not self.drain_timeout_s >= 0:
             problems.append("--drain-timeout-s must be >= 0")
-        if self.log_level not in LOG_LEVELS:
-            problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
-        if self.log_format not in LOG_FORMATS:
-            problems.append(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
+        problems += log_setting_problems(self.log_level, self.log_format)
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -100,12 +98,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     add(
         "--tls-root-cert",
-        type=_optional_str,
+        type=optional_str,
         default=None,
         help="PEM root certificates of the scheduler's TLS certificate; set: TLS to the target",
     )
-    add("--tls-cert", type=_optional_str, default=None, help="PEM certificate chain for HTTPS")
-    add("--tls-key", type=_optional_str, default=None, help="PEM private key for HTTPS")
+    add("--tls-cert", type=optional_str, default=None, help="PEM certificate chain for HTTPS")
+    add("--tls-key", type=optional_str, default=None, help="PEM private key for HTTPS")
     add(
         "--max-n",
         type=int,
@@ -131,18 +129,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM, seconds in-flight requests may finish before they are cut",
     )
-    add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
-    add("--log-format", default="text", type=str.lower, choices=LOG_FORMATS, help=LOG_FORMAT_HELP)
-    add(
-        "--config",
-        default=environ.get(ENV_PREFIX + "CONFIG"),
-        help=f"TOML file of settings, keys as the flags with underscores; also {ENV_PREFIX}CONFIG",
-    )
-    add(
-        "--print-config",
-        action="store_true",
-        help="print the resolved settings and where each came from, then exit",
-    )
+    add_log_flags(parser)
+    add_config_flags(parser, environ, ENV_PREFIX)
     return parser
 
 
@@ -156,7 +144,3 @@ def load_config(
 def describe(loaded: LoadedConfig) -> str:
     """One line per setting, `name = value  # source`, as the other services print them."""
     return loaded.describe()
-
-
-def _optional_str(text: str) -> str | None:
-    return None if text.strip().lower() in ("", "none") else text

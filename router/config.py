@@ -10,13 +10,18 @@ import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pagoda.common.logs import LOG_FORMAT_HELP, LOG_FORMATS
-from pagoda.common.settings import LoadedConfig, load_flags, split_host_port
+from pagoda.common.logs import add_log_flags, log_setting_problems
+from pagoda.common.settings import (
+    LoadedConfig,
+    add_config_flags,
+    load_flags,
+    optional_str,
+    split_host_port,
+)
 from pagoda.router.policy import POLICIES, Thresholds
 
 ENV_PREFIX = "PAGODA_ROUTER_"
 DEFAULT_LISTEN = "127.0.0.1:50050"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +94,7 @@ class RouterConfig:
             problems.append("--health-interval-s must be between 0.01 and 60")
         if not self.drain_timeout_s >= 0:
             problems.append("--drain-timeout-s must be >= 0")
-        if self.log_level not in LOG_LEVELS:
-            problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
-        if self.log_format not in LOG_FORMATS:
-            problems.append(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
+        problems += log_setting_problems(self.log_level, self.log_format)
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -162,12 +164,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     add(
         "--tls-root-cert",
-        type=_optional_str,
+        type=optional_str,
         default=None,
         help="PEM root certificates of the replicas' TLS certificates; set: TLS to them",
     )
-    add("--tls-cert", type=_optional_str, default=None, help="PEM certificate chain to serve TLS")
-    add("--tls-key", type=_optional_str, default=None, help="PEM private key to serve TLS")
+    add("--tls-cert", type=optional_str, default=None, help="PEM certificate chain to serve TLS")
+    add("--tls-key", type=optional_str, default=None, help="PEM private key to serve TLS")
     add(
         "--max-grpc-message-bytes",
         type=int,
@@ -190,7 +192,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     add(
         "--metrics-address",
-        type=_optional_str,
+        type=optional_str,
         default=None,
         help="HOST:PORT for Prometheus metrics over HTTP, unauthenticated (off when unset)",
     )
@@ -200,18 +202,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM, seconds in-flight calls may finish before they are cut",
     )
-    add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
-    add("--log-format", default="text", type=str.lower, choices=LOG_FORMATS, help=LOG_FORMAT_HELP)
-    add(
-        "--config",
-        default=environ.get(ENV_PREFIX + "CONFIG"),
-        help=f"TOML file of settings, keys as the flags with underscores; also {ENV_PREFIX}CONFIG",
-    )
-    add(
-        "--print-config",
-        action="store_true",
-        help="print the resolved settings and where each came from, then exit",
-    )
+    add_log_flags(parser)
+    add_config_flags(parser, environ, ENV_PREFIX)
     return parser
 
 
@@ -219,7 +211,3 @@ def load_config(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> LoadedConfig:
     return load_flags(build_parser, RouterConfig, ENV_PREFIX, argv, environ)
-
-
-def _optional_str(text: str) -> str | None:
-    return None if text.strip().lower() in ("", "none") else text

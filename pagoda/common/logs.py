@@ -19,10 +19,31 @@ from types import TracebackType
 from typing import Any
 
 LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMAT_HELP = (  # every service's --help says it alike
     "text lines, or json: one JSON object per line (ts, level, logger, message, service and "
     "the record's own fields) for log shippers; third-party libraries' lines too"
 )
+
+
+def add_log_flags(parser) -> None:
+    """--log-level and --log-format, as every service but the scheduler spells them."""
+    add = parser.add_argument
+    add("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
+    add("--log-format", default="text", type=str.lower, choices=LOG_FORMATS, help=LOG_FORMAT_HELP)
+
+
+def log_setting_problems(log_level: str, log_format: str) -> list[str]:
+    """The sentences for a log level or format a config may not hold (from a file or the
+    environment, which argparse's choices do not see)."""
+    problems = []
+    if log_level not in LOG_LEVELS:
+        problems.append(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+    if log_format not in LOG_FORMATS:
+        problems.append(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
+    return problems
+
+
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # What every LogRecord carries of its own; any other attribute came from a call's `extra=`.

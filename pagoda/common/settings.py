@@ -60,6 +60,28 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 
+def optional_str(text: str) -> str | None:
+    """A setting that may be unset: "" or "none" (any case) is None."""
+    return None if text.strip().lower() in ("", "none") else text
+
+
+def add_config_flags(
+    parser: argparse.ArgumentParser, environ: Mapping[str, str], env_prefix: str, example: str = ""
+) -> None:
+    """--config (also $<PREFIX>CONFIG) and --print-config, which load_flags reads."""
+    parser.add_argument(
+        "--config",
+        default=environ.get(env_prefix + "CONFIG"),
+        help=f"TOML file of settings, keys as the flags with underscores{example}; "
+        f"also {env_prefix}CONFIG",
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved settings and where each came from, then exit",
+    )
+
+
 class SettingError(ValueError):
     """A setting that cannot be read; the message is one sentence naming it and its source."""
 
