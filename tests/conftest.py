@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,18 @@ TINY_ARCHITECTURES: dict[str, tuple[str, dict]] = {
         dict(n_embd=64, n_layer=2, n_head=4, n_positions=TINY_MAX_POSITIONS),
     ),
 }
+
+
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """(cert.pem, key.pem) for localhost and 127.0.0.1, valid for a day, made by the openssl
+    command (tests that call this skip without it)."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
 
 
 def build_tiny_model(arch: str, directory: Path, seed: int = 0) -> Path:

@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagoda.protos import generation_pb2, generation_pb2_grpc
+from tests.conftest import self_signed_certificate
 from tests.e2e.conftest import free_port, running_service, wait_until
 from tests.e2e.test_dummy_service import request
 
@@ -88,12 +89,7 @@ def test_bearer_token_is_required_when_configured(tmp_path):
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_tls_serves_clients_that_trust_the_certificate(tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    cert, key = self_signed_certificate(tmp_path)
     args = ["--tls-cert", str(cert), "--tls-key", str(key)]
     with running_service(
         tmp_path, model="dummy", scheduler_args=args, plaintext_health=False

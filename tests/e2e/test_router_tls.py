@@ -13,6 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagoda.protos import generation_pb2_grpc
+from tests.conftest import self_signed_certificate
 from tests.e2e.conftest import REPO_ROOT, free_port, running_service, stop_process, wait_until
 from tests.e2e.test_dummy_service import dummy_continuation, stream_tokens
 
@@ -23,12 +24,7 @@ pytestmark = [
 
 
 def test_router_speaks_tls_to_the_replica_and_to_its_clients(tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    cert, key = self_signed_certificate(tmp_path)
     tls = ["--tls-cert", str(cert), "--tls-key", str(key)]
     credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
     with running_service(

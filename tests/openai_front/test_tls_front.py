@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import shutil
 import ssl
-import subprocess
 
 import openai
 import pytest
 
+from tests.conftest import self_signed_certificate
 from tests.e2e.conftest import running_service, stop_process
 from tests.openai_front.conftest import start_front
 
@@ -20,12 +20,7 @@ pytestmark = [
 
 
 def test_front_speaks_tls_to_the_scheduler_and_https_to_its_clients(tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    cert, key = self_signed_certificate(tmp_path)
     tls = ["--tls-cert", str(cert), "--tls-key", str(key)]
     with running_service(
         tmp_path, model="dummy", scheduler_args=tls, plaintext_health=False
