@@ -145,6 +145,13 @@ class AsyncClient:
         response = await self._unary(self._stubs()[0].Tokenize, request)
         return convert.token_ids_from_response(response)
 
+    async def detokenize(
+        self, token_ids: Sequence[int], *, skip_special_tokens: bool = False
+    ) -> str:
+        request = convert.detokenize_request(token_ids, skip_special_tokens=skip_special_tokens)
+        response = await self._unary(self._stubs()[0].Detokenize, request)
+        return response.text
+
     async def model_info(self) -> ModelInfo:
         request = generation_pb2.ModelInfoRequest()
         response = await self._unary(self._stubs()[0].GetModelInfo, request)

@@ -118,6 +118,23 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, parents=[common], help=help_text)
         sub.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    tokenize = commands.add_parser(
+        "tokenize", parents=[common], help="the model's token ids of a text"
+    )
+    tokenize.add_argument("text")
+    tokenize.add_argument(
+        "--special",
+        action="store_true",
+        help="add the model's special tokens (BOS) as Generate does",
+    )
+    detokenize = commands.add_parser(
+        "detokenize", parents=[common], help="token ids back to the model's text"
+    )
+    detokenize.add_argument("token_ids", nargs="+", type=int, metavar="ID")
+    detokenize.add_argument(
+        "--skip-special", action="store_true", help="leave out special tokens (BOS, EOS, markers)"
+    )
+
     bench_parser = commands.add_parser(
         "bench", parents=[common], help="the load generator (see pagoda bench --help)"
     )

@@ -1,4 +1,5 @@
-"""The `pagoda` commands that talk to one server: generate, chat, info, stats.
+"""The `pagoda` commands that talk to one server: generate, chat, info, stats, tokenize,
+detokenize.
 
 Each takes the open Client and the parsed arguments and returns the exit status; server
 refusals propagate as PagodaError (except inside chat, which reports them and goes on).
@@ -186,6 +187,20 @@ def run_stats(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def run_tokenize(client: Client, args: argparse.Namespace) -> int:
+    """The ids of TEXT on stdout, separated by spaces (as `pagoda detokenize` takes them),
+    their count on stderr."""
+    token_ids = client.tokenize(args.text, add_special_tokens=args.special)
+    print(" ".join(map(str, token_ids)))
+    print(f"{len(token_ids)} tokens", file=sys.stderr)
+    return 0
+
+
+def run_detokenize(client: Client, args: argparse.Namespace) -> int:
+    print(client.detokenize(args.token_ids, skip_special_tokens=args.skip_special))
+    return 0
+
+
 def _print_record(record: Any, as_json: bool) -> None:
     values = dataclasses.asdict(record)
     if as_json:
@@ -210,4 +225,6 @@ COMMANDS = {
     "chat": run_chat,
     "info": run_info,
     "stats": run_stats,
+    "tokenize": run_tokenize,
+    "detokenize": run_detokenize,
 }

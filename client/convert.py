@@ -52,6 +52,7 @@ __all__ = [
     "server_stats_from_proto",
     "token_ids_from_response",
     "tokenize_request",
+    "detokenize_request",
 ]
 
 
@@ -154,6 +155,16 @@ def tokenize_request(text: str, *, add_special_tokens: bool = False) -> pb.Token
 
 def token_ids_from_response(response: pb.TokenizeResponse) -> list[int]:
     return list(response.token_ids)
+
+
+def detokenize_request(
+    token_ids: Sequence[int], *, skip_special_tokens: bool = False
+) -> pb.DetokenizeRequest:
+    if isinstance(token_ids, str | bytes) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in token_ids
+    ):
+        raise invalid_argument("token_ids must be a sequence of non-negative ints")
+    return pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
 
 
 def chunk_from_response(response: pb.GenerateResponse) -> Chunk:

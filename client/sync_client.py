@@ -125,6 +125,11 @@ class Client:
     def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return self._loop.run(self._client.tokenize(text, add_special_tokens=add_special_tokens))
 
+    def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return self._loop.run(
+            self._client.detokenize(token_ids, skip_special_tokens=skip_special_tokens)
+        )
+
     def model_info(self) -> ModelInfo:
         return self._loop.run(self._client.model_info())
 

@@ -1,5 +1,5 @@
-"""The HTTP routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses and
-/health.
+"""The HTTP routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses,
+vLLM's /tokenize and /detokenize, and /health.
 
 Each request is translated (translation.py), sent as gRPC calls with the caller's bearer
 key (upstream.py) and answered in OpenAI's shapes (responses.py), whole or as server-sent
@@ -32,7 +32,13 @@ from pagoda.openai_front.responses_api.events import ResponseEvents
 from pagoda.openai_front.responses_api.output import ResponseHead, echoed_settings, whole_response
 from pagoda.openai_front.responses_api.schema import ResponsesRequest
 from pagoda.openai_front.responses_api.translation import plan_response
-from pagoda.openai_front.schemas import ChatCompletionRequest, CompletionRequest, Endpoint
+from pagoda.openai_front.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Endpoint,
+    TokenizeRequest,
+)
 from pagoda.openai_front.streaming import (
     DONE_EVENT,
     ClientGone,
@@ -109,6 +115,28 @@ def build_app(config: FrontConfig, upstream: Upstream) -> Any:
         if model_id != info.model_id:
             raise model_not_found(model_id)
         return _model_card(info, started_s)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        """vLLM's extension: a prompt's token ids, as the scheduler's Tokenize gives them."""
+        metadata = call_metadata(request.headers.get("authorization"))
+        await served_model(body.model, metadata)
+        reply = await upstream.tokenize(body.prompt, body.add_special_tokens, metadata)
+        info = await upstream.model_info(metadata)
+        return {
+            "count": len(reply.token_ids),
+            "max_model_len": info.max_context_tokens,
+            "tokens": list(reply.token_ids),
+            "token_strs": list(reply.tokens) if body.return_token_strs else None,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+        """vLLM's extension: token ids back to text (special tokens kept)."""
+        metadata = call_metadata(request.headers.get("authorization"))
+        await served_model(body.model, metadata)
+        reply = await upstream.detokenize(body.tokens, metadata)
+        return {"prompt": reply.text}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -132,3 +132,23 @@ class ChatCompletionRequest(SamplingFields):
 
 
 Endpoint = Literal["completions", "chat"]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a prompt's token ids (and, asked for, their pieces)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize: token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]

@@ -95,15 +95,30 @@ class Upstream:
         cached = self._model_info
         if not fresh and cached is not None and now_s - cached.fetched_at_s < MODEL_INFO_TTL_S:
             return cached.info
-        try:
-            reply = await self._generation().GetModelInfo(
-                generation_pb2.ModelInfoRequest(), metadata=metadata
-            )
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from None
+        reply = await self._unary(
+            self._generation().GetModelInfo, generation_pb2.ModelInfoRequest(), metadata
+        )
         info = convert.model_info_from_proto(reply)
         self._model_info = _CachedModelInfo(info, now_s)
         return info
+
+    async def tokenize(
+        self, text: str, add_special_tokens: bool, metadata: tuple[tuple[str, str], ...]
+    ) -> generation_pb2.TokenizeResponse:
+        request = generation_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return await self._unary(self._generation().Tokenize, request, metadata)
+
+    async def detokenize(
+        self, token_ids: list[int], metadata: tuple[tuple[str, str], ...]
+    ) -> generation_pb2.DetokenizeResponse:
+        request = convert.detokenize_request(token_ids)
+        return await self._unary(self._generation().Detokenize, request, metadata)
+
+    async def _unary(self, method, request, metadata: tuple[tuple[str, str], ...]):
+        try:
+            return await method(request, metadata=metadata)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
 
     async def serving(self) -> bool:
         """Whether the scheduler's grpc.health.v1 says SERVING (it needs no key)."""

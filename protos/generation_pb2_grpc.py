@@ -49,6 +49,11 @@ class GenerationStub:
                 request_serializer=pagoda_dot_protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=pagoda_dot_protos_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/pagoda.v1.Generation/Detokenize',
+                request_serializer=pagoda_dot_protos_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=pagoda_dot_protos_dot_generation__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/pagoda.v1.Generation/GetModelInfo',
                 request_serializer=pagoda_dot_protos_dot_generation__pb2.ModelInfoRequest.SerializeToString,
@@ -88,6 +93,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detokenize(self, request, context):
+        """Its inverse: token ids (each below the vocabulary size, at most the context's
+        length of them) back to text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -117,6 +130,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=pagoda_dot_protos_dot_generation__pb2.TokenizeRequest.FromString,
                     response_serializer=pagoda_dot_protos_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=pagoda_dot_protos_dot_generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=pagoda_dot_protos_dot_generation__pb2.DetokenizeResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -210,6 +228,33 @@ class Generation:
             '/pagoda.v1.Generation/Tokenize',
             pagoda_dot_protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
             pagoda_dot_protos_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.Generation/Detokenize',
+            pagoda_dot_protos_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+            pagoda_dot_protos_dot_generation__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

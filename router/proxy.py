@@ -1,8 +1,8 @@
 """The router's Generation service: each call forwarded, as bytes, to one replica.
 
-Generate and Chat go where the policy says (router/policy.py) (their routing key read from the request); the
-other calls go to the least loaded replica, except GetServerStats, which asks every
-replica and adds their answers up (router/stats.py). What a replica answers (messages,
+Generate and Chat go where the policy says (router/policy.py), their routing key read
+from the request; GetServerStats asks every replica and adds their answers up
+(router/stats.py); every other unary call goes to the least loaded replica. What a replica answers (messages,
 status, details, trailing metadata) reaches the client unchanged; the router decides
 nothing about a request's validity, so every refusal is the scheduler's own sentence.
 
@@ -96,16 +96,7 @@ class Router:
     def handler(self) -> grpc.GenericRpcHandler:
         """The Generation service over raw bytes: nothing is parsed on the way but the
         routing key, nothing re-encoded but a scoped request_id."""
-        return grpc.method_handlers_generic_handler(
-            SERVICE,
-            {
-                "Generate": grpc.unary_stream_rpc_method_handler(self.generate),
-                "Chat": grpc.unary_stream_rpc_method_handler(self.chat),
-                "Tokenize": grpc.unary_unary_rpc_method_handler(self.tokenize),
-                "GetModelInfo": grpc.unary_unary_rpc_method_handler(self.model_info),
-                "GetServerStats": grpc.unary_unary_rpc_method_handler(self.server_stats),
-            },
-        )
+        return _GenerationHandler(self)
 
     # The calls.
 
@@ -118,12 +109,6 @@ class Router:
         metadata = forwarded_metadata(context.invocation_metadata())
         key = chat_key(data, tenant_of(metadata))
         await self._stream("Chat", generation_pb2.ChatRequest, data, key, metadata, context)
-
-    async def tokenize(self, data: bytes, context) -> bytes:
-        return await self._unary("Tokenize", data, context)
-
-    async def model_info(self, data: bytes, context) -> bytes:
-        return await self._unary("GetModelInfo", data, context)
 
     async def server_stats(self, data: bytes, context) -> bytes:
         metadata = forwarded_metadata(context.invocation_metadata())
@@ -236,7 +221,8 @@ class Router:
             )
             return
 
-    async def _unary(self, name: str, data: bytes, context) -> bytes:
+    async def unary(self, name: str, data: bytes, context) -> bytes:
+        """Any other unary call, to the least loaded replica."""
         metadata = forwarded_metadata(context.invocation_metadata())
         tried: list[Backend] = []
         refusal: grpc.aio.AioRpcError | None = None
@@ -266,6 +252,39 @@ class Router:
             await context.abort(refusal.code(), refusal.details())
         sentence = f"no replica is serving ({len(self._backends.all)} configured)"
         await context.abort(grpc.StatusCode.UNAVAILABLE, sentence)
+
+
+class _GenerationHandler(grpc.GenericRpcHandler):
+    """Every method of pagoda.v1.Generation: Generate and Chat routed by their prompt,
+    GetServerStats summed, and any other method (Tokenize, Detokenize, GetModelInfo, and
+    unary methods of a newer proto than the router's) forwarded to the least loaded
+    replica, which answers UNIMPLEMENTED for a method it does not have."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    def service(self, handler_call_details):
+        service, _, name = handler_call_details.method.lstrip("/").partition("/")
+        if service != SERVICE:
+            return None
+        router = self._router
+        if name == "Generate":
+            return grpc.unary_stream_rpc_method_handler(router.generate)
+        if name == "Chat":
+            return grpc.unary_stream_rpc_method_handler(router.chat)
+        if name == "GetServerStats":
+            return grpc.unary_unary_rpc_method_handler(router.server_stats)
+        method = _METHODS.get(name)
+        if method is not None and (method.server_streaming or method.client_streaming):
+            return None  # a stream the router does not know how to route: UNIMPLEMENTED
+
+        async def forward(data: bytes, context) -> bytes:
+            return await router.unary(name, data, context)
+
+        return grpc.unary_unary_rpc_method_handler(forward)
+
+
+_METHODS = generation_pb2.DESCRIPTOR.services_by_name["Generation"].methods_by_name
 
 
 def forwarded_metadata(metadata) -> tuple[tuple[str, str | bytes], ...]:

@@ -29,7 +29,13 @@ from pagoda.scheduler_svc.grammars import (
     RequestGrammar,
     ValidConstraint,
 )
-from pagoda.scheduler_svc.info_rpcs import fallback_limits, model_info, server_stats, tokenize
+from pagoda.scheduler_svc.info_rpcs import (
+    detokenize,
+    fallback_limits,
+    model_info,
+    server_stats,
+    tokenize,
+)
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.refusals import Undecodable, answer, refusal
 from pagoda.scheduler_svc.response_writer import ResponseWriter
@@ -41,6 +47,7 @@ from pagoda.scheduler_svc.validation import (
     Limits,
     ValidationError,
     validate_constraint,
+    validate_detokenize_ids,
     validate_generate,
     validate_tokenize_text,
 )
@@ -53,6 +60,7 @@ from pagoda.scheduler_svc.write_watch import WriteWatch
 # they cost less than a thread hop. Generate's and Chat's validation has its threads, the
 # Tokenize RPC its own bounded one, so a flood of Tokenize calls cannot delay a Generate.
 OFF_LOOP_MIN_CHARS = 4096
+OFF_LOOP_MIN_IDS = 1024  # the same for the ids of a Detokenize call
 NUM_TOKENIZER_THREADS = 2
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -275,10 +283,35 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             sentence = str(exc)
         except ExecutorFull:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED
-            sentence = (
-                f"{self._tokenize_rpcs.max_calls} Tokenize calls of long texts are queued or "
-                "running (max_tokenize_calls); retry later"
+            sentence = self._tokenize_calls_full
+        raise refusal(self._metrics, code, sentence)
+
+    @property
+    def _tokenize_calls_full(self) -> str:
+        return (
+            f"{self._tokenize_rpcs.max_calls} Tokenize or Detokenize calls of long inputs are "
+            "queued or running (max_tokenize_calls); retry later"
+        )
+
+    async def Detokenize(self, request, context):
+        return await answer(context, self._checked_detokenize(request))
+
+    async def _checked_detokenize(self, request) -> generation_pb2.DetokenizeResponse:
+        self._reject_undecodable(request)
+        limits = self._limits() or fallback_limits(self._tokenizer, self._config)
+        code = grpc.StatusCode.INVALID_ARGUMENT
+        try:
+            ids = validate_detokenize_ids(request.token_ids, limits)
+            if len(ids) <= OFF_LOOP_MIN_IDS:
+                return detokenize(self._tokenizer, ids, request.skip_special_tokens)
+            return await self._tokenize_rpcs.run(
+                detokenize, self._tokenizer, ids, request.skip_special_tokens
             )
+        except ValidationError as exc:
+            sentence = str(exc)
+        except ExecutorFull:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            sentence = self._tokenize_calls_full
         raise refusal(self._metrics, code, sentence)
 
     async def GetModelInfo(self, request, context):

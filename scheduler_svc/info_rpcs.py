@@ -1,4 +1,5 @@
-"""The bodies of the unary information RPCs: Tokenize, GetModelInfo and GetServerStats.
+"""The bodies of the unary information RPCs: Tokenize, Detokenize, GetModelInfo and
+GetServerStats.
 
 Plain functions over explicit inputs that build the reply messages; the servicer keeps
 what makes them RPCs (decoding checks, the caller's tenant, limits, refusals) and calls
@@ -14,7 +15,7 @@ from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
 from pagoda.scheduler_svc.validation import Limits, ValidationError
 
-# Bounds a Tokenize text before any worker said hello (the limit then follows its context).
+# Bounds a Tokenize text (Detokenize ids) before any worker said hello (the limit then follows its context).
 FALLBACK_MAX_CONTEXT_TOKENS = 32_768
 
 
@@ -27,6 +28,14 @@ def tokenize(tokenizer: TextTokenizer, request, max_tokens: int) -> generation_p
         raise ValidationError(f"text has {len(ids)} tokens, more than the context of {max_tokens}")
     return generation_pb2.TokenizeResponse(
         token_ids=ids, tokens=[tokenizer.id_to_piece(i) for i in ids]
+    )
+
+
+def detokenize(
+    tokenizer: TextTokenizer, token_ids: list[int], skip_special_tokens: bool
+) -> generation_pb2.DetokenizeResponse:
+    return generation_pb2.DetokenizeResponse(
+        text=tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
     )
 
 

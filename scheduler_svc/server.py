@@ -91,6 +91,7 @@ def _generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
     streams = {"Generate": pb.GenerateRequest, "Chat": pb.ChatRequest}
     unaries = {
         "Tokenize": pb.TokenizeRequest,
+        "Detokenize": pb.DetokenizeRequest,
         "GetModelInfo": pb.ModelInfoRequest,
         "GetServerStats": pb.ServerStatsRequest,
     }

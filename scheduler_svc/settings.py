@@ -166,9 +166,9 @@ HELP: dict[str, str] = {
     "max_connection_idle_s": "a connection with no call for this long is closed (GOAWAY)",
     "max_health_watchers": "concurrent grpc.health.v1 Watch streams (RESOURCE_EXHAUSTED beyond); "
     "Watch needs the bearer token when api_key_file is set, Check never does",
-    "max_tokenize_calls": "Tokenize calls of a text over 4096 characters queued or running "
-    "at once on Tokenize's own thread (RESOURCE_EXHAUSTED beyond; shorter texts are "
-    "encoded on the event loop and never wait)",
+    "max_tokenize_calls": "Tokenize calls of a text over 4096 characters (Detokenize calls of "
+    "over 1024 ids) queued or running at once on their own thread (RESOURCE_EXHAUSTED beyond; "
+    "shorter ones run on the event loop and never wait)",
     "status_interval_s": "seconds between the periodic one-line status logs",
     "api_key_file": "file holding the bearer tokens, one per line: a key, or name:weight:key "
     "(one tenant each; a bare key's tenant is named key-<8 hex of its sha256>); when set, "

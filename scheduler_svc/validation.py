@@ -70,11 +70,7 @@ def validate_generate(request, tokenizer: TextTokenizer, limits: Limits) -> Vali
     if which == "prompt_token_ids":
         prompt_token_ids = request.prompt_token_ids.ids
         _check_num_prompt_tokens(len(prompt_token_ids), limits)  # before reading any id
-        largest = max(prompt_token_ids, default=0)
-        if largest >= limits.vocab_size:
-            raise ValidationError(
-                f"prompt_token_ids contains {largest}, beyond the vocabulary of {limits.vocab_size} tokens"
-            )
+        _check_in_vocabulary("prompt_token_ids", prompt_token_ids, limits)
     else:
         prompt = request.prompt if which == "prompt" else ""
         check_prompt_text(prompt, limits)
@@ -145,6 +141,26 @@ def _request_constraint(request) -> ValidConstraint | None:
 def validate_tokenize_text(text: str, limits: Limits) -> None:
     """A Tokenize text: bounded like a prompt before any tokenizer time is spent."""
     _check_text_length("text", text, limits)
+
+
+def validate_detokenize_ids(token_ids, limits: Limits) -> list[int]:
+    """Detokenize's ids: at most a context of them (counted before any is read), each in
+    the vocabulary."""
+    if len(token_ids) > limits.max_context_tokens:
+        raise ValidationError(
+            f"token_ids has {len(token_ids)} ids, more than the context of "
+            f"{limits.max_context_tokens} tokens"
+        )
+    _check_in_vocabulary("token_ids", token_ids, limits)
+    return list(token_ids)
+
+
+def _check_in_vocabulary(name: str, token_ids, limits: Limits) -> None:
+    largest = max(token_ids, default=0)
+    if largest >= limits.vocab_size:
+        raise ValidationError(
+            f"{name} contains {largest}, beyond the vocabulary of {limits.vocab_size} tokens"
+        )
 
 
 def check_prompt_text(prompt: str, limits: Limits) -> None:

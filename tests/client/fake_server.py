@@ -168,6 +168,13 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
         tokens = (["<s>"] if request.add_special_tokens else []) + list(request.text)
         return pb.TokenizeResponse(token_ids=token_ids, tokens=tokens)
 
+    def Detokenize(self, request, context):
+        """The inverse of Tokenize here: ids are bytes; 1 is the special <s>."""
+        self._admit("Detokenize", request, context)
+        special = "" if request.skip_special_tokens else "<s>"
+        text = "".join(special if i == 1 else chr(i) for i in request.token_ids)
+        return pb.DetokenizeResponse(text=text)
+
     def GetModelInfo(self, request, context):
         self._admit("GetModelInfo", request, context)
         info = pb.ModelInfo()

@@ -29,7 +29,7 @@ def test_generate_streams_chunks(fake_server):
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 2
 
 
-def test_complete_chat_tokenize_info_stats(fake_server):
+def test_complete_chat_tokenize_detokenize_info_stats(fake_server):
     async def scenario():
         async with AsyncClient(fake_server.target) as client:
             completion = await client.complete("echo", top_p=0.5, stop_token_ids=[9])
@@ -38,15 +38,16 @@ def test_complete_chat_tokenize_info_stats(fake_server):
                 completion,
                 "".join(chat),
                 await client.tokenize("ok"),
+                await client.detokenize([1, 111, 107], skip_special_tokens=True),
                 await client.model_info(),
                 await client.server_stats(),
             )
 
-    completion, chat_text, token_ids, info, stats = run(scenario())
+    completion, chat_text, token_ids, text, info, stats = run(scenario())
     assert isinstance(completion, Completion) and completion.finish_reason == "stop"
     assert "top_p: 0.5" in completion.text and "stop_token_ids: 9" in completion.text
     assert chat_text == "(1 messages) you said: hi"
-    assert token_ids == [111, 107]
+    assert token_ids == [111, 107] and text == "ok"
     assert info.model_id == "fake-model" and stats.worker_connected
 
 

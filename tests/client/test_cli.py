@@ -230,6 +230,16 @@ def test_chat_reports_a_failed_turn_and_goes_on(fake_server):
     assert result.stderr.startswith("pagoda: UNAVAILABLE: ")
 
 
+def test_tokenize_and_detokenize(fake_server):
+    tokens = run_cli("tokenize", "ok", "--special", target=fake_server.target)
+    assert tokens.returncode == 0, tokens.stderr
+    assert tokens.stdout == "1 111 107\n" and tokens.stderr == "3 tokens\n"
+    text = run_cli("detokenize", *tokens.stdout.split(), target=fake_server.target)
+    assert text.returncode == 0 and text.stdout == "<s>ok\n"
+    skipped = run_cli("detokenize", "1", "111", "--skip-special", target=fake_server.target)
+    assert skipped.stdout == "o\n"
+
+
 def test_info_and_stats(fake_server):
     info = run_cli("info", target=fake_server.target)
     assert info.returncode == 0 and "model_id            fake-model" in info.stdout

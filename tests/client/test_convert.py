@@ -10,6 +10,7 @@ import pytest
 from pagoda.client.convert import (
     chat_request,
     chunk_from_response,
+    detokenize_request,
     generate_request,
     model_info_from_proto,
     server_stats_from_proto,
@@ -113,6 +114,13 @@ def test_unknown_option_is_a_type_error():
 def test_prompt_of_wrong_type_is_invalid_argument():
     with pytest.raises(InvalidArgumentError, match="prompt"):
         generate_request(3.5)
+
+
+def test_detokenize_request_takes_non_negative_ints_only():
+    assert list(detokenize_request([3, 0], skip_special_tokens=True).token_ids) == [3, 0]
+    for bad in ("12", [1, -2], [1.0], [True]):
+        with pytest.raises(InvalidArgumentError):
+            detokenize_request(bad)
 
 
 def test_tokenize_request():

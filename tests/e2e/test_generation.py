@@ -197,9 +197,15 @@ def test_logprobs_come_with_each_token(stub):
         assert entry.logprob <= 0
 
 
-def test_tokenize_and_model_info(stub):
+def test_tokenize_detokenize_and_model_info(stub):
     tokens = stub.Tokenize(generation_pb2.TokenizeRequest(text="Hello world"), timeout=10)
     assert len(tokens.token_ids) == len(tokens.tokens) >= 2
+    text = stub.Detokenize(generation_pb2.DetokenizeRequest(token_ids=tokens.token_ids), timeout=10)
+    assert text.text == "Hello world"
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Detokenize(generation_pb2.DetokenizeRequest(token_ids=[1, 49152]), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "beyond the vocabulary of 49152 tokens" in refused.value.details()
     info = stub.GetModelInfo(generation_pb2.ModelInfoRequest(), timeout=10)
     assert info.worker_connected and info.vocab_size == 49152
     assert info.num_kv_tokens == info.num_kv_blocks * info.block_size > 0

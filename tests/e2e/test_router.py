@@ -140,6 +140,21 @@ def test_tokens_and_refusals_come_back_as_the_replica_sent_them(router):
     assert "logprobs" in refused.value.details()
 
 
+def test_the_other_calls_are_forwarded_whatever_their_name(router):
+    """Tokenize, Detokenize and GetModelInfo reach a replica; a method no replica has is
+    the replica's own UNIMPLEMENTED."""
+    with grpc.insecure_channel(router) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        ids = stub.Tokenize(generation_pb2.TokenizeRequest(text="Hello world"), timeout=10)
+        text = stub.Detokenize(generation_pb2.DetokenizeRequest(token_ids=ids.token_ids))
+        assert text.text == "Hello world"
+        assert stub.GetModelInfo(generation_pb2.ModelInfoRequest(), timeout=10).vocab_size
+        missing = channel.unary_unary("/pagoda.v1.Generation/NoSuchMethod")
+        with pytest.raises(grpc.RpcError) as refused:
+            missing(b"", timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
 def test_a_repeated_prompt_goes_back_to_the_replica_that_cached_it(router, replicas):
     """Twelve prompts, each sent twice (one after the other): every repeat finds its whole
     prompt but the last partial block cached, so it went where the first went; and the

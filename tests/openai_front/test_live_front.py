@@ -204,6 +204,23 @@ def test_logprobs_of_both_endpoints(sdk, model):
     assert plain.choices[0].logprobs is None
 
 
+def test_tokenize_and_detokenize_as_vllm_serves_them(front, model):
+    with front.client() as http:
+        tokens = http.post(
+            "/tokenize", json={"model": model, "prompt": "Hello world", "return_token_strs": True}
+        )
+        assert tokens.status_code == 200, tokens.text
+        body = tokens.json()
+        assert body["count"] == len(body["tokens"]) == len(body["token_strs"]) >= 2
+        assert body["max_model_len"] > 0
+        text = http.post("/detokenize", json={"model": model, "tokens": body["tokens"]})
+        assert text.json() == {"prompt": "Hello world"}
+        beyond = http.post("/detokenize", json={"tokens": [10**9]})
+        assert beyond.status_code == 400
+        assert "beyond the vocabulary" in beyond.json()["error"]["message"]
+        assert http.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+
+
 def test_errors_have_openai_shape_and_status(front, sdk, model):
     with pytest.raises(openai.BadRequestError) as caught:
         sdk.chat.completions.create(model=model, messages=MESSAGES, temperature=-1)

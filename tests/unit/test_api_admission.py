@@ -394,7 +394,10 @@ def test_tokenize_past_its_bound_is_refused_while_generate_is_served():
     finally:
         tokenizer.release.set()  # never leave a thread waiting
     assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "2 Tokenize calls" in refused.details and "max_tokenize_calls" in refused.details
+    assert (
+        "2 Tokenize or Detokenize calls" in refused.details
+        and "max_tokenize_calls" in refused.details
+    )
     # A short text never waits behind them: it is encoded on the loop.
     assert short is not None and list(short.token_ids) == [5]
     assert served.code is None and served.written[-1].finish_reason == pb.LENGTH

@@ -12,6 +12,7 @@ from pagoda.scheduler_svc.tokenizer import load_tokenizer
 from pagoda.scheduler_svc.validation import (
     Limits,
     ValidationError,
+    validate_detokenize_ids,
     validate_generate,
     validate_tokenize_text,
 )
@@ -240,6 +241,18 @@ def test_prompt_token_ids_are_counted_before_each_id_is_checked(tokenizer):
     ids = [5] * 400_000 + [60_000]
     with pytest.raises(ValidationError, match=r"prompt has 400001 tokens; the context holds 100"):
         validate_generate(generate(prompt_token_ids=pb.TokenIds(ids=ids)), tokenizer, LIMITS)
+
+
+def test_detokenize_ids_are_counted_then_checked_against_the_vocabulary():
+    assert validate_detokenize_ids([0, 5, LIMITS.vocab_size - 1], LIMITS) == [
+        0,
+        5,
+        LIMITS.vocab_size - 1,
+    ]
+    with pytest.raises(ValidationError, match=r"token_ids has 400001 ids, more than the context"):
+        validate_detokenize_ids([LIMITS.vocab_size] * 400_001, LIMITS)
+    with pytest.raises(ValidationError, match=r"token_ids contains \d+, beyond the vocabulary"):
+        validate_detokenize_ids([1, LIMITS.vocab_size], LIMITS)
 
 
 def test_chat_refuses_too_many_messages_before_rendering(tokenizer):
