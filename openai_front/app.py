@@ -26,7 +26,13 @@ from pagoda.client.results import Chunk
 from pagoda.openai_front import responses
 from pagoda.openai_front.body_limit import BodyLimit
 from pagoda.openai_front.config import FrontConfig
-from pagoda.openai_front.errors import FrontError, from_pagoda, invalid, model_not_found
+from pagoda.openai_front.errors import (
+    FrontError,
+    from_pagoda,
+    invalid,
+    model_not_found,
+    param_for,
+)
 from pagoda.openai_front.responses import Choice, Header
 from pagoda.openai_front.responses_api.events import ResponseEvents
 from pagoda.openai_front.responses_api.output import ResponseHead, echoed_settings, whole_response
@@ -53,6 +59,12 @@ from pagoda.openai_front.translation import Call, Plan, plan_chat, plan_completi
 from pagoda.openai_front.upstream import Upstream, call_metadata
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer; never read
+# Path -> the endpoint family whose body names a refused field (errors.param_for).
+_ENDPOINTS = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/responses": "responses",
+}
 
 
 def build_app(config: FrontConfig, upstream: Upstream) -> Any:
@@ -290,13 +302,21 @@ def _install_error_handlers(app: FastAPI) -> None:
     def reply(error: FrontError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status)
 
+    def named(error: FrontError, request: Request) -> FrontError:
+        """The error with `param` named for the endpoint called, when a scheduler's
+        refusal said which field it refused."""
+        if error.param is None and error.refused_field is not None:
+            endpoint = _ENDPOINTS.get(request.url.path)
+            error.param = param_for(error.refused_field, endpoint)
+        return error
+
     @app.exception_handler(FrontError)
-    async def front_error(_: Request, error: FrontError) -> JSONResponse:
-        return reply(error)
+    async def front_error(request: Request, error: FrontError) -> JSONResponse:
+        return reply(named(error, request))
 
     @app.exception_handler(PagodaError)
-    async def pagoda_error(_: Request, error: PagodaError) -> JSONResponse:
-        return reply(from_pagoda(error))
+    async def pagoda_error(request: Request, error: PagodaError) -> JSONResponse:
+        return reply(named(from_pagoda(error), request))
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, __: ClientGone) -> Response:

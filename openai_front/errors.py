@@ -3,6 +3,7 @@ status mapped once from the scheduler's gRPC status (through the client's Pagoda
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,13 +28,16 @@ _INTERNAL = (500, "server_error", "internal_error")
 
 @dataclass(slots=True)
 class FrontError(Exception):
-    """One failed HTTP request: its status and OpenAI's four error fields."""
+    """One failed HTTP request: its status and OpenAI's four error fields. `refused_field`:
+    the gRPC request field a scheduler's refusal names, from which the app fills `param`
+    for the endpoint that was called (`param_for`)."""
 
     status: int
     message: str
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+    refused_field: str | None = None
 
     def __str__(self) -> str:
         return f"{self.status} {self.type}: {self.message}"
@@ -52,7 +56,59 @@ class FrontError(Exception):
 def from_pagoda(error: PagodaError) -> FrontError:
     """The HTTP error for a failed gRPC call, the server's sentence as its message."""
     status, kind, code = _BY_GRPC_CODE.get(error.code, _INTERNAL)
-    return FrontError(status, error.details, kind, None, code)
+    field = None
+    if error.code == grpc.StatusCode.INVALID_ARGUMENT:
+        # The scheduler's sentences begin with the field they refuse, as its request
+        # spells it: "sampling.temperature must be in [0, 100], got -1".
+        match = _LEADING_FIELD.match(error.details)
+        field = match.group(1) if match else None
+    return FrontError(status, error.details, kind, None, code, field)
+
+
+_LEADING_FIELD = re.compile(r"((?:sampling|stopping|constraint|tool_choice)\.[a-z_]+|[a-z_]+)\b")
+
+# A gRPC request field -> the body field of each endpoint family that carries it.
+_PARAMS: dict[str, dict[str, str]] = {
+    "completions": {"logprobs": "logprobs", "prompt": "prompt", "prompt_token_ids": "prompt"},
+    "chat": {
+        "logprobs": "top_logprobs",
+        "prompt": "messages",
+        "messages": "messages",
+        "tools": "tools",
+        "tool_choice": "tool_choice",
+        "constraint": "response_format",
+    },
+    "responses": {
+        "logprobs": "top_logprobs",
+        "prompt": "input",
+        "messages": "input",
+        "tools": "tools",
+        "tool_choice": "tool_choice",
+        "constraint": "text.format",
+        "stopping.max_new_tokens": "max_output_tokens",
+    },
+}
+_COMMON_PARAMS = {
+    "stopping.max_new_tokens": "max_tokens",
+    "stopping.min_new_tokens": "min_tokens",
+    "stopping.stop": "stop",
+    "stopping.stop_token_ids": "stop_token_ids",
+    "constraint": "response_format",
+    "n": "n",
+    "cache_salt": "cache_salt",
+    "priority": "priority",
+}
+
+
+def param_for(field: str, endpoint: str | None) -> str | None:
+    """OpenAI's `param` for a refused gRPC field on `endpoint` (completions, chat or
+    responses); None for a field the endpoint has no name for. Sampling knobs keep their
+    names (sampling.temperature -> temperature)."""
+    head = field.split(".")[0]
+    if head == "sampling":
+        return field.removeprefix("sampling.")
+    key = field if head == "stopping" else head
+    return _PARAMS.get(endpoint or "", {}).get(key) or _COMMON_PARAMS.get(key)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> FrontError:

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from pagoda.client.errors import error_for_code
-from pagoda.openai_front.errors import from_pagoda, model_not_found, unsupported
+from pagoda.openai_front.errors import from_pagoda, model_not_found, param_for, unsupported
 from pagoda.openai_front.upstream import call_metadata
 
 
@@ -29,6 +29,35 @@ def test_grpc_status_to_http(code, status, kind):
     assert error.body() == {
         "error": {"message": "the sentence", "type": kind, "param": None, "code": error.code}
     }
+
+
+@pytest.mark.parametrize(
+    ("sentence", "endpoint", "param"),
+    [
+        ("sampling.temperature must be in [0, 100], got -1", "chat", "temperature"),
+        ("sampling.logit_bias[5] must be in [-100, 100]", "completions", "logit_bias"),
+        ("stopping.max_new_tokens must be >= 1", "completions", "max_tokens"),
+        ("stopping.max_new_tokens must be >= 1", "responses", "max_output_tokens"),
+        ("stopping.stop[0] must not be empty", "chat", "stop"),
+        ("logprobs must be at most 20", "chat", "top_logprobs"),
+        ("logprobs must be at most 20", "completions", "logprobs"),
+        ("prompt must not be empty", "completions", "prompt"),
+        ("messages[1].role 'x' is not a role", "chat", "messages"),
+        ("messages[1].role 'x' is not a role", "responses", "input"),
+        ("tool_choice.function_name 'f' is not one of the tools", "chat", "tool_choice"),
+        ("constraint.json_schema is not a schema", "chat", "response_format"),
+        ("constraint.json_schema is not a schema", "responses", "text.format"),
+        ("a constrained request cannot set sampling.logit_bias", "chat", None),
+    ],
+)
+def test_a_scheduler_refusal_names_the_body_field_of_the_endpoint(sentence, endpoint, param):
+    error = from_pagoda(error_for_code(grpc.StatusCode.INVALID_ARGUMENT, sentence))
+    assert param_for(error.refused_field, endpoint) == param
+
+
+def test_only_invalid_arguments_name_a_field():
+    error = from_pagoda(error_for_code(grpc.StatusCode.RESOURCE_EXHAUSTED, "n is over the queue"))
+    assert error.refused_field is None
 
 
 def test_unknown_model_and_unsupported_fields_name_their_param():

@@ -236,6 +236,10 @@ def test_errors_have_openai_shape_and_status(front, sdk, model):
     with pytest.raises(openai.BadRequestError) as caught:  # the scheduler's own check
         sdk.chat.completions.create(model=model, messages=MESSAGES, logit_bias={"42": 101})
     assert "logit_bias" in caught.value.body["message"]
+    assert caught.value.body["param"] == "logit_bias"
+    with pytest.raises(openai.BadRequestError) as caught:  # named as this endpoint names it
+        sdk.chat.completions.create(model=model, messages=MESSAGES, top_logprobs=100, logprobs=True)
+    assert caught.value.body["param"] == "top_logprobs"
     with pytest.raises(openai.BadRequestError) as caught:  # the scheduler compiles it
         sdk.chat.completions.create(
             model=model,
