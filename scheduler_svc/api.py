@@ -21,6 +21,7 @@ from pagoda.protos import generation_pb2, generation_pb2_grpc
 from pagoda.scheduler_svc.auth import bearer_token, tenant_cache_salt, tenant_directory
 from pagoda.scheduler_svc.bounded_executor import BoundedExecutor, ExecutorFull
 from pagoda.scheduler_svc.chat_validation import MAX_CHAT_MESSAGES, num_message_chars, validate_chat
+from pagoda.scheduler_svc.constraint_validation import validate_constraint
 from pagoda.scheduler_svc.core import QueueFullError, RequestTooLargeError, ValidRequest
 from pagoda.scheduler_svc.front import Front, Unavailable
 from pagoda.scheduler_svc.grammars import (
@@ -46,7 +47,6 @@ from pagoda.scheduler_svc.tools import MAX_TOOLS, ValidTools
 from pagoda.scheduler_svc.validation import (
     Limits,
     ValidationError,
-    validate_constraint,
     validate_detokenize_ids,
     validate_generate,
     validate_tokenize_text,

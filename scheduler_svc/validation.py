@@ -1,21 +1,20 @@
 """Public requests -> Valid* domain values, or one sentence naming the field and its limit.
 
 Works on the pagoda.v1 request messages by their field names (it never builds one),
-so the servicer stays thin and every limit lives here, or in chat_validation.py for a
-chat's messages and tools: that module renders a chat to its prompt, then finishes it
-with the checks here that every request shares (`valid_request`).
+so the servicer stays thin and every limit lives here, in chat_validation.py for a
+chat's messages and tools (it renders a chat to its prompt, then finishes it with the
+checks here that every request shares, `valid_request`), or in constraint_validation.py
+for a structured-output constraint.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import secrets
 import uuid
 from dataclasses import dataclass
 
 from pagoda.scheduler_svc.core import SamplingParams, ValidRequest, ValidStopping
-from pagoda.scheduler_svc.grammars import MAX_CHOICES, MAX_CONSTRAINT_BYTES, ValidConstraint
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
 from pagoda.scheduler_svc.tools import ValidTools
 
@@ -76,66 +75,6 @@ def validate_generate(request, tokenizer: TextTokenizer, limits: Limits) -> Vali
         check_prompt_text(prompt, limits)
         prompt_token_ids = tokenizer.encode(prompt, add_special_tokens=True)
     return valid_request(request, tuple(prompt_token_ids), limits)
-
-
-def validate_constraint(request, valid: ValidRequest) -> ValidConstraint | None:
-    """A request's structured-output constraint (GenerateRequest.constraint, or the calls
-    of a Chat request's tool_choice REQUIRED or function), checked for size and for the
-    stopping rules it cannot live with; None when it has none. The grammar itself is
-    compiled by scheduler_svc.grammars."""
-    tools = valid.tools if isinstance(valid.tools, ValidTools) else None
-    constraint = _request_constraint(request)
-    if tools is not None and tools.reads_calls:
-        if constraint is not None:
-            raise ValidationError(
-                "a constraint cannot be combined with tools unless tool_choice is NONE "
-                "(tool_choice REQUIRED or a function constrains the output to calls)"
-            )
-        constraint = tools.constraint()
-    if constraint is None:
-        return None
-    # The grammar ends the request by allowing EOS alone: nothing may mask or ignore it.
-    if valid.stopping.ignore_eos:
-        raise ValidationError("a constrained request cannot set stopping.ignore_eos")
-    if valid.stopping.min_new_tokens:
-        raise ValidationError("a constrained request cannot set stopping.min_new_tokens")
-    if valid.sampling.allowed_token_ids or valid.sampling.banned_token_ids:  # it may need any id
-        raise ValidationError(
-            "a constrained request cannot set sampling.allowed_token_ids or banned_token_ids"
-        )
-    return constraint
-
-
-def _request_constraint(request) -> ValidConstraint | None:
-    """The request's own constraint field, checked for size."""
-    if not request.HasField("constraint"):
-        return None
-    constraint = request.constraint
-    kind = constraint.WhichOneof("kind")
-    if kind is None:
-        return None
-    if kind == "json_object":
-        if not constraint.json_object:
-            return None
-        source = ""
-    elif kind == "choice":
-        choices = list(constraint.choice.choices)
-        if not 1 <= len(choices) <= MAX_CHOICES:
-            raise ValidationError(
-                f"constraint.choice must hold 1 to {MAX_CHOICES} strings, got {len(choices)}"
-            )
-        if not all(choices):
-            raise ValidationError("constraint.choice must not hold an empty string")
-        source = json.dumps(choices)
-    else:
-        source = getattr(constraint, kind)
-        if not source:
-            raise ValidationError(f"constraint.{kind} must not be empty")
-    if len(source.encode()) > MAX_CONSTRAINT_BYTES:
-        raise ValidationError(
-            f"constraint.{kind} is {len(source.encode())} bytes; at most {MAX_CONSTRAINT_BYTES}"
-        )
-    return ValidConstraint(kind, source)
 
 
 def validate_tokenize_text(text: str, limits: Limits) -> None:

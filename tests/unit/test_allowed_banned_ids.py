@@ -11,10 +11,10 @@ import pytest
 
 from pagoda.common.step_codec import decode_sampling, encode_sampling
 from pagoda.protos import generation_pb2 as pb
+from pagoda.scheduler_svc.constraint_validation import validate_constraint
 from pagoda.scheduler_svc.validation import (
     Limits,
     ValidationError,
-    validate_constraint,
     validate_generate,
 )
 

@@ -17,6 +17,7 @@ from pagoda.common.step_codec import decode_plan
 from pagoda.gpu_worker.sequence_table import SequenceTable, allowed_token_masks
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc import grammars
+from pagoda.scheduler_svc.constraint_validation import validate_constraint
 from pagoda.scheduler_svc.core import NewSequence, StepPlan
 from pagoda.scheduler_svc.core.request import Request, token_array
 from pagoda.scheduler_svc.grammars import (
@@ -25,7 +26,7 @@ from pagoda.scheduler_svc.grammars import (
     fill_masks,
     mask_words,
 )
-from pagoda.scheduler_svc.validation import ValidationError, validate_constraint
+from pagoda.scheduler_svc.validation import ValidationError
 from tests.conftest import TINY_VOCAB_SIZE
 from tests.unit.conftest import make_geometry, make_request, make_scheduler
 

@@ -10,12 +10,12 @@ import pytest
 
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc.chat_validation import validate_chat
+from pagoda.scheduler_svc.constraint_validation import validate_constraint
 from pagoda.scheduler_svc.tokenizer import load_tokenizer
 from pagoda.scheduler_svc.tools import ToolChoice, ToolFormat, closed, tool_format
 from pagoda.scheduler_svc.validation import (
     Limits,
     ValidationError,
-    validate_constraint,
 )
 from tests.conftest import TINY_VOCAB_SIZE
 
