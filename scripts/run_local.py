@@ -3,7 +3,9 @@ wait until they serve, stay up.
 
 The worker and the scheduler talk over a private ipc:// socket in a fresh 0700 directory; the
 gRPC API listens on --grpc-address (127.0.0.1:50051) and pagoda-openai, its client, on
---openai-address (127.0.0.1:8000; "none" leaves it out). Ctrl-C stops all three cleanly.
+--openai-address (127.0.0.1:8000; "none" leaves it out). With --replicas N, N workers and
+schedulers (each on a free loopback port, the CPUs shared out among the workers) stand
+behind pagoda-router on --grpc-address. Ctrl-C stops them all cleanly.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -70,15 +73,11 @@ def stop(processes: list[subprocess.Popen]) -> None:
 
 def banner(
     grpc_address: str,
-    worker: subprocess.Popen,
-    scheduler: subprocess.Popen,
+    pids: list[str],
     front: subprocess.Popen | None,
     openai_url: str | None,
 ) -> str:
-    lines = [
-        f"\npagoda: serving on {grpc_address} (worker pid {worker.pid}, scheduler pid "
-        f"{scheduler.pid})"
-    ]
+    lines = [f"\npagoda: serving on {grpc_address} ({', '.join(pids)})"]
     if front is not None:
         lines.append(f"  OpenAI-compatible API: {openai_url} (pagoda-openai pid {front.pid})")
     lines += [
@@ -94,6 +93,44 @@ def banner(
         ]
     lines.append("  Ctrl-C stops them all.\n")
     return "\n".join(lines)
+
+
+def free_loopback_address() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def start_replica(
+    args: argparse.Namespace,
+    runtime_dir: str,
+    index: int,
+    grpc_address: str,
+    scheduler_model: str,
+    scheduler_flags: list[str],
+    worker_env: dict[str, str] | None,
+) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """A worker and its scheduler on grpc_address, linked by their own ipc:// socket."""
+    endpoint = f"ipc://{runtime_dir}/worker-{index}.sock"
+    worker = subprocess.Popen(
+        [
+            sys.executable, "-m", "pagoda.gpu_worker",
+            "--zmq-endpoint", endpoint,
+            "--model", args.model,
+            "--device", args.device,
+        ],
+        env=worker_env,
+    )  # fmt: skip
+    scheduler = subprocess.Popen(
+        [
+            sys.executable, "-m", "pagoda.scheduler_svc",
+            "--grpc-address", grpc_address,
+            "--zmq-endpoint", endpoint,
+            "--model", scheduler_model,
+            *scheduler_flags,
+        ]
+    )  # fmt: skip
+    return worker, scheduler
 
 
 def _interrupt(signum, frame) -> None:
@@ -114,11 +151,18 @@ def main() -> int:
         default="127.0.0.1:8000",
         help='HOST:PORT of the OpenAI-compatible front (pagoda-openai); "none": do not start it',
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="start N workers and schedulers behind pagoda-router on --grpc-address",
+    )
     args, scheduler_flags = parser.parse_known_args()
+    if args.replicas < 1:
+        parser.error("--replicas must be at least 1")
 
     runtime_dir = tempfile.mkdtemp(prefix="pagoda-run-")
     os.chmod(runtime_dir, 0o700)
-    endpoint = f"ipc://{runtime_dir}/worker.sock"
     scheduler_model = "default" if args.model == "dummy" else args.model
     # The worker converts the default model on first use; the scheduler reads the result.
     resolve = subprocess.run(
@@ -126,34 +170,41 @@ def main() -> int:
     )
     if resolve.returncode != 0:
         return resolve.returncode
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pagoda.gpu_worker",
-            "--zmq-endpoint",
-            endpoint,
-            "--model",
-            args.model,
-            "--device",
-            args.device,
-        ]
+    worker_env = None
+    if args.replicas > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # Each worker's torch would take every core; they share them out instead.
+        threads = max(1, len(os.sched_getaffinity(0)) // args.replicas)
+        worker_env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    addresses = (
+        [args.grpc_address]
+        if args.replicas == 1
+        else [free_loopback_address() for _ in range(args.replicas)]
     )
-    scheduler = subprocess.Popen(
-        [
-            sys.executable, "-m", "pagoda.scheduler_svc",
-            "--grpc-address", args.grpc_address,
-            "--zmq-endpoint", endpoint,
-            "--model", scheduler_model,
-            *scheduler_flags,
-        ]
-    )  # fmt: skip
-    processes = [worker, scheduler]
+    processes = []
+    pids = []
+    for index, address in enumerate(addresses):
+        worker, scheduler = start_replica(
+            args, runtime_dir, index, address, scheduler_model, scheduler_flags, worker_env
+        )
+        processes += [worker, scheduler]
+        pids.append(f"worker pid {worker.pid}, scheduler pid {scheduler.pid}")
+    if args.replicas > 1:
+        router = subprocess.Popen(
+            [
+                sys.executable, "-m", "pagoda.router",
+                "--listen", args.grpc_address,
+                "--backends", ",".join(addresses),
+                "--log-level", "WARNING",
+            ]
+        )  # fmt: skip
+        processes.append(router)
+        pids.append(f"pagoda-router pid {router.pid} in front of {', '.join(addresses)}")
     # Installed explicitly: a shell that starts us in the background ignores SIGINT.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _interrupt)
     try:
-        if not wait_serving(args.grpc_address, processes, READY_TIMEOUT_S):
+        ready = all(wait_serving(a, processes, READY_TIMEOUT_S) for a in addresses)
+        if not ready or not wait_serving(args.grpc_address, processes, READY_TIMEOUT_S):
             print("pagoda: the service did not become ready; see the logs above", file=sys.stderr)
             stop(processes)
             return 1
@@ -173,7 +224,7 @@ def main() -> int:
                 print("pagoda: the OpenAI front did not become ready", file=sys.stderr)
                 stop(processes)
                 return 1
-        print(banner(args.grpc_address, worker, scheduler, front, openai_url), flush=True)
+        print(banner(args.grpc_address, pids, front, openai_url), flush=True)
         while all(p.poll() is None for p in processes):
             time.sleep(0.5)
         print("pagoda: a process exited; stopping the others", file=sys.stderr)

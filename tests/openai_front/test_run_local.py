@@ -10,6 +10,7 @@ import sys
 import httpx
 import pytest
 
+from pagoda.client import Client
 from tests.e2e.conftest import REPO_ROOT, free_port
 
 pytestmark = pytest.mark.slow
@@ -43,6 +44,33 @@ def test_run_local_starts_the_front_and_prints_its_url():
         )
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["message"]["role"] == "assistant"
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_run_local_puts_replicas_behind_the_router():
+    """--replicas 2: two workers and schedulers behind pagoda-router on --grpc-address; the
+    router's GetServerStats counts both workers, and a request is served through it."""
+    grpc_address = f"127.0.0.1:{free_port()}"
+    process = subprocess.Popen(
+        [sys.executable, "scripts/run_local.py", "--model", "dummy", "--grpc-address",
+         grpc_address, "--openai-address", "none", "--replicas", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
+    )  # fmt: skip
+    try:
+        seen = []
+        for line in process.stdout:
+            seen.append(line)
+            if "Ctrl-C stops them all" in line:
+                break
+        assert "pagoda-router pid" in "".join(seen), "".join(seen)[-3000:]
+        with Client(grpc_address) as client:
+            assert len(client.server_stats().workers) == 2
+            assert client.complete([5, 6, 7], max_new_tokens=3, ignore_eos=True).usage
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
     finally:
