@@ -34,7 +34,32 @@ def router_settings(config: RouterConfig) -> RouterSettings:
     )
 
 
-async def serve(config: RouterConfig, credentials: grpc.ChannelCredentials | None) -> int:
+def reload_backends(router: Router, config: RouterConfig, argv: list[str] | None) -> None:
+    """SIGHUP: read the settings again (flags, environment, the --config file) and route to
+    their `backends` from now on. Only the replicas change without a restart; a setting
+    that cannot be read keeps the replicas as they were."""
+    try:
+        loaded = load_config(argv)
+    except SystemExit:  # argparse printed why
+        log.error("SIGHUP: the settings cannot be read; the replicas stay as they were")
+        return
+    fresh = loaded.config
+    router.set_backends(fresh.backend_addresses, config.drain_timeout_s)
+    others = [
+        name
+        for name in RouterConfig.__dataclass_fields__
+        if name != "backends" and getattr(fresh, name) != getattr(config, name)
+    ]
+    if others:
+        log.warning("SIGHUP: %s change only at a restart", ", ".join(others))
+    log.info("SIGHUP: routing to %s", ", ".join(fresh.backend_addresses))
+
+
+async def serve(
+    config: RouterConfig,
+    credentials: grpc.ChannelCredentials | None,
+    argv: list[str] | None = None,
+) -> int:
     health = RouterHealth()
     router = Router(
         config.backend_addresses, credentials, router_settings(config), health.on_serving
@@ -61,8 +86,10 @@ async def serve(config: RouterConfig, credentials: grpc.ChannelCredentials | Non
     )
     notify("READY=1", f"STATUS=routing on {config.listen}")
     stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, reload_backends, router, config, argv)
     while not stop.is_set():
         notify("WATCHDOG=1")
         try:
@@ -97,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"pagoda-router: cannot read a TLS file: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    return asyncio.run(serve(config, credentials))
+    return asyncio.run(serve(config, credentials, argv))
 
 
 if __name__ == "__main__":

@@ -59,15 +59,14 @@ class Backends:
         health_interval_s: float,
         on_change: Callable[[Backend], None],
     ) -> None:
+        self._credentials = credentials
         self._interval_s = health_interval_s
         self._on_change = on_change
+        self._started = False
+        self._closing: set[asyncio.Task] = set()  # channels of removed replicas, draining
         self.by_address: dict[str, Backend] = {}
         for address in addresses:
-            if credentials is None:
-                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            else:
-                channel = grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
-            self.by_address[address] = Backend(address, channel)
+            self.by_address[address] = Backend(address, self._open_channel(address))
 
     @property
     def all(self) -> list[Backend]:
@@ -77,10 +76,30 @@ class Backends:
         return [backend for backend in self.by_address.values() if backend.serving]
 
     def start(self) -> None:
+        self._started = True
         for backend in self.by_address.values():
-            backend.watcher = asyncio.create_task(
-                self._watch(backend), name=f"watch {backend.address}"
-            )
+            self._start_watch(backend)
+
+    def add(self, address: str) -> Backend:
+        """A new replica: not serving until its first health check says so."""
+        backend = self.by_address[address] = Backend(address, self._open_channel(address))
+        if self._started:
+            self._start_watch(backend)
+        return backend
+
+    def remove(self, address: str, drain_timeout_s: float) -> Backend:
+        """Route nothing more to the replica; its calls in flight go on, and its channel
+        closes once they end (cut after drain_timeout_s)."""
+        backend = self.by_address.pop(address)
+        if backend.watcher is not None:
+            backend.watcher.cancel()
+        was_serving, backend.serving = backend.serving, False
+        if was_serving:
+            self._on_change(backend)
+        task = asyncio.create_task(backend.channel.close(grace=drain_timeout_s))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        return backend
 
     async def close(self) -> None:
         for backend in self.by_address.values():
@@ -88,6 +107,15 @@ class Backends:
                 backend.watcher.cancel()
         for backend in self.by_address.values():
             await backend.channel.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)
+
+    def _open_channel(self, address: str) -> grpc.aio.Channel:
+        if self._credentials is None:
+            return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(address, self._credentials, options=CHANNEL_OPTIONS)
+
+    def _start_watch(self, backend: Backend) -> None:
+        backend.watcher = asyncio.create_task(self._watch(backend), name=f"watch {backend.address}")
 
     def refused(self, backend: Backend) -> None:
         """A call there was refused UNAVAILABLE: not serving until its health says so again

@@ -76,3 +76,9 @@ class PrefixIndex:
     def forget(self, backend: str) -> None:
         """Everything `backend` held is gone (its cache was emptied)."""
         self._chunks[backend].clear()
+
+    def add(self, backend: str) -> None:
+        self._chunks.setdefault(backend, OrderedDict())
+
+    def remove(self, backend: str) -> None:
+        del self._chunks[backend]

@@ -89,6 +89,20 @@ class Router:
     def start(self) -> None:
         self._backends.start()
 
+    def set_backends(self, addresses: list[str], drain_timeout_s: float) -> None:
+        """Route to these replicas from now on: new ones are health-checked and join once
+        serving; removed ones get no new call, and their calls in flight go on (cut after
+        drain_timeout_s)."""
+        current = {backend.address for backend in self._backends.all}
+        for address in [a for a in current if a not in addresses]:
+            self._backends.remove(address, drain_timeout_s)
+            self._index.remove(address)
+            log.info("%s removed: no new calls; its calls in flight go on", address)
+        for address in [a for a in addresses if a not in current]:
+            self._index.add(address)
+            self._backends.add(address)
+            log.info("%s added: routed to once its health says SERVING", address)
+
     async def close(self) -> None:
         self._write_watch.close()
         await self._backends.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -351,3 +352,60 @@ def test_a_call_a_lost_replica_cannot_take_is_retried_on_another(tmp_path):
             assert tokens == dummy_continuation(prompt(seed), 8)
         assert metric(metrics_address, "pagoda_router_retries_total") == 1
         assert metric(metrics_address, "pagoda_router_backend_serving") == 1
+
+
+def test_sighup_adds_and_removes_replicas_without_dropping_a_call(tmp_path):
+    """The router reads its settings file again on SIGHUP: a replica added there joins
+    once serving; a replica removed gets no new call, while the stream it was serving
+    finishes whole."""
+    with ExitStack() as stack:
+        replicas = []
+        for i in range(2):
+            (tmp_path / f"r{i}").mkdir()
+            replicas.append(
+                stack.enter_context(
+                    running_service(
+                        tmp_path / f"r{i}", model="dummy", worker_args=["--dummy-step-ms", "5"]
+                    )
+                )
+            )
+        settings = tmp_path / "router.toml"
+        settings.write_text(f'backends = "{replicas[0].address}"\n')
+        address = f"127.0.0.1:{free_port()}"
+        router = subprocess.Popen(
+            [sys.executable, "-m", "pagoda.router", "--listen", address, "--config", str(settings)],
+            cwd=REPO_ROOT,
+        )  # fmt: skip
+        stack.callback(stop_process, router)
+        wait_serving(address, [router])
+        assert len(stats(address).workers) == 1
+
+        settings.write_text(f'backends = "{replicas[0].address},{replicas[1].address}"\n')
+        router.send_signal(signal.SIGHUP)
+        wait_until(lambda: len(stats(address).workers) == 2, 30, "the added replica")
+
+        def remove_the_replica_serving_it():
+            (holder,) = [r for r in replicas if r.stats().num_running == 1]
+            kept = next(r for r in replicas if r is not holder)
+            settings.write_text(f'backends = "{kept.address}"\n')
+            router.send_signal(signal.SIGHUP)
+            wait_until(lambda: len(stats(address).workers) == 1, 30, "the removed replica")
+            return holder, kept
+
+        async def long_stream_while_its_replica_is_removed():
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                tokens, removed = [], None
+                async for response in stub.Generate(request(prompt(800), 400), timeout=120):
+                    tokens.extend(response.token_ids)
+                    if removed is None and len(tokens) >= 8:
+                        removed = await asyncio.to_thread(remove_the_replica_serving_it)
+                return tokens, *removed
+
+        tokens, holder, other = asyncio.run(long_stream_while_its_replica_is_removed())
+        assert tokens == dummy_continuation(prompt(800), 400)
+        before = holder.stats().num_requests_finished
+        for seed in range(801, 805):
+            asyncio.run(generate(address, prompt(seed)))
+        assert holder.stats().num_requests_finished == before
+        assert other.stats().num_requests_finished >= 4
