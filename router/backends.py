@@ -3,8 +3,9 @@ grpc.health.v1 reports it, and the requests the router has in flight there.
 
 A replica is routed to only while it says SERVING (a scheduler does so only while a
 worker is attached), and not after it refused a call UNAVAILABLE until it says so again.
-When it stops serving, what the router believed of its prefix cache is dropped: a
-scheduler that lost its worker dropped its cache too.
+When it says NOT_SERVING, refuses a call, or cannot be reached, what the router believed
+of its prefix cache is dropped (`cache_lost`): a scheduler that lost its worker dropped
+its cache too. A check that merely timed out (a busy replica) keeps the belief.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class Backend:
     address: str
     channel: grpc.aio.Channel
     serving: bool = False
+    # Whether the last change to not serving means its prefix cache is gone.
+    cache_lost: bool = False
     in_flight: int = 0
     num_refused: int = 0
     watcher: asyncio.Task | None = field(default=None, repr=False)
@@ -93,9 +96,8 @@ class Backends:
         backend = self.by_address.pop(address)
         if backend.watcher is not None:
             backend.watcher.cancel()
-        was_serving, backend.serving = backend.serving, False
-        if was_serving:
-            self._on_change(backend)
+        if backend.serving:
+            self._set(backend, False, cache_lost=True)
         task = asyncio.create_task(backend.channel.close(grace=drain_timeout_s))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
@@ -121,7 +123,7 @@ class Backends:
         """A call there was refused UNAVAILABLE: not serving until its health says so again
         (the next check, within one interval)."""
         backend.num_refused += 1
-        self._set(backend, False)
+        self._set(backend, False, cache_lost=True)
 
     async def _watch(self, backend: Backend) -> None:
         """Ask the replica's health every `interval_s`, for good. A health Check, not a
@@ -134,18 +136,21 @@ class Backends:
                     request, timeout=max(self._interval_s, MIN_CHECK_TIMEOUT_S)
                 )
                 serving = reply.status == SERVING
+                cache_lost = True
             except grpc.aio.AioRpcError as exc:
                 if backend.serving:
                     log.warning(
                         "%s did not answer its health check: %s", backend.address, exc.code()
                     )
                 serving = False
-            self._set(backend, serving)
+                cache_lost = exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+            self._set(backend, serving, cache_lost=cache_lost)
             await asyncio.sleep(self._interval_s)
 
-    def _set(self, backend: Backend, serving: bool) -> None:
+    def _set(self, backend: Backend, serving: bool, *, cache_lost: bool) -> None:
         if serving == backend.serving:
             return
         backend.serving = serving
+        backend.cache_lost = not serving and cache_lost
         log.info("%s is %s", backend.address, "serving" if serving else "not serving")
         self._on_change(backend)

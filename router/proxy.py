@@ -2,9 +2,10 @@
 
 Generate and Chat go where the policy says (router/policy.py), their routing key read
 from the request; GetServerStats asks every replica and adds their answers up
-(router/stats.py); every other unary call goes to the least loaded replica. What a replica answers (messages,
-status, details, trailing metadata) reaches the client unchanged; the router decides
-nothing about a request's validity, so every refusal is the scheduler's own sentence.
+(router/stats.py); every other unary call goes to the least loaded replica. What a
+replica answers (messages, status, details, trailing metadata) reaches the client
+unchanged; the router decides nothing about a request's validity, so every refusal is the
+scheduler's own sentence.
 
 A call that a replica refuses with UNAVAILABLE (no worker attached, or unreachable) before
 any message reached the client is tried on the next replica: nothing was streamed, and a
@@ -177,7 +178,7 @@ class Router:
         return backend
 
     def _backend_changed(self, backend: Backend) -> None:
-        if not backend.serving:
+        if backend.cache_lost:
             # A scheduler that stops serving lost its worker (and the worker's cache) or is
             # going away: whatever the router believed cached there is gone.
             self._index.forget(backend.address)
