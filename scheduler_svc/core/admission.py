@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+# Policies that choose among the first `admission_lookahead` waiting requests.
+LOOKAHEAD_POLICIES = frozenset({"pack", "prefix"})
+
 
 @dataclass(frozen=True, slots=True)
 class WaitingCost:
@@ -27,6 +30,8 @@ class WaitingCost:
     # Evictable cached blocks its prefix hit takes out of the pool when admitted.
     num_reclaimed_blocks: int = 0
     priority: int = 0
+    # Prompt tokens its prefix hit serves from the cache (what `prefix` orders by).
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +74,7 @@ def waiting_cost(
         num_tokens=prefill_cost(num_tokens, num_cached_tokens, max_context_tokens),
         num_reclaimed_blocks=blocks.num_evictable(hit_block_ids),
         priority=priority,
+        num_cached_tokens=num_cached_tokens,
     )
 
 
@@ -98,22 +104,23 @@ def admission_window(
     only: list[T] | None = None,
 ) -> tuple[str, list[T]]:
     """The policy an admission round runs and its window: the waiting requests it may
-    admit, in queue order (`num_requests` of them, `lookahead` under pack).
+    admit, in queue order (`num_requests` of them, `lookahead` under pack and prefix).
 
     `only` (isolation.py): from those waiting requests alone. Else `reserved`, the head a
     forced round could not fit, alone and FIFO: nothing starts past it until it fits. A
     `forced` round (is_fifo_round) is FIFO over the oldest by arrival, not the priority
     head, so low priorities move too. `tenant` (fair share): from that tenant's queue.
     """
+    looks_ahead = policy in LOOKAHEAD_POLICIES
     if only is not None:
-        return policy, only[: lookahead if policy == "pack" else num_requests]
+        return policy, only[: lookahead if looks_ahead else num_requests]
     if reserved is not None:
         return "fifo", [reserved]
     if forced:
         if by_priority:
             return "fifo", waiting.oldest(num_requests, tenant)
         return "fifo", waiting.head(num_requests, tenant)
-    return policy, waiting.head(lookahead if policy == "pack" else num_requests, tenant)
+    return policy, waiting.head(lookahead if looks_ahead else num_requests, tenant)
 
 
 def room_for_reserved_head(
@@ -146,6 +153,18 @@ def admit_fifo(costs: Sequence[WaitingCost], budget: AdmissionBudget) -> list[Ad
 def admit_priority(costs: Sequence[WaitingCost], budget: AdmissionBudget) -> list[Admission]:
     """FIFO over (priority, queue position): lower values first, ties keep arrival order."""
     order = sorted(range(len(costs)), key=lambda index: costs[index].priority)
+    return _admit_in_order(costs, order, budget)
+
+
+def admit_prefix(
+    costs: Sequence[WaitingCost], budget: AdmissionBudget, lookahead: int
+) -> list[Admission]:
+    """FIFO over the first `lookahead` requests ordered by their cached prefix, longest
+    first (ties keep arrival order): requests whose prefix is in the cache now start
+    before it is evicted, and before others' prompts push it out. The first that does
+    not fit ends the round (with chunked prefill, it gets a chunk), as in FIFO."""
+    window = min(len(costs), lookahead)
+    order = sorted(range(window), key=lambda index: -costs[index].num_cached_tokens)
     return _admit_in_order(costs, order, budget)
 
 
@@ -230,9 +249,11 @@ def _num_blocks(cost: WaitingCost, num_tokens: int, block_size: int) -> int:
 def run_policy(
     policy: str, costs: Sequence[WaitingCost], budget: AdmissionBudget, lookahead: int
 ) -> list[Admission]:
-    """The admissions of the named policy ("fifo", "pack" or "priority")."""
+    """The admissions of the named policy ("fifo", "pack", "prefix" or "priority")."""
     if policy == "pack":
         return admit_pack(costs, budget, lookahead)
+    if policy == "prefix":
+        return admit_prefix(costs, budget, lookahead)
     if policy == "priority":
         return admit_priority(costs, budget)
     return admit_fifo(costs, budget)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pagoda.scheduler_svc.core.admission import LOOKAHEAD_POLICIES
 from pagoda.scheduler_svc.core.placement import DEFAULT_AFFINITY_MAX_KV_USE_GAP
 
-ADMISSION_POLICIES = ("fifo", "pack", "priority")
+ADMISSION_POLICIES = ("fifo", "pack", "prefix", "priority")
 # pack re-prices its whole lookahead every admission round: a bound keeps a step's cost flat.
 MAX_ADMISSION_LOOKAHEAD = 256
 # pack's forced FIFO rounds when force_fifo_every is unset: a long head waits a few rounds.
@@ -42,12 +43,14 @@ class SchedulerConfig:
     max_active_requests: int = 256
     # Decode at most this many sequences per step, round-robin over the running set; None: all.
     max_decode_batch_size: int | None = None
-    # "fifo", "pack" (cheapest first within the lookahead) or "priority" (lower value first).
+    # "fifo", "pack" (cheapest first within the lookahead), "prefix" (longest cached prefix
+    # first within the lookahead) or "priority" (lower value first).
     admission_policy: str = "fifo"
-    # How many waiting requests `pack` considers.
+    # How many waiting requests `pack` and `prefix` consider.
     admission_lookahead: int = 16
-    # Every N-th admission round is FIFO (the oldest request first) so long prompts are never
-    # starved; None: 4 under pack, never otherwise; 0: never.
+    # Every N-th admission round is FIFO (the oldest request first) so long prompts, and
+    # prompts that share nothing cached, are never starved; None: 4 under pack and prefix,
+    # never otherwise; 0: never.
     force_fifo_every: int | None = None
     # Split a prompt across steps instead of admitting it whole.
     chunked_prefill: bool = True
@@ -91,7 +94,7 @@ class SchedulerConfig:
             )
         if self.force_fifo_every is not None:
             return self.force_fifo_every
-        return PACK_FORCE_FIFO_EVERY if self.admission_policy == "pack" else 0
+        return PACK_FORCE_FIFO_EVERY if self.admission_policy in LOOKAHEAD_POLICIES else 0
 
     def validate(self) -> None:
         """Raise ConfigError for the first knob out of range."""

@@ -8,6 +8,7 @@ from pagoda.scheduler_svc.core.admission import (
     WaitingCost,
     admit_fifo,
     admit_pack,
+    admit_prefix,
     admit_priority,
     is_fifo_round,
     prefill_cost,
@@ -127,6 +128,31 @@ def test_priority_admits_lower_values_first_and_ties_in_arrival_order():
         Admission(1, 10),
         Admission(3, 10),
         Admission(2, 10),
+    ]
+
+
+def cached(*pairs: tuple[int, int]) -> list[WaitingCost]:
+    """(tokens to compute, cached tokens) per request."""
+    return [WaitingCost(n, num_cached_tokens=c) for n, c in pairs]
+
+
+def test_prefix_admits_the_longest_cached_prefix_first_ties_in_arrival_order():
+    window = cached((40, 0), (10, 64), (20, 32), (10, 64))
+    assert admit_prefix(window, budget(100), lookahead=16) == [
+        Admission(1, 10),
+        Admission(3, 10),
+        Admission(2, 20),
+        Admission(0, 40),
+    ]
+
+
+def test_prefix_stops_at_the_first_that_does_not_fit_and_keeps_to_its_lookahead():
+    # The fourth holds the longest prefix but lies beyond the lookahead.
+    window = cached((40, 0), (70, 64), (40, 32), (10, 128))
+    assert admit_prefix(window, budget(100), lookahead=3) == [Admission(1, 70)]
+    assert admit_prefix(window, budget(100, chunked_prefill=True), lookahead=3) == [
+        Admission(1, 70),
+        Admission(2, 30),
     ]
 
 

@@ -31,6 +31,7 @@ def test_a_round_reads_as_many_as_it_may_admit_and_pack_its_lookahead():
     assert admission_window(QUEUE, "fifo", 2, 4) == ("fifo", ["a1", "b1"])
     assert admission_window(QUEUE, "priority", 2, 4) == ("priority", ["a1", "b1"])
     assert admission_window(QUEUE, "pack", 2, 4) == ("pack", ["a1", "b1", "a2", "b2"])
+    assert admission_window(QUEUE, "prefix", 2, 4) == ("prefix", ["a1", "b1", "a2", "b2"])
 
 
 def test_fair_share_reads_the_tenants_own_queue():

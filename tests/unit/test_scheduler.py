@@ -262,6 +262,22 @@ def test_priority_admits_lower_values_first():
     assert scheduler.core._requests["sooner"].state is RequestState.RUNNING
 
 
+@pytest.mark.parametrize(("policy", "first"), [("fifo", "cold"), ("prefix", "warm")])
+def test_prefix_admits_the_longest_cached_prefix_first(policy, first):
+    """A finished request leaves its prompt's blocks cached; of two waiting requests, the
+    one that shares that prompt starts first under prefix, the older one under fifo."""
+    geometry = make_geometry(num_kv_blocks=64, block_size=4)
+    scheduler = make_scheduler(geometry, admission_policy=policy, max_active_requests=1)
+    worker = FakeWorker(geometry)
+    shared = list(range(10, 26))  # four blocks
+    scheduler.add(make_request("seed", shared, max_new_tokens=1), 0.0)
+    drive(scheduler, worker)
+    scheduler.add(make_request("cold", 16, max_new_tokens=1), 1.0)
+    scheduler.add(make_request("warm", [*shared, 90, 91], max_new_tokens=1), 1.0)
+    scheduler.schedule(2.0)
+    assert scheduler.core._requests[first].state is RequestState.RUNNING
+
+
 def test_a_cancel_frees_blocks_at_once_and_is_forgotten_by_the_next_plan():
     geometry = make_geometry()
     scheduler, worker = make_scheduler(geometry), FakeWorker(geometry)
