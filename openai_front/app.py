@@ -67,6 +67,12 @@ _ENDPOINTS = {
 }
 
 
+def request_metadata(request: Request) -> tuple[tuple[str, str], ...]:
+    """The gRPC metadata of an HTTP request: its bearer key and its traceparent."""
+    headers = request.headers
+    return call_metadata(headers.get("authorization"), headers.get("traceparent"))
+
+
 def build_app(config: FrontConfig, upstream: Upstream) -> Any:
     """The ASGI application: FastAPI behind the body-size guard."""
     started_s = int(time.time())
@@ -116,13 +122,13 @@ def build_app(config: FrontConfig, upstream: Upstream) -> Any:
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
-        metadata = call_metadata(request.headers.get("authorization"))
+        metadata = request_metadata(request)
         info = await upstream.model_info(metadata, fresh=True)
         return {"object": "list", "data": [_model_card(info, started_s)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request) -> dict[str, Any]:
-        metadata = call_metadata(request.headers.get("authorization"))
+        metadata = request_metadata(request)
         info = await upstream.model_info(metadata, fresh=True)
         if model_id != info.model_id:
             raise model_not_found(model_id)
@@ -131,7 +137,7 @@ def build_app(config: FrontConfig, upstream: Upstream) -> Any:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         """vLLM's extension: a prompt's token ids, as the scheduler's Tokenize gives them."""
-        metadata = call_metadata(request.headers.get("authorization"))
+        metadata = request_metadata(request)
         await served_model(body.model, metadata)
         reply = await upstream.tokenize(body.prompt, body.add_special_tokens, metadata)
         info = await upstream.model_info(metadata)
@@ -145,7 +151,7 @@ def build_app(config: FrontConfig, upstream: Upstream) -> Any:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
         """vLLM's extension: token ids back to text (special tokens kept)."""
-        metadata = call_metadata(request.headers.get("authorization"))
+        metadata = request_metadata(request)
         await served_model(body.model, metadata)
         reply = await upstream.detokenize(body.tokens, metadata)
         return {"prompt": reply.text}
@@ -166,7 +172,7 @@ def build_app(config: FrontConfig, upstream: Upstream) -> Any:
         endpoint: Endpoint,
         request_id: str,
     ) -> Response:
-        metadata = call_metadata(request.headers.get("authorization"))
+        metadata = request_metadata(request)
         if isinstance(body, ChatCompletionRequest):
             plan = plan_chat(body, request_id, config.max_n)
         else:
@@ -183,7 +189,7 @@ def build_app(config: FrontConfig, upstream: Upstream) -> Any:
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         response_id = f"resp_{uuid.uuid4().hex}"
-        metadata = call_metadata(request.headers.get("authorization"))
+        metadata = request_metadata(request)
         plan = plan_response(body, response_id)
         model = await served_model(body.model, metadata)
         head = ResponseHead(response_id, int(time.time()), model, echoed_settings(body))

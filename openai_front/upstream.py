@@ -8,6 +8,7 @@ module adds is the per-call metadata, which the client fixes per channel.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -27,22 +28,31 @@ from pagoda.protos import generation_pb2, generation_pb2_grpc
 MODEL_INFO_TTL_S = 5.0
 HEALTH_TIMEOUT_S = 2.0
 _BEARER = "bearer "
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
-def call_metadata(authorization: str | None) -> tuple[tuple[str, str], ...]:
-    """The gRPC metadata for an HTTP `Authorization` header: the same bearer key, or none.
+def call_metadata(
+    authorization: str | None, traceparent: str | None = None
+) -> tuple[tuple[str, str], ...]:
+    """The gRPC metadata for an HTTP `Authorization` header (the same bearer key, or none)
+    and a W3C `traceparent` header (passed on, so the scheduler's access log names the
+    caller's trace).
 
     A header that is not `Bearer <key>` sends no key (the scheduler then refuses the call
-    when it has keys); a key gRPC cannot carry (not printable ASCII) is a 401 here.
+    when it has keys); a key gRPC cannot carry (not printable ASCII) is a 401 here. A
+    traceparent that is not printable ASCII of its length is dropped.
     """
+    metadata: tuple[tuple[str, str], ...] = ()
+    if traceparent is not None and _TRACEPARENT.fullmatch(traceparent.strip()):
+        metadata = (("traceparent", traceparent.strip()),)
     if authorization is None or not authorization.lower().startswith(_BEARER):
-        return ()
+        return metadata
     key = authorization[len(_BEARER) :].strip()
     if not key or not key.isascii() or not key.isprintable():
         raise FrontError(
             401, "the bearer key is malformed", "invalid_request_error", None, "invalid_api_key"
         )
-    return (("authorization", f"Bearer {key}"),)
+    return (("authorization", f"Bearer {key}"), *metadata)
 
 
 @dataclass(slots=True)

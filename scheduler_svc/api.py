@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from pagoda.protos import generation_pb2, generation_pb2_grpc
+from pagoda.scheduler_svc.access_log import CallRecord, answer_logged, call_record
 from pagoda.scheduler_svc.auth import bearer_token, tenant_cache_salt, tenant_directory
 from pagoda.scheduler_svc.bounded_executor import BoundedExecutor, ExecutorFull
 from pagoda.scheduler_svc.chat_validation import MAX_CHAT_MESSAGES, num_message_chars, validate_chat
@@ -124,16 +125,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
     async def Generate(self, request, context) -> None:
-        handling = self._serve(validate_generate, request, context)
+        record = self._call_record("Generate", context)
+        handling = self._serve(validate_generate, request, context, record)
         del request  # held by `handling` alone, gone when it ends (see Refused)
-        await answer(context, handling)
+        await answer_logged(context, handling, record)
 
     async def Chat(self, request, context) -> None:
-        handling = self._serve(validate_chat, request, context)
+        record = self._call_record("Chat", context)
+        handling = self._serve(validate_chat, request, context, record)
         del request
-        await answer(context, handling)
+        await answer_logged(context, handling, record)
 
-    async def _serve(self, validate, request, context) -> None:
+    def _call_record(self, method: str, context) -> CallRecord | None:
+        return call_record(method, context) if self._config.access_log else None
+
+    async def _serve(self, validate, request, context, record: CallRecord | None) -> None:
         valid = await self._admit(validate, request, context)
         # A client's own request_id names its request only within its connection: the
         # server's id is scoped by the peer, so another client can neither squat nor
@@ -149,6 +155,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if self._config.cache_salt_by_api_key:
             salt = tenant_cache_salt(bearer_token(context), valid.cache_salt)
             valid = dataclasses.replace(valid, cache_salt=salt)
+        if record is not None:
+            record.request_id, record.tenant = client_request_id, tenant.name
         slots = self._submit(valid)
         try:
             if len(slots) == 1:
@@ -157,8 +165,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     output = await slot.next()
                     await self._writer.stream(context, slot, output, client_request_id, tenant.name)
                     if output.finish_reason is not None:
+                        if record is not None:
+                            record.finished(output)
                         return
-            await self._writer.stream_samples(context, slots, client_request_id, tenant.name)
+            await self._writer.stream_samples(
+                context, slots, client_request_id, tenant.name, record
+            )
         finally:
             # Reached on normal end, refusal, client cancel, deadline, disconnect or a
             # stalled write (grpc.aio raises CancelledError at the pending await): a live

@@ -13,6 +13,7 @@ import asyncio
 import grpc
 
 from pagoda.protos import generation_pb2
+from pagoda.scheduler_svc.access_log import CallRecord
 from pagoda.scheduler_svc.core import FinishReason, RequestOutput, Usage
 from pagoda.scheduler_svc.metrics import Metrics
 from pagoda.scheduler_svc.refusals import refusal
@@ -62,10 +63,18 @@ class ResponseWriter:
                     response.total_usage.CopyFrom(to_usage(total_usage(usages)))
         await self._write(context, response)
 
-    async def stream_samples(self, context, slots: list, request_id: str, tenant: str) -> None:
+    async def stream_samples(
+        self,
+        context,
+        slots: list,
+        request_id: str,
+        tenant: str,
+        record: CallRecord | None = None,
+    ) -> None:
         """Stream n samples' outputs as they come, each tagged with its index; returns once
         every sample has ended. Each slot is read by one task at a time, so a sample's
-        messages stay in order and none is lost or repeated."""
+        messages stay in order and none is lost or repeated. `record` (the access log)
+        hears each sample's finishing output."""
         usages: list[Usage | None] = [None] * len(slots)
         reading = {asyncio.ensure_future(slot.next()): index for index, slot in enumerate(slots)}
         try:
@@ -79,6 +88,8 @@ class ResponseWriter:
                     )
                     if output.finish_reason is None:
                         reading[asyncio.ensure_future(slots[index].next())] = index
+                    elif record is not None:
+                        record.finished(output)
         finally:
             for task in reading:
                 task.cancel()

@@ -68,6 +68,7 @@ class ServiceConfig:
     zmq_allow_insecure_tcp: bool = False
     log_level: str = "INFO"
     log_format: str = "text"
+    access_log: bool = False
     overlap_steps: bool | None = None
     late_plan_ahead: bool = True
     max_workers: int = 1
@@ -191,6 +192,9 @@ HELP: dict[str, str] = {
     "unauthenticated: anyone reaching the port can pose as the worker); logged as a warning",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": LOG_FORMAT_HELP,
+    "access_log": "one log line (logger pagoda.access) per Generate or Chat call when it ends: "
+    "its id, tenant, peer, trace id (a W3C traceparent's), status, tokens and times; "
+    "fields of their own under --log-format json",
     "overlap_steps": "plan and send step N+1 while the worker runs step N (for a worker that "
     "feeds its last sampled tokens; an older one gets one step at a time); unset: on, except "
     "for a CPU worker, whose steps are long enough that planning ahead saves nothing and a "

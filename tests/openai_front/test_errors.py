@@ -78,3 +78,13 @@ def test_the_bearer_key_is_passed_on_as_grpc_metadata():
     with pytest.raises(Exception) as caught:
         call_metadata("Bearer kéy")
     assert caught.value.status == 401
+
+
+def test_a_w3c_traceparent_is_passed_on_and_anything_else_dropped():
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    assert call_metadata("Bearer k1", traceparent) == (
+        ("authorization", "Bearer k1"),
+        ("traceparent", traceparent),
+    )
+    assert call_metadata(None, traceparent) == (("traceparent", traceparent),)
+    assert call_metadata(None, "00-not-a-trace\nx: y") == ()
