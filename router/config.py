@@ -43,6 +43,7 @@ class RouterConfig:
     tls_key: str | None = None
     max_grpc_message_bytes: int = 1024 * 1024
     max_concurrent_streams: int = 1024
+    max_concurrent_rpcs: int = 4096
     stream_write_timeout_s: float = 60.0
     health_interval_s: float = 0.5
     # HOST:PORT of Prometheus /metrics over HTTP, unauthenticated; unset: none.
@@ -83,6 +84,8 @@ class RouterConfig:
             problems.append("--max-grpc-message-bytes must be at least 1024")
         if self.max_concurrent_streams < 1:
             problems.append("--max-concurrent-streams must be >= 1")
+        if self.max_concurrent_rpcs < 1:
+            problems.append("--max-concurrent-rpcs must be >= 1")
         if not self.stream_write_timeout_s > 0:
             problems.append("--stream-write-timeout-s must be > 0")
         if self.metrics_address is not None:
@@ -177,6 +180,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="largest gRPC request accepted, in bytes (set it as the replicas' own)",
     )
     add("--max-concurrent-streams", type=int, default=1024, help="HTTP/2 streams per connection")
+    add(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=4096,
+        help="calls the router serves at once over all connections (RESOURCE_EXHAUSTED "
+        "beyond): each holds its request, up to --max-grpc-message-bytes",
+    )
     add(
         "--stream-write-timeout-s",
         type=float,

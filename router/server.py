@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from pagoda.protos import generation_pb2  # noqa: F401  (registers pagoda.v1 for reflection)
 from pagoda.router.config import RouterConfig
 from pagoda.router.proxy import SERVICE, Router
+from pagoda.scheduler_svc.rpc_limit import RpcLimit
 
 MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
 # As the scheduler: ping a connection silent for a minute, close it after 20 s without an
@@ -60,7 +61,9 @@ def build_server(config: RouterConfig, router: Router, health: RouterHealth) -> 
         ("grpc.max_concurrent_streams", config.max_concurrent_streams),
         *SERVER_OPTIONS,
     ]
-    server = grpc.aio.server(options=options)
+    # Counted per running handler, as the scheduler does (scheduler_svc/rpc_limit.py): a
+    # stalled stream's place is given back once the write watch ends its handler.
+    server = grpc.aio.server(interceptors=[RpcLimit(config.max_concurrent_rpcs)], options=options)
     server.add_generic_rpc_handlers((router.handler(),))
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     reflection.enable_server_reflection(

@@ -409,3 +409,38 @@ def test_sighup_adds_and_removes_replicas_without_dropping_a_call(tmp_path):
             asyncio.run(generate(address, prompt(seed)))
         assert holder.stats().num_requests_finished == before
         assert other.stats().num_requests_finished >= 4
+
+
+def test_calls_beyond_max_concurrent_rpcs_are_refused_and_others_go_on(tmp_path):
+    with ExitStack() as stack:
+        replica = stack.enter_context(
+            running_service(tmp_path, model="dummy", worker_args=["--dummy-step-ms", "5"])
+        )
+        address = stack.enter_context(
+            running_router(tmp_path, [replica.address], "--max-concurrent-rpcs", "2")
+        )
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                held = [stub.Generate(request(prompt(900 + i), 2000)) for i in range(2)]
+                for call in held:
+                    await call.read()  # both handlers run
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Generate(request(prompt(902), 4)).read()
+                for call in held:
+                    call.cancel()
+                return refused.value
+
+        refused = asyncio.run(scenario())
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        def served_once_the_places_are_back() -> bool:
+            try:
+                tokens, _ = asyncio.run(generate(address, prompt(903)))
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                return False
+            return tokens == dummy_continuation(prompt(903), 8)
+
+        wait_until(served_once_the_places_are_back, 30, "the cancelled calls' places")
