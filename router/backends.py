@@ -25,9 +25,13 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 MIN_CHECK_TIMEOUT_S = 1.0
 
 # Reconnect quickly to a replica that restarts, as the client does (client/connection.py);
-# replies as large as a scheduler may send.
+# replies as large as a scheduler may send; a ping every 45 s, answered within 20 s, so a
+# replica whose host vanished without closing its connections ends its streams (a
+# scheduler refuses pings more often than every 30 s).
 CHANNEL_OPTIONS: tuple[tuple[str, str | int], ...] = (
     ("grpc.primary_user_agent", "pagoda-router"),
+    ("grpc.keepalive_time_ms", 45_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
