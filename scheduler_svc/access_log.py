@@ -113,6 +113,9 @@ def call_record(method: str, context) -> CallRecord:
 async def answer_logged(context, handling, record: CallRecord | None) -> None:
     """refusals.answer(), then the call's line when there is a record: its status is the
     one the handler set (OK when none), CANCELLED when the client went away."""
+    if record is None:
+        await answer(context, handling)
+        return
     code = None
     try:
         await answer(context, handling)
@@ -124,5 +127,4 @@ async def answer_logged(context, handling, record: CallRecord | None) -> None:
         code = grpc.StatusCode.UNKNOWN  # grpc answers an escaped exception so
         raise
     finally:
-        if record is not None:
-            record.write(code)
+        record.write(code)

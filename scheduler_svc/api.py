@@ -283,26 +283,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _checked_tokenize(self, request) -> generation_pb2.TokenizeResponse:
         self._reject_undecodable(request)
         limits = self._limits() or fallback_limits(self._tokenizer, self._config)
-        code = grpc.StatusCode.INVALID_ARGUMENT
-        try:
-            validate_tokenize_text(request.text, limits)
-            if len(request.text) <= OFF_LOOP_MIN_CHARS:
-                return tokenize(self._tokenizer, request, limits.max_context_tokens)
-            return await self._tokenize_rpcs.run(
-                tokenize, self._tokenizer, request, limits.max_context_tokens
-            )
-        except ValidationError as exc:
-            sentence = str(exc)
-        except ExecutorFull:
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED
-            sentence = self._tokenize_calls_full
-        raise refusal(self._metrics, code, sentence)
 
-    @property
-    def _tokenize_calls_full(self) -> str:
-        return (
-            f"{self._tokenize_rpcs.max_calls} Tokenize or Detokenize calls of long inputs are "
-            "queued or running (max_tokenize_calls); retry later"
+        def check() -> tuple:
+            validate_tokenize_text(request.text, limits)
+            return self._tokenizer, request, limits.max_context_tokens
+
+        return await self._tokenizer_call(
+            tokenize, check, big=len(request.text) > OFF_LOOP_MIN_CHARS
         )
 
     async def Detokenize(self, request, context):
@@ -311,19 +298,32 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _checked_detokenize(self, request) -> generation_pb2.DetokenizeResponse:
         self._reject_undecodable(request)
         limits = self._limits() or fallback_limits(self._tokenizer, self._config)
+
+        def check() -> tuple:
+            ids = validate_detokenize_ids(request.token_ids, limits)
+            return self._tokenizer, ids, request.skip_special_tokens
+
+        return await self._tokenizer_call(
+            detokenize, check, big=len(request.token_ids) > OFF_LOOP_MIN_IDS
+        )
+
+    async def _tokenizer_call(self, function, check, *, big: bool):
+        """`function(*check())` on the loop, or on the Tokenize calls' own bounded thread
+        when the input is `big`; a ValidationError or a full queue is the call's refusal."""
         code = grpc.StatusCode.INVALID_ARGUMENT
         try:
-            ids = validate_detokenize_ids(request.token_ids, limits)
-            if len(ids) <= OFF_LOOP_MIN_IDS:
-                return detokenize(self._tokenizer, ids, request.skip_special_tokens)
-            return await self._tokenize_rpcs.run(
-                detokenize, self._tokenizer, ids, request.skip_special_tokens
-            )
+            args = check()
+            if not big:
+                return function(*args)
+            return await self._tokenize_rpcs.run(function, *args)
         except ValidationError as exc:
             sentence = str(exc)
         except ExecutorFull:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED
-            sentence = self._tokenize_calls_full
+            sentence = (
+                f"{self._tokenize_rpcs.max_calls} Tokenize or Detokenize calls of long inputs "
+                "are queued or running (max_tokenize_calls); retry later"
+            )
         raise refusal(self._metrics, code, sentence)
 
     async def GetModelInfo(self, request, context):
