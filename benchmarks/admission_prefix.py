@@ -3,7 +3,8 @@ hold every shared prefix: `python -m benchmarks.admission_prefix`.
 
 One worker and scheduler of --model on this machine; a burst of --groups x --per-group
 requests, each a shared prefix of ~--prefix-words tokens (a system prompt per group) and a
-short unique question, shuffled. --max-active-requests keeps a queue waiting, and
+unique question (--question-words more words), and --singles short prompts that share
+nothing, shuffled. --max-active-requests keeps a queue waiting, and
 --num-kv-blocks a pool that holds only some of the prefixes, so the order in which the
 queue is admitted decides how many prefixes are computed more than once. Each policy gets
 prefixes of its own. Reported per policy: the share of prompt tokens served from the
@@ -25,10 +26,17 @@ from pagoda.client.bench_report import percentile
 
 
 def burst(policy: str, args) -> tuple[list[str], list[float]]:
+    question_words = " ".join(["please"] * args.question_words)
     prompts = [
-        prefix_text(f"{policy}-{group}", args.prefix_words) + f"User {i}: what is {i} + {group}?"
+        prefix_text(f"{policy}-{group}", args.prefix_words)
+        + f"User {i}: {question_words} what is {i} + {group}?"
         for group in range(args.groups)
         for i in range(args.per_group)
+    ]
+    # Prompts that share nothing: short, so pack (cheapest first) starts them first.
+    prompts += [
+        prefix_text(f"{policy}-single-{index}", args.single_words) + "User: hello?"
+        for index in range(args.singles)
     ]
     random.Random(args.seed).shuffle(prompts)
     return prompts, [0.0] * len(prompts)
@@ -44,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     add("--groups", type=int, default=8)
     add("--per-group", type=int, default=6)
     add("--prefix-words", type=int, default=400, help="words per prefix, about tokens")
+    add("--question-words", type=int, default=0, help="more words after each prefix")
+    add("--singles", type=int, default=0, help="prompts that share no prefix, mixed in")
+    add("--single-words", type=int, default=60, help="words of each of those")
     add("--max-new-tokens", type=int, default=8)
     add("--max-active-requests", type=int, default=4)
     add("--num-kv-blocks", type=int, default=160, help="KV blocks of 16 tokens in the pool")
