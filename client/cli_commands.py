@@ -208,11 +208,21 @@ def _print_record(record: Any, as_json: bool) -> None:
         return
     width = max(len(name) for name in values)
     for name, value in values.items():
-        if isinstance(value, float):
-            value = f"{value:.4g}"
-        elif isinstance(value, list):
-            value = ", ".join(str(item) for item in value) or "-"
-        print(f"{name.ljust(width)}  {value}")
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            # ServerStats.workers and .tenants: one indented line each, its fields inline.
+            print(name)
+            for item in value:
+                print("  " + "  ".join(f"{k}={_cell(v)}" for k, v in item.items()))
+            continue
+        print(f"{name.ljust(width)}  {_cell(value)}")
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return ", ".join(_cell(item) for item in value) or "-"
+    return str(value)
 
 
 def print_error(exc: PagodaError) -> None:

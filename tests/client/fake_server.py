@@ -200,6 +200,7 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
                 num_generated_tokens=c.num_generated_tokens,
                 worker_incarnation_id="fake-incarnation",
                 draining=False,
+                workers=[pb.WorkerStats(incarnation_id="fake-incarnation", num_steps=c.num_steps)],
             )
 
     # -- helpers --------------------------------------------------------------------------

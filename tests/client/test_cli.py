@@ -250,3 +250,5 @@ def test_info_and_stats(fake_server):
     assert info_json["eos_token_ids"] == [2]
     table = run_cli("stats", target=fake_server.target).stdout
     assert re.search(r"^prefix_cache_hit_rate +0\.25$", table, re.M)
+    # A list of records is one indented line each, its fields inline.
+    assert re.search(r"^workers\n  incarnation_id=fake-incarnation  num_running=0 ", table, re.M)
