@@ -75,7 +75,7 @@ def workloads(draw, with_cancels: bool = False, with_failures: bool = False) -> 
         prefill_max_batch_size=draw(st.none() | st.integers(1, 4)),
         max_active_requests=draw(st.integers(1, 8)),
         max_decode_batch_size=draw(st.none() | st.integers(1, 6)),
-        admission_policy=draw(st.sampled_from(["fifo", "pack", "priority"])),
+        admission_policy=draw(st.sampled_from(["fifo", "pack", "prefix", "priority"])),
         admission_lookahead=draw(st.integers(1, 6)),
         force_fifo_every=draw(st.none() | st.integers(0, 3)),
         chunked_prefill=draw(st.booleans()),
