@@ -42,8 +42,14 @@ PROMPT_TOKENS = 160  # ten blocks of 16: ten routing chunks of token ids
 
 @contextmanager
 def running_router(tmp_path: Path, backends: list[str], *args: str) -> Iterator[str]:
-    """pagoda-router to `backends`; yields its address once its health says SERVING."""
+    """pagoda-router to `backends`; yields its address once every backend serves there
+    (its metrics say so: its own health turns SERVING with the first one)."""
     address = f"127.0.0.1:{free_port()}"
+    if "--metrics-address" in args:
+        metrics_address = args[args.index("--metrics-address") + 1]
+    else:
+        metrics_address = f"127.0.0.1:{free_port()}"
+        args = (*args, "--metrics-address", metrics_address)
     log_path = tmp_path / f"router-{time.monotonic_ns()}.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
@@ -64,6 +70,11 @@ def running_router(tmp_path: Path, backends: list[str], *args: str) -> Iterator[
         )  # fmt: skip
     try:
         wait_serving(address, [process])
+        wait_until(
+            lambda: metric(metrics_address, "pagoda_router_backend_serving") == len(backends),
+            60,
+            "every backend to serve through the router",
+        )
         yield address
     except BaseException:
         print(log_path.read_text()[-4000:])
@@ -372,8 +383,10 @@ def test_sighup_adds_and_removes_replicas_without_dropping_a_call(tmp_path):
         settings = tmp_path / "router.toml"
         settings.write_text(f'backends = "{replicas[0].address}"\n')
         address = f"127.0.0.1:{free_port()}"
+        metrics_address = f"127.0.0.1:{free_port()}"
         router = subprocess.Popen(
-            [sys.executable, "-m", "pagoda.router", "--listen", address, "--config", str(settings)],
+            [sys.executable, "-m", "pagoda.router", "--listen", address, "--config", str(settings),
+             "--metrics-address", metrics_address],
             cwd=REPO_ROOT,
         )  # fmt: skip
         stack.callback(stop_process, router)
@@ -382,7 +395,11 @@ def test_sighup_adds_and_removes_replicas_without_dropping_a_call(tmp_path):
 
         settings.write_text(f'backends = "{replicas[0].address},{replicas[1].address}"\n')
         router.send_signal(signal.SIGHUP)
-        wait_until(lambda: len(stats(address).workers) == 2, 30, "the added replica")
+        wait_until(
+            lambda: metric(metrics_address, "pagoda_router_backend_serving") == 2,
+            30,
+            "the added replica to serve",
+        )
 
         def remove_the_replica_serving_it():
             (holder,) = [r for r in replicas if r.stats().num_running == 1]
