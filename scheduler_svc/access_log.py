@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pagoda.scheduler_svc.core import RequestOutput
+from pagoda.scheduler_svc.core import RequestOutput, Usage
 from pagoda.scheduler_svc.refusals import answer
+from pagoda.scheduler_svc.responses import total_usage
 
 log = logging.getLogger("pagoda.access")
 
@@ -50,29 +51,28 @@ class CallRecord:
     started_s: float = field(default_factory=time.monotonic)
     request_id: str = ""
     tenant: str = ""
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    completion_tokens: int = 0
     first_token_ms: float | None = None
     finish_reasons: list[str] = field(default_factory=list)
+    usages: dict[int, Usage] = field(default_factory=dict)  # by sample index
 
-    def finished(self, output: RequestOutput) -> None:
-        """A sample's finishing output."""
+    def finished(self, output: RequestOutput, index: int) -> None:
+        """Sample `index`'s finishing output."""
         if output.finish_reason is not None:
             self.finish_reasons.append(output.finish_reason.name)
         if output.usage is not None:
-            # The prompt is the samples' one prompt; their completions add up.
-            self.prompt_tokens = output.usage.prompt_tokens
-            self.cached_prompt_tokens = max(
-                self.cached_prompt_tokens, output.usage.cached_prompt_tokens
-            )
-            self.completion_tokens += output.usage.completion_tokens
+            self.usages[index] = output.usage
         if output.timings is not None and self.first_token_ms is None:
             self.first_token_ms = output.timings.first_token_ms
 
     def write(self, code: grpc.StatusCode | None) -> None:
         status = (code or grpc.StatusCode.OK).name
         total_ms = (time.monotonic() - self.started_s) * 1000
+        # The call's usage as its last message gives it (total_usage: the prompt once).
+        usage = (
+            total_usage([self.usages[index] for index in sorted(self.usages)])
+            if self.usages
+            else Usage(0, 0, 0, 0)
+        )
         fields = {
             "method": self.method,
             "request_id": self.request_id,
@@ -81,9 +81,9 @@ class CallRecord:
             "trace_id": self.trace_id,
             "status": status,
             "finish_reasons": ",".join(self.finish_reasons),
-            "prompt_tokens": self.prompt_tokens,
-            "cached_prompt_tokens": self.cached_prompt_tokens,
-            "completion_tokens": self.completion_tokens,
+            "prompt_tokens": usage.prompt_tokens,
+            "cached_prompt_tokens": usage.cached_prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
             "first_token_ms": None
             if self.first_token_ms is None
             else round(self.first_token_ms, 1),
@@ -95,9 +95,9 @@ class CallRecord:
             self.request_id or "-",
             status,
             fields["finish_reasons"] or "-",
-            self.prompt_tokens,
-            self.completion_tokens,
-            self.cached_prompt_tokens,
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.cached_prompt_tokens,
             total_ms,
             self.tenant or "-",
             self.peer,

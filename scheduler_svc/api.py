@@ -163,10 +163,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 slot = slots[0]
                 while True:
                     output = await slot.next()
-                    await self._writer.stream(context, slot, output, client_request_id, tenant.name)
+                    await self._writer.stream(
+                        context, slot, output, client_request_id, tenant.name, record=record
+                    )
                     if output.finish_reason is not None:
-                        if record is not None:
-                            record.finished(output)
                         return
             await self._writer.stream_samples(
                 context, slots, client_request_id, tenant.name, record

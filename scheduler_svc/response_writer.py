@@ -42,11 +42,12 @@ class ResponseWriter:
         tenant: str,
         index: int = 0,
         usages: list[Usage | None] | None = None,
+        record: CallRecord | None = None,
     ) -> None:
         """Write one output of a sample; an ERROR ends the call with the slot's status
         (every other sample is cancelled). With `usages` (n > 1: each sample's final
         usage, by index, None until it ends), the last sample to end also carries the
-        request's total_usage."""
+        request's total_usage. `record` (the access log) hears each finishing output."""
         if output.finish_reason is FinishReason.ERROR:
             if output.token_ids or output.text:
                 await self._write(
@@ -57,6 +58,8 @@ class ResponseWriter:
         response = to_response(output, request_id, self._token_bytes, index)
         if output.finish_reason is not None:
             self._metrics.observe_tenant_finish(tenant, output)
+            if record is not None:
+                record.finished(output, index)
             if usages is not None:
                 usages[index] = output.usage
                 if all(usage is not None for usage in usages):
@@ -73,8 +76,7 @@ class ResponseWriter:
     ) -> None:
         """Stream n samples' outputs as they come, each tagged with its index; returns once
         every sample has ended. Each slot is read by one task at a time, so a sample's
-        messages stay in order and none is lost or repeated. `record` (the access log)
-        hears each sample's finishing output."""
+        messages stay in order and none is lost or repeated."""
         usages: list[Usage | None] = [None] * len(slots)
         reading = {asyncio.ensure_future(slot.next()): index for index, slot in enumerate(slots)}
         try:
@@ -84,12 +86,10 @@ class ResponseWriter:
                     index = reading.pop(task)
                     output = task.result()
                     await self.stream(
-                        context, slots[index], output, request_id, tenant, index, usages
+                        context, slots[index], output, request_id, tenant, index, usages, record
                     )
                     if output.finish_reason is None:
                         reading[asyncio.ensure_future(slots[index].next())] = index
-                    elif record is not None:
-                        record.finished(output)
         finally:
             for task in reading:
                 task.cancel()

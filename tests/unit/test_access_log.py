@@ -13,14 +13,14 @@ from pagoda.scheduler_svc.core import FinishReason, RequestOutput, Timings, Usag
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 
-def finishing(completion_tokens: int, reason: FinishReason) -> RequestOutput:
+def finishing(completion_tokens: int, reason: FinishReason, cached: int = 8) -> RequestOutput:
     return RequestOutput(
         request_id="r",
         text="",
         token_ids=[],
         logprobs=None,
         finish_reason=reason,
-        usage=Usage(12, completion_tokens, 8, 0),
+        usage=Usage(12, completion_tokens, cached, 0),
         timings=Timings(queued_ms=1.0, first_token_ms=20.0, total_ms=90.0),
     )
 
@@ -35,8 +35,8 @@ def test_the_trace_id_comes_from_a_well_formed_traceparent_only():
 def test_one_line_per_call_with_the_samples_added_up(caplog):
     record = CallRecord("Generate", "ipv4:127.0.0.1:5000", TRACE_ID)
     record.request_id, record.tenant = "r", "alice"
-    record.finished(finishing(3, FinishReason.LENGTH))
-    record.finished(finishing(2, FinishReason.STOP))
+    record.finished(finishing(3, FinishReason.LENGTH), 0)
+    record.finished(finishing(2, FinishReason.STOP), 1)
     with caplog.at_level(logging.INFO, logger="pagoda.access"):
         record.write(None)
     (line,) = caplog.records
@@ -57,3 +57,15 @@ def test_a_refused_call_logs_its_status_and_no_tokens(caplog):
         0,
         None,
     )
+
+
+def test_samples_count_as_the_calls_total_usage_does(caplog):
+    """Sample 1 hits the blocks sample 0 computed: the prompt and its cached part are
+    sample 0's, as in the call's total_usage, whichever sample ends first."""
+    record = CallRecord("Generate", "ipv4:127.0.0.1:5000", "")
+    record.finished(finishing(4, FinishReason.LENGTH, cached=12), 1)
+    record.finished(finishing(4, FinishReason.LENGTH, cached=0), 0)
+    with caplog.at_level(logging.INFO, logger="pagoda.access"):
+        record.write(None)
+    (line,) = caplog.records
+    assert (line.prompt_tokens, line.cached_prompt_tokens, line.completion_tokens) == (12, 0, 8)
