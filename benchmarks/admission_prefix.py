@@ -20,9 +20,8 @@ import random
 import sys
 import time
 
-from benchmarks.router import prefix_text, run_policy
+from benchmarks.router import prefix_text, run_policy, summarize
 from benchmarks.suite_service import LocalService, resolve_model_dir
-from pagoda.client.bench_report import percentile
 
 
 def burst(policy: str, args) -> tuple[list[str], list[float]]:
@@ -86,13 +85,11 @@ def main(argv: list[str] | None = None) -> int:
             start_s = time.monotonic()
             results = asyncio.run(run_policy(service.address, prompts, offsets, args))
             wall_s = time.monotonic() - start_s
-            prompt_tokens = sum(r["prompt_tokens"] for r in results)
-            cached_tokens = sum(r["cached_tokens"] for r in results)
-            ttfts = sorted(r["ttft_s"] for r in results)
+            run = summarize(results)
             print(
-                f"{policy:>7} {cached_tokens / prompt_tokens:>6.1%} "
-                f"{prompt_tokens - cached_tokens:>9} {sum(ttfts) / len(ttfts):>9.2f}s "
-                f"{percentile(ttfts, 50):>6.2f}s {percentile(ttfts, 90):>6.2f}s {wall_s:>7.1f}"
+                f"{policy:>7} {run.cached_share:>6.1%} {run.computed_tokens:>9} "
+                f"{run.ttft_mean_s:>9.2f}s {run.ttft_p50_s:>6.2f}s {run.ttft_p90_s:>6.2f}s "
+                f"{wall_s:>7.1f}"
             )
     finally:
         service.stop()

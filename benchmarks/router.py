@@ -26,6 +26,7 @@ import random
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import grpc
 
@@ -138,6 +139,30 @@ async def run_policy(address: str, prompts: list[str], offsets_s: list[float], a
         return await asyncio.gather(*(at(o, p) for o, p in zip(offsets_s, prompts, strict=True)))
 
 
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """One run's figures from its requests' results (one_request's dicts)."""
+
+    cached_share: float  # prompt tokens served from a prefix cache / prompt tokens
+    computed_tokens: int  # prompt tokens prefilled
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+
+
+def summarize(results: list[dict]) -> RunSummary:
+    prompt_tokens = sum(r["prompt_tokens"] for r in results)
+    cached_tokens = sum(r["cached_tokens"] for r in results)
+    ttfts = sorted(r["ttft_s"] for r in results)
+    return RunSummary(
+        cached_share=cached_tokens / prompt_tokens,
+        computed_tokens=prompt_tokens - cached_tokens,
+        ttft_mean_s=sum(ttfts) / len(ttfts),
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p90_s=percentile(ttfts, 90),
+    )
+
+
 def workload(policy: str, args) -> tuple[list[str], list[float]]:
     rng = random.Random(args.seed)
     prompts = [
@@ -219,14 +244,11 @@ def main(argv: list[str] | None = None) -> int:
                 split = [a - b for a, b in zip(finished_per_replica(replicas), before, strict=True)]
             finally:
                 stop_process(router)
-            prompt_tokens = sum(r["prompt_tokens"] for r in results)
-            cached_tokens = sum(r["cached_tokens"] for r in results)
-            ttfts = sorted(r["ttft_s"] for r in results)
+            run = summarize(results)
             print(
-                f"{policy:>13} {cached_tokens / prompt_tokens:>6.1%} "
-                f"{prompt_tokens - cached_tokens:>9} {sum(ttfts) / len(ttfts) * 1000:>8.0f}ms "
-                f"{percentile(ttfts, 50) * 1000:>5.0f}ms {percentile(ttfts, 90) * 1000:>5.0f}ms "
-                f"{wall_s:>7.1f} {split[0]:>4}/{split[1]}"
+                f"{policy:>13} {run.cached_share:>6.1%} {run.computed_tokens:>9} "
+                f"{run.ttft_mean_s * 1000:>8.0f}ms {run.ttft_p50_s * 1000:>5.0f}ms "
+                f"{run.ttft_p90_s * 1000:>5.0f}ms {wall_s:>7.1f} {split[0]:>4}/{split[1]}"
             )
     finally:
         for replica in replicas:
