@@ -125,7 +125,7 @@ class Router:
         key = chat_key(data, tenant_of(metadata))
         await self._stream("Chat", generation_pb2.ChatRequest, data, key, metadata, context)
 
-    async def server_stats(self, data: bytes, context) -> bytes:
+    async def server_stats(self, data: bytes, context) -> bytes | None:
         metadata = forwarded_metadata(context.invocation_metadata())
         timeout_s = context.time_remaining()
 
@@ -138,7 +138,8 @@ class Router:
         answers = [reply for reply in replies if isinstance(reply, bytes)]
         if not answers:
             error = next(r for r in replies if isinstance(r, grpc.aio.AioRpcError))
-            await context.abort(error.code(), error.details(), tuple(error.trailing_metadata()))
+            _end_with(context, error.code(), error.details(), error.trailing_metadata())
+            return None
         if len(answers) < len(backends):
             failed = [
                 b.address
@@ -197,8 +198,7 @@ class Router:
             try:
                 backend = self.route(key, tried)
             except NoBackend:
-                await self._no_backend(context, refusal)
-                return
+                break
             tried.append(backend)
             backend.in_flight += weight
             call = backend.channel.unary_stream(_path(name))(
@@ -235,8 +235,9 @@ class Router:
                 context, await call.code(), await call.details(), await call.trailing_metadata()
             )
             return
+        self._end_unavailable(context, refusal)
 
-    async def unary(self, name: str, data: bytes, context) -> bytes:
+    async def unary(self, name: str, data: bytes, context) -> bytes | None:
         """Any other unary call, to the least loaded replica."""
         metadata = forwarded_metadata(context.invocation_metadata())
         tried: list[Backend] = []
@@ -245,28 +246,31 @@ class Router:
             try:
                 backend = self.route(None, tried)
             except NoBackend:
-                await self._no_backend(context, refusal)
+                break
             tried.append(backend)
             backend.in_flight += 1
             try:
                 call = backend.channel.unary_unary(_path(name))
                 return await call(data, metadata=metadata, timeout=context.time_remaining())
             except grpc.aio.AioRpcError as error:
-                if error.code() == grpc.StatusCode.UNAVAILABLE:
-                    self._backends.refused(backend)
-                    refusal = error
-                    continue
-                await context.abort(error.code(), error.details(), tuple(error.trailing_metadata()))
+                refusal = error
             finally:
                 backend.in_flight -= 1
+            if refusal.code() != grpc.StatusCode.UNAVAILABLE:
+                _end_with(context, refusal.code(), refusal.details(), refusal.trailing_metadata())
+                return None
+            self._backends.refused(backend)
+        self._end_unavailable(context, refusal)
+        return None
 
-    async def _no_backend(self, context, refusal: grpc.aio.AioRpcError | None) -> None:
-        """UNAVAILABLE: the last replica's own refusal when every serving one refused the
-        call, else the router's sentence (none was serving)."""
+    def _end_unavailable(self, context, refusal: grpc.aio.AioRpcError | None) -> None:
+        """No replica could take the call: the last one's own refusal when every serving
+        one refused it, else the router's sentence (none was serving)."""
         if refusal is not None:
-            await context.abort(refusal.code(), refusal.details())
+            _end_with(context, refusal.code(), refusal.details(), refusal.trailing_metadata())
+            return
         sentence = f"no replica is serving ({len(self._backends.all)} configured)"
-        await context.abort(grpc.StatusCode.UNAVAILABLE, sentence)
+        _end_with(context, grpc.StatusCode.UNAVAILABLE, sentence, None)
 
 
 class _GenerationHandler(grpc.GenericRpcHandler):
@@ -321,6 +325,9 @@ def _with_request_id(reply: bytes, request_id: str) -> bytes:
 
 
 def _end_with(context, code: grpc.StatusCode, details: str | None, trailing) -> None:
+    """End the call with a status by setting it, never by context.abort: abort's exception,
+    raised in a handler's frame, would keep the request's bytes alive in a reference cycle
+    until the collector runs (as scheduler_svc/refusals.py explains)."""
     if trailing:
         context.set_trailing_metadata(tuple(trailing))
     if code != grpc.StatusCode.OK:
