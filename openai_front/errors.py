@@ -70,25 +70,19 @@ _LEADING_FIELD = re.compile(r"((?:sampling|stopping|constraint|tool_choice)\.[a-
 # A gRPC request field -> the body field of each endpoint family that carries it.
 _PARAMS: dict[str, dict[str, str]] = {
     "completions": {"logprobs": "logprobs", "prompt": "prompt", "prompt_token_ids": "prompt"},
-    "chat": {
-        "logprobs": "top_logprobs",
-        "prompt": "messages",
-        "messages": "messages",
-        "tools": "tools",
-        "tool_choice": "tool_choice",
-        "constraint": "response_format",
-    },
+    "chat": {"logprobs": "top_logprobs", "prompt": "messages", "messages": "messages"},
     "responses": {
         "logprobs": "top_logprobs",
         "prompt": "input",
         "messages": "input",
-        "tools": "tools",
-        "tool_choice": "tool_choice",
         "constraint": "text.format",
         "stopping.max_new_tokens": "max_output_tokens",
     },
 }
+# The same name on every endpoint that has the field.
 _COMMON_PARAMS = {
+    "tools": "tools",
+    "tool_choice": "tool_choice",
     "stopping.max_new_tokens": "max_tokens",
     "stopping.min_new_tokens": "min_tokens",
     "stopping.stop": "stop",
