@@ -355,19 +355,26 @@ class Scheduler:
                 f"schedule() while step {self._in_flight[-1].plan.step_id} is in flight; "
                 "apply() or fail_step() it first"
             )
-        step_id = next(self._step_ids)
-        isolated = False
-        if self._isolation.active:  # group steps and ordinary ones in turn
-            built, isolated = self._isolation.plan(step_id, now, self._prefill_cap())
-        else:
-            built = planner.plan(step_id, now, max_prefill_tokens=self._prefill_cap())
-        plan = built.plan
-        victims = planner.take_victims()
-        if victims and self._in_flight:
-            fed = self._in_flight[0].plan.seq_ids
-            self._in_flight[0].preempted += [r for seq_id, r in victims if seq_id in fed]
-        if not plan.seq_ids:
-            return None  # nothing could run (pending forgets wait for the next plan)
+        for attempt in range(2):
+            step_id = next(self._step_ids)
+            isolated = False
+            if self._isolation.active:  # group steps and ordinary ones in turn
+                built, isolated = self._isolation.plan(step_id, now, self._prefill_cap())
+            else:
+                built = planner.plan(step_id, now, max_prefill_tokens=self._prefill_cap())
+            plan = built.plan
+            victims = planner.take_victims()
+            if victims and self._in_flight:
+                fed = self._in_flight[0].plan.seq_ids
+                self._in_flight[0].preempted += [r for seq_id, r in victims if seq_id in fed]
+            if plan.seq_ids:
+                break
+            # Nothing could run. A request that preempted itself for a block (a plan
+            # restricted to some requests while a failure is isolated cannot take one
+            # from the others) freed its blocks: the next plan runs it, now rather than
+            # after an idle turn of the loop. Otherwise the state is as it was: give up.
+            if not victims or attempt:
+                return None  # (pending forgets wait for the next plan)
         plan.forget_seq_ids = planner.take_forget_seq_ids()
         flight = _Flight(plan, built.keyed, [], isolated)
         if built.ahead:
