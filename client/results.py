@@ -209,6 +209,9 @@ class ServerStats:
     # Prompt tokens looked up in the prefix cache and found there, since start.
     num_prefix_queried_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    # Speculation's drafted tokens and those the model agreed with, since start.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

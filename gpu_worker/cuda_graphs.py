@@ -96,8 +96,8 @@ def pad_decode(
 def is_decode_only(plan) -> bool:
     """Every row of an admitted plan feeds one token (each feeds at least one) and samples
     after it: a step a graph replays. A one-token chunk inside a prompt (the planner cuts
-    one where blocks run short) samples nothing, and the graph's logits hold a row for
-    every plan row."""
+    one where blocks run short) samples nothing, a row with drafts feeds more than one
+    token, and the graph's logits hold a row for every plan row."""
     return len(plan.token_ids) == len(plan.seq_ids) and all(plan.sample)
 
 

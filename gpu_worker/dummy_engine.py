@@ -1,12 +1,12 @@
 """`--model dummy`: a weightless engine that answers every plan at once.
 
-The sampled token is `pagoda.common.dummy_tokens.dummy_next_token(last fed token, its position,
-vocab)` (skipping the ending ids until min_new_tokens and the request's banned ids, and keeping
-to its allowed ids, as the sampler masks them), the
-same pure function the scheduler's in-process fake uses, so a
-recomputed sequence reproduces its output. Plans are validated and run by the same
-Engine.step as the paged engine's. Imports no torch: the harness for scheduler
-load tests starts in a blink.
+The sampled token is `pagoda.common.dummy_tokens.dummy_next_token(fed token before it, that
+token's position, vocab)` (skipping the ending ids until min_new_tokens and the request's
+banned ids, and keeping to its allowed ids, as the sampler masks them), the same pure
+function the scheduler's in-process fake uses, so a recomputed sequence reproduces its
+output, and a row with drafts samples after each of its last d + 1 fed tokens what rows
+fed one at a time would. Plans are validated and run by the same Engine.step as the paged
+engine's. Imports no torch: the harness for scheduler load tests starts in a blink.
 
 `step_ms` (--dummy-step-ms) simulates a forward: each compute sleeps that long before it
 samples (then waiting for masks that follow the plan, as the paged engine does), so the
@@ -76,10 +76,10 @@ class DummyEngine(Engine):
         rows = self.sampling_rows(plan)
         wants_logprobs = any(seq.sampling.num_logprobs for seq in rows.sequences)
         masks = rows.masks
-        offsets, token_ids = plan.token_offsets, plan.token_ids
+        offsets, token_ids, starts = plan.token_offsets, plan.token_ids, plan.start_positions
         for i, seq, sampled_position in zip(rows.rows, rows.sequences, rows.positions, strict=True):
             sampling = seq.sampling
-            position = sampled_position - 1  # the last fed token's
+            position = sampled_position - 1  # the fed token's before it
             banned = dummy_banned_token_ids(
                 position,
                 seq.num_prompt_tokens,
@@ -91,7 +91,7 @@ class DummyEngine(Engine):
             if i in masks:
                 banned = OutsideMask(masks[i], banned)
             token_id = dummy_next_token(
-                token_ids[offsets[i + 1] - 1],
+                token_ids[offsets[i] + position - starts[i]],
                 position,
                 DUMMY_VOCAB_SIZE,
                 banned,

@@ -58,7 +58,8 @@ class EngineFacts:
 
 @dataclass(slots=True)
 class SampledTokens:
-    """One entry per plan row that samples, in plan order."""
+    """One entry per sample point (SequenceTable.sampling_rows: a row with d drafts has
+    d + 1), in plan order."""
 
     token_ids: list[int]
     # Filled only when some sequence asked for logprobs; then one entry per token.
@@ -266,7 +267,7 @@ def pack_result(admitted: StepPlan, refusals: dict[int, str], sampled: SampledTo
     """The result of an admitted plan (SequenceTable.admit) and its refusals."""
     result = StepResult(
         step_id=admitted.step_id,
-        seq_ids=[s for s, sample in zip(admitted.seq_ids, admitted.sample, strict=True) if sample],
+        seq_ids=admitted.sampled_seq_ids(),
         token_ids=sampled.token_ids,
         errors=refusals,
         forward_ms=sampled.forward_ms,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagoda.common.step import StepPlan
+from pagoda.common.step import StepPlan, has_penalty
 from pagoda.gpu_worker import paged_attention
 from pagoda.gpu_worker.attention import create_backend
 from pagoda.gpu_worker.block_tables import BlockTables
@@ -39,7 +39,7 @@ from pagoda.gpu_worker.ragged_batch import build_ragged_batch, packed_rows
 from pagoda.gpu_worker.sampler import DeviceSample, SampleRow, sample_on_device
 from pagoda.gpu_worker.sequence_table import PENDING_TOKEN
 from pagoda.gpu_worker.step_events import DeviceEvent, StepClock, upload
-from pagoda.gpu_worker.token_counts import TokenCounts, has_penalty
+from pagoda.gpu_worker.token_counts import TokenCounts
 from pagoda.gpu_worker.warm_up import warm_up
 
 if TYPE_CHECKING:
@@ -248,9 +248,9 @@ class PagedEngine(Engine):
         clock: StepClock,
         samples: bool,
     ) -> EnqueuedTokens:
-        """Enqueue the sampling of `logits`'s rows (one per row of the admitted `plan` that
-        samples, in order). The host does not wait for the forward: it waits once, when
-        the tokens are read (step_events.py)."""
+        """Enqueue the sampling of `logits`'s rows (one per sample point of the admitted
+        `plan`, in order: SequenceTable.sampling_rows). The host does not wait for the
+        forward: it waits once, when the tokens are read (step_events.py)."""
         clock.forward_enqueued()
         if not samples:  # another rank samples (tensor parallel): no masks to wait for
             return EnqueuedTokens(clock, None)

@@ -2,9 +2,12 @@
 that lets every layer find each sequence's keys in the paged pool.
 
 Packing order: single-token (decode) rows first, then multi-token (prefill) rows
-(the order pagoda.gpu_worker.attention.backend defines). Built once per step on the
-host from the admitted plan's columns, in two flat buffers (int64 and int32) so that
-reaching the device costs two copies, from pinned memory on CUDA.
+(the order pagoda.gpu_worker.attention.backend defines). Logits are kept at the packed
+token before each sample point (SequenceTable.sampling_rows): a row's last token, or a
+row with d drafts' last d + 1 tokens (a row's tokens are packed together, in order).
+Built once per step on the host from the admitted plan's columns, in two flat buffers
+(int64 and int32) so that reaching the device costs two copies, from pinned memory on
+CUDA.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 
 from pagoda.common.step import StepPlan
 from pagoda.gpu_worker.attention.backend import AttentionMetadata
-from pagoda.gpu_worker.sequence_table import SequenceTable
+from pagoda.gpu_worker.sequence_table import SequenceTable, spread_drafts
 from pagoda.gpu_worker.step_events import upload
 
 
@@ -23,7 +26,7 @@ from pagoda.gpu_worker.step_events import upload
 class RaggedBatch:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
-    sample_token_indices: torch.Tensor  # [S]: packed row of each sampling plan row, plan order
+    sample_token_indices: torch.Tensor  # [S]: packed row before each sample point, in order
     attention: AttentionMetadata
 
     @property
@@ -62,6 +65,7 @@ def build_ragged_batch(
         ]
         query_start_loc = list(range(num_seqs + 1))
         context_lens = [p + 1 for p in starts]
+        # No row has drafts: a row with d feeds more than d tokens (SequenceTable.admit).
         sample_rows = [i for i, sample in enumerate(plan.sample) if sample]
         max_query_len = 1
     else:
@@ -95,7 +99,10 @@ def build_ragged_batch(
             query_start_loc.append(len(input_ids))
             context_lens.append(end)
             packed_end[i] = len(input_ids) - 1
-        sample_rows = [packed_end[i] for i, sample in enumerate(plan.sample) if sample]
+        rows = [i for i, sample in enumerate(plan.sample) if sample]
+        sample_rows = [packed_end[i] for i in rows]
+        if plan.draft_counts:
+            sample_rows = spread_drafts(sample_rows, rows, plan.draft_counts)
         max_query_len = max(offsets[i + 1] - offsets[i] for i in range(num_seqs))
     max_context_len = max(context_lens)
     width = -(-max_context_len // block_size)

@@ -1,5 +1,5 @@
 """Why the worker refuses part of a plan: one sentence per refused row or new sequence,
-and the PlanError for allowed-token columns that disagree.
+and the PlanError for allowed-token or draft columns that disagree with the plan.
 
 SequenceTable.admit asks these only about a row that fails one of its quick comparisons
 (about every row when some id in the plan is out of range), so the sentences, and the
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagoda.common.plan_check import PlanError
-from pagoda.common.step import NewSequence, SamplingParams, StepPlan
+from pagoda.common.step import NewSequence, SamplingParams, StepPlan, has_penalty
 
 if TYPE_CHECKING:
     from pagoda.gpu_worker.sequence_table import Sequence, SequenceTable
@@ -33,6 +33,46 @@ def check_allowed_token_rows(plan: StepPlan, num_bytes: int) -> None:
         raise PlanError("allowed_token_rows must be ascending rows of the plan")
     if not all(plan.sample[row] for row in rows):
         raise PlanError("allowed_token_rows names a row that does not sample")
+
+
+def check_draft_counts(plan: StepPlan) -> None:
+    """PlanError when draft_counts is neither empty nor one count per row."""
+    draft_counts = plan.draft_counts
+    if len(draft_counts) != len(plan.seq_ids):
+        raise PlanError(
+            f"draft_counts has {len(draft_counts)} entries for {len(plan.seq_ids)} rows "
+            "(none, or one per row)"
+        )
+    if min(draft_counts, default=0) < 0:
+        raise PlanError("draft_counts holds a negative count")
+
+
+def draft_problem(
+    plan: StepPlan, row: int, seq: Sequence, *, last_sampled: bool, constrained: bool
+) -> str | None:
+    """Why `row` of `plan`, which has drafts (StepPlan.draft_counts), cannot sample after
+    each of them what decoding one token at a time would, or None. A last_sampled row
+    feeds one token, so it is named before the count; a constrained row has one mask for
+    d + 1 samples; a penalized sequence's counts would already hold the drafts."""
+    seq_id, num_drafts = plan.seq_ids[row], plan.draft_counts[row]
+    num_fed = plan.token_offsets[row + 1] - plan.token_offsets[row]
+    if not plan.sample[row]:
+        return f"sequence {seq_id} has {num_drafts} drafts in a row that does not sample"
+    if last_sampled:
+        return f"sequence {seq_id} has drafts in a last_sampled row"
+    if num_drafts >= num_fed:
+        return (
+            f"sequence {seq_id} feeds {num_fed} tokens with {num_drafts} drafts "
+            "(its last real token comes before them)"
+        )
+    if constrained:
+        return f"sequence {seq_id} has drafts in a constrained row (allowed_token_rows)"
+    if has_penalty(seq.sampling):
+        return (
+            f"sequence {seq_id} has drafts but a repetition, presence or frequency penalty "
+            "(its counts would hold the drafts)"
+        )
+    return None
 
 
 def new_sequence_problem(table: SequenceTable, new: NewSequence) -> str | None:

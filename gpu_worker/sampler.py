@@ -51,7 +51,9 @@ class SampleRow:
     """What sampling one sequence needs: its knobs, token history and sampled position."""
 
     params: SamplingParams
-    token_ids: list[int]  # every token at positions [0, position): prompt + generated
+    # Every token at positions [0, position): prompt + generated; then, for a sample point
+    # of a row with drafts, the drafts after it (penalties read these: such a row has none).
+    token_ids: list[int]
     num_prompt_tokens: int
     position: int  # position the sampled token will occupy
     # Structured output: ceil(vocab / 32) little-endian 32-bit words; token t may be

@@ -11,6 +11,13 @@ A step launched ahead (engine.py) is admitted before the step before it is read 
 placeholder row whose token that step has not read yet feeds PENDING_TOKEN, which the
 engine replaces on the device with the token sampled there, and the history holds
 PENDING_TOKEN at that position until `record_sampled` writes the token in.
+
+A row with d drafts (StepPlan.draft_counts) samples d + 1 tokens, one after each of its
+last d + 1 fed tokens: `sampling_rows` lists one sample point per token, so the logits,
+the sampler and the result have a row per point. The history holds the drafts at their
+positions; the scheduler keeps the samples that match them plus one, and its next plan
+starts where those end, which truncates the rejected drafts away (admit's "truncate then
+extend"; their K/V is overwritten the same way).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from pagoda.common.plan_check import PlanError, check_columns
 from pagoda.common.step import SamplingParams, StepMasks, StepPlan
 from pagoda.gpu_worker.refusals import (
     check_allowed_token_rows,
+    check_draft_counts,
+    draft_problem,
     last_sampled_problem,
     new_sequence_problem,
     row_problem,
@@ -49,12 +58,17 @@ class Sequence:
 
 @dataclass(slots=True)
 class SamplingRows:
-    """The rows of an admitted plan that sample, in plan order, with what sampling reads."""
+    """What an admitted plan samples, in plan order (the result's), with what sampling
+    reads: one sample point per row that samples, d + 1 consecutive ones for a row with
+    d drafts (after each of its last d + 1 fed tokens, in position order)."""
 
-    rows: list[int]
+    rows: list[int]  # each point's plan row
     sequences: list[Sequence]
-    positions: list[int]  # each row's sampled token's position (its last fed one + 1)
+    positions: list[int]  # each point's sampled token's position (the fed one before it + 1)
     masks: dict[int, bytes]  # row -> its allowed-token bitmask (constrained rows only)
+    # Sequences whose row has drafts: which of their samples is the last token is the
+    # scheduler's choice, so the worker knows none to feed as a placeholder.
+    drafted_seq_ids: set[int] = field(default_factory=set)
 
 
 class SequenceTable:
@@ -101,10 +115,11 @@ class SequenceTable:
 
         Returns the plan to run and the refusals. The plan is `plan` itself when every
         row is valid and none is a placeholder; otherwise a copy without the refused
-        rows (allowed_token_rows renumbered) and with each last_sampled row's token in
-        token_ids (its last_sampled_rows then empty). A refused row samples nothing and
-        its sequence is forgotten (its block table would no longer match the
-        scheduler's). Raises PlanError when the columns themselves are inconsistent.
+        rows (allowed_token_rows renumbered, draft_counts kept per row) and with each
+        last_sampled row's token in token_ids (its last_sampled_rows then empty). A
+        refused row samples nothing and its sequence is forgotten (its block table would
+        no longer match the scheduler's). Raises PlanError when the columns themselves
+        are inconsistent.
         """
         seq_ids = plan.seq_ids
         start_positions = plan.start_positions
@@ -126,6 +141,10 @@ class SequenceTable:
             raise PlanError("last_sampled_rows names a row the plan does not have")
         if plan.allowed_token_rows:
             check_allowed_token_rows(plan, allowed_token_mask_bytes(self.vocab_size))
+        draft_counts = plan.draft_counts
+        if draft_counts:
+            check_draft_counts(plan)
+            constrained_rows = set(plan.allowed_token_rows)
 
         refusals: dict[int, str] = {}  # seq_id -> why (StepResult.errors)
 
@@ -174,6 +193,13 @@ class SequenceTable:
             first_block, last_block = block_offsets[i], block_offsets[i + 1]
             seq = sequences.get(seq_id)
             placeholder = i in last_sampled_rows
+            if draft_counts and draft_counts[i] and seq is not None:
+                problem = draft_problem(
+                    plan, i, seq, last_sampled=placeholder, constrained=i in constrained_rows
+                )
+                if problem:
+                    refuse(seq_id, problem)
+                    continue
             if placeholder:
                 problem = last_sampled_problem(seq, seq_id, start, last - first)
                 if problem:
@@ -213,35 +239,51 @@ class SequenceTable:
         return plan, refusals
 
     def sampling_rows(self, plan: StepPlan, *, with_masks: bool = True) -> SamplingRows:
-        """The rows of an admitted plan that sample, their sequences, positions and (unless
-        not `with_masks`) allowed-token masks."""
+        """The sample points of an admitted plan (SamplingRows), their sequences, positions
+        and (unless not `with_masks`) allowed-token masks."""
         rows = [i for i, sample in enumerate(plan.sample) if sample]
         offsets, starts = plan.token_offsets, plan.start_positions
+        positions = [starts[i] + offsets[i + 1] - offsets[i] for i in rows]
+        draft_counts = plan.draft_counts
+        drafted_rows = [i for i in rows if draft_counts[i]] if draft_counts else []
+        if drafted_rows:
+            positions = spread_drafts(positions, rows, draft_counts)
+            rows = [i for i in rows for _ in range(draft_counts[i] + 1)]
         return SamplingRows(
             rows=rows,
             sequences=self.sequences_of([plan.seq_ids[i] for i in rows]),
-            positions=[starts[i] + offsets[i + 1] - offsets[i] for i in rows],
+            positions=positions,
             masks=(
                 allowed_token_masks(plan, self.vocab_size)
                 if with_masks and plan.allowed_token_rows
                 else {}
             ),
+            drafted_seq_ids={plan.seq_ids[i] for i in drafted_rows},
         )
 
     def expect_sampled(self, sampling: SamplingRows) -> None:
-        """The rows of an admitted plan that sample (sampling_rows) are enqueued: a plan
-        launched before they are read back may feed their tokens, as PENDING_TOKEN."""
+        """The sample points of an admitted plan (sampling_rows) are enqueued: a plan
+        launched before they are read back may feed their tokens, as PENDING_TOKEN; a
+        sequence whose row has drafts has no token to feed (last_sampled_problem)."""
+        drafted = sampling.drafted_seq_ids
         for seq, position in zip(sampling.sequences, sampling.positions, strict=True):
-            seq.last_sampled_token_id = PENDING_TOKEN
-            seq.last_sampled_position = position
+            if seq.seq_id in drafted:
+                seq.last_sampled_token_id = seq.last_sampled_position = -1
+            else:
+                seq.last_sampled_token_id = PENDING_TOKEN
+                seq.last_sampled_position = position
 
     def record_sampled(self, sampling: SamplingRows, token_ids: list[int]) -> None:
-        """The tokens sampled by an admitted plan's rows that sample (sampling_rows, in
+        """The tokens sampled at an admitted plan's sample points (sampling_rows, in
         order), for the next plans; written into the history where a plan launched ahead
-        fed them as PENDING_TOKEN."""
+        fed them as PENDING_TOKEN. Not those of a sequence whose row has drafts: it keeps
+        no last token (expect_sampled), and no plan fed its samples as placeholders."""
+        drafted = sampling.drafted_seq_ids
         for seq, position, token_id in zip(
             sampling.sequences, sampling.positions, token_ids, strict=True
         ):
+            if seq.seq_id in drafted:
+                continue
             # Unless a step launched since expects another token (not read yet either).
             if seq.last_sampled_token_id != PENDING_TOKEN or seq.last_sampled_position == position:
                 seq.last_sampled_token_id = token_id
@@ -249,6 +291,17 @@ class SequenceTable:
             history = seq.token_ids
             if position < len(history) and history[position] == PENDING_TOKEN:
                 history[position] = token_id
+
+
+def spread_drafts(values: list[int], rows: list[int], draft_counts: list[int]) -> list[int]:
+    """Per sampling row rows[k], whose last fed token has values[k] (a position, a packed
+    index), the values of the tokens it samples after: values[k] - d .. values[k] for a
+    row with d drafts (its last d + 1 fed tokens, in order)."""
+    spread: list[int] = []
+    for row, value in zip(rows, values, strict=True):
+        num_drafts = draft_counts[row]
+        spread.extend(range(value - num_drafts, value + 1))
+    return spread
 
 
 def allowed_token_mask_bytes(vocab_size: int) -> int:
@@ -278,6 +331,13 @@ def follow_up_masks(plan: StepPlan, masks: StepMasks, vocab_size: int) -> dict[i
             f"{len(masks.seq_ids)} sequences of {num_bytes}"
         )
     row_of = {seq_id: i for i, seq_id in enumerate(plan.seq_ids) if plan.sample[i]}
+    if plan.draft_counts:  # one mask for d + 1 samples would constrain the wrong ones
+        drafted = [s for s in masks.seq_ids if s in row_of and plan.draft_counts[row_of[s]]]
+        if drafted:
+            raise PlanError(
+                f"the masks of step {masks.step_id} constrain sequence {drafted[0]}, "
+                "whose row has drafts"
+            )
     return {
         row_of[seq_id]: bitmask[k * num_bytes : (k + 1) * num_bytes]
         for k, seq_id in enumerate(masks.seq_ids)
@@ -300,6 +360,7 @@ def _without_rows(plan: StepPlan, fed_ids: list[int], refused) -> StepPlan:
         block_offsets=[0] if kept else [],
         forget_seq_ids=plan.forget_seq_ids,
         masks_follow=plan.masks_follow,
+        draft_counts=[plan.draft_counts[i] for i in kept] if plan.draft_counts else [],
     )
     for i in kept:
         valid.token_ids.extend(fed_ids[token_offsets[i] : token_offsets[i + 1]])

@@ -19,20 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagoda.common.step import SamplingParams, StepPlan
+from pagoda.common.step import StepPlan, has_penalty
 from pagoda.gpu_worker.sequence_table import Sequence, SequenceTable
 from pagoda.gpu_worker.step_events import upload
 
 if TYPE_CHECKING:
     from pagoda.gpu_worker.paged_engine import TokenFill
-
-
-def has_penalty(params: SamplingParams) -> bool:
-    return (
-        params.repetition_penalty != 1.0
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-    )
 
 
 class TokenCounts:

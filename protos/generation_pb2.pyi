@@ -331,7 +331,7 @@ class ServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_kv_blocks_used", "num_kv_blocks_total", "prefix_cache_hit_rate", "num_preemptions", "num_steps", "worker_connected", "num_kv_blocks_cached", "num_requests_finished", "num_generated_tokens", "worker_incarnation_id", "draining", "worker_busy_fraction", "worker_busy_s", "workers", "num_isolated_steps", "tenants", "num_prefix_queried_tokens", "num_prefix_hit_tokens")
+    __slots__ = ("num_waiting", "num_running", "num_kv_blocks_used", "num_kv_blocks_total", "prefix_cache_hit_rate", "num_preemptions", "num_steps", "worker_connected", "num_kv_blocks_cached", "num_requests_finished", "num_generated_tokens", "worker_incarnation_id", "draining", "worker_busy_fraction", "worker_busy_s", "workers", "num_isolated_steps", "tenants", "num_prefix_queried_tokens", "num_prefix_hit_tokens", "num_draft_tokens", "num_accepted_draft_tokens")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +352,8 @@ class ServerStats(_message.Message):
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_kv_blocks_used: int
@@ -372,7 +374,9 @@ class ServerStats(_message.Message):
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
     num_prefix_queried_tokens: int
     num_prefix_hit_tokens: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., worker_connected: _Optional[bool] = ..., num_kv_blocks_cached: _Optional[int] = ..., num_requests_finished: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., worker_incarnation_id: _Optional[str] = ..., draining: _Optional[bool] = ..., worker_busy_fraction: _Optional[float] = ..., worker_busy_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., num_isolated_steps: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., num_prefix_queried_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., worker_connected: _Optional[bool] = ..., num_kv_blocks_cached: _Optional[int] = ..., num_requests_finished: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., worker_incarnation_id: _Optional[str] = ..., draining: _Optional[bool] = ..., worker_busy_fraction: _Optional[float] = ..., worker_busy_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., num_isolated_steps: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., num_prefix_queried_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "num_waiting", "num_running", "num_served_tokens", "num_preemptions", "num_requests_finished", "ttft_bucket_le_s", "ttft_bucket_counts", "ttft_sum_s")

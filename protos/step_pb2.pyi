@@ -139,7 +139,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cached_token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., min_tokens_banned_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "seq_ids", "start_positions", "sample", "token_offsets", "token_ids", "block_offsets", "block_ids", "forget_seq_ids", "last_sampled_rows", "allowed_token_rows", "allowed_token_bitmask", "masks_follow")
+    __slots__ = ("step_id", "new_sequences", "seq_ids", "start_positions", "sample", "token_offsets", "token_ids", "block_offsets", "block_ids", "forget_seq_ids", "last_sampled_rows", "allowed_token_rows", "allowed_token_bitmask", "masks_follow", "draft_counts")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class StepPlan(_message.Message):
     ALLOWED_TOKEN_ROWS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
     MASKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -168,7 +169,8 @@ class StepPlan(_message.Message):
     allowed_token_rows: _containers.RepeatedScalarFieldContainer[int]
     allowed_token_bitmask: bytes
     masks_follow: bool
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_offsets: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_offsets: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., forget_seq_ids: _Optional[_Iterable[int]] = ..., last_sampled_rows: _Optional[_Iterable[int]] = ..., allowed_token_rows: _Optional[_Iterable[int]] = ..., allowed_token_bitmask: _Optional[bytes] = ..., masks_follow: _Optional[bool] = ...) -> None: ...
+    draft_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_offsets: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_offsets: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., forget_seq_ids: _Optional[_Iterable[int]] = ..., last_sampled_rows: _Optional[_Iterable[int]] = ..., allowed_token_rows: _Optional[_Iterable[int]] = ..., allowed_token_bitmask: _Optional[bytes] = ..., masks_follow: _Optional[bool] = ..., draft_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepMasks(_message.Message):
     __slots__ = ("step_id", "seq_ids", "allowed_token_bitmask")

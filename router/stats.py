@@ -27,6 +27,8 @@ _SUMMED = (
     "num_isolated_steps",
     "num_prefix_queried_tokens",
     "num_prefix_hit_tokens",
+    "num_draft_tokens",
+    "num_accepted_draft_tokens",
 )
 _TENANT_SUMMED = (
     "num_waiting",

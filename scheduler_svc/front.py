@@ -71,6 +71,8 @@ _CUMULATIVE_STATS = (
     "num_generated_tokens",
     "num_prefix_queries_tokens",
     "num_prefix_hit_tokens",
+    "num_draft_tokens",
+    "num_accepted_draft_tokens",
 )
 _TENANT_COUNTS = tuple(f.name for f in dataclasses.fields(TenantStats) if f.name != "tenant")
 

@@ -110,6 +110,8 @@ def server_stats(front: Front, metrics: Metrics, tenant: str) -> generation_pb2.
         prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
         num_prefix_queried_tokens=stats.num_prefix_queries_tokens,
         num_prefix_hit_tokens=stats.num_prefix_hit_tokens,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_draft_tokens=stats.num_accepted_draft_tokens,
         num_preemptions=stats.num_preemptions,
         num_steps=stats.num_steps,
         num_isolated_steps=stats.num_isolated_steps,

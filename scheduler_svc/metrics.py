@@ -117,6 +117,14 @@ class _LiveStats(Collector):
                 "Prompt tokens served from the prefix cache",
                 stats.num_prefix_hit_tokens,
             ),
+            "pagoda_speculative_draft_tokens": (
+                "Drafted tokens fed by n-gram speculation since start",
+                stats.num_draft_tokens,
+            ),
+            "pagoda_speculative_accepted_tokens": (
+                "Drafted tokens the model agreed with (kept) since start",
+                stats.num_accepted_draft_tokens,
+            ),
             "pagoda_preemptions": (
                 "Requests preempted for recompute since start",
                 stats.num_preemptions,

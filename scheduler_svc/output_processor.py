@@ -188,16 +188,20 @@ class OutputProcessor:
             return False  # not opened through this processor
         detokenizer, matcher = state
         reason = output.finish_reason
+        token_ids = output.token_ids
         text = ""
-        if output.token_ids and reason is not _STOP:  # a stop token's text is not streamed
-            text = detokenizer.push(output.token_ids[0])
+        # Several tokens come from a speculative step; a stop token's text is not streamed.
+        for index in range(len(token_ids) - 1 if reason is _STOP else len(token_ids)):
+            piece = detokenizer.push(token_ids[index])
             if matcher is not None:
-                text, hit = matcher.push(text)
+                piece, hit = matcher.push(piece)
                 if hit:
-                    output.text, output.finish_reason = text, _STOP
+                    _drop_after(output, index + 1)
+                    output.text, output.finish_reason = text + piece, _STOP
                     _end_text(output, matcher)
                     self._close(request_id)
                     return reason is None  # the core ended it already otherwise
+            text += piece
         output.text = text
         if reason is not None:
             # Text that waited (a possible stop string's start or tool call, a partial
@@ -232,6 +236,21 @@ class OutputProcessor:
 
     def _close(self, request_id: str) -> None:
         del self._texts[request_id]
+
+
+def _drop_after(output: RequestOutput, num_kept: int) -> None:
+    """A stop string ended the text at token `num_kept` of the output's (a speculative
+    step's): the tokens after it were never decoded as far as the client knows. They
+    leave the output and its usage, and the core drops them (Scheduler.stop)."""
+    num_dropped = len(output.token_ids) - num_kept
+    if not num_dropped:
+        return
+    del output.token_ids[num_kept:]
+    if output.logprobs is not None:
+        del output.logprobs[num_kept:]
+    if output.usage is not None:
+        output.usage.completion_tokens -= num_dropped
+    output.num_dropped_tokens = num_dropped
 
 
 def _end_text(output: RequestOutput, matcher: Matcher | None, tail: str = "") -> None:

@@ -85,7 +85,7 @@ class PlanTiming:
         if self.model.num_observations < MIN_OBSERVATIONS:
             return None
         predicted_ms = self.model.predict_ms(
-            in_flight.num_prefill_tokens, in_flight.num_decode_tokens, in_flight.num_context_tokens
+            in_flight.num_extra_tokens, in_flight.num_decode_tokens, in_flight.num_context_tokens
         )
         worker_s = max(0.0, predicted_ms) / 1000
         if self.lead_s is None:  # nothing learned yet: start from half a step
@@ -117,7 +117,7 @@ class PlanTiming:
             few = len(ordered) < MIN_OBSERVATIONS
             self.lead_s = max(self.lead_s, lead_s) if few else lead_s
         self.model.observe(
-            plan.num_prefill_tokens,
+            plan.num_extra_tokens,
             plan.num_decode_tokens,
             worker_s * 1000,
             plan.num_context_tokens,

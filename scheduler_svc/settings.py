@@ -236,6 +236,15 @@ HELP: dict[str, str] = {
     "max_tenant_waiting_requests": "cap on one tenant's queued requests (RESOURCE_EXHAUSTED "
     "beyond; per worker with several); unset: none with one tenant, half of "
     "max_waiting_requests with several keys, so one cannot fill the queue",
+    "speculative_tokens": "n-gram speculation: feed up to this many drafted tokens behind a "
+    "decoding request's last token, the ones that followed the latest earlier occurrence of "
+    "its last tokens, and keep the samples while they equal the drafts: the same tokens "
+    "and logprobs, more of them per step when the output repeats its input; steps are then "
+    "planned one at a time (0: off)",
+    "speculative_ngram_min": "shortest suffix of a request's tokens that speculation looks up",
+    "speculative_ngram_max": "longest suffix of a request's tokens that speculation looks up",
+    "speculative_max_batch": "speculate only in steps that decode at most this many requests "
+    "(more: drafts would cost more than they save)",
     "affinity_max_kv_use_gap": "with several workers, one that caches a prefix of a new "
     "request wins it only while its KV use (running and queued blocks, as a share of its "
     "pool) is at most this much above the least-loaded worker's; else the least loaded "

@@ -117,7 +117,7 @@ def apply_step(
     step = scheduler.apply(result, now)
     for output in processor.process_step(step):
         if output.finish_reason is FinishReason.STOP:
-            ended = scheduler.stop(output.request_id, now)
+            ended = scheduler.stop(output.request_id, now, output.num_dropped_tokens)
         else:
             ended = scheduler.cancel(
                 output.request_id, now, FinishReason.ERROR, output.error_message

@@ -23,12 +23,13 @@ garbage, and a new sequence reading the blocks left unwritten reads garbage too.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from pagoda.common.dummy_tokens import dummy_banned_token_ids, dummy_next_token
 from pagoda.common.plan_check import PlanError
 from pagoda.common.step import StepPlan, StepResult, WorkerGeometry
+from pagoda.scheduler_svc.core.speculation import num_kept
 
 
 @dataclass(slots=True)
@@ -49,9 +50,16 @@ class _Sequence:
 
 class FakeWorker:
     def __init__(
-        self, geometry: WorkerGeometry, *, check: bool = True, overlapped: bool = False
+        self,
+        geometry: WorkerGeometry,
+        *,
+        check: bool = True,
+        overlapped: bool = False,
+        next_token: Callable[..., int] = dummy_next_token,
     ) -> None:
         self.geometry = geometry
+        # The model: dummy_next_token's signature (a test may model repetitive output).
+        self.next_token = next_token
         self.check = check
         self.overlapped = overlapped  # the next plan may be made before a result is applied
         self._sequences: dict[int, _Sequence] = {}
@@ -152,22 +160,32 @@ class FakeWorker:
                 else:
                     self._write(seq_id, sequence, start, fed, forgetting)
             sequence.num_positions = start + len(fed)
+            num_drafts = plan.draft_counts[index] if plan.draft_counts else 0
             if plan.sample[index]:
-                last_position = start + len(fed) - 1
-                banned = dummy_banned_token_ids(
-                    last_position,
-                    sequence.num_prompt_tokens,
-                    sequence.min_new_tokens,
-                    sequence.min_tokens_banned_ids,
-                )
-                token_id = dummy_next_token(fed[-1], last_position, vocab_size, banned)
-                if sequence.garbage:
-                    token_id = (token_id + 1) % vocab_size  # what garbage K/V samples
-                result.seq_ids.append(seq_id)
-                result.token_ids.append(token_id)
+                # After each fed token from the last real one on (one: no drafts).
+                samples = []
+                for last_position in range(start + len(fed) - 1 - num_drafts, start + len(fed)):
+                    banned = dummy_banned_token_ids(
+                        last_position,
+                        sequence.num_prompt_tokens,
+                        sequence.min_new_tokens,
+                        sequence.min_tokens_banned_ids,
+                    )
+                    token_id = self.next_token(
+                        fed[last_position - start], last_position, vocab_size, banned
+                    )
+                    if sequence.garbage:
+                        token_id = (token_id + 1) % vocab_size  # what garbage K/V samples
+                    result.seq_ids.append(seq_id)
+                    result.token_ids.append(token_id)
+                    sampled.append(sequence)
+                    samples.append(token_id)
                 sequence.last_sampled = (token_id, last_position + 1)
-                sampled.append(sequence)
                 want_logprobs = want_logprobs or sequence.num_logprobs > 0
+                if num_drafts:
+                    self._keep_accepted(sequence, fed[len(fed) - num_drafts :], samples)
+            elif num_drafts:
+                raise PlanError(f"step {plan.step_id}: seq {seq_id} has drafts but samples none")
         if want_logprobs:
             self._fill_logprobs(result, sampled)
         for seq_id in plan.forget_seq_ids:
@@ -178,6 +196,18 @@ class FakeWorker:
             for block_id in sequence.block_ids:
                 self._holders[block_id].discard(seq_id)
         return result
+
+    def _keep_accepted(self, sequence: _Sequence, drafts: list[int], samples: list[int]) -> None:
+        """A drafted row: its K/V holds only up to the last accepted draft (the scheduler's
+        next feed of it must start there), and its last sample is not known here."""
+        num_rejected = len(drafts) + 1 - num_kept(drafts, samples)
+        sequence.num_positions -= num_rejected
+        sequence.last_sampled = None
+        if self.check:
+            position = sequence.num_positions - 1
+            block_size = self.geometry.block_size
+            slot = (sequence.block_ids[position // block_size], position % block_size)
+            sequence.prefix_hash = self._slots[slot]
 
     def fail(self, plan: StepPlan, message: str = "injected failure") -> StepResult:
         """A failed step as the real worker reports it: it forgets every sequence named."""
@@ -229,6 +259,8 @@ class FakeWorker:
                 raise PlanError(f"{name}_offsets {offsets} do not frame {len(values)} ids")
             if any(b < a for a, b in zip(offsets, offsets[1:], strict=False)):
                 raise PlanError(f"{name}_offsets decrease: {offsets}")
+        if plan.draft_counts and len(plan.draft_counts) != num_seqs:
+            raise PlanError(f"draft_counts has {len(plan.draft_counts)} entries for {num_seqs}")
         if len(set(plan.seq_ids)) != num_seqs:
             raise PlanError(f"a seq is fed twice in step {plan.step_id}")
         for index in range(num_seqs):

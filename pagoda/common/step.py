@@ -59,6 +59,17 @@ class SamplingParams:
 
 
 # SamplingParams' fields that hold token ids: every `*_token_ids` one.
+def has_penalty(params: SamplingParams) -> bool:
+    """Whether sampling reads the sequence's own token counts (a repetition, presence or
+    frequency penalty): only such a sequence gets counts on the worker, and none may
+    sample after drafts (the counts would hold them; scheduler_svc.core.speculation)."""
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
 _TOKEN_ID_FIELDS = tuple(
     name for name in SamplingParams.__dataclass_fields__ if name.endswith("_token_ids")
 )
@@ -110,6 +121,9 @@ class StepPlan:
     # Rows planned ahead sample constrained tokens whose masks come after the plan, in the
     # StepMasks of this step_id (the worker waits for it only to sample).
     masks_follow: bool = False
+    # Speculative rows: empty, or per row the drafted tokens among its last fed ones; such
+    # a row samples after each of its last draft_counts[i] + 1 fed tokens (step.proto).
+    draft_counts: list[int] = field(default_factory=list)
     # The scheduler's own counts; not sent.
     num_prefill_tokens: int = 0  # prompt and recompute tokens fed
     num_decode_tokens: int = 0  # one per decoding sequence
@@ -126,7 +140,31 @@ class StepPlan:
 
     @property
     def num_sampling(self) -> int:
-        return sum(self.sample)
+        """Tokens the plan samples: one per sampling row, d more for a row with d drafts."""
+        return sum(self.sample) + sum(self.draft_counts)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(self.draft_counts)
+
+    @property
+    def num_extra_tokens(self) -> int:
+        """Tokens fed beyond one per decoding row, prompt chunks and drafts: what a step's
+        cost model counts at a prompt token's price."""
+        return self.num_prefill_tokens + sum(self.draft_counts)
+
+    def sampled_seq_ids(self) -> list[int]:
+        """The sequence of each token the plan samples, in the result's order: one entry per
+        sampling row, d + 1 consecutive ones for a row with d drafts."""
+        if not self.draft_counts:
+            return [s for s, smp in zip(self.seq_ids, self.sample, strict=True) if smp]
+        seq_ids: list[int] = []
+        for seq_id, smp, num_drafts in zip(
+            self.seq_ids, self.sample, self.draft_counts, strict=True
+        ):
+            if smp:
+                seq_ids += [seq_id] * (num_drafts + 1)
+        return seq_ids
 
     def named_seq_ids(self) -> set[int]:
         """Every sequence id the plan mentions, readable even when its columns are malformed."""

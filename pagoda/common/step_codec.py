@@ -197,11 +197,23 @@ def result_problem(
         if num_top and max(result.top_token_ids) >= vocab_size:
             return "a top-logprob token id is outside the vocabulary"
     plan_seq_ids, sample = list(plan.seq_ids), list(plan.sample)
-    sampling = (
-        plan_seq_ids
-        if all(sample)
-        else [s for s, smp in zip(plan_seq_ids, sample, strict=True) if smp]
-    )
+    if plan.draft_counts:
+        # Speculative rows sample d + 1 tokens each, consecutively; a refused row none.
+        answered = set(seq_ids)
+        sampling = [
+            seq_id
+            for seq_id, smp, num_drafts in zip(plan_seq_ids, sample, plan.draft_counts, strict=True)
+            if smp and seq_id in answered
+            for _ in range(num_drafts + 1)
+        ]
+        if list(seq_ids) != sampling:
+            return "its sampled tokens do not follow the plan's rows and drafts"
+    else:
+        sampling = (
+            plan_seq_ids
+            if all(sample)
+            else [s for s, smp in zip(plan_seq_ids, sample, strict=True) if smp]
+        )
     if list(seq_ids) == sampling:
         pass  # the usual answer: every sampling sequence, in plan order (plan ids are distinct)
     elif len(set(seq_ids)) != num_sampled:

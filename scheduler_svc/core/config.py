@@ -78,6 +78,14 @@ class SchedulerConfig:
     # ones; beyond, add() raises TenantQuotaError. None: no cap besides the global ones.
     max_tenant_requests: int | None = None
     max_tenant_waiting_requests: int | None = None
+    # N-gram speculation (core/speculation.py): up to this many drafted tokens behind a
+    # decoding request's last token, in steps of at most `speculative_max_batch` decoding
+    # requests; 0: off. Drafts follow the latest earlier occurrence of the request's last
+    # n tokens, n from speculative_ngram_max down to speculative_ngram_min.
+    speculative_tokens: int = 0
+    speculative_ngram_min: int = 2
+    speculative_ngram_max: int = 4
+    speculative_max_batch: int = 8
 
     @property
     def step_budget_on(self) -> bool:
@@ -143,6 +151,10 @@ class SchedulerConfig:
             )
         if self.force_fifo_every is not None:
             _at_least("force_fifo_every", self.force_fifo_every, 0, suffix=" (0 or unset: never)")
+        _at_least("speculative_tokens", self.speculative_tokens, 0, suffix=" (0: off)")
+        _at_least("speculative_ngram_min", self.speculative_ngram_min, 1)
+        _at_least("speculative_ngram_max", self.speculative_ngram_max, self.speculative_ngram_min)
+        _at_least("speculative_max_batch", self.speculative_max_batch, 1)
         if self.admission_policy not in ADMISSION_POLICIES:
             choices = ", ".join(ADMISSION_POLICIES)
             raise ConfigError(

@@ -65,6 +65,9 @@ class RequestOutput:
     timings: Timings | None = None  # the finishing event only
     # The finishing event only: the calls of tools the text stage read in the output.
     tool_calls: tuple[ToolCall, ...] = ()
+    # Tokens of a speculative step that a stop string ended before (the text stage took
+    # them out of token_ids); the core drops them from the request (Scheduler.stop).
+    num_dropped_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -159,6 +162,9 @@ class SchedulerStats:
     num_generated_tokens: int
     num_prefix_queries_tokens: int  # prompt tokens looked up (first admissions only)
     num_prefix_hit_tokens: int
+    # Speculation (speculation.py): drafted tokens fed, and those the model agreed with.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
     # Steps that fed one suspect alone, to find the request that made a step fail or
     # lost the worker (isolation.py).
     num_isolated_steps: int = 0

@@ -59,7 +59,7 @@ class PlanBuilder:
         a decode or a prefill; counted at the end since a preemption under the priority
         policy may take one out (unfeed)."""
         plan = self.plan
-        plan.num_prefill_tokens = plan.num_tokens - plan.num_decode_tokens
+        plan.num_prefill_tokens = plan.num_tokens - plan.num_decode_tokens - plan.num_draft_tokens
         return BuiltPlan(plan, self.keyed, self.ahead)
 
     def start(
@@ -107,11 +107,38 @@ class PlanBuilder:
         plan.token_offsets.append(len(plan.token_ids))
         plan.block_ids.extend(table[request.num_blocks_sent :])
         plan.block_offsets.append(len(plan.block_ids))
+        if plan.draft_counts:
+            plan.draft_counts.append(0)
         request.num_blocks_sent = len(table)
         request.num_computed_tokens = end
         request.last_scheduled_step = self.step_id
         if self._prefix_caching or request.shares_prompt:
             key_blocks(self.blocks, request, start, end, self.keyed)
+
+    def feed_drafted(self, request: Request, position: int, drafts: list[int]) -> None:
+        """A decoding request's row: its last token, known, at `position` (its counters
+        advanced already), then `drafts` (speculation.py), which its table has room for.
+        It samples len(drafts) + 1 tokens; none of its blocks is keyed before they are
+        known (Scheduler.apply keys what the accepted drafts complete). Called after the
+        plan's other decodes, before its prompt chunks."""
+        plan = self.plan
+        index = len(plan.seq_ids)
+        if not plan.draft_counts:
+            plan.draft_counts.extend([0] * index)
+        plan.draft_counts.append(len(drafts))
+        plan.seq_ids.append(request.seq_id)
+        plan.start_positions.append(position)
+        plan.sample.append(True)
+        plan.token_ids.append(request.token_ids[position])
+        plan.token_ids.extend(drafts)
+        plan.token_offsets.append(len(plan.token_ids))
+        table = request.block_ids
+        plan.block_ids.extend(table[request.num_blocks_sent :])
+        plan.block_offsets.append(len(plan.block_ids))
+        request.num_blocks_sent = len(table)
+        plan.num_decode_tokens += 1  # its drafts are counted apart (StepPlan.draft_counts)
+        first, last = self._decode_entries
+        self._decode_entries = (first if last == index and last > first else index, index + 1)
 
     def give_blocks(self, requests: list[Request]) -> None:
         """One new block for each of `requests` (decoders at a block boundary, promised
@@ -196,6 +223,8 @@ class PlanBuilder:
             del ids[start:end]
             offsets[index + 1 :] = [offset - (end - start) for offset in offsets[index + 2 :]]
         del plan.seq_ids[index], plan.start_positions[index], plan.sample[index]
+        if plan.draft_counts:
+            del plan.draft_counts[index]
         first, last = self._decode_entries
         if first <= index < last:
             plan.num_decode_tokens -= 1

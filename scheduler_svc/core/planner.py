@@ -57,6 +57,15 @@ from pagoda.scheduler_svc.core.plan_builder import BuiltPlan, PlanBuilder
 from pagoda.scheduler_svc.core.preemption import choose_victim
 from pagoda.scheduler_svc.core.request import Request, RequestState, set_stop_rules
 from pagoda.scheduler_svc.core.running import RunningSet
+from pagoda.scheduler_svc.core.speculation import (
+    acceptance,
+    can_speculate,
+    draft_price,
+    num_worth_drafting,
+    pause_drafts,
+    propose,
+)
+from pagoda.scheduler_svc.core.step_budget import StepCostModel
 from pagoda.scheduler_svc.core.tenants import (
     Ledger,
     admission_shortage,
@@ -97,6 +106,8 @@ class Planner:
         self._num_admission_rounds = 0
         # The head a forced FIFO round could not fit: admitted before anything else.
         self._reserved_head: Request | None = None
+        # The step budget's cost model (the Scheduler's), which prices drafts; None: off.
+        self.cost_model: StepCostModel | None = None
 
     @property
     def running(self) -> dict[int, Request]:
@@ -253,6 +264,12 @@ class Planner:
         # does one block at a time come from _grow, which may preempt.
         fed: list[Request] = []
         positions: list[int] = []
+        # Decoders whose token is known, fed with drafts after the loop (speculation.py).
+        drafting: list[tuple[Request, int]] = []
+        config = self.config
+        speculates = bool(config.speculative_tokens) and (
+            min(cap, len(decoders)) <= config.speculative_max_batch
+        )
         growing: list[Request] = []
         grown_indices: list[int] = []  # in fed
         completing: list[int] = []  # in fed: those whose token fills their last block
@@ -264,7 +281,7 @@ class Planner:
         # earlier in this step (decode_first off): only then is the check needed.
         careful = not self.config.decode_first
         for request in decoders:
-            if capped and len(fed) == cap:
+            if capped and len(fed) + len(drafting) == cap:
                 break
             if careful and (
                 request.state is not _RUNNING or request.last_scheduled_step == step_id
@@ -294,19 +311,71 @@ class Planner:
                     if not grown:
                         continue  # it preempted itself
                 grown_indices.append(len(fed))
+            request.last_scheduled_step = step_id
+            request.num_computed_tokens = position + 1
+            if (
+                speculates
+                and position + 1 == num_known
+                and slot != block_size - 1  # its table has room for a draft
+                and can_speculate(request.sampling, request.grammar)
+            ):
+                drafting.append((request, position))
+                if grown_indices and grown_indices[-1] == len(fed):
+                    grown_indices.pop()  # it is not in `fed`: its block goes with its row
+                continue
             if position == num_known:
                 b.ahead.append((request, position))  # its block is keyed once known
             elif slot == last_slot:
                 completing.append(len(fed))
-            request.last_scheduled_step = step_id
-            request.num_computed_tokens = position + 1
             fed.append(request)
             positions.append(position)
         b.give_blocks(growing)
         b.feed_decodes(fed, positions, grown_indices, completing)
+        num_drafted = 0
+        if drafting:
+            num_decoders = len(fed) + len(drafting)
+            num_context = sum(positions) + sum(position for _, position in drafting)
+            price = draft_price(self.cost_model, num_decoders, num_context + num_decoders)
+            num_drafted = self._feed_drafted(b, drafting, num_tokens - num_decoders, price)
         if self.tenants.fair:
-            self.tenants.charge_generated([request.tenant for request in fed])
-        return len(fed)
+            tenants = [request.tenant for request in fed]
+            tenants += [request.tenant for request, _ in drafting]
+            self.tenants.charge_generated(tenants)
+        return len(fed) + len(drafting) + num_drafted
+
+    def _feed_drafted(
+        self,
+        b: PlanBuilder,
+        drafting: list[tuple[Request, int]],
+        num_tokens: int,
+        price: float,
+    ) -> int:
+        """Feed each of `drafting` (a decoder whose last token, at its position, is known)
+        with the drafts speculation proposes for it: those worth their `price`
+        (speculation.draft_price) at its acceptance rate, as many as its table's last
+        block, its length limit and `num_tokens` allow; drafted tokens fed."""
+        config = self.config
+        block_size = self.blocks.block_size
+        num_drafted = 0
+        for request, position in drafting:
+            limit = min(
+                config.speculative_tokens,
+                len(request.block_ids) * block_size - position - 1,
+                request.max_num_tokens - position - 2,  # the last sample may end it
+                num_tokens - num_drafted,
+            )
+            worth = 0
+            if limit > 0 and b.step_id >= request.drafts_resume_step:
+                rate = acceptance(request.num_kept_drafts, request.num_tried_drafts)
+                worth = num_worth_drafting(rate, price, limit)
+                if not worth:
+                    pause_drafts(request, b.step_id)
+            drafts = propose(
+                request.token_ids, config.speculative_ngram_min, config.speculative_ngram_max, worth
+            )
+            b.feed_drafted(request, position, drafts)
+            num_drafted += len(drafts)
+        return num_drafted
 
     # -- prefill and admission -------------------------------------------------------------
 

@@ -142,6 +142,13 @@ class Request:
     shares_prompt: bool = False
     # While HELD: the sample 0 whose prompt blocks it waits for; None once queued.
     prompt_leader: Request | None = None
+    # Speculation: its drafts kept and tried, faded per step (speculation.acceptance), and
+    # its pause after drafts that were not worth their price: no drafts before
+    # drafts_resume_step, a pause twice as long next time until one is kept.
+    num_kept_drafts: float = 0.0
+    num_tried_drafts: float = 0.0
+    draft_pause_steps: int = 0
+    drafts_resume_step: int = 0
 
     @property
     def num_generated_tokens(self) -> int:

@@ -54,6 +54,7 @@ from pagoda.scheduler_svc.core.request import (
     token_array,
     too_large_reason,
 )
+from pagoda.scheduler_svc.core.speculation import num_kept, record_drafts
 from pagoda.scheduler_svc.core.step_budget import StepBudget
 from pagoda.scheduler_svc.core.tenants import TenantStats, check_quota
 
@@ -92,6 +93,8 @@ class Scheduler:
         self._isolation = Isolation(self._requests, self._planner)
         # Sizes each step's prefill from the worker's measured step times (None: off).
         self._step_budget = StepBudget(config.target_step_ms) if config.step_budget_on else None
+        if self._step_budget is not None:
+            self._planner.cost_model = self._step_budget.model  # it prices drafts too
         self._in_flight: list[_Flight] = []  # oldest first
         self._step_ids = itertools.count(1)
         self._last_now = 0.0  # for outputs of calls that carry no clock (attach_worker)
@@ -99,6 +102,8 @@ class Scheduler:
         self._num_isolated_steps = 0
         self._num_requests_finished = 0
         self._num_generated_tokens = 0
+        self._num_draft_tokens = 0  # drafted tokens fed (speculation.py)
+        self._num_accepted_draft_tokens = 0  # of them, those kept
 
     # -- worker lifecycle ------------------------------------------------------------------
 
@@ -237,9 +242,13 @@ class Scheduler:
             return None
         return self._finish(request, reason, now, message=message)
 
-    def stop(self, request_id: str, now: float) -> RequestOutput | None:
-        """A stop string matched the request's text: it ends with STOP, as a stop token would.
+    def stop(self, request_id: str, now: float, num_dropped: int = 0) -> RequestOutput | None:
+        """A stop string matched the request's text: it ends with STOP, as a stop token would,
+        less its last `num_dropped` tokens (a speculative step's, after the stop string).
         Called by the step loop right after apply(); None if already finished."""
+        request = self._requests.get(request_id)
+        if request is not None and num_dropped:
+            del request.token_ids[len(request.token_ids) - num_dropped :]
         return self.cancel(request_id, now, FinishReason.STOP)
 
     def request_of(self, seq_id: int) -> Request | None:
@@ -334,9 +343,12 @@ class Scheduler:
     @property
     def can_plan_ahead(self) -> bool:
         """Whether the next step may be planned now, before the result of the one in flight:
-        exactly one is, and no failure is being isolated (its steps run alone)."""
+        exactly one is, no failure is being isolated (its steps run alone), and speculation
+        is off (drafts follow a known last token, and the step in flight decides how many
+        of its samples a request keeps)."""
         return (
-            len(self._in_flight) == 1
+            not self.config.speculative_tokens
+            and len(self._in_flight) == 1
             and not self._in_flight[0].isolated
             and not self._isolation.active
         )
@@ -511,7 +523,7 @@ class Scheduler:
         step_ms = result.forward_ms + result.sample_ms
         if self._step_budget is not None and not result.step_error and step_ms > 0:
             self._step_budget.observe(
-                plan.num_prefill_tokens, plan.num_decode_tokens, step_ms, plan.num_context_tokens
+                plan.num_extra_tokens, plan.num_decode_tokens, step_ms, plan.num_context_tokens
             )
         outputs = step_outputs.outputs
         if result.step_error:
@@ -537,13 +549,16 @@ class Scheduler:
                     outputs.append(
                         self._finish_with_error(request, f"the worker failed it: {message}", now)
                     )
-        if result.logprobs:
+        if plan.draft_counts:
+            self._num_generated_tokens += self._take_drafted(plan, result, now, outputs)
+        elif result.logprobs:
             self._take_tokens_with_logprobs(result, now, outputs)
+            self._num_generated_tokens += len(result.seq_ids)
         else:
             self._take_tokens(result, now, step_outputs)
-        self._num_generated_tokens += len(result.seq_ids)
-        # The result's ids are distinct sampling ones (step_codec checks): equal counts mean
-        # none is missing. Errors are not counted: one may name a sequence that did not sample.
+            self._num_generated_tokens += len(result.seq_ids)
+        # The result's ids are the plan's sampling ones, a drafted row's once per sample
+        # (step_codec checks): equal counts mean none is missing. Errors are not counted: one may name a sequence that did not sample.
         if len(result.seq_ids) != plan.num_sampling:
             outputs.extend(self._finish_unsampled(plan, result, now))
         if self._isolation.target is not None:
@@ -655,6 +670,64 @@ class Scheduler:
             else:
                 outputs.append(self._finish(request, finish_reason, now, [token_id], logprobs))
 
+    def _take_drafted(
+        self, plan: StepPlan, result: StepResult, now: float, outputs: list[RequestOutput]
+    ) -> int:
+        """apply() for a plan with drafts (speculation.py): a drafted row's sequence has
+        one sample per draft and one after them, in a run; it keeps them while each equals
+        its draft, then one more, each through the stop rules as if decoded alone. The
+        accepted drafts' K/V is written: they count as computed, and the blocks they
+        complete are keyed. Tokens taken."""
+        running, planner = self._planner.running, self._planner
+        offsets, fed = plan.token_offsets, plan.token_ids
+        drafts_of = {
+            plan.seq_ids[i]: fed[offsets[i + 1] - count : offsets[i + 1]]
+            for i, count in enumerate(plan.draft_counts)
+            if count
+        }
+        seq_ids, token_ids = result.seq_ids, result.token_ids
+        num_taken, index = 0, 0
+        while index < len(seq_ids):
+            seq_id = seq_ids[index]
+            drafts = drafts_of.get(seq_id, ())
+            first, index = index, index + len(drafts) + 1
+            request = running.get(seq_id)
+            if request is None:
+                continue  # cancelled while the step ran
+            kept = num_kept(drafts, token_ids[first:index])
+            if drafts:
+                self._num_draft_tokens += len(drafts)
+                self._num_accepted_draft_tokens += kept - 1
+                record_drafts(request, len(drafts), kept - 1)
+            wants_logprobs = bool(request.sampling.num_logprobs and result.logprobs)
+            taken: list[int] = []
+            finish_reason = None
+            for sample in range(first, first + kept):
+                token_id = token_ids[sample]
+                request.token_ids.append(token_id)
+                taken.append(token_id)
+                finish_reason = check_stop(request, token_id)
+                if finish_reason is not None:
+                    break
+            num_taken += len(taken)
+            if request.first_token_s is None:
+                request.first_token_s = now
+            logprobs = (
+                [token_logprob(result, sample) for sample in range(first, first + len(taken))]
+                if wants_logprobs
+                else None
+            )
+            if finish_reason is not None:
+                outputs.append(self._finish(request, finish_reason, now, taken, logprobs))
+                continue
+            # Its accepted drafts were fed at the positions the kept samples now hold.
+            start = request.num_computed_tokens
+            request.num_computed_tokens = start + len(taken) - 1
+            if self.config.prefix_caching or request.shares_prompt:
+                key_blocks(planner.blocks, request, start, request.num_computed_tokens, [])
+            outputs.append(RequestOutput(request.request_id, "", taken, logprobs))
+        return num_taken
+
     def fail_step(
         self, plan: StepPlan, error: str, now: float, *, suspect: bool = True
     ) -> list[RequestOutput]:
@@ -710,6 +783,8 @@ class Scheduler:
             num_isolated_steps=self._num_isolated_steps,
             num_requests_finished=self._num_requests_finished,
             num_generated_tokens=self._num_generated_tokens,
+            num_draft_tokens=self._num_draft_tokens,
+            num_accepted_draft_tokens=self._num_accepted_draft_tokens,
             num_prefix_queries_tokens=queried,
             num_prefix_hit_tokens=planner.num_prefix_hit_tokens,
             **self._step_budget_stats(),

@@ -1,7 +1,8 @@
-"""The router and admission benchmarks run end to end on the dummy worker (so they cannot
-rot between the sittings that measure them with the real model), and what they print
-holds: cache-aware routing finds every repeat of a prefix cached, and every policy of the
-admission benchmark serves the whole burst."""
+"""The router, admission and speculation benchmarks run end to end on the dummy worker (so
+they cannot rot between the sittings that measure them with the real model), and what
+they print holds: cache-aware routing finds every repeat of a prefix cached, every policy
+of the admission benchmark serves the whole burst, and every speculation setting streams
+the same tokens."""
 
 from __future__ import annotations
 
@@ -44,3 +45,18 @@ def test_the_admission_benchmark_serves_the_burst_under_each_policy():
     )  # fmt: skip
     policies = [row[0] for row in rows if row and row[0] in ("fifo", "prefix", "pack")]
     assert policies == ["fifo", "prefix", "pack"]
+
+
+def test_the_speculation_benchmark_compares_settings_on_the_same_tokens():
+    rows = run(
+        "benchmarks.speculation",
+        "--settings", "0,3", "--requests", "4", "--burst", "2", "--max-new-tokens", "12",
+    )  # fmt: skip
+    runs = [row for row in rows if row and row[0] in ("0", "3")]
+    assert [(row[0], row[1], row[2]) for row in runs] == [
+        (setting, kind, run_name)
+        for setting in ("0", "3")
+        for kind in ("echo", "open")
+        for run_name in ("sequential", "burst")
+    ]
+    assert all(row[-1] == "yes" for row in runs)  # the same tokens in every run

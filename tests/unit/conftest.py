@@ -169,11 +169,26 @@ def make_scheduler(
     return text_scheduler
 
 
+def repeating_next_token(
+    last_token_id: int, last_position: int, vocab_size: int, banned_token_ids=()
+) -> int:
+    """A model for FakeWorker whose output repeats itself, so that speculation's drafts
+    are often right: the token after the last one in a cycle of five, skipping one at
+    every 13th position; banned ids are skipped as dummy_next_token skips them."""
+    token_id = (last_token_id + (2 if last_position % 13 == 12 else 1)) % 5
+    for _ in range(vocab_size):
+        if token_id not in banned_token_ids:
+            return token_id
+        token_id = (token_id + 1) % vocab_size
+    return token_id
+
+
 def expected_generation(
-    request: ValidRequest, geometry: WorkerGeometry
+    request: ValidRequest, geometry: WorkerGeometry, next_token: Callable = dummy_next_token
 ) -> tuple[list[int], FinishReason, str]:
-    """What the dummy model streams for `request` alone (token ids, finish reason, text with
-    LetterDetokenizer): the reference any schedule must reproduce."""
+    """What the model (the dummy's unless `next_token`) streams for `request` alone (token
+    ids, finish reason, text with LetterDetokenizer): the reference any schedule must
+    reproduce."""
     tokens = list(request.prompt_token_ids)
     stopping = request.stopping
     generated: list[int] = []
@@ -185,7 +200,7 @@ def expected_generation(
     while True:
         # The worker masks the ending ids until min_new_tokens are generated.
         banned = ending_ids if len(generated) < stopping.min_new_tokens else ()
-        token_id = dummy_next_token(tokens[-1], len(tokens) - 1, geometry.vocab_size, banned)
+        token_id = next_token(tokens[-1], len(tokens) - 1, geometry.vocab_size, banned)
         tokens.append(token_id)
         generated.append(token_id)
         allowed = len(generated) > stopping.min_new_tokens

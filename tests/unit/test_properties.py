@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import os
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from pagoda.common.dummy_tokens import dummy_next_token
 from pagoda.scheduler_svc.core import FinishReason, ValidRequest, WorkerGeometry
 from pagoda.scheduler_svc.testing import FakeWorker
 from tests.unit.conftest import (
@@ -23,6 +25,7 @@ from tests.unit.conftest import (
     make_request,
     make_scheduler,
     plan_within_budget,
+    repeating_next_token,
 )
 
 MAX_STEPS = 3000
@@ -42,6 +45,8 @@ class Workload:
     refused: set[str] = field(default_factory=set)  # filled by run()
     # The worker refuses every writer of blocks another sequence of its step reads.
     refuse_shared_writers: bool = False
+    # The model (FakeWorker's next_token): the dummy's, or one that repeats itself.
+    next_token: Callable = dummy_next_token
 
 
 @st.composite
@@ -81,6 +86,10 @@ def workloads(draw, with_cancels: bool = False, with_failures: bool = False) -> 
         chunked_prefill=draw(st.booleans()),
         decode_first=draw(st.booleans()),
         prefix_caching=draw(st.booleans()),
+        speculative_tokens=draw(st.sampled_from([0, 0, 1, 3, 6])),
+        speculative_ngram_min=(ngram_min := draw(st.integers(1, 2))),
+        speculative_ngram_max=ngram_min + draw(st.integers(0, 2)),
+        speculative_max_batch=draw(st.integers(1, 4)),
     )
     longest = max(len(r.prompt_token_ids) + r.stopping.max_new_tokens for _, r in arrivals)
     min_blocks = -(-(longest - 1) // block_size)
@@ -92,6 +101,7 @@ def workloads(draw, with_cancels: bool = False, with_failures: bool = False) -> 
         vocab_size=vocab_size,
     )
     workload = Workload(arrivals, knobs, geometry)
+    workload.next_token = draw(st.sampled_from([dummy_next_token, repeating_next_token]))
     if with_cancels:
         for _, request in arrivals:
             if draw(st.booleans()):
@@ -108,7 +118,7 @@ def run(
     """Drive the workload to the end, checking invariants after every call."""
     geometry = geometry or workload.geometry
     scheduler = make_scheduler(geometry, **workload.knobs)
-    worker = FakeWorker(geometry)
+    worker = FakeWorker(geometry, next_token=workload.next_token)
     streams: dict[str, Stream] = defaultdict(Stream)
     failed_alone = workload.failed_alone
     failed_alone.clear()
@@ -165,7 +175,7 @@ def run(
             if failure == "restart":
                 scheduler.detach_worker()
                 assert scheduler.attach_worker(geometry) == []
-                worker = FakeWorker(geometry)
+                worker = FakeWorker(geometry, next_token=workload.next_token)
         elif failure != "done":
             result = worker.fail(plan) if failure == "error" else worker.step(plan)
             for output in scheduler.apply(result, now + 0.5):
@@ -200,7 +210,9 @@ def check_streams(workload: Workload, streams: dict[str, Stream]) -> None:
         stream = streams[request.request_id]
         assert stream.finish_reason is not None, f"{request.request_id} never finished"
         assert stream.num_events_after_finish == 0
-        token_ids, reason, text = expected_generation(request, workload.geometry)
+        token_ids, reason, text = expected_generation(
+            request, workload.geometry, workload.next_token
+        )
         if stream.finish_reason is FinishReason.ERROR:
             # Only a request that failed twice alone is taken for a poison request, or
             # one the worker refused.
@@ -236,6 +248,8 @@ def test_every_request_streams_its_reference_output_exactly_once(workload):
     check_streams(workload, streams)
     stats = scheduler.stats
     assert stats.num_running == stats.num_waiting == stats.num_kv_blocks_used == 0
+    if stats.num_draft_tokens:
+        event(f"drafts kept: {stats.num_accepted_draft_tokens > 0}")
 
 
 @COMMON

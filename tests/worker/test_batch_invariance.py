@@ -13,7 +13,7 @@ import pytest
 from pagoda.gpu_worker.quantization import count_q4_linear
 from pagoda.protos import step_pb2
 from tests.worker.conftest import TEST_BLOCK_SIZE, TEST_NUM_BLOCKS, TinyModels, random_prompts
-from tests.worker.toy_scheduler import ToyScheduler, split_into
+from tests.worker.toy_scheduler import Job, ToyScheduler, split_into
 
 NUM_NEW_TOKENS = 12
 NUM_TRIALS = 4
@@ -33,16 +33,30 @@ def sampling(seed: int | None) -> step_pb2.SamplingParams:
 
 def traced(scheduler: ToyScheduler, seq_id: int) -> tuple[list[int], list[float], list[float]]:
     """(tokens, sampled logprobs, top logprobs) of `seq_id` over the steps run so far."""
+    return traced_entries(
+        scheduler,
+        [
+            (step, entry)
+            for step, result in enumerate(scheduler.results)
+            for entry, sampled_id in enumerate(result.seq_ids)
+            if sampled_id == seq_id
+        ],
+    )
+
+
+def traced_entries(
+    scheduler: ToyScheduler, entries: list[tuple[int, int]]
+) -> tuple[list[int], list[float], list[float]]:
+    """(tokens, sampled logprobs, top logprobs) of the results' (step, entry) `entries`."""
     tokens: list[int] = []
     logprobs: list[float] = []
     top: list[float] = []
-    for result in scheduler.results:
-        for row, sampled_id in enumerate(result.seq_ids):
-            if sampled_id == seq_id:
-                tokens.append(result.token_ids[row])
-                logprobs.append(result.logprobs[row])
-                start, end = result.top_offsets[row], result.top_offsets[row + 1]
-                top.extend(result.top_logprobs[start:end])
+    for step, entry in entries:
+        result = scheduler.results[step]
+        tokens.append(result.token_ids[entry])
+        logprobs.append(result.logprobs[entry])
+        start, end = result.top_offsets[entry], result.top_offsets[entry + 1]
+        top.extend(result.top_logprobs[start:end])
     return tokens, logprobs, top
 
 
@@ -74,16 +88,7 @@ def in_a_random_batch(
         block_size=TEST_BLOCK_SIZE,
         seed=rng.randrange(1000),
     )
-    for mate, mate_prompt in enumerate(
-        random_prompts(rng.randint(1, 7), seed=rng.randrange(1000), max_len=60)
-    ):
-        scheduler.add(
-            mate,
-            mate_prompt,
-            sampling=sampling(rng.choice([None, rng.randrange(100)])),
-            chunk_sizes=split_into(len(mate_prompt), rng.randint(1, 3), rng),
-            admit_at_step=rng.randint(0, 6),
-        )
+    add_random_mates(scheduler, rng)
     scheduler.add(
         TARGET,
         prompt,
@@ -102,6 +107,23 @@ def in_a_random_batch(
         return tuple(b + a for b, a in zip(before, after, strict=True))
     scheduler.run(NUM_NEW_TOKENS)
     return traced(scheduler, TARGET)
+
+
+def add_random_mates(scheduler: ToyScheduler, rng) -> list[Job]:
+    """1-7 random batch mates (greedy and sampled, admitted at random steps over the
+    first 7, some chunked), with ids below TARGET."""
+    return [
+        scheduler.add(
+            mate,
+            mate_prompt,
+            sampling=sampling(rng.choice([None, rng.randrange(100)])),
+            chunk_sizes=split_into(len(mate_prompt), rng.randint(1, 3), rng),
+            admit_at_step=rng.randint(0, 6),
+        )
+        for mate, mate_prompt in enumerate(
+            random_prompts(rng.randint(1, 7), seed=rng.randrange(1000), max_len=60)
+        )
+    ]
 
 
 _Q4_MODELS: dict[int, TinyModels] = {}
@@ -128,16 +150,11 @@ def q4_1_version(models: TinyModels) -> TinyModels:
     return _Q4_MODELS[id(models)]
 
 
-@pytest.mark.parametrize(
-    ("quantization", "weights"),
-    [("none", "float"), ("int8", "float"), ("int8", "q4_1")],
-    ids=["none", "int8", "int8-q4_1"],
-)
-@pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_a_request_is_the_same_alone_in_any_batch_chunked_and_recomputed(
-    tiny_models, quantization, weights, seed, backend
-):
+def models_under_test(
+    tiny_models: TinyModels, quantization: str, weights: str, backend: str
+) -> TinyModels:
+    """The models to run for one case of the parametrization below (skips when the cpu
+    backend cannot run here), checked to take the path the case names."""
     models = tiny_models
     if backend == "cpu":
         from pagoda.gpu_worker import cpu_kernels
@@ -156,6 +173,26 @@ def test_a_request_is_the_same_alone_in_any_batch_chunked_and_recomputed(
         if backend == "cpu" and tiny_models.reference.config.model_type == "llama":
             # elementwise.c's RMSNorm, SiLU*up and RoPE (fused_model.py) are in this path
             assert "RMSNorm, SiLU*up and RoPE: Pagoda's" in engine.facts.numerics
+    return models
+
+
+# Every shipped CPU path: both attention backends, float and int8 weights, and the Q4_1
+# weights that int8 runs as the default model's GGUF path.
+PATHS = pytest.mark.parametrize(
+    ("quantization", "weights"),
+    [("none", "float"), ("int8", "float"), ("int8", "q4_1")],
+    ids=["none", "int8", "int8-q4_1"],
+)
+BACKENDS = pytest.mark.parametrize("backend", ["reference", "cpu"])
+
+
+@PATHS
+@pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
+@BACKENDS
+def test_a_request_is_the_same_alone_in_any_batch_chunked_and_recomputed(
+    tiny_models, quantization, weights, seed, backend
+):
+    models = models_under_test(tiny_models, quantization, weights, backend)
     rng = random.Random(f"{quantization}-{weights}-{seed}")
     (prompt,) = random_prompts(1, seed=rng.randrange(1000), min_len=20, max_len=45)
     expected = alone(models, quantization, backend, prompt, seed)

@@ -22,6 +22,7 @@ def test_a_plan_decodes_column_for_column():
         block_offsets=[0, 1, 1],
         block_ids=[5],
         forget_seq_ids=[8],
+        draft_counts=[0, 1],
     )
     message.new_sequences.add(
         seq_id=3,
@@ -35,6 +36,7 @@ def test_a_plan_decodes_column_for_column():
     )  # fmt: skip
     assert (plan.token_offsets, plan.token_ids) == ([0, 2, 3], [11, 12, 13])
     assert (plan.block_offsets, plan.block_ids, plan.forget_seq_ids) == ([0, 1, 1], [5], [8])
+    assert plan.draft_counts == [0, 1] and plan.sampled_seq_ids() == [4, 4]
     (new,) = plan.new_sequences
     assert (new.seq_id, new.num_prompt_tokens, new.cached_token_ids) == (3, 4, [1, 2])
     assert new.sampling == SamplingParams(temperature=0.5, top_k=40, seed=9, num_logprobs=2)

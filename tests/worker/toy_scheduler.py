@@ -4,6 +4,10 @@ Each job is "known tokens" (prompt + generated) of which the first `num_computed
 have KV in the job's blocks; every step feeds the next chunk of the rest and
 samples when the chunk reaches the end. Prefill, chunked prefill, prefix sharing,
 recompute and decode are all that one rule, as in the real scheduler.
+
+A job with a `drafter` also feeds, after a chunk that reaches the end, the drafts it
+returns (StepPlan.draft_counts) and keeps the samples as the real scheduler does: those
+equal to the drafts, then one more; its next row starts after the drafts it kept.
 """
 
 from __future__ import annotations
@@ -31,6 +35,12 @@ class Job:
     cached_token_ids: list[int] = field(default_factory=list)
     min_new_tokens: int = 0  # NewSequence's: the banned ids are masked until then
     min_tokens_banned_ids: list[int] = field(default_factory=list)
+    # Drafts to feed after the known tokens in a row of it that samples ([]: none).
+    drafter: Callable[[Job], list[int]] | None = None
+    # Where each generated token came from: (step, entry of that step's result).
+    entries: list[tuple[int, int]] = field(default_factory=list)
+    num_drafts_fed: int = 0
+    num_drafts_kept: int = 0
 
     @property
     def known(self) -> list[int]:
@@ -115,6 +125,8 @@ class ToyScheduler:
         plan.forget_seq_ids.extend(self._forget)
         self._forget = []
         fed: dict[int, int] = {}
+        drafted: dict[int, list[int]] = {}
+        draft_counts: list[int] = []
         offsets_started = False
         for job in self.jobs.values():
             if job.admit_at_step > self.step_id or is_done(job):
@@ -123,7 +135,8 @@ class ToyScheduler:
             chunk = job.chunk_sizes.pop(0) if job.chunk_sizes else len(known) - job.num_computed
             chunk = min(chunk, len(known) - job.num_computed)
             end = job.num_computed + chunk
-            self._cover(job, end)
+            drafts = job.drafter(job) if job.drafter is not None and end == len(known) else []
+            self._cover(job, end + len(drafts))
             if job.is_new:
                 plan.new_sequences.add(
                     seq_id=job.seq_id,
@@ -141,19 +154,34 @@ class ToyScheduler:
             plan.seq_ids.append(job.seq_id)
             plan.start_positions.append(job.num_computed)
             plan.sample.append(end == len(known))
-            plan.token_ids.extend(known[job.num_computed : end])
+            plan.token_ids.extend(known[job.num_computed : end] + drafts)
             plan.token_offsets.append(len(plan.token_ids))
+            draft_counts.append(len(drafts))
+            drafted[job.seq_id] = drafts
             plan.block_ids.extend(job.block_ids[job.num_blocks_sent :])
             plan.block_offsets.append(len(plan.block_ids))
             job.num_blocks_sent = len(job.block_ids)
             fed[job.seq_id] = chunk
+        if any(draft_counts):
+            plan.draft_counts.extend(draft_counts)
         result = run_plan(self.engine, plan)
         assert not result.step_error, result.step_error
         assert not result.errors, list(result.errors)
+        samples: dict[int, list[int]] = {}  # seq id -> its entries of the result, in order
+        for entry, seq_id in enumerate(result.seq_ids):
+            samples.setdefault(seq_id, []).append(entry)
+        for seq_id, entries in samples.items():
+            job, drafts = self.jobs[seq_id], drafted[seq_id]
+            assert len(entries) == len(drafts) + 1, "not one sample per draft, plus one"
+            tokens = [result.token_ids[entry] for entry in entries]
+            num_kept = next((k for k, d in enumerate(drafts) if tokens[k] != d), len(drafts))
+            job.generated += tokens[: num_kept + 1]
+            job.entries += [(self.step_id, entry) for entry in entries[: num_kept + 1]]
+            job.num_drafts_fed += len(drafts)
+            job.num_drafts_kept += num_kept
+            fed[seq_id] += num_kept  # the kept drafts' K/V is the tokens'
         for seq_id, count in fed.items():
             self.jobs[seq_id].num_computed += count
-        for seq_id, token_id in zip(result.seq_ids, result.token_ids, strict=True):
-            self.jobs[seq_id].generated.append(token_id)
         self.results.append(result)
         self.step_id += 1
         return result

@@ -1,0 +1,138 @@
+"""N-gram speculation against decoding one token at a time: `python -m benchmarks.speculation`.
+
+One worker and scheduler of --model on this machine; the scheduler restarted per setting of
+--speculative-tokens (0: off). Two kinds of chat requests, greedy:
+  - `echo`: tasks whose answer repeats the prompt (copy a list, fix a paragraph's typos,
+    turn a table into JSON, rename a variable in code), where drafts are often right;
+  - `open`: questions whose answer repeats nothing, where drafts are rare and wasted.
+Each kind runs one request at a time (--sequential) and as a burst of --burst at once.
+Reported per setting and run: generated tokens, wall time, tokens per second, the
+drafted tokens the model accepted (GetServerStats before and after), and whether every
+request's tokens equal those of the first setting (they must: speculation changes how
+many tokens a step computes, never which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import sys
+import time
+
+import grpc
+
+from benchmarks.suite_service import LocalService, resolve_model_dir
+from pagoda.protos import generation_pb2, generation_pb2_grpc
+
+WORDS = [
+    "river", "stone", "lantern", "harbor", "meadow", "copper", "violet", "thunder", "orchard",
+    "silver", "canyon", "falcon", "ember", "willow", "granite", "saffron", "glacier", "cobalt",
+    "juniper", "marble",
+]  # fmt: skip
+
+
+def echo_prompts(count: int) -> list[str]:
+    """Tasks whose answer copies most of the prompt, each with its own items."""
+    prompts = []
+    for index in range(count):
+        items = [f"{WORDS[(index + k) % len(WORDS)]} {WORDS[(3 * index + 2 * k) % len(WORDS)]}"
+                 for k in range(8)]  # fmt: skip
+        match index % 4:
+            case 0:
+                body = "\n".join(f"- {item}" for item in items)
+                prompts.append(f"Copy this list exactly, in the same order:\n{body}")
+            case 1:
+                text = ". ".join(f"The {a} is near the {b}" for a, b in itertools.pairwise(items))
+                prompts.append(f"Fix the spelling and return the whole text:\n{text}.")
+            case 2:
+                rows = "\n".join(f"{item} | {k * 7 + index}" for k, item in enumerate(items))
+                prompts.append(f"Turn this table into a JSON list of objects:\n{rows}")
+            case _:
+                code = "\n".join(
+                    f"def {item.replace(' ', '_')}(value):\n    return value * {k + 2}"
+                    for k, item in enumerate(items[:5])
+                )
+                prompts.append(f"Rename every parameter `value` to `x` in this code:\n{code}")
+    return prompts
+
+
+def open_prompts(count: int) -> list[str]:
+    return [
+        f"Write a short story about a {WORDS[i % len(WORDS)]} and a {WORDS[(7 * i + 3) % len(WORDS)]}."
+        for i in range(count)
+    ]
+
+
+async def chat(stub, prompt: str, max_new_tokens: int) -> list[int]:
+    request = generation_pb2.ChatRequest(
+        messages=[generation_pb2.ChatMessage(role="user", content=prompt)],
+        sampling=generation_pb2.SamplingParams(temperature=0.0),
+        stopping=generation_pb2.StoppingCriteria(max_new_tokens=max_new_tokens),
+    )
+    tokens: list[int] = []
+    async for response in stub.Chat(request, timeout=900):
+        tokens.extend(response.token_ids)
+    return tokens
+
+
+async def run(address: str, prompts: list[str], max_new_tokens: int, concurrency: int):
+    """Every prompt's tokens, the wall time, and the drafted and accepted tokens."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        before = await stub.GetServerStats(generation_pb2.ServerStatsRequest())
+        start_s = time.monotonic()
+        outputs: list[list[int]] = []
+        for first in range(0, len(prompts), concurrency):
+            batch = prompts[first : first + concurrency]
+            outputs += await asyncio.gather(*(chat(stub, p, max_new_tokens) for p in batch))
+        wall_s = time.monotonic() - start_s
+        after = await stub.GetServerStats(generation_pb2.ServerStatsRequest())
+    drafted = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_draft_tokens - before.num_accepted_draft_tokens
+    return outputs, wall_s, drafted, accepted
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.speculation", description=__doc__)
+    add = parser.add_argument
+    add("--model", default="default", help="default, dummy or a directory")
+    add("--settings", default="0,4", help="comma-separated --speculative-tokens values")
+    add("--kinds", default="echo,open")
+    add("--requests", type=int, default=8, help="requests per kind and run")
+    add("--burst", type=int, default=8, help="requests at once in the burst run")
+    add("--max-new-tokens", type=int, default=160)
+    add("--runs", default="sequential,burst")
+    args = parser.parse_args(argv)
+    service = LocalService(
+        worker_model=args.model, device="cpu", model_dir=resolve_model_dir(args.model)
+    )
+    prompts = {"echo": echo_prompts(args.requests), "open": open_prompts(args.requests)}
+    reference: dict[str, list[list[int]]] = {}
+    print(f"model {args.model}, {args.requests} chat requests per kind, greedy, "
+          f"at most {args.max_new_tokens} new tokens")  # fmt: skip
+    print(f"{'drafts':>6} {'kind':>5} {'run':>10} {'tokens':>7} {'wall s':>7} {'tok/s':>7} "
+          f"{'accepted':>14} {'same tokens':>11}")  # fmt: skip
+    try:
+        service.start_worker()
+        for setting in args.settings.split(","):
+            service.use_scheduler(("--speculative-tokens", setting))
+            for kind in args.kinds.split(","):
+                for run_name in args.runs.split(","):
+                    concurrency = 1 if run_name == "sequential" else args.burst
+                    outputs, wall_s, drafted, accepted = asyncio.run(
+                        run(service.address, prompts[kind], args.max_new_tokens, concurrency)
+                    )
+                    same = reference.setdefault(kind, outputs) == outputs
+                    num_tokens = sum(map(len, outputs))
+                    share = f"{accepted}/{drafted}" if drafted else "-"
+                    print(f"{setting:>6} {kind:>5} {run_name:>10} {num_tokens:>7} {wall_s:>7.1f} "
+                          f"{num_tokens / wall_s:>7.1f} {share:>14} {'yes' if same else 'NO':>11}")  # fmt: skip
+    finally:
+        service.stop()
+        service.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
