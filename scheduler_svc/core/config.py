@@ -20,6 +20,9 @@ DEFAULT_TARGET_STEP_MS = 500.0
 # prompt token of worker time.
 DEFAULT_PROMPT_WEIGHT = 1.0
 DEFAULT_GENERATED_WEIGHT = 2.0
+# Speculation's drafts add logits rows to a step: at most this many (speculative_tokens x
+# speculative_max_batch), so a step stays near the worker's profiled size (kv_sizing.py).
+MAX_DRAFT_ROWS = 128
 
 
 class ConfigError(ValueError):
@@ -155,6 +158,12 @@ class SchedulerConfig:
         _at_least("speculative_ngram_min", self.speculative_ngram_min, 1)
         _at_least("speculative_ngram_max", self.speculative_ngram_max, self.speculative_ngram_min)
         _at_least("speculative_max_batch", self.speculative_max_batch, 1)
+        if self.speculative_tokens * self.speculative_max_batch > MAX_DRAFT_ROWS:
+            raise ConfigError(
+                f"speculative_tokens x speculative_max_batch must be <= {MAX_DRAFT_ROWS} "
+                "(the logits rows drafts may add to a step), got "
+                f"{self.speculative_tokens} x {self.speculative_max_batch}"
+            )
         if self.admission_policy not in ADMISSION_POLICIES:
             choices = ", ".join(ADMISSION_POLICIES)
             raise ConfigError(

@@ -375,6 +375,8 @@ class Planner:
             )
             b.feed_drafted(request, position, drafts)
             num_drafted += len(drafts)
+            if drafts and self.tenants.fair:  # a draft costs its tenant as a token does
+                self.tenants.charge_generated([request.tenant] * len(drafts))
         return num_drafted
 
     # -- prefill and admission -------------------------------------------------------------

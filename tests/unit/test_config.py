@@ -26,6 +26,16 @@ def test_the_defaults_are_valid():
         ),
         ({"max_num_batched_tokens": 2.5}, "max_num_batched_tokens must be an integer, got 2.5"),
         ({"chunked_prefill": "yes"}, "chunked_prefill must be true or false, got 'yes'"),
+        ({"speculative_tokens": -1}, "speculative_tokens must be >= 0 (0: off), got -1"),
+        (
+            {"speculative_ngram_min": 3, "speculative_ngram_max": 2},
+            "speculative_ngram_max must be >= 3, got 2",
+        ),
+        (
+            {"speculative_tokens": 17, "speculative_max_batch": 8},
+            "speculative_tokens x speculative_max_batch must be <= 128 (the logits rows "
+            "drafts may add to a step), got 17 x 8",
+        ),
     ],
 )
 def test_a_knob_out_of_range_is_named_in_one_sentence(knobs, message):
