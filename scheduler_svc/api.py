@@ -157,6 +157,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             valid = dataclasses.replace(valid, cache_salt=salt)
         if record is not None:
             record.request_id, record.tenant = client_request_id, tenant.name
+        # The caller's deadline, for the `deadline` admission policy (the call itself ends
+        # with DEADLINE_EXCEEDED, and its request is cancelled, under any policy).
+        valid = dataclasses.replace(valid, time_limit_s=context.time_remaining())
         slots = self._submit(valid)
         try:
             if len(slots) == 1:

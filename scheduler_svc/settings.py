@@ -212,11 +212,13 @@ HELP: dict[str, str] = {
     "max_active_requests": "cap on unfinished running requests; when full, steps only decode",
     "max_decode_batch_size": "decode at most this many per step, round-robin (unset: all)",
     "admission_policy": "fifo, pack (cheapest first within the lookahead), prefix (longest "
-    "cached prefix first within the lookahead) or priority",
-    "admission_lookahead": "how many waiting requests pack and prefix look at (at most 256)",
+    "cached prefix first within the lookahead), deadline (the caller's earliest gRPC "
+    "deadline first within the lookahead; no deadline last) or priority",
+    "admission_lookahead": "how many waiting requests pack, prefix and deadline look at "
+    "(at most 256)",
     "force_fifo_every": (
         "every N-th admission round starts the oldest request first so long prompts never"
-        " starve (unset: 4 under pack and prefix, never otherwise; 0: never)"
+        " starve (unset: 4 under pack, prefix and deadline, never otherwise; 0: never)"
     ),
     "chunked_prefill": "split prompts across steps instead of admitting them whole",
     "decode_first": "when prefill and decode cannot share a step, decode wins",

@@ -8,6 +8,7 @@ prices only the requests it looks at); an `Admission` names one by its index.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 # Policies that choose among the first `admission_lookahead` waiting requests.
-LOOKAHEAD_POLICIES = frozenset({"pack", "prefix"})
+LOOKAHEAD_POLICIES = frozenset({"pack", "prefix", "deadline"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,8 @@ class WaitingCost:
     priority: int = 0
     # Prompt tokens its prefix hit serves from the cache (what `prefix` orders by).
     num_cached_tokens: int = 0
+    # When its caller stops waiting, on the scheduler's clock (what `deadline` orders by).
+    deadline_s: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,7 @@ def waiting_cost(
     hit_block_ids: list[int],
     blocks: PrefixCache,
     max_context_tokens: int,
+    deadline_s: float = math.inf,
 ) -> WaitingCost:
     """A waiting request of `num_tokens` whose prefix hit `hit_block_ids` in `blocks`."""
     num_cached_tokens = len(hit_block_ids) * blocks.block_size
@@ -75,6 +79,7 @@ def waiting_cost(
         num_reclaimed_blocks=blocks.num_evictable(hit_block_ids),
         priority=priority,
         num_cached_tokens=num_cached_tokens,
+        deadline_s=deadline_s,
     )
 
 
@@ -168,6 +173,18 @@ def admit_prefix(
     return _admit_in_order(costs, order, budget)
 
 
+def admit_deadline(
+    costs: Sequence[WaitingCost], budget: AdmissionBudget, lookahead: int
+) -> list[Admission]:
+    """FIFO over the first `lookahead` requests ordered by their callers' deadlines,
+    earliest first (requests without one last; ties keep arrival order): a request whose
+    caller gives up soon starts before one that can wait. The first that does not fit ends
+    the round (with chunked prefill, it gets a chunk), as in FIFO."""
+    window = min(len(costs), lookahead)
+    order = sorted(range(window), key=lambda index: costs[index].deadline_s)
+    return _admit_in_order(costs, order, budget)
+
+
 def admit_pack(
     costs: Sequence[WaitingCost], budget: AdmissionBudget, lookahead: int
 ) -> list[Admission]:
@@ -249,11 +266,14 @@ def _num_blocks(cost: WaitingCost, num_tokens: int, block_size: int) -> int:
 def run_policy(
     policy: str, costs: Sequence[WaitingCost], budget: AdmissionBudget, lookahead: int
 ) -> list[Admission]:
-    """The admissions of the named policy ("fifo", "pack", "prefix" or "priority")."""
+    """The admissions of the named policy ("fifo", "pack", "prefix", "deadline" or
+    "priority")."""
     if policy == "pack":
         return admit_pack(costs, budget, lookahead)
     if policy == "prefix":
         return admit_prefix(costs, budget, lookahead)
+    if policy == "deadline":
+        return admit_deadline(costs, budget, lookahead)
     if policy == "priority":
         return admit_priority(costs, budget)
     return admit_fifo(costs, budget)

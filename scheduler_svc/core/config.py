@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pagoda.scheduler_svc.core.admission import LOOKAHEAD_POLICIES
 from pagoda.scheduler_svc.core.placement import DEFAULT_AFFINITY_MAX_KV_USE_GAP
 
-ADMISSION_POLICIES = ("fifo", "pack", "prefix", "priority")
+ADMISSION_POLICIES = ("fifo", "pack", "prefix", "deadline", "priority")
 # pack re-prices its whole lookahead every admission round: a bound keeps a step's cost flat.
 MAX_ADMISSION_LOOKAHEAD = 256
 # pack's forced FIFO rounds when force_fifo_every is unset: a long head waits a few rounds.
@@ -47,13 +47,14 @@ class SchedulerConfig:
     # Decode at most this many sequences per step, round-robin over the running set; None: all.
     max_decode_batch_size: int | None = None
     # "fifo", "pack" (cheapest first within the lookahead), "prefix" (longest cached prefix
-    # first within the lookahead) or "priority" (lower value first).
+    # first within the lookahead), "deadline" (the caller's earliest gRPC deadline first
+    # within the lookahead) or "priority" (lower value first).
     admission_policy: str = "fifo"
-    # How many waiting requests `pack` and `prefix` consider.
+    # How many waiting requests `pack`, `prefix` and `deadline` consider.
     admission_lookahead: int = 16
     # Every N-th admission round is FIFO (the oldest request first) so long prompts, and
-    # prompts that share nothing cached, are never starved; None: 4 under pack and prefix,
-    # never otherwise; 0: never.
+    # prompts that share nothing cached, and requests without a deadline, are never
+    # starved; None: 4 under pack, prefix and deadline, never otherwise; 0: never.
     force_fifo_every: int | None = None
     # Split a prompt across steps instead of admitting it whole.
     chunked_prefill: bool = True

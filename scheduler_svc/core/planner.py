@@ -580,6 +580,7 @@ class Planner:
             hit_block_ids,
             self.blocks,
             self.geometry.max_context_tokens,
+            request.deadline_s,
         )
 
     def _start(self, b: PlanBuilder, request: Request, num_tokens: int, now: float) -> int:

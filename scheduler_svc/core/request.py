@@ -6,6 +6,7 @@ Times (`*_s`) are seconds on the caller's monotonic clock, passed in as `now`.
 from __future__ import annotations
 
 import enum
+import math
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -48,6 +49,9 @@ class ValidRequest:
     # A Chat request's tools (scheduler_svc.tools.ValidTools), opaque to the core: the text
     # stage reads the output for their calls.
     tools: object | None = None
+    # Seconds the caller waits from now (its gRPC deadline's time remaining; None: none):
+    # the `deadline` admission policy starts the earliest deadline first.
+    time_limit_s: float | None = None
 
 
 def sample_request_ids(request_id: str, n: int) -> list[str]:
@@ -110,6 +114,7 @@ class Request:
     token_ids: array[int]
     arrival_s: float
     tenant: str = ""  # its tenant's name (core/tenants.py)
+    deadline_s: float = math.inf  # when its caller stops waiting (ValidRequest.time_limit_s)
     state: RequestState = RequestState.WAITING
     seq_id: int | None = None
     # Tokens of token_ids whose KV is in block_ids, counting those fed by the step in flight.

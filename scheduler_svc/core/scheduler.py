@@ -212,6 +212,7 @@ class Scheduler:
                 num_prompt_tokens=len(request.prompt_token_ids),
                 token_ids=token_array(request.prompt_token_ids),
                 arrival_s=now,
+                deadline_s=math.inf if request.time_limit_s is None else now + request.time_limit_s,
                 cache_root_hash=root_hash,
                 tenant=request.tenant,
                 grammar=request.sample_grammars[index - 1] if index and grammar else grammar,

@@ -6,6 +6,7 @@ from pagoda.scheduler_svc.core.admission import (
     Admission,
     AdmissionBudget,
     WaitingCost,
+    admit_deadline,
     admit_fifo,
     admit_pack,
     admit_prefix,
@@ -154,6 +155,23 @@ def test_prefix_stops_at_the_first_that_does_not_fit_and_keeps_to_its_lookahead(
         Admission(1, 70),
         Admission(2, 30),
     ]
+
+
+def test_deadline_admits_the_earliest_deadline_first_and_those_without_last():
+    inf = float("inf")
+    window = [WaitingCost(10, deadline_s=d) for d in (inf, 30.0, 12.5, inf, 12.5, 99.0)]
+    assert admit_deadline(window, budget(100), lookahead=16) == [
+        Admission(2, 10),
+        Admission(4, 10),
+        Admission(1, 10),
+        Admission(5, 10),
+        Admission(0, 10),
+        Admission(3, 10),
+    ]
+    # Within its lookahead only, and the first that does not fit ends the round.
+    window = [WaitingCost(60, deadline_s=9.0), WaitingCost(50, deadline_s=5.0)]
+    assert admit_deadline(window, budget(100), lookahead=1) == [Admission(0, 60)]
+    assert admit_deadline(window, budget(100), lookahead=2) == [Admission(1, 50)]
 
 
 def test_force_fifo_rounds_happen_on_schedule():

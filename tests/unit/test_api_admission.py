@@ -39,6 +39,7 @@ class Context:
         self.code: grpc.StatusCode | None = None
         self.details = ""
         self.aborted: Aborted | None = None
+        self.remaining_s: float | None = None  # the call's deadline (None: none)
 
     async def abort(self, code, details):
         # grpc.aio keeps the exception on the RPC's state, as this does: its traceback's
@@ -51,6 +52,9 @@ class Context:
 
     def invocation_metadata(self):
         return ()
+
+    def time_remaining(self) -> float | None:
+        return self.remaining_s
 
     def set_details(self, details: str) -> None:
         self.details = details
@@ -404,3 +408,44 @@ def test_tokenize_past_its_bound_is_refused_while_generate_is_served():
     assert held_done == [False, False]
     assert all(len(reply.token_ids) > 0 for reply in replies)
     assert again is not None and service._tokenize_rpcs.num_calls == 0
+
+
+@pytest.mark.parametrize("remaining_s", [None, 7.5])
+def test_the_caller_s_deadline_reaches_the_core(remaining_s):
+    """The call's time remaining becomes the request's time limit (the deadline policy
+    orders by it); a call without a deadline has none."""
+    from pagoda.scheduler_svc.core import FinishReason, RequestOutput, Timings, Usage
+    from pagoda.scheduler_svc.output_streams import OutputSlot
+
+    class ServingLoop(FakeLoop):
+        def __init__(self) -> None:
+            super().__init__(num_waiting=0)
+            self.submitted = []
+
+        def submit(self, valid):
+            self.submitted.append(valid)
+            slot = OutputSlot(valid.request_id)
+            slot.publish(
+                RequestOutput(
+                    valid.request_id, "a", [5], None, FinishReason.LENGTH,
+                    usage=Usage(1, 1, 0, 0), timings=Timings(0.0, 1.0, 1.0),
+                )
+            )  # fmt: skip
+            return slot
+
+        def release(self, slot):
+            pass
+
+    class DeadlineContext(Context):
+        def peer(self) -> str:
+            return "peer"
+
+        async def write(self, message) -> None:
+            pass
+
+    loop = ServingLoop()
+    service = GenerationServicer(loop, Metrics(), CountingTokenizer(), ServiceConfig(), "m")
+    context = DeadlineContext()
+    context.remaining_s = remaining_s
+    asyncio.run(service.Generate(pb.GenerateRequest(prompt="hi"), context))
+    assert [valid.time_limit_s for valid in loop.submitted] == [remaining_s]

@@ -22,7 +22,7 @@ def test_the_defaults_are_valid():
         ({"max_waiting_requests": 0}, "max_waiting_requests must be >= 1, got 0"),
         (
             {"admission_policy": "lifo"},
-            "admission_policy must be one of fifo, pack, prefix, priority, got 'lifo'",
+            "admission_policy must be one of fifo, pack, prefix, deadline, priority, got 'lifo'",
         ),
         ({"max_num_batched_tokens": 2.5}, "max_num_batched_tokens must be an integer, got 2.5"),
         ({"chunked_prefill": "yes"}, "chunked_prefill must be true or false, got 'yes'"),

@@ -4,6 +4,7 @@ generates for it alone, and block ownership stays exact."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -71,6 +72,8 @@ def workloads(draw, with_cancels: bool = False, with_failures: bool = False) -> 
             priority=draw(st.integers(0, 3)),
             num_logprobs=draw(st.sampled_from([0, 0, 2])),
         )
+        time_limit_s = draw(st.none() | st.floats(0, 50, allow_nan=False))
+        request = dataclasses.replace(request, time_limit_s=time_limit_s)
         arrivals.append((draw(st.integers(0, 15)), request))
     arrivals.sort(key=lambda arrival: arrival[0])
     cap = st.none() | st.integers(1, 48)
@@ -80,7 +83,7 @@ def workloads(draw, with_cancels: bool = False, with_failures: bool = False) -> 
         prefill_max_batch_size=draw(st.none() | st.integers(1, 4)),
         max_active_requests=draw(st.integers(1, 8)),
         max_decode_batch_size=draw(st.none() | st.integers(1, 6)),
-        admission_policy=draw(st.sampled_from(["fifo", "pack", "prefix", "priority"])),
+        admission_policy=draw(st.sampled_from(["fifo", "pack", "prefix", "deadline", "priority"])),
         admission_lookahead=draw(st.integers(1, 6)),
         force_fifo_every=draw(st.none() | st.integers(0, 3)),
         chunked_prefill=draw(st.booleans()),

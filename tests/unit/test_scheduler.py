@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import pytest
@@ -276,6 +277,31 @@ def test_prefix_admits_the_longest_cached_prefix_first(policy, first):
     scheduler.add(make_request("warm", [*shared, 90, 91], max_new_tokens=1), 1.0)
     scheduler.schedule(2.0)
     assert scheduler.core._requests[first].state is RequestState.RUNNING
+
+
+@pytest.mark.parametrize(("policy", "order"), [("fifo", "abc"), ("deadline", "cba")])
+def test_deadline_admits_the_caller_that_gives_up_first(policy, order):
+    """One request runs at a time. Of three waiting, "a" has no deadline, "b" a late one
+    and "c", the newest, the earliest (added a second later, with less time left): under
+    deadline they start c, b, a; under fifo in arrival order."""
+    scheduler = make_scheduler(admission_policy=policy, max_active_requests=1)
+    worker = FakeWorker(make_geometry())
+    scheduler.add(make_request("a", 8, max_new_tokens=2), 0.0)
+    scheduler.add(
+        dataclasses.replace(make_request("b", 8, max_new_tokens=2), time_limit_s=30.0), 0.0
+    )
+    scheduler.add(
+        dataclasses.replace(make_request("c", 8, max_new_tokens=2), time_limit_s=9.0), 1.0
+    )
+    started = []
+    drive(
+        scheduler,
+        worker,
+        on_step=lambda _, plan: started.extend(
+            scheduler.core._planner.running[new.seq_id].request_id for new in plan.new_sequences
+        ),
+    )
+    assert "".join(started) == order
 
 
 def test_a_cancel_frees_blocks_at_once_and_is_forgotten_by_the_next_plan():
