@@ -236,6 +236,8 @@ def test_server_stats_covers_every_proto_field():
         ],
         num_prefix_queried_tokens=19,
         num_prefix_hit_tokens=20,
+        num_draft_tokens=21,
+        num_accepted_draft_tokens=22,
     )
     assert set(values) == set(pb.ServerStats.DESCRIPTOR.fields_by_name)
     assert set(values["tenants"][0]) == set(pb.TenantStats.DESCRIPTOR.fields_by_name)
