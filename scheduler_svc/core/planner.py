@@ -264,11 +264,14 @@ class Planner:
         # does one block at a time come from _grow, which may preempt.
         fed: list[Request] = []
         positions: list[int] = []
-        # Decoders whose token is known, fed with drafts after the loop (speculation.py).
+        # Decoders whose token is known, fed with drafts after the loop (speculation.py):
+        # only while nothing waits, since a draft takes a prompt token's place and time.
         drafting: list[tuple[Request, int]] = []
         config = self.config
-        speculates = bool(config.speculative_tokens) and (
-            min(cap, len(decoders)) <= config.speculative_max_batch
+        speculates = (
+            bool(config.speculative_tokens)
+            and min(cap, len(decoders)) <= config.speculative_max_batch
+            and not self.waiting
         )
         growing: list[Request] = []
         grown_indices: list[int] = []  # in fed

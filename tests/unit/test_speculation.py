@@ -213,6 +213,16 @@ def test_no_drafts_for_penalties_big_batches_or_without_the_knob():
     assert stats.num_draft_tokens > 0  # once the first one finished
 
 
+def test_no_drafts_while_requests_wait():
+    """A draft takes a prompt token's place: with a request queued behind the one running
+    (one slot), the runner drafts nothing until the queue is empty."""
+    requests = [make_request(f"r{i}", cyclic_prompt(), max_new_tokens=20) for i in range(2)]
+    _, stats, plans = run(requests, speculative_tokens=4, max_active_requests=1)
+    second_start = next(i for i, plan in enumerate(plans) if plan.new_sequences and i > 0)
+    assert not any(plan.num_draft_tokens for plan in plans[:second_start])
+    assert stats.num_draft_tokens > 0  # the second one, alone, drafts
+
+
 def test_a_request_whose_drafts_fail_pauses_them():
     """The dummy model over 29 tokens: n-grams repeat, their continuations do not. Its
     drafts are tried, fail, and pause for longer and longer."""
