@@ -54,6 +54,7 @@ class DummyEngine(Engine):
             num_kv_blocks=num_kv_blocks or DUMMY_NUM_KV_BLOCKS,
             device="none",
             dtype="none",
+            batch_invariant=True,  # a token is a function of the one before and its position
         )
         super().__init__(facts, fail_on_token_id=fail_on_token_id)
         self.step_ms = step_ms

@@ -54,6 +54,8 @@ class EngineFacts:
     max_logprobs: int = MAX_LOGPROBS
     quantization: str = "none"  # "none" or "int8"
     numerics: str = ""  # in words: pagoda.gpu_worker.numerics.describe_numerics
+    # A row's logits never depend on its batch (Hello.batch_invariant): the CPU paths.
+    batch_invariant: bool = False
 
 
 @dataclass(slots=True)

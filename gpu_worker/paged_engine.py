@@ -125,6 +125,7 @@ class PagedEngine(Engine):
             dtype=str(parameter.dtype).removeprefix("torch."),
             quantization=quantization,
             numerics=numerics,
+            batch_invariant=self.device.type == "cpu",  # describe_numerics says why
         )
         super().__init__(facts, fail_on_token_id=fail_on_token_id)
         self.token_counts = TokenCounts(facts.vocab_size, self.device)  # for penalties

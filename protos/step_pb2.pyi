@@ -29,7 +29,7 @@ GOODBYE: Kind
 MASKS: Kind
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "incarnation_id", "model_id", "vocab_size", "eos_token_ids", "max_context_tokens", "block_size", "num_kv_blocks", "device", "dtype", "max_logprobs", "quantization", "feeds_last_sampled", "numerics")
+    __slots__ = ("protocol_version", "incarnation_id", "model_id", "vocab_size", "eos_token_ids", "max_context_tokens", "block_size", "num_kv_blocks", "device", "dtype", "max_logprobs", "quantization", "feeds_last_sampled", "numerics", "batch_invariant")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class Hello(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     FEEDS_LAST_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     incarnation_id: str
     model_id: str
@@ -58,7 +59,8 @@ class Hello(_message.Message):
     quantization: str
     feeds_last_sampled: bool
     numerics: str
-    def __init__(self, protocol_version: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., feeds_last_sampled: _Optional[bool] = ..., numerics: _Optional[str] = ...) -> None: ...
+    batch_invariant: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., feeds_last_sampled: _Optional[bool] = ..., numerics: _Optional[str] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
 
 class HelloAck(_message.Message):
     __slots__ = ("accepted", "reason", "protocol_version", "scheduler_incarnation_id")

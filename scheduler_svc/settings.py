@@ -242,7 +242,8 @@ HELP: dict[str, str] = {
     "decoding request's last token, the ones that followed the latest earlier occurrence of "
     "its last tokens, and keep the samples while they equal the drafts: the same tokens "
     "and logprobs, more of them per step when the output repeats its input; steps are then "
-    "planned one at a time (0: off)",
+    "planned one at a time (0: off; unset: 4 with a worker whose logits are batch-invariant, "
+    "the CPU's, when steps do not overlap, where drafts cannot change a token; else off)",
     "speculative_ngram_min": "shortest suffix of a request's tokens that speculation looks up",
     "speculative_ngram_max": "longest suffix of a request's tokens that speculation looks up",
     "speculative_max_batch": "speculate only in steps that decode at most this many requests "

@@ -398,7 +398,9 @@ class StepLoop:
         self._worker = info
         self._timing.reset()
         self._worker_lost_at_s = None
-        self._publish(self._scheduler.attach_worker(step_codec.geometry_from_hello(info.hello)))
+        geometry = step_codec.geometry_from_hello(info.hello)
+        overlapped = overlaps(self._settings.overlap_steps, info.hello)
+        self._publish(self._scheduler.attach_worker(geometry, overlapped=overlapped))
         self._on_worker_change(True)
 
     def _detach(self, reason: str, now: float, *, suspect: bool = True) -> None:

@@ -218,3 +218,6 @@ class WorkerGeometry:
     max_context_tokens: int  # longest sequence (prompt + generated)
     eos_token_ids: frozenset[int]
     vocab_size: int
+    # A row's logits never depend on its batch (Hello.batch_invariant): speculation's
+    # default (core/speculation.py).
+    batch_invariant: bool = False

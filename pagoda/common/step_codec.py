@@ -244,4 +244,5 @@ def geometry_from_hello(hello: step_pb2.Hello) -> WorkerGeometry:
         max_context_tokens=hello.max_context_tokens,
         eos_token_ids=frozenset(hello.eos_token_ids),
         vocab_size=hello.vocab_size,
+        batch_invariant=hello.batch_invariant,
     )

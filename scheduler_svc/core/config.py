@@ -23,6 +23,10 @@ DEFAULT_GENERATED_WEIGHT = 2.0
 # Speculation's drafts add logits rows to a step: at most this many (speculative_tokens x
 # speculative_max_batch), so a step stays near the worker's profiled size (kv_sizing.py).
 MAX_DRAFT_ROWS = 128
+# Drafts per decoding request when speculative_tokens is unset and drafts cannot change a
+# token (docs/benchmarks.md, "Speculation": 1.57-1.73x one at a time on echoing output, the
+# same tokens per second in a burst).
+DEFAULT_SPECULATIVE_TOKENS = 4
 
 
 class ConfigError(ValueError):
@@ -84,12 +88,22 @@ class SchedulerConfig:
     max_tenant_waiting_requests: int | None = None
     # N-gram speculation (core/speculation.py): up to this many drafted tokens behind a
     # decoding request's last token, in steps of at most `speculative_max_batch` decoding
-    # requests; 0: off. Drafts follow the latest earlier occurrence of the request's last
-    # n tokens, n from speculative_ngram_max down to speculative_ngram_min.
-    speculative_tokens: int = 0
+    # requests; 0: off; None: DEFAULT_SPECULATIVE_TOKENS on a worker whose logits are
+    # batch-invariant when steps do not overlap, else off (speculative_tokens_for). Drafts
+    # follow the latest earlier occurrence of the request's last n tokens, n from
+    # speculative_ngram_max down to speculative_ngram_min.
+    speculative_tokens: int | None = None
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
     speculative_max_batch: int = 8
+
+    def speculative_tokens_for(self, *, batch_invariant: bool, overlapped: bool) -> int:
+        """The drafts per decoding request with a worker: `speculative_tokens`, or unset
+        DEFAULT_SPECULATIVE_TOKENS where drafts cannot change a token (its logits are
+        batch-invariant) and steps do not overlap (a draft follows a known token), else 0."""
+        if self.speculative_tokens is not None:
+            return self.speculative_tokens
+        return DEFAULT_SPECULATIVE_TOKENS if batch_invariant and not overlapped else 0
 
     @property
     def step_budget_on(self) -> bool:
@@ -155,15 +169,17 @@ class SchedulerConfig:
             )
         if self.force_fifo_every is not None:
             _at_least("force_fifo_every", self.force_fifo_every, 0, suffix=" (0 or unset: never)")
-        _at_least("speculative_tokens", self.speculative_tokens, 0, suffix=" (0: off)")
+        if self.speculative_tokens is not None:
+            _at_least("speculative_tokens", self.speculative_tokens, 0, suffix=" (0: off)")
+        most_drafts = self.speculative_tokens_for(batch_invariant=True, overlapped=False)
         _at_least("speculative_ngram_min", self.speculative_ngram_min, 1)
         _at_least("speculative_ngram_max", self.speculative_ngram_max, self.speculative_ngram_min)
         _at_least("speculative_max_batch", self.speculative_max_batch, 1)
-        if self.speculative_tokens * self.speculative_max_batch > MAX_DRAFT_ROWS:
+        if most_drafts * self.speculative_max_batch > MAX_DRAFT_ROWS:
             raise ConfigError(
                 f"speculative_tokens x speculative_max_batch must be <= {MAX_DRAFT_ROWS} "
                 "(the logits rows drafts may add to a step), got "
-                f"{self.speculative_tokens} x {self.speculative_max_batch}"
+                f"{most_drafts} x {self.speculative_max_batch}"
             )
         if self.admission_policy not in ADMISSION_POLICIES:
             choices = ", ".join(ADMISSION_POLICIES)

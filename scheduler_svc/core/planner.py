@@ -108,6 +108,8 @@ class Planner:
         self._reserved_head: Request | None = None
         # The step budget's cost model (the Scheduler's), which prices drafts; None: off.
         self.cost_model: StepCostModel | None = None
+        # Drafts per decoding request with the attached worker (attach_pool); 0: none.
+        self.speculative_tokens = 0
 
     @property
     def running(self) -> dict[int, Request]:
@@ -121,9 +123,13 @@ class Planner:
 
     # -- the pool and the sequences ------------------------------------------------------
 
-    def attach_pool(self, geometry: WorkerGeometry) -> None:
-        """A fresh pool and prefix cache for a worker that just said hello."""
+    def attach_pool(self, geometry: WorkerGeometry, *, overlapped: bool = False) -> None:
+        """A fresh pool and prefix cache for a worker that just said hello (its steps
+        `overlapped`: planned ahead of the one in flight), and its speculation."""
         self.geometry = geometry
+        self.speculative_tokens = self.config.speculative_tokens_for(
+            batch_invariant=geometry.batch_invariant, overlapped=overlapped
+        )
         allocator = BlockAllocator(geometry.num_kv_blocks)
         self.blocks = PrefixCache(
             allocator, geometry.block_size, enabled=self.config.prefix_caching
@@ -269,7 +275,7 @@ class Planner:
         drafting: list[tuple[Request, int]] = []
         config = self.config
         speculates = (
-            bool(config.speculative_tokens)
+            bool(self.speculative_tokens)
             and min(cap, len(decoders)) <= config.speculative_max_batch
             and not self.waiting
         )
@@ -362,7 +368,7 @@ class Planner:
         num_drafted = 0
         for request, position in drafting:
             limit = min(
-                config.speculative_tokens,
+                self.speculative_tokens,
                 len(request.block_ids) * block_size - position - 1,
                 request.max_num_tokens - position - 2,  # the last sample may end it
                 num_tokens - num_drafted,

@@ -111,8 +111,11 @@ class Scheduler:
     def worker_attached(self) -> bool:
         return self._planner.blocks is not None
 
-    def attach_worker(self, geometry: WorkerGeometry) -> list[RequestOutput]:
+    def attach_worker(
+        self, geometry: WorkerGeometry, *, overlapped: bool = False
+    ) -> list[RequestOutput]:
         """A worker said hello: a fresh pool and prefix cache; running requests recompute.
+        `overlapped`: its steps are planned ahead (then speculation is off unless set).
 
         Returns the finishing outputs of waiting requests this worker can never hold (its
         context or pool is smaller than the last one's) or read (a token id outside its
@@ -124,7 +127,7 @@ class Scheduler:
         # Suspects and their solo failures stay: a request that killed the last worker
         # (fail_step) would kill this one too.
         self._isolation.stand_down()
-        planner.attach_pool(geometry)
+        planner.attach_pool(geometry, overlapped=overlapped)
         if self._step_budget is not None:
             self._step_budget.reset()  # the new worker's costs are learned afresh
         for request in [*planner.waiting, *self._held]:
@@ -348,7 +351,7 @@ class Scheduler:
         is off (drafts follow a known last token, and the step in flight decides how many
         of its samples a request keeps)."""
         return (
-            not self.config.speculative_tokens
+            not self._planner.speculative_tokens
             and len(self._in_flight) == 1
             and not self._in_flight[0].isolated
             and not self._isolation.active

@@ -14,7 +14,10 @@ from array import array
 import pytest
 
 from pagoda.common.step import SamplingParams
-from pagoda.scheduler_svc.core import FinishReason
+from pagoda.common.step_codec import encode_hello, geometry_from_hello
+from pagoda.gpu_worker.dummy_engine import DummyEngine
+from pagoda.scheduler_svc.core import FinishReason, Scheduler, SchedulerConfig
+from pagoda.scheduler_svc.core.config import DEFAULT_SPECULATIVE_TOKENS
 from pagoda.scheduler_svc.core.speculation import (
     MAX_PAUSE_STEPS,
     acceptance,
@@ -258,3 +261,30 @@ def test_speculation_plans_one_step_at_a_time():
     scheduler.add(make_request("r0", cyclic_prompt(), max_new_tokens=4), now=0.0)
     assert scheduler.schedule(now=0.0) is not None
     assert not scheduler.can_plan_ahead
+
+
+@pytest.mark.parametrize(
+    ("knob", "batch_invariant", "overlapped", "expected"),
+    [
+        (None, True, False, DEFAULT_SPECULATIVE_TOKENS),  # a CPU worker, one step at a time
+        (None, False, False, 0),  # CUDA: a draft's logits may differ in their last bits
+        (None, True, True, 0),  # steps planned ahead: no token is known to draft from
+        (2, False, True, 2),
+        (0, True, False, 0),
+    ],
+)
+def test_unset_speculation_is_on_where_drafts_cannot_change_a_token(
+    knob, batch_invariant, overlapped, expected
+):
+    geometry = dataclasses.replace(make_geometry(), batch_invariant=batch_invariant)
+    scheduler = Scheduler(SchedulerConfig(speculative_tokens=knob))
+    scheduler.attach_worker(geometry, overlapped=overlapped)
+    assert scheduler._planner.speculative_tokens == expected
+    assert scheduler.can_plan_ahead is False  # nothing in flight either way
+
+
+def test_the_hello_says_whether_a_worker_is_batch_invariant():
+    hello = encode_hello(DummyEngine().facts, protocol_version=1, incarnation_id="w")
+    assert geometry_from_hello(hello).batch_invariant is True
+    hello.batch_invariant = False
+    assert geometry_from_hello(hello).batch_invariant is False

@@ -170,6 +170,7 @@ def models_under_test(
         models = q4_1_version(tiny_models)
         engine = models.engine(quantization=quantization, attention_backend=backend)
         assert count_q4_linear(engine.model) > 0, "the Q4_1 path is not exercised"
+        assert engine.facts.batch_invariant  # what the hello tells the scheduler
         if backend == "cpu" and tiny_models.reference.config.model_type == "llama":
             # elementwise.c's RMSNorm, SiLU*up and RoPE (fused_model.py) are in this path
             assert "RMSNorm, SiLU*up and RoPE: Pagoda's" in engine.facts.numerics
