@@ -401,6 +401,13 @@ class StepLoop:
         geometry = step_codec.geometry_from_hello(info.hello)
         overlapped = overlaps(self._settings.overlap_steps, info.hello)
         self._publish(self._scheduler.attach_worker(geometry, overlapped=overlapped))
+        drafts = self._scheduler.speculative_tokens
+        log.info(
+            "worker %s: %s, %s",
+            info.hello.incarnation_id,
+            "steps overlapped" if overlapped else "one step at a time",
+            f"up to {drafts} drafts per decoding request" if drafts else "no speculation",
+        )
         self._on_worker_change(True)
 
     def _detach(self, reason: str, now: float, *, suspect: bool = True) -> None:

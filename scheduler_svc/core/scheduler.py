@@ -345,6 +345,11 @@ class Scheduler:
         return len(self._in_flight)
 
     @property
+    def speculative_tokens(self) -> int:
+        """Drafts per decoding request with the attached worker (0: none)."""
+        return self._planner.speculative_tokens
+
+    @property
     def can_plan_ahead(self) -> bool:
         """Whether the next step may be planned now, before the result of the one in flight:
         exactly one is, no failure is being isolated (its steps run alone), and speculation

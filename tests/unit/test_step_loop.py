@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -525,3 +526,16 @@ def test_past_the_grace_period_without_a_worker_requests_end_unavailable():
             assert_idle(h.loop)
 
     scenario(body)
+
+
+def test_the_log_says_whether_a_worker_s_requests_speculate(caplog):
+    """The hello in these tests says nothing of batch invariance: speculation stays off
+    unless set, and the attach line says so."""
+
+    async def body() -> None:
+        async with running() as h:
+            await h.attach("w1")
+
+    caplog.set_level(logging.INFO, logger="pagoda.step_loop")
+    scenario(body)
+    assert "worker w1: one step at a time, no speculation" in caplog.text
