@@ -271,13 +271,15 @@ class Planner:
         fed: list[Request] = []
         positions: list[int] = []
         # Decoders whose token is known, fed with drafts after the loop (speculation.py):
-        # only while nothing waits, since a draft takes a prompt token's place and time.
+        # only while no prompt is to be computed (one prefilling, or one waiting with a
+        # free slot), since a draft takes a prompt token's place and time.
         drafting: list[tuple[Request, int]] = []
         config = self.config
         speculates = (
             bool(self.speculative_tokens)
             and min(cap, len(decoders)) <= config.speculative_max_batch
-            and not self.waiting
+            and not self.sequences.prefilling
+            and (not self.waiting or len(self.running) >= config.max_active_requests)
         )
         growing: list[Request] = []
         grown_indices: list[int] = []  # in fed

@@ -18,6 +18,7 @@ from pagoda.common.step_codec import encode_hello, geometry_from_hello
 from pagoda.gpu_worker.dummy_engine import DummyEngine
 from pagoda.scheduler_svc.core import FinishReason, Scheduler, SchedulerConfig
 from pagoda.scheduler_svc.core.config import DEFAULT_SPECULATIVE_TOKENS
+from pagoda.scheduler_svc.core.request import RequestState
 from pagoda.scheduler_svc.core.speculation import (
     MAX_PAUSE_STEPS,
     acceptance,
@@ -216,14 +217,31 @@ def test_no_drafts_for_penalties_big_batches_or_without_the_knob():
     assert stats.num_draft_tokens > 0  # once the first one finished
 
 
-def test_no_drafts_while_requests_wait():
-    """A draft takes a prompt token's place: with a request queued behind the one running
-    (one slot), the runner drafts nothing until the queue is empty."""
-    requests = [make_request(f"r{i}", cyclic_prompt(), max_new_tokens=20) for i in range(2)]
-    _, stats, plans = run(requests, speculative_tokens=4, max_active_requests=1)
-    second_start = next(i for i, plan in enumerate(plans) if plan.new_sequences and i > 0)
-    assert not any(plan.num_draft_tokens for plan in plans[:second_start])
-    assert stats.num_draft_tokens > 0  # the second one, alone, drafts
+def test_no_drafts_while_a_prompt_is_to_be_computed():
+    """A draft takes a prompt token's place. The first request drafts nothing while the
+    second's prompt goes in, chunk by chunk (8 tokens a step), then drafts again; with one
+    slot, the second only waits for the first to end, and the first drafts all along."""
+    first = make_request("r0", cyclic_prompt(), max_new_tokens=30)
+    second = make_request("r1", [20 + i % 9 for i in range(48)], max_new_tokens=4)
+    geometry = make_geometry(num_kv_blocks=64, block_size=4, vocab_size=40)
+    for max_active, drafts_while_second_prefills in ((8, False), (1, True)):
+        scheduler = make_scheduler(
+            geometry, speculative_tokens=3, max_num_batched_tokens=8, max_active_requests=max_active
+        )
+        worker = FakeWorker(geometry, next_token=cyclic)
+        scheduler.add(first, now=0.0)
+        for _ in range(4):  # the first one decodes
+            scheduler.apply(worker.step(scheduler.schedule(now=0.0)), now=0.0)
+        scheduler.add(second, now=1.0)
+        drafted = []
+        for _ in range(3):  # waiting, then prefilling (48 tokens, 8 a step, beside a decode)
+            plan = scheduler.schedule(now=1.0)
+            drafted.append(plan.num_draft_tokens > 0)
+            scheduler.apply(worker.step(plan), now=1.0)
+        assert scheduler.core._requests["r1"].state is not RequestState.WAITING or max_active == 1
+        assert any(drafted) is drafts_while_second_prefills
+        streams = drive(scheduler, worker)
+        assert streams["r1"].finish_reason is FinishReason.LENGTH
 
 
 def test_a_request_whose_drafts_fail_pauses_them():
