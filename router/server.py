@@ -10,21 +10,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagoda.common.listener import listener_options
 from pagoda.protos import generation_pb2  # noqa: F401  (registers pagoda.v1 for reflection)
 from pagoda.router.config import RouterConfig
 from pagoda.router.proxy import SERVICE, Router
 from pagoda.scheduler_svc.rpc_limit import RpcLimit
 
-MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
-# As the scheduler: ping a connection silent for a minute, close it after 20 s without an
-# answer; refuse handshakes that take longer than 10 s.
-SERVER_OPTIONS = (
-    ("grpc.keepalive_time_ms", 60_000),
-    ("grpc.keepalive_timeout_ms", 20_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-    ("grpc.server_handshake_timeout_ms", 10_000),
-    ("grpc.so_reuseport", 0),
-)
 HEALTH = health_pb2.HealthCheckResponse
 
 
@@ -52,15 +43,8 @@ class RouterHealth:
 
 
 def build_server(config: RouterConfig, router: Router, health: RouterHealth) -> grpc.aio.Server:
-    options = [
-        ("grpc.max_receive_message_length", config.max_grpc_message_bytes),
-        (
-            "grpc.max_send_message_length",
-            max(config.max_grpc_message_bytes, MAX_SEND_MESSAGE_BYTES),
-        ),
-        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
-        *SERVER_OPTIONS,
-    ]
+    # The scheduler's (pagoda.common.listener): a client sees one kind of server.
+    options = listener_options(config.max_grpc_message_bytes, config.max_concurrent_streams)
     # Counted per running handler, as the scheduler does (scheduler_svc/rpc_limit.py): a
     # stalled stream's place is given back once the write watch ends its handler.
     server = grpc.aio.server(interceptors=[RpcLimit(config.max_concurrent_rpcs)], options=options)

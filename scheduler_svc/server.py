@@ -12,6 +12,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagoda.common.listener import listener_options
 from pagoda.protos import generation_pb2
 from pagoda.scheduler_svc.api import SERVICE_NAME, GenerationServicer
 from pagoda.scheduler_svc.auth import BearerAuth, read_api_keys, warn_if_exposed
@@ -19,25 +20,6 @@ from pagoda.scheduler_svc.core import ConfigError
 from pagoda.scheduler_svc.refusals import Undecodable
 from pagoda.scheduler_svc.rpc_limit import RpcLimit
 from pagoda.scheduler_svc.settings import ServiceConfig
-
-# Replies are bounded by validation (a Tokenize reply by the context), not by the request
-# cap (--max-grpc-message-bytes); the client accepts up to this much.
-MIN_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
-
-# Connection liveness: the server pings a connection silent for a minute and closes it
-# if no answer comes in 20 s (a vanished client's streams end); clients may ping every
-# 30 s, also between calls, and more often is refused (GOAWAY) as abuse.
-KEEPALIVE_OPTIONS = [
-    ("grpc.keepalive_time_ms", 60_000),
-    ("grpc.keepalive_timeout_ms", 20_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
-    ("grpc.http2.max_ping_strikes", 2),
-]
-# A connection that has not finished its TLS and HTTP/2 handshake by then is closed (grpc's
-# default is 120 s): silent connections cost a descriptor each, before authentication
-# (security review N2).
-SERVER_HANDSHAKE_TIMEOUT_MS = 10_000
 
 # Longest service name a health Watch may name: each watched name is a key the health
 # servicer keeps while watched; real ones are "" and "pagoda.v1.Generation".
@@ -128,17 +110,7 @@ def build_server(
     # whose count a stalled stream keeps for as long as its connection lives (rpc_limit).
     interceptors.append(RpcLimit(config.max_concurrent_rpcs))
     options = [
-        # A larger request is refused by grpc before any handler or authentication: each
-        # call in flight holds one, so the cap bounds what strangers can make us hold.
-        ("grpc.max_receive_message_length", config.max_grpc_message_bytes),
-        (
-            "grpc.max_send_message_length",
-            max(config.max_grpc_message_bytes, MIN_SEND_MESSAGE_BYTES),
-        ),
-        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
-        ("grpc.so_reuseport", 0),
-        *KEEPALIVE_OPTIONS,
-        ("grpc.server_handshake_timeout_ms", SERVER_HANDSHAKE_TIMEOUT_MS),
+        *listener_options(config.max_grpc_message_bytes, config.max_concurrent_streams),
         ("grpc.max_connection_idle_ms", int(config.max_connection_idle_s * 1000)),
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)

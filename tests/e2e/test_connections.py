@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.scheduler_svc.server import SERVER_HANDSHAKE_TIMEOUT_MS
+from pagoda.common.listener import SERVER_HANDSHAKE_TIMEOUT_MS
 from tests.e2e.conftest import free_port, running_service
 
 pytestmark = pytest.mark.slow

@@ -18,9 +18,9 @@ import grpc
 import pytest
 import yaml
 
+from pagoda.common.listener import KEEPALIVE_OPTIONS
 from pagoda.protos import generation_pb2, generation_pb2_grpc
 from pagoda.scheduler_svc.api import SERVICE_NAME
-from pagoda.scheduler_svc.server import KEEPALIVE_OPTIONS
 from tests.e2e.conftest import (
     REPO_ROOT,
     _spawn,

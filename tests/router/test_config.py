@@ -39,3 +39,26 @@ def test_bad_settings_exit_with_a_sentence(argv, sentence, capsys):
         load_config(argv, environ={})
     assert exited.value.code == 2
     assert sentence in capsys.readouterr().err
+
+
+def test_the_router_listens_as_a_scheduler_does(monkeypatch):
+    """Its listener takes the scheduler's options (pagoda.common.listener): a client that
+    pings every 30 s, as the scheduler allows, is not sent away by the router either."""
+    import grpc
+
+    from pagoda.common.listener import listener_options
+    from pagoda.router.server import build_server
+
+    class Built(Exception):
+        pass
+
+    def server(*, interceptors, options):
+        raise Built(options)
+
+    monkeypatch.setattr(grpc.aio, "server", server)
+    config = load_config(["--backends", "127.0.0.1:1"], environ={}).config
+    with pytest.raises(Built) as built:
+        build_server(config, None, None)
+    (options,) = built.value.args
+    assert options == listener_options(config.max_grpc_message_bytes, config.max_concurrent_streams)
+    assert ("grpc.http2.min_ping_interval_without_data_ms", 30_000) in options
