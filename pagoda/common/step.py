@@ -11,6 +11,7 @@ no torch (the pure core imports it). Unchecked: the worker's sequence table vali
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -58,7 +59,6 @@ class SamplingParams:
         )
 
 
-# SamplingParams' fields that hold token ids: every `*_token_ids` one.
 def has_penalty(params: SamplingParams) -> bool:
     """Whether sampling reads the sequence's own token counts (a repetition, presence or
     frequency penalty): only such a sequence gets counts on the worker, and none may
@@ -70,6 +70,7 @@ def has_penalty(params: SamplingParams) -> bool:
     )
 
 
+# SamplingParams' fields that hold token ids: every `*_token_ids` one.
 _TOKEN_ID_FIELDS = tuple(
     name for name in SamplingParams.__dataclass_fields__ if name.endswith("_token_ids")
 )
@@ -141,7 +142,7 @@ class StepPlan:
     @property
     def num_sampling(self) -> int:
         """Tokens the plan samples: one per sampling row, d more for a row with d drafts."""
-        return sum(self.sample) + sum(self.draft_counts)
+        return sum(self.sample) + self.num_draft_tokens
 
     @property
     def num_draft_tokens(self) -> int:
@@ -151,26 +152,33 @@ class StepPlan:
     def num_extra_tokens(self) -> int:
         """Tokens fed beyond one per decoding row, prompt chunks and drafts: what a step's
         cost model counts at a prompt token's price."""
-        return self.num_prefill_tokens + sum(self.draft_counts)
+        return self.num_prefill_tokens + self.num_draft_tokens
 
     def sampled_seq_ids(self) -> list[int]:
-        """The sequence of each token the plan samples, in the result's order: one entry per
-        sampling row, d + 1 consecutive ones for a row with d drafts."""
-        if not self.draft_counts:
-            return [s for s, smp in zip(self.seq_ids, self.sample, strict=True) if smp]
-        seq_ids: list[int] = []
-        for seq_id, smp, num_drafts in zip(
-            self.seq_ids, self.sample, self.draft_counts, strict=True
-        ):
-            if smp:
-                seq_ids += [seq_id] * (num_drafts + 1)
-        return seq_ids
+        return sampled_seq_ids(self.seq_ids, self.sample, self.draft_counts)
 
     def named_seq_ids(self) -> set[int]:
         """Every sequence id the plan mentions, readable even when its columns are malformed."""
         ids = set(self.seq_ids) | set(self.forget_seq_ids)
         ids.update(new.seq_id for new in self.new_sequences)
         return ids
+
+
+def sampled_seq_ids(
+    seq_ids: Sequence[int], sample: Sequence[bool], draft_counts: Sequence[int]
+) -> list[int]:
+    """The sequence of each token a plan's columns (a StepPlan's or its message's) sample,
+    in the result's order: one entry per sampling row, d + 1 consecutive ones for a row
+    with d drafts."""
+    if not draft_counts:
+        if all(sample):
+            return list(seq_ids)
+        return [s for s, smp in zip(seq_ids, sample, strict=True) if smp]
+    sampled: list[int] = []
+    for seq_id, smp, num_drafts in zip(seq_ids, sample, draft_counts, strict=True):
+        if smp:
+            sampled += [seq_id] * (num_drafts + 1)
+    return sampled
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ from pagoda.common.step import (
     StepPlan,
     StepResult,
     WorkerGeometry,
+    sampled_seq_ids,
 )
 from pagoda.protos import step_pb2
 
@@ -196,24 +197,13 @@ def result_problem(
             return "its top_offsets decrease"
         if num_top and max(result.top_token_ids) >= vocab_size:
             return "a top-logprob token id is outside the vocabulary"
-    plan_seq_ids, sample = list(plan.seq_ids), list(plan.sample)
+    sampling = sampled_seq_ids(plan.seq_ids, plan.sample, plan.draft_counts)
     if plan.draft_counts:
         # Speculative rows sample d + 1 tokens each, consecutively; a refused row none.
         answered = set(seq_ids)
-        sampling = [
-            seq_id
-            for seq_id, smp, num_drafts in zip(plan_seq_ids, sample, plan.draft_counts, strict=True)
-            if smp and seq_id in answered
-            for _ in range(num_drafts + 1)
-        ]
+        sampling = [seq_id for seq_id in sampling if seq_id in answered]
         if list(seq_ids) != sampling:
             return "its sampled tokens do not follow the plan's rows and drafts"
-    else:
-        sampling = (
-            plan_seq_ids
-            if all(sample)
-            else [s for s, smp in zip(plan_seq_ids, sample, strict=True) if smp]
-        )
     if list(seq_ids) == sampling:
         pass  # the usual answer: every sampling sequence, in plan order (plan ids are distinct)
     elif len(set(seq_ids)) != num_sampled:
