@@ -558,16 +558,14 @@ class Scheduler:
                     outputs.append(
                         self._finish_with_error(request, f"the worker failed it: {message}", now)
                     )
-        if plan.draft_counts:
-            self._num_generated_tokens += self._take_drafted(plan, result, now, outputs)
-        elif result.logprobs:
-            self._take_tokens_with_logprobs(result, now, outputs)
-            self._num_generated_tokens += len(result.seq_ids)
+        if plan.draft_counts or result.logprobs:
+            self._num_generated_tokens += self._take_runs(plan, result, now, outputs)
         else:
             self._take_tokens(result, now, step_outputs)
             self._num_generated_tokens += len(result.seq_ids)
         # The result's ids are the plan's sampling ones, a drafted row's once per sample
-        # (step_codec checks): equal counts mean none is missing. Errors are not counted: one may name a sequence that did not sample.
+        # (step_codec checks): equal counts mean none is missing. Errors are not counted:
+        # one may name a sequence that did not sample.
         if len(result.seq_ids) != plan.num_sampling:
             outputs.extend(self._finish_unsampled(plan, result, now))
         if self._isolation.target is not None:
@@ -660,33 +658,15 @@ class Scheduler:
             else:
                 outputs.append(self._finish(request, finish_reason, now, [token_id]))
 
-    def _take_tokens_with_logprobs(
-        self, result: StepResult, now: float, outputs: list[RequestOutput]
-    ) -> None:
-        running = self._planner.running
-        for index, seq_id in enumerate(result.seq_ids):
-            request = running.get(seq_id)
-            if request is None:
-                continue
-            token_id = result.token_ids[index]
-            request.token_ids.append(token_id)
-            if request.first_token_s is None:
-                request.first_token_s = now
-            finish_reason = check_stop(request, token_id)
-            logprobs = [token_logprob(result, index)] if request.sampling.num_logprobs else None
-            if finish_reason is None:
-                outputs.append(RequestOutput(request.request_id, "", [token_id], logprobs))
-            else:
-                outputs.append(self._finish(request, finish_reason, now, [token_id], logprobs))
-
-    def _take_drafted(
+    def _take_runs(
         self, plan: StepPlan, result: StepResult, now: float, outputs: list[RequestOutput]
     ) -> int:
-        """apply() for a plan with drafts (speculation.py): a drafted row's sequence has
-        one sample per draft and one after them, in a run; it keeps them while each equals
-        its draft, then one more, each through the stop rules as if decoded alone. The
-        accepted drafts' K/V is written: they count as computed, and the blocks they
-        complete are keyed. Tokens taken."""
+        """apply() for a plan with drafts (speculation.py) or a result with logprobs: each
+        sequence's samples come in a run, one per draft and one after them (one alone for
+        a row without drafts); it keeps them while each equals its draft, then one more,
+        each through the stop rules as if decoded alone, and gets them in one output with
+        their logprobs. The accepted drafts' K/V is written: they count as computed, and
+        the blocks they complete are keyed. Tokens taken."""
         running, planner = self._planner.running, self._planner
         offsets, fed = plan.token_offsets, plan.token_ids
         drafts_of = {
@@ -729,11 +709,12 @@ class Scheduler:
             if finish_reason is not None:
                 outputs.append(self._finish(request, finish_reason, now, taken, logprobs))
                 continue
-            # Its accepted drafts were fed at the positions the kept samples now hold.
-            start = request.num_computed_tokens
-            request.num_computed_tokens = start + len(taken) - 1
-            if self.config.prefix_caching or request.shares_prompt:
-                key_blocks(planner.blocks, request, start, request.num_computed_tokens, [])
+            if len(taken) > 1:
+                # Its accepted drafts were fed at the positions the kept samples now hold.
+                start = request.num_computed_tokens
+                request.num_computed_tokens = start + len(taken) - 1
+                if self.config.prefix_caching or request.shares_prompt:
+                    key_blocks(planner.blocks, request, start, request.num_computed_tokens, [])
             outputs.append(RequestOutput(request.request_id, "", taken, logprobs))
         return num_taken
 
