@@ -349,9 +349,7 @@ class Planner:
             price = draft_price(self.cost_model, num_decoders, num_context + num_decoders)
             num_drafted = self._feed_drafted(b, drafting, num_tokens - num_decoders, price)
         if self.tenants.fair:
-            tenants = [request.tenant for request in fed]
-            tenants += [request.tenant for request, _ in drafting]
-            self.tenants.charge_generated(tenants)
+            self.tenants.charge_generated([request.tenant for request in fed])
         return len(fed) + len(drafting) + num_drafted
 
     def _feed_drafted(
@@ -364,7 +362,8 @@ class Planner:
         """Feed each of `drafting` (a decoder whose last token, at its position, is known)
         with the drafts speculation proposes for it: those worth their `price`
         (speculation.draft_price) at its acceptance rate, as many as its table's last
-        block, its length limit and `num_tokens` allow; drafted tokens fed."""
+        block, its length limit and `num_tokens` allow, each token charged to its tenant
+        (a draft costs the worker as a token does, kept or not); drafted tokens fed."""
         config = self.config
         block_size = self.blocks.block_size
         num_drafted = 0
@@ -386,8 +385,8 @@ class Planner:
             )
             b.feed_drafted(request, position, drafts)
             num_drafted += len(drafts)
-            if drafts and self.tenants.fair:  # a draft costs its tenant as a token does
-                self.tenants.charge_generated([request.tenant] * len(drafts))
+            if self.tenants.fair:
+                self.tenants.charge_generated([request.tenant] * (1 + len(drafts)))
         return num_drafted
 
     # -- prefill and admission -------------------------------------------------------------
