@@ -365,6 +365,82 @@ def greedy_engine_ahead(engine, prompts, new_tokens, chunk=None):
     return [state[i]["out"][:new_tokens] for i in range(len(prompts))]
 
 
+def greedy_drafted(engine, prompts, truth, new_tokens, chunk=None, max_drafts=4):
+    """greedy_engine's steps with speculative rows: each decode row feeds its last token and
+    up to max_drafts drafts (StepPlan.draft_counts), the next tokens of `truth` (what one
+    token at a time gave), one of them changed in every row of odd sequences. The
+    samples after the drafts are kept while equal to them, plus one, as the scheduler does.
+    Returns (tokens per prompt, drafts fed, drafts kept)."""
+    d = Driver(engine)
+    vocab_size = engine.facts.vocab_size
+    state = {i: dict(pos=0, out=[], admitted=False) for i in range(len(prompts))}
+    num_fed = num_kept = step = 0
+    while any(len(s["out"]) < new_tokens for s in state.values()):
+        entries, new, counts, drafts_of = [], [], [], {}
+        for i, p in enumerate(prompts):
+            s = state[i]
+            if len(s["out"]) >= new_tokens or i > step:
+                continue
+            if not s["admitted"]:
+                new.append((i, len(p), []))
+                s["admitted"] = True
+            if s["pos"] < len(p):
+                n = len(p) - s["pos"] if chunk is None else min(chunk, len(p) - s["pos"])
+                entries.append((i, s["pos"], p[s["pos"] : s["pos"] + n], s["pos"] + n == len(p)))
+                counts.append(0)
+                s["pos"] += n
+                continue
+            done = len(s["out"])
+            drafts = list(truth[i][done : done + min(max_drafts, new_tokens - done - 1)])
+            if drafts and i % 2:
+                drafts[step % len(drafts)] = (drafts[step % len(drafts)] + 1) % vocab_size
+            drafts_of[i] = drafts
+            entries.append((i, s["pos"], [s["out"][-1], *drafts], True))
+            counts.append(len(drafts))
+        plan = d.plan(entries, new)
+        plan.draft_counts = counts
+        res = d.check(engine.step(plan))
+        samples: dict[int, list[int]] = {}
+        for sid, tok in zip(res.seq_ids, res.token_ids, strict=True):
+            samples.setdefault(sid, []).append(tok)
+        for sid, got in samples.items():
+            s, drafts = state[sid], drafts_of.get(sid, [])
+            if len(got) != len(drafts) + 1:
+                raise RuntimeError(f"sequence {sid}: {len(got)} samples for {len(drafts)} drafts")
+            kept = 0
+            while kept < len(drafts) and got[kept] == drafts[kept]:
+                kept += 1
+            s["out"].extend(got[: kept + 1])
+            if sid in drafts_of:
+                s["pos"] += kept + 1
+            num_fed += len(drafts)
+            num_kept += kept
+        step += 1
+    d.reset(range(len(prompts)))
+    return [state[i]["out"][:new_tokens] for i in range(len(prompts))], num_fed, num_kept
+
+
+def drafts_vs_decoding(eng, prompts, got, n_new, dtype) -> None:
+    """Speculative rows sample what decoding one token at a time sampled. On a CPU the
+    scheduler speculates by default because this holds bit for bit; on CUDA a draft row
+    runs the prefill path (no decode graph), so bfloat16 may differ in the last bits: this
+    says how much, to decide whether speculation can be on by default there too."""
+    drafted, num_fed, num_kept = greedy_drafted(eng, prompts, got, n_new, chunk=24)
+    exact = sum(a == g for a, g in zip(drafted, got, strict=True))
+    prefix = [
+        next((k for k, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), n_new)
+        for x, y in zip(drafted, got, strict=True)
+    ]
+    strict = dtype == torch.float32
+    good = exact == len(prompts) if strict else 2 * exact >= len(prompts)
+    say(
+        "PASS" if good and 0 < num_kept < num_fed else "FAIL",
+        f"[{dtype}] rows with drafts (right and wrong, up to 4) == one token at a time: "
+        f"{exact}/{len(prompts)} sequences exact, first divergence {prefix}; "
+        f"{num_kept}/{num_fed} drafts kept{'' if strict else ' (bf16: late divergence is OK)'}",
+    )
+
+
 def hf_greedy(model, prompt, n):
     ids = torch.tensor([prompt], device=DEV)
     with torch.inference_mode():
@@ -508,6 +584,7 @@ def engine() -> None:
             f"[{dtype}] steps launched ahead (each before the one before it is read, fed its "
             f"tokens on the device) == the same steps one at a time: {same}/{len(prompts)}",
         )
+        drafts_vs_decoding(eng, prompts, got, n_new, dtype)
         # graph replay vs eager: the same decode step both ways, logits compared. The dry run
         # (no graphs on the CPU) walks it eager vs eager, so the hooks it uses cannot rot.
         if eng.decode_graphs is not None or SMOKE:
