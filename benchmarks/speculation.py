@@ -4,7 +4,10 @@ One worker and scheduler of --model on this machine; the scheduler restarted per
 --speculative-tokens (0: off). Two kinds of chat requests, greedy:
   - `echo`: tasks whose answer repeats the prompt (copy a list, fix a paragraph's typos,
     turn a table into JSON, rename a variable in code), where drafts are often right;
-  - `open`: questions whose answer repeats nothing, where drafts are rare and wasted.
+  - `open`: questions whose answer repeats nothing, where drafts are rare and wasted;
+  - `json`: extraction under a JSON schema (structured output): the answer copies the
+    prompt's names and numbers into a fixed shape, each constrained row drafting with a
+    mask per sample point.
 Each kind runs one request at a time (--sequential) and as a burst of --burst at once.
 Reported per setting and run: generated tokens, wall time, tokens per second, the
 drafted tokens the model accepted (GetServerStats before and after), and whether every
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import sys
 import time
 
@@ -64,11 +68,49 @@ def open_prompts(count: int) -> list[str]:
     ]
 
 
-async def chat(stub, prompt: str, max_new_tokens: int) -> list[int]:
+# What the `json` kind's answers must look like.
+ITEMS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "count": {"type": "integer"}},
+                "required": ["name", "count"],
+                "additionalProperties": False,
+            },
+            "maxItems": 6,  # the prompts' count: a small model would go on repeating
+        }
+    },
+    "required": ["items"],
+    "additionalProperties": False,
+}
+
+
+def json_prompts(count: int) -> list[str]:
+    """Extraction tasks: a sentence per item, answered as ITEMS_SCHEMA's JSON."""
+    prompts = []
+    for index in range(count):
+        lines = " ".join(
+            f"We counted {k * 3 + index + 2} {WORDS[(index + 5 * k) % len(WORDS)]} "
+            f"{WORDS[(2 * index + k) % len(WORDS)]}s."
+            for k in range(6)
+        )
+        prompts.append(f"List every item and its count as JSON: {lines}")
+    return prompts
+
+
+PROMPTS = {"echo": echo_prompts, "open": open_prompts, "json": json_prompts}
+CONSTRAINTS = {"json": generation_pb2.Constraint(json_schema=json.dumps(ITEMS_SCHEMA))}
+
+
+async def chat(stub, prompt: str, max_new_tokens: int, constraint=None) -> list[int]:
     request = generation_pb2.ChatRequest(
         messages=[generation_pb2.ChatMessage(role="user", content=prompt)],
         sampling=generation_pb2.SamplingParams(temperature=0.0),
         stopping=generation_pb2.StoppingCriteria(max_new_tokens=max_new_tokens),
+        constraint=constraint,
     )
     tokens: list[int] = []
     async for response in stub.Chat(request, timeout=900):
@@ -76,7 +118,9 @@ async def chat(stub, prompt: str, max_new_tokens: int) -> list[int]:
     return tokens
 
 
-async def run(address: str, prompts: list[str], max_new_tokens: int, concurrency: int):
+async def run(
+    address: str, prompts: list[str], max_new_tokens: int, concurrency: int, constraint=None
+):
     """Every prompt's tokens, the wall time, and the drafted and accepted tokens."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -85,7 +129,9 @@ async def run(address: str, prompts: list[str], max_new_tokens: int, concurrency
         outputs: list[list[int]] = []
         for first in range(0, len(prompts), concurrency):
             batch = prompts[first : first + concurrency]
-            outputs += await asyncio.gather(*(chat(stub, p, max_new_tokens) for p in batch))
+            outputs += await asyncio.gather(
+                *(chat(stub, p, max_new_tokens, constraint) for p in batch)
+            )
         wall_s = time.monotonic() - start_s
         after = await stub.GetServerStats(generation_pb2.ServerStatsRequest())
     drafted = after.num_draft_tokens - before.num_draft_tokens
@@ -98,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     add = parser.add_argument
     add("--model", default="default", help="default, dummy or a directory")
     add("--settings", default="0,4", help="comma-separated --speculative-tokens values")
-    add("--kinds", default="echo,open")
+    add("--kinds", default="echo,open,json")
     add("--requests", type=int, default=8, help="requests per kind and run")
     add("--burst", type=int, default=8, help="requests at once in the burst run")
     add("--max-new-tokens", type=int, default=160)
@@ -107,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     service = LocalService(
         worker_model=args.model, device="cpu", model_dir=resolve_model_dir(args.model)
     )
-    prompts = {"echo": echo_prompts(args.requests), "open": open_prompts(args.requests)}
+    kinds = args.kinds.split(",")
+    if unknown := set(kinds) - set(PROMPTS):
+        parser.error(f"unknown kinds {sorted(unknown)}: choose from {sorted(PROMPTS)}")
+    prompts = {kind: PROMPTS[kind](args.requests) for kind in kinds}
     reference: dict[str, list[list[int]]] = {}
     print(f"model {args.model}, {args.requests} chat requests per kind, greedy, "
           f"at most {args.max_new_tokens} new tokens")  # fmt: skip
@@ -117,11 +166,17 @@ def main(argv: list[str] | None = None) -> int:
         service.start_worker()
         for setting in args.settings.split(","):
             service.use_scheduler(("--speculative-tokens", setting))
-            for kind in args.kinds.split(","):
+            for kind in kinds:
                 for run_name in args.runs.split(","):
                     concurrency = 1 if run_name == "sequential" else args.burst
                     outputs, wall_s, drafted, accepted = asyncio.run(
-                        run(service.address, prompts[kind], args.max_new_tokens, concurrency)
+                        run(
+                            service.address,
+                            prompts[kind],
+                            args.max_new_tokens,
+                            concurrency,
+                            CONSTRAINTS.get(kind),
+                        )
                     )
                     same = reference.setdefault(kind, outputs) == outputs
                     num_tokens = sum(map(len, outputs))

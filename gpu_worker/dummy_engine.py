@@ -78,7 +78,8 @@ class DummyEngine(Engine):
         wants_logprobs = any(seq.sampling.num_logprobs for seq in rows.sequences)
         masks = rows.masks
         offsets, token_ids, starts = plan.token_offsets, plan.token_ids, plan.start_positions
-        for i, seq, sampled_position in zip(rows.rows, rows.sequences, rows.positions, strict=True):
+        points = zip(rows.rows, rows.sequences, rows.positions, strict=True)
+        for point, (i, seq, sampled_position) in enumerate(points):
             sampling = seq.sampling
             position = sampled_position - 1  # the fed token's before it
             banned = dummy_banned_token_ids(
@@ -89,8 +90,8 @@ class DummyEngine(Engine):
             )
             if sampling.banned_token_ids:
                 banned = {*banned, *sampling.banned_token_ids}
-            if i in masks:
-                banned = OutsideMask(masks[i], banned)
+            if point in masks:
+                banned = OutsideMask(masks[point], banned)
             token_id = dummy_next_token(
                 token_ids[offsets[i] + position - starts[i]],
                 position,

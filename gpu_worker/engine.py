@@ -172,7 +172,7 @@ class Engine(ABC):
                     f"the masks of step {plan.step_id} follow, but nothing brings them"
                 )
             masks = self.wait_masks(plan.step_id)
-            rows.masks.update(follow_up_masks(plan, masks, self.facts.vocab_size))
+            rows.masks.update(follow_up_masks(plan, masks, self.facts.vocab_size, rows))
         return rows
 
     def step(self, plan: StepPlan) -> StepResult:

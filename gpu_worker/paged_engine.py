@@ -256,18 +256,18 @@ class PagedEngine(Engine):
         if not samples:  # another rank samples (tensor parallel): no masks to wait for
             return EnqueuedTokens(clock, None)
         sampling = self.sampling_rows(plan)  # waits for masks that follow the plan
-        sequences = sampling.sequences
+        sequences, masks = sampling.sequences, sampling.masks
         rows = [
             SampleRow(
                 seq.sampling,
                 seq.token_ids,
                 seq.num_prompt_tokens,
                 position,
-                sampling.masks.get(i),
+                masks.get(point),
                 seq.min_new_tokens,
                 seq.min_tokens_banned_ids,
             )
-            for i, seq, position in zip(sampling.rows, sequences, sampling.positions, strict=True)
+            for point, (seq, position) in enumerate(zip(sequences, sampling.positions, strict=True))
         ]
         counts = None
         if any(has_penalty(seq.sampling) for seq in sequences):

@@ -12,27 +12,29 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagoda.common.plan_check import PlanError
-from pagoda.common.step import NewSequence, SamplingParams, StepPlan, has_penalty
+from pagoda.common.step import NewSequence, SamplingParams, StepPlan, has_penalty, num_masks
 
 if TYPE_CHECKING:
     from pagoda.gpu_worker.sequence_table import Sequence, SequenceTable
 
 
 def check_allowed_token_rows(plan: StepPlan, num_bytes: int) -> None:
-    """PlanError when the allowed-token columns (`num_bytes` a row) disagree with each
-    other or the plan."""
+    """PlanError when the allowed-token columns (`num_bytes` a mask, one mask per sample
+    point of a listed row) disagree with each other or the plan. Call after
+    check_draft_counts."""
     rows = plan.allowed_token_rows
-    if len(plan.allowed_token_bitmask) != len(rows) * num_bytes:
-        raise PlanError(
-            f"allowed_token_bitmask holds {len(plan.allowed_token_bitmask)} bytes for "
-            f"{len(rows)} rows of {num_bytes}"
-        )
     if any(b <= a for a, b in zip(rows, rows[1:], strict=False)) or not (
         rows[0] >= 0 and rows[-1] < len(plan.seq_ids)
     ):
         raise PlanError("allowed_token_rows must be ascending rows of the plan")
     if not all(plan.sample[row] for row in rows):
         raise PlanError("allowed_token_rows names a row that does not sample")
+    num_points = sum(num_masks(plan.draft_counts, rows))
+    if len(plan.allowed_token_bitmask) != num_points * num_bytes:
+        raise PlanError(
+            f"allowed_token_bitmask holds {len(plan.allowed_token_bitmask)} bytes for "
+            f"{len(rows)} rows that sample {num_points} tokens, {num_bytes} bytes each"
+        )
 
 
 def check_draft_counts(plan: StepPlan) -> None:
@@ -47,13 +49,11 @@ def check_draft_counts(plan: StepPlan) -> None:
         raise PlanError("draft_counts holds a negative count")
 
 
-def draft_problem(
-    plan: StepPlan, row: int, seq: Sequence, *, last_sampled: bool, constrained: bool
-) -> str | None:
+def draft_problem(plan: StepPlan, row: int, seq: Sequence, *, last_sampled: bool) -> str | None:
     """Why `row` of `plan`, which has drafts (StepPlan.draft_counts), cannot sample after
     each of them what decoding one token at a time would, or None. A last_sampled row
-    feeds one token, so it is named before the count; a constrained row has one mask for
-    d + 1 samples; a penalized sequence's counts would already hold the drafts."""
+    feeds one token, so it is named before the count; a penalized sequence's counts would
+    already hold the drafts."""
     seq_id, num_drafts = plan.seq_ids[row], plan.draft_counts[row]
     num_fed = plan.token_offsets[row + 1] - plan.token_offsets[row]
     if not plan.sample[row]:
@@ -65,8 +65,6 @@ def draft_problem(
             f"sequence {seq_id} feeds {num_fed} tokens with {num_drafts} drafts "
             "(its last real token comes before them)"
         )
-    if constrained:
-        return f"sequence {seq_id} has drafts in a constrained row (allowed_token_rows)"
     if has_penalty(seq.sampling):
         return (
             f"sequence {seq_id} has drafts but a repetition, presence or frequency penalty "

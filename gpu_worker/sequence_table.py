@@ -22,10 +22,11 @@ extend"; their K/V is overwritten the same way).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 
 from pagoda.common.plan_check import PlanError, check_columns
-from pagoda.common.step import SamplingParams, StepMasks, StepPlan
+from pagoda.common.step import SamplingParams, StepMasks, StepPlan, num_masks
 from pagoda.gpu_worker.refusals import (
     check_allowed_token_rows,
     check_draft_counts,
@@ -65,7 +66,8 @@ class SamplingRows:
     rows: list[int]  # each point's plan row
     sequences: list[Sequence]
     positions: list[int]  # each point's sampled token's position (the fed one before it + 1)
-    masks: dict[int, bytes]  # row -> its allowed-token bitmask (constrained rows only)
+    # Sample point (an index into rows) -> its allowed-token bitmask; constrained only.
+    masks: dict[int, bytes]
     # Sequences whose row has drafts: which of their samples is the last token is the
     # scheduler's choice, so the worker knows none to feed as a placeholder.
     drafted_seq_ids: set[int] = field(default_factory=set)
@@ -139,12 +141,11 @@ class SequenceTable:
         last_sampled_rows = set(plan.last_sampled_rows)
         if last_sampled_rows and not all(0 <= row < len(seq_ids) for row in last_sampled_rows):
             raise PlanError("last_sampled_rows names a row the plan does not have")
-        if plan.allowed_token_rows:
-            check_allowed_token_rows(plan, allowed_token_mask_bytes(self.vocab_size))
         draft_counts = plan.draft_counts
         if draft_counts:
             check_draft_counts(plan)
-            constrained_rows = set(plan.allowed_token_rows)
+        if plan.allowed_token_rows:
+            check_allowed_token_rows(plan, allowed_token_mask_bytes(self.vocab_size))
 
         refusals: dict[int, str] = {}  # seq_id -> why (StepResult.errors)
 
@@ -194,9 +195,7 @@ class SequenceTable:
             seq = sequences.get(seq_id)
             placeholder = i in last_sampled_rows
             if draft_counts and draft_counts[i] and seq is not None:
-                problem = draft_problem(
-                    plan, i, seq, last_sampled=placeholder, constrained=i in constrained_rows
-                )
+                problem = draft_problem(plan, i, seq, last_sampled=placeholder)
                 if problem:
                     refuse(seq_id, problem)
                     continue
@@ -249,15 +248,21 @@ class SequenceTable:
         if drafted_rows:
             positions = spread_drafts(positions, rows, draft_counts)
             rows = [i for i in rows for _ in range(draft_counts[i] + 1)]
+        masks: dict[int, bytes] = {}
+        if with_masks and plan.allowed_token_rows:
+            # Each constrained row's masks, taken in the order of its points.
+            row_masks = {
+                row: iter(row_points)
+                for row, row_points in allowed_token_masks(plan, self.vocab_size).items()
+            }
+            for point, row in enumerate(rows):
+                if row in row_masks:
+                    masks[point] = next(row_masks[row])
         return SamplingRows(
             rows=rows,
             sequences=self.sequences_of([plan.seq_ids[i] for i in rows]),
             positions=positions,
-            masks=(
-                allowed_token_masks(plan, self.vocab_size)
-                if with_masks and plan.allowed_token_rows
-                else {}
-            ),
+            masks=masks,
             drafted_seq_ids={plan.seq_ids[i] for i in drafted_rows},
         )
 
@@ -309,20 +314,30 @@ def allowed_token_mask_bytes(vocab_size: int) -> int:
     return (vocab_size + 31) // 32 * 4
 
 
-def allowed_token_masks(plan: StepPlan, vocab_size: int) -> dict[int, bytes]:
-    """Row -> its allowed-token bitmask, for an admitted plan's constrained rows."""
+def allowed_token_masks(plan: StepPlan, vocab_size: int) -> dict[int, list[bytes]]:
+    """Row -> its allowed-token bitmasks (one per sample point, in their order), for an
+    admitted plan's constrained rows."""
     num_bytes = allowed_token_mask_bytes(vocab_size)
     bitmask = plan.allowed_token_bitmask
-    return {
-        row: bitmask[k * num_bytes : (k + 1) * num_bytes]
-        for k, row in enumerate(plan.allowed_token_rows)
-    }
+    masks: dict[int, list[bytes]] = {}
+    start = 0
+    for row, count in zip(
+        plan.allowed_token_rows, num_masks(plan.draft_counts, plan.allowed_token_rows), strict=True
+    ):
+        masks[row] = [
+            bitmask[start + k * num_bytes : start + (k + 1) * num_bytes] for k in range(count)
+        ]
+        start += count * num_bytes
+    return masks
 
 
-def follow_up_masks(plan: StepPlan, masks: StepMasks, vocab_size: int) -> dict[int, bytes]:
-    """Row -> its allowed-token bitmask, for the sequences `masks` (the StepMasks that
-    follow an admitted plan) names; one the plan does not sample (a row refused at admit)
-    is skipped. PlanError when the bitmask's length does not fit its sequence ids."""
+def follow_up_masks(
+    plan: StepPlan, masks: StepMasks, vocab_size: int, sampling: SamplingRows
+) -> dict[int, bytes]:
+    """Sample point (of `sampling`, the admitted plan's) -> its allowed-token bitmask, for
+    the sequences `masks` (the StepMasks that follow the plan) names; one the plan does
+    not sample (a row refused at admit) is skipped. PlanError when the bitmask's length
+    does not fit its sequence ids, or names a row with drafts (it has several points)."""
     num_bytes = allowed_token_mask_bytes(vocab_size)
     bitmask = masks.allowed_token_bitmask
     if len(bitmask) != len(masks.seq_ids) * num_bytes:
@@ -330,18 +345,17 @@ def follow_up_masks(plan: StepPlan, masks: StepMasks, vocab_size: int) -> dict[i
             f"the masks of step {masks.step_id} hold {len(bitmask)} bytes for "
             f"{len(masks.seq_ids)} sequences of {num_bytes}"
         )
-    row_of = {seq_id: i for i, seq_id in enumerate(plan.seq_ids) if plan.sample[i]}
-    if plan.draft_counts:  # one mask for d + 1 samples would constrain the wrong ones
-        drafted = [s for s in masks.seq_ids if s in row_of and plan.draft_counts[row_of[s]]]
-        if drafted:
-            raise PlanError(
-                f"the masks of step {masks.step_id} constrain sequence {drafted[0]}, "
-                "whose row has drafts"
-            )
+    point_of = {plan.seq_ids[row]: point for point, row in enumerate(sampling.rows)}
+    drafted = [seq_id for seq_id in masks.seq_ids if seq_id in sampling.drafted_seq_ids]
+    if drafted:
+        raise PlanError(
+            f"the masks of step {masks.step_id} constrain sequence {drafted[0]}, "
+            "whose row has drafts"
+        )
     return {
-        row_of[seq_id]: bitmask[k * num_bytes : (k + 1) * num_bytes]
+        point_of[seq_id]: bitmask[k * num_bytes : (k + 1) * num_bytes]
         for k, seq_id in enumerate(masks.seq_ids)
-        if seq_id in row_of
+        if seq_id in point_of
     }
 
 
@@ -369,12 +383,14 @@ def _without_rows(plan: StepPlan, fed_ids: list[int], refused) -> StepPlan:
         valid.block_offsets.append(len(valid.block_ids))
     rows = plan.allowed_token_rows
     if rows:
-        num_bytes = len(plan.allowed_token_bitmask) // len(rows)  # admit checked the length
+        counts = num_masks(plan.draft_counts, rows)
+        num_bytes = len(plan.allowed_token_bitmask) // sum(counts)  # admit checked the length
         row_of = {i: k for k, i in enumerate(kept)}
         bitmask = plan.allowed_token_bitmask
-        kept_masks = [(row_of[row], k) for k, row in enumerate(rows) if row in row_of]
-        valid.allowed_token_rows = [row for row, _ in kept_masks]
+        starts = [0, *itertools.accumulate(count * num_bytes for count in counts)]
+        kept_rows = [k for k, row in enumerate(rows) if row in row_of]
+        valid.allowed_token_rows = [row_of[rows[k]] for k in kept_rows]
         valid.allowed_token_bitmask = b"".join(
-            bitmask[k * num_bytes : (k + 1) * num_bytes] for _, k in kept_masks
+            bitmask[starts[k] : starts[k + 1]] for k in kept_rows
         )
     return valid

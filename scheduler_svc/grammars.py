@@ -23,10 +23,18 @@ so the masks are computed while it runs the forward (about 1.3 ms for 64 rows, m
 in docs/benchmarks.md: on the step loop, no thread hop). A request that ended meanwhile
 gets no mask: its token of that step is dropped (the core's ahead rule). A grammar that
 is complete and cannot go on allows only EOS, so the request ends with STOP.
+
+A row with n-gram drafts (StepPlan.draft_counts; never planned ahead) samples after its
+last token and after each draft: it gets a mask per sample point, its matcher fed the
+drafts one by one and rolled back (llguidance does both on its threads), so each sample
+is what decoding one token at a time under the grammar gives. The core keeps the samples
+while they equal the drafts; catch_up then feeds the matcher the tokens kept.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import logging
 import threading
@@ -38,7 +46,10 @@ from dataclasses import dataclass
 import llguidance
 import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import (
+    fill_next_token_bitmask_par,
+    fill_next_token_bitmask_par_with_draft_tokens,
+)
 
 from pagoda.common.step import StepMasks
 from pagoda.scheduler_svc.core import StepPlan
@@ -218,8 +229,10 @@ def fill_masks(
     if not _live:
         return None
     ahead = set(plan.last_sampled_rows)
+    draft_counts, token_ids, ends = plan.draft_counts, plan.token_ids, plan.token_offsets[1:]
     rows: list[int] = []
     grammars: list[RequestGrammar] = []
+    drafts: list[list[int]] = []
     pending: list[tuple[int, Request]] = []
     for index, (seq_id, samples) in enumerate(zip(plan.seq_ids, plan.sample, strict=True)):
         if not samples:
@@ -229,15 +242,17 @@ def fill_masks(
         if grammar is None:
             continue
         assert isinstance(grammar, RequestGrammar)
-        if index in ahead:
+        if index in ahead:  # never a row with drafts: those feed known tokens only
             pending.append((seq_id, request))
             continue
         grammar.catch_up(request)
         rows.append(index)
         grammars.append(grammar)
+        num_drafts = draft_counts[index] if draft_counts else 0
+        drafts.append(token_ids[ends[index] - num_drafts : ends[index]] if num_drafts else [])
     if rows:
         plan.allowed_token_rows = rows
-        plan.allowed_token_bitmask = _bitmasks(grammars, vocab_size)
+        plan.allowed_token_bitmask = _bitmasks(grammars, vocab_size, drafts)
     if not pending:
         return None
     plan.masks_follow = True
@@ -262,19 +277,37 @@ def masks_after(pending: PendingMasks, request_of: Callable[[int], Request | Non
     return StepMasks(step_id=pending.step_id, seq_ids=seq_ids, allowed_token_bitmask=bitmask)
 
 
-def _bitmasks(grammars: list[RequestGrammar], vocab_size: int) -> bytes:
-    """The next-token bitmasks of `grammars` (caught up), one row each, as the wire has them."""
-    masks = np.zeros((len(grammars), mask_words(vocab_size)), dtype=np.int32)
-    working = [(g.matcher, k) for k, g in enumerate(grammars) if not g.matcher.is_error()]
-    if working:
+def _bitmasks(
+    grammars: list[RequestGrammar], vocab_size: int, drafts: list[list[int]] | None = None
+) -> bytes:
+    """The bitmasks of `grammars` (caught up), as the wire has them: one row each, or with
+    `drafts` (per grammar, its row's drafts) d + 1 rows for d drafts, the mask after each
+    (the matcher fed the drafts before it, then rolled back). A point after a draft the
+    grammar refuses allows only EOS: its sample is never kept (the one before it could
+    not be that draft), and the sampler needs some token to allow."""
+    counts = [len(row_drafts) + 1 for row_drafts in drafts] if drafts else [1] * len(grammars)
+    starts = [0, *itertools.accumulate(counts)]
+    masks = np.zeros((starts[-1], mask_words(vocab_size)), dtype=np.int32)
+    plain: list[tuple[llguidance.LLMatcher, int]] = []
+    drafted: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
+    for k, grammar in enumerate(grammars):
+        if grammar.matcher.is_error():
+            continue  # a token it refused (a bug): its rows allow EOS only, so it ends at once
+        if counts[k] > 1:
+            drafted.append((grammar.matcher, starts[k], drafts[k]))
+        else:
+            plain.append((grammar.matcher, starts[k]))
+    if plain or drafted:
         global _executor
         if _executor is None:
             _executor = llguidance.LLExecutor(num_threads=NUM_MASK_THREADS)
-        fill_next_token_bitmask_par(_executor, working, masks)
+        if plain:
+            fill_next_token_bitmask_par(_executor, plain, masks)
+        if drafted:
+            fill_next_token_bitmask_par_with_draft_tokens(_executor, drafted, masks)
     words = masks.view(np.uint32)
-    for k, grammar in enumerate(grammars):
-        if grammar.matcher.is_error():  # a token it refused (a bug): let it end at once
-            words[k] = 0
-            for token_id in grammar.eos_token_ids:
-                words[k, token_id // 32] |= np.uint32(1 << (token_id % 32))
+    for row in np.flatnonzero(~words.any(axis=1)):
+        k = bisect.bisect_right(starts, row) - 1  # the grammar the row belongs to
+        for token_id in grammars[k].eos_token_ids:
+            words[row, token_id // 32] |= np.uint32(1 << (token_id % 32))
     return masks.astype("<i4", copy=False).tobytes()

@@ -115,8 +115,8 @@ class StepPlan:
     # them: the worker substitutes it for their token_ids entry (overlapped steps).
     last_sampled_rows: list[int] = field(default_factory=list)
     # Structured output (filled by the service's grammars after schedule()): rows whose
-    # next token is constrained, and their allowed-token bitmasks (ceil(vocab / 32)
-    # little-endian 32-bit words per listed row).
+    # samples are constrained, and their allowed-token bitmasks (ceil(vocab / 32)
+    # little-endian 32-bit words per sample point of the listed rows: num_masks).
     allowed_token_rows: list[int] = field(default_factory=list)
     allowed_token_bitmask: bytes = b""
     # Rows planned ahead sample constrained tokens whose masks come after the plan, in the
@@ -179,6 +179,14 @@ def sampled_seq_ids(
         if smp:
             sampled += [seq_id] * (num_drafts + 1)
     return sampled
+
+
+def num_masks(draft_counts: Sequence[int], rows: Sequence[int]) -> list[int]:
+    """How many masks allowed_token_bitmask holds for each of `rows` (allowed_token_rows)
+    of a plan with these draft_counts: one per sample point, d + 1 for a row with d drafts."""
+    if not draft_counts:
+        return [1] * len(rows)
+    return [draft_counts[row] + 1 for row in rows]
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from google.protobuf.message import DecodeError, Message
 
 from pagoda.protos import step_pb2
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 # Largest frame either side accepts; a 1024-sequence plan with 8k-token prompt
 # chunks stays far below it.

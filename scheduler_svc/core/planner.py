@@ -328,7 +328,7 @@ class Planner:
                 speculates
                 and position + 1 == num_known
                 and slot != block_size - 1  # its table has room for a draft
-                and can_speculate(request.sampling, request.grammar)
+                and can_speculate(request.sampling)
             ):
                 drafting.append((request, position))
                 if grown_indices and grown_indices[-1] == len(fed):

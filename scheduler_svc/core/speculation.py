@@ -81,11 +81,11 @@ def propose(token_ids: array, ngram_min: int, ngram_max: int, max_drafts: int) -
     return []
 
 
-def can_speculate(sampling: SamplingParams, grammar: object | None) -> bool:
+def can_speculate(sampling: SamplingParams) -> bool:
     """Whether a request's samples do not depend on its own earlier tokens beyond the
-    logits: no penalty (they count the drafts as generated) and no grammar (its mask
-    after a draft needs the draft accepted first)."""
-    return grammar is None and not has_penalty(sampling)
+    logits: no penalty (its counts would hold the drafts as generated). A grammar may
+    draft: its rows get a mask per sample point (scheduler_svc.grammars)."""
+    return not has_penalty(sampling)
 
 
 def acceptance(num_kept_drafts: float, num_tried_drafts: float) -> float:

@@ -56,7 +56,7 @@ def test_the_speculation_benchmark_compares_settings_on_the_same_tokens():
     assert [(row[0], row[1], row[2]) for row in runs] == [
         (setting, kind, run_name)
         for setting in ("0", "3")
-        for kind in ("echo", "open")
+        for kind in ("echo", "open", "json")
         for run_name in ("sequential", "burst")
     ]
     assert all(row[-1] == "yes" for row in runs)  # the same tokens in every run

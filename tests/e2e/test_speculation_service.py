@@ -127,3 +127,69 @@ def test_tiny_model_gives_the_same_tokens_and_logprobs_with_drafts(tmp_path, tin
         if name == "drafted":
             assert stats.num_accepted_draft_tokens > 0
     assert runs["drafted"] == runs["plain"]
+
+
+# Constraints whose outputs repeat, so that drafts come from the request's own tokens.
+CONSTRAINTS = [
+    generation_pb2.Constraint(
+        json_schema='{"type": "array", "items": {"type": "boolean"}, "maxItems": 40}'
+    ),
+    generation_pb2.Constraint(regex="(ab|ba|abc)+"),
+    generation_pb2.Constraint(json_object=True),
+]
+CONSTRAINED_PROMPTS = ["The quick", "Paris is", "brown fox"]
+
+
+def constrained_runs(address: str) -> list[tuple[list[int], list[float], int]]:
+    """(tokens, logprobs, finish) of every constraint x prompt x (greedy, seeded), at once."""
+    requests = [
+        generation_pb2.GenerateRequest(
+            prompt=prompt,
+            sampling=sampling,
+            stopping=generation_pb2.StoppingCriteria(max_new_tokens=NUM_TOKENS),
+            constraint=constraint,
+            logprobs=2,
+        )
+        for constraint in CONSTRAINTS
+        for prompt in CONSTRAINED_PROMPTS
+        for sampling in (
+            generation_pb2.SamplingParams(),
+            generation_pb2.SamplingParams(temperature=1.0, seed=5),
+        )
+    ]
+
+    async def one(stub, request):
+        tokens, logprobs, finish = [], [], None
+        async for response in stub.Generate(request, timeout=300):
+            tokens.extend(response.token_ids)
+            logprobs.extend(entry.logprob for entry in response.logprobs)
+            finish = response.finish_reason
+        return tokens, logprobs, finish
+
+    async def run_all():
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            return await asyncio.gather(*(one(stub, request) for request in requests))
+
+    return asyncio.run(run_all())
+
+
+def test_constrained_requests_give_the_same_tokens_with_drafts(tmp_path, tiny_model_factory):
+    """A constrained row with drafts gets a mask per sample point (protocol 7): greedy and
+    seeded, JSON schema, regex and JSON object, the tokens and logprobs are those of the
+    same service without drafts, and drafts were kept."""
+    runs, stats = {}, {}
+    for name, count in (("plain", "0"), ("drafted", "4")):
+        log_dir = tmp_path / name
+        log_dir.mkdir()
+        with running_service(
+            log_dir,
+            model=str(tiny_model_factory("llama")),
+            scheduler_args=["--speculative-tokens", count, "--no-overlap-steps"],
+        ) as service:
+            runs[name] = constrained_runs(service.address)
+            stats[name] = service.stats()
+    assert stats["plain"].num_draft_tokens == 0
+    assert stats["drafted"].num_accepted_draft_tokens > 0
+    assert runs["drafted"] == runs["plain"]
+    assert any(finish == generation_pb2.STOP for _, _, finish in runs["plain"])

@@ -91,6 +91,41 @@ def test_the_matcher_catches_up_with_generated_tokens_and_ends_with_eos(compiler
     assert grammar.num_consumed_tokens == 2
 
 
+def drafted_plan(token_ids: list[int], num_drafts: int) -> StepPlan:
+    """Sequence 1's decode row: its last token, then `num_drafts` drafts."""
+    return StepPlan(
+        step_id=1, seq_ids=[1], sample=[True], token_offsets=[0, len(token_ids)],
+        token_ids=token_ids, draft_counts=[num_drafts],
+    )  # fmt: skip
+
+
+def test_a_row_with_drafts_gets_the_mask_after_each_and_its_matcher_is_rolled_back(
+    compiler, vocabulary
+):
+    grammar = compiler.compile(ValidConstraint("choice", '["ababa"]'), TINY_VOCAB_SIZE, [EOS])
+    a, b = vocabulary.index(b"a"), vocabulary.index(b"b")
+    request = running("r", grammar, [a])
+    words = mask_words(TINY_VOCAB_SIZE) * 4
+
+    def masks_of(plan: StepPlan) -> list[set[int]]:
+        fill_masks(plan, {1: request}.get, TINY_VOCAB_SIZE)
+        assert plan.allowed_token_rows == [0]
+        bitmask = plan.allowed_token_bitmask
+        return [allowed_ids(bitmask[k : k + words]) for k in range(0, len(bitmask), words)]
+
+    # Right drafts: the mask after each is the grammar's after it.
+    assert masks_of(drafted_plan([a, b, a, b], 3)) == [{b}, {a}, {b}, {a}]
+    # A draft the grammar refuses: the points after it allow EOS only (never kept).
+    assert masks_of(drafted_plan([a, a, b], 2)) == [{b}, {EOS}, {EOS}]
+    # The matcher fed nothing for good: the next plain row's mask is the first one's.
+    assert grammar.num_consumed_tokens == 1
+    assert masks_of(drafted_plan([a], 0)) == [{b}]
+    # Kept drafts are fed once the core appends them (catch_up).
+    request.token_ids.extend([b, a, b, a])
+    assert masks_of(drafted_plan([a, EOS], 1)) == [{EOS}, {EOS}]
+    assert grammar.num_consumed_tokens == 5
+
+
 def test_a_constraint_compiled_again_is_a_copy_of_the_first(compiler, vocabulary, monkeypatch):
     constraint = ValidConstraint("choice", '["ab", "ba"]')
     first = compiler.compile(constraint, TINY_VOCAB_SIZE, [EOS])
@@ -184,9 +219,9 @@ def test_the_mask_columns_reach_the_worker_row_for_row():
     admitted, _ = table.admit(decoded)
     masks = allowed_token_masks(admitted, vocab_size)
     assert [masks.get(row) for row in range(len(admitted.seq_ids))] == [
-        bytes(range(16)),
+        [bytes(range(16))],
         None,
-        bytes(range(100, 116)),
+        [bytes(range(100, 116))],
     ]
     for bad in (
         dataclasses.replace(decoded, allowed_token_bitmask=b"\0" * 12),  # short

@@ -105,12 +105,11 @@ def test_the_price_comes_from_the_learned_step_cost():
     assert draft_price(model, 8, 800) == pytest.approx(8 * 0.6 / 8.8, rel=0.1)
 
 
-def test_penalties_and_grammars_do_not_speculate():
-    assert can_speculate(SamplingParams(temperature=0.7, top_k=5, seed=3), None)
-    assert not can_speculate(SamplingParams(repetition_penalty=1.1), None)
-    assert not can_speculate(SamplingParams(presence_penalty=0.5), None)
-    assert not can_speculate(SamplingParams(frequency_penalty=-0.5), None)
-    assert not can_speculate(SamplingParams(), object())
+def test_penalties_do_not_speculate():
+    assert can_speculate(SamplingParams(temperature=0.7, top_k=5, seed=3))
+    assert not can_speculate(SamplingParams(repetition_penalty=1.1))
+    assert not can_speculate(SamplingParams(presence_penalty=0.5))
+    assert not can_speculate(SamplingParams(frequency_penalty=-0.5))
 
 
 # -- the scheduler -----------------------------------------------------------------------------

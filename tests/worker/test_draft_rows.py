@@ -239,8 +239,7 @@ def test_the_packed_batch_keeps_logits_before_each_sample_point():
 
 def refused_draft_row(tokens, count, kind, setup) -> str:
     """Sequence 1 (prompt 10, 11, 12, one token sampled) feeds `tokens` from position 3
-    with `count` drafts in a row of `kind` ("plain", "no sample", "placeholder",
-    "constrained"), beside sequence 2's draft row; `setup` edits the first plan. The row
+    with `count` drafts in a row of `kind` ("plain", "no sample", "placeholder"), beside sequence 2's draft row; `setup` edits the first plan. The row
     must be refused, the rest run: the refusal's message."""
     engine = DummyEngine(block_size=4)
     first = plan_of(
@@ -253,9 +252,6 @@ def refused_draft_row(tokens, count, kind, setup) -> str:
     plan = drafted(plan_of([row, (2, 2, [22, 23], [])], step_id=2), count, 1)
     if kind == "placeholder":
         plan.last_sampled_rows.append(0)
-    if kind == "constrained":
-        plan.allowed_token_rows.append(0)
-        plan.allowed_token_bitmask = b"\xff" * (DUMMY_VOCAB_SIZE // 8)
     result = run_plan(engine, plan)
     assert 1 not in engine.table and [e.seq_id for e in result.errors] == [1]
     assert list(result.seq_ids) == [2, 2]  # the draft row after the refused one still runs
@@ -280,7 +276,6 @@ def with_penalty(name: str, value: float):
         ([13, 40], 1, "no sample", None, "does not sample"),
         ([13, 40], 2, "plain", None, "feeds 2 tokens with 2 drafts"),
         ([0], 1, "placeholder", None, "last_sampled row"),
-        ([13, 40], 1, "constrained", None, "constrained row"),
         ([13, 40], 1, "plain", with_penalty("repetition_penalty", 1.2), "penalty"),
         ([13, 40], 1, "plain", with_penalty("presence_penalty", 0.5), "penalty"),
         ([13, 40], 1, "plain", with_penalty("frequency_penalty", 0.5), "penalty"),
@@ -290,6 +285,43 @@ def test_a_draft_row_that_cannot_sample_as_decoding_would_is_refused(
     tokens, count, kind, setup, message
 ):
     assert message in refused_draft_row(tokens, count, kind, setup)
+
+
+def only(*token_ids: int) -> bytes:
+    """An allowed-token bitmask of the dummy's vocabulary that allows just `token_ids`."""
+    mask = bytearray(DUMMY_VOCAB_SIZE // 8)
+    for token_id in token_ids:
+        mask[token_id // 8] |= 1 << (token_id % 8)
+    return bytes(mask)
+
+
+def test_a_constrained_draft_row_samples_each_point_under_its_own_mask():
+    """Protocol 7: a constrained row with d drafts has d + 1 masks, one per sample point in
+    position order; a refused row's masks leave with it and the others keep theirs."""
+    engine = DummyEngine(block_size=4)
+    run_plan(
+        engine,
+        plan_of([(1, 0, [10, 11, 12], [0]), (2, 0, [20, 21], [1])], new=[(1, [], 3), (2, [], 2)]),
+    )
+    plan = drafted(
+        plan_of([(9, 0, [5], [2]), (1, 3, [13, 40, 41], [3]), (2, 2, [22], [])], step_id=2),
+        0, 2, 0,
+    )  # fmt: skip
+    plan.allowed_token_rows.extend([0, 1, 2])  # sequence 9 is unknown: refused
+    plan.allowed_token_bitmask = only(50) + only(60) + only(61) + only(62) + only(70)
+    result = run_plan(engine, plan)
+    assert [e.seq_id for e in result.errors] == [9] and not result.step_error
+    assert list(result.seq_ids) == [1, 1, 1, 2]
+    assert list(result.token_ids) == [60, 61, 62, 70]  # each point's own mask
+
+
+def test_a_constrained_draft_row_with_one_mask_fails_the_step():
+    engine = DummyEngine(block_size=4)
+    run_plan(engine, plan_of([(1, 0, [10, 11, 12], [0])], new=[(1, [], 3)]))
+    plan = drafted(plan_of([(1, 3, [13, 40, 41], [3])], step_id=2), 2)
+    plan.allowed_token_rows.append(0)
+    plan.allowed_token_bitmask = only(60)
+    assert "sample 3 tokens" in run_plan(engine, plan).step_error
 
 
 @pytest.mark.parametrize("counts", [[1], [1, 0, 0], [0, -1]])

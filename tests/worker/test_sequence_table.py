@@ -143,7 +143,7 @@ def test_refused_rows_are_dropped_from_the_admitted_columns():
     assert admitted.block_ids == [0, 2, 3]
     assert admitted.allowed_token_rows == [0, 1]
     assert admitted.allowed_token_bitmask == bytes([1] * 16 + [3] * 16)
-    assert allowed_token_masks(admitted, 100) == {0: bytes([1] * 16), 1: bytes([3] * 16)}
+    assert allowed_token_masks(admitted, 100) == {0: [bytes([1] * 16)], 1: [bytes([3] * 16)]}
     assert plan == before
 
 
