@@ -6,18 +6,24 @@ from dataclasses import dataclass
 
 import grpc
 
+from pagoda.common.listener import MIN_SEND_MESSAGE_BYTES
 from pagoda.common.settings import DEFAULT_GRPC_ADDRESS
 
 DEFAULT_TARGET = DEFAULT_GRPC_ADDRESS  # where the scheduler listens by default
 
 # Reconnect quickly: a local server that restarts (or starts after its client) is found
 # again within a second instead of after gRPC's default backoff of up to two minutes.
-CHANNEL_OPTIONS: tuple[tuple[str, str | int], ...] = (
-    ("grpc.primary_user_agent", "pagoda-client"),
+# Also the router's, towards its replicas (router/backends.py).
+RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+)
+CHANNEL_OPTIONS: tuple[tuple[str, str | int], ...] = (
+    ("grpc.primary_user_agent", "pagoda-client"),
+    *RECONNECT_OPTIONS,
+    # Replies as large as a scheduler or router may send.
+    ("grpc.max_receive_message_length", MIN_SEND_MESSAGE_BYTES),
 )
 
 # Between two health checks while waiting for a server to become ready.

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagoda.client.connection import RECONNECT_OPTIONS
+from pagoda.common.listener import MIN_SEND_MESSAGE_BYTES
+
 log = logging.getLogger("pagoda.router")
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -32,11 +35,9 @@ CHANNEL_OPTIONS: tuple[tuple[str, str | int], ...] = (
     ("grpc.primary_user_agent", "pagoda-router"),
     ("grpc.keepalive_time_ms", 45_000),
     ("grpc.keepalive_timeout_ms", 20_000),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    *RECONNECT_OPTIONS,
+    ("grpc.max_receive_message_length", MIN_SEND_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MIN_SEND_MESSAGE_BYTES),
 )
 
 
