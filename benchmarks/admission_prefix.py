@@ -59,12 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     add("--num-kv-blocks", type=int, default=160, help="KV blocks of 16 tokens in the pool")
     add("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    service = LocalService(
-        worker_model=args.model,
-        device="cpu",
-        model_dir=resolve_model_dir(args.model),
-        worker_args=("--num-kv-blocks", str(args.num_kv_blocks)),
-    )
     print(
         f"model {args.model}: {args.groups} prefixes of ~{args.prefix_words} tokens x "
         f"{args.per_group} requests in one burst, max_active_requests "
@@ -74,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{'policy':>7} {'cached':>7} {'computed':>9} {'TTFT mean':>10} {'p50':>7} "
         f"{'p90':>7} {'wall s':>7}"
     )
-    try:
+    with LocalService(
+        worker_model=args.model,
+        device="cpu",
+        model_dir=resolve_model_dir(args.model),
+        worker_args=("--num-kv-blocks", str(args.num_kv_blocks)),
+    ) as service:
         service.start_worker()
         for policy in args.policies.split(","):
             service.use_scheduler(
@@ -91,9 +90,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{run.ttft_mean_s:>9.2f}s {run.ttft_p50_s:>6.2f}s {run.ttft_p90_s:>6.2f}s "
                 f"{wall_s:>7.1f}"
             )
-    finally:
-        service.stop()
-        service.cleanup()
     return 0
 
 

@@ -77,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
                 rates[name].append(tokens / seconds)
                 print(f"{name:<14} {tokens:>6} tokens in {seconds:6.2f} s: "
                       f"{tokens / seconds:7.0f} tokens/s", flush=True)  # fmt: skip
-        service.cleanup()
     free, constrained = (max(rates[name]) for name in ("unconstrained", "regex"))
     print(f"best of {args.rounds}: {free:.0f} tokens/s unconstrained, {constrained:.0f} "
           f"with the regex ({constrained / free - 1:+.0%})")  # fmt: skip

@@ -109,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 for process in extra:
                     stop_process(process)
-                service.cleanup()
     return 0
 
 

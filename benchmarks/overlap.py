@@ -128,7 +128,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"queue p50 {report.queue.p50_ms:.0f} ms",
                 flush=True,
             )
-        service.cleanup()
     return 0
 
 

@@ -150,9 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     add("--max-new-tokens", type=int, default=160)
     add("--runs", default="sequential,burst")
     args = parser.parse_args(argv)
-    service = LocalService(
-        worker_model=args.model, device="cpu", model_dir=resolve_model_dir(args.model)
-    )
     kinds = args.kinds.split(",")
     if unknown := set(kinds) - set(PROMPTS):
         parser.error(f"unknown kinds {sorted(unknown)}: choose from {sorted(PROMPTS)}")
@@ -162,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
           f"at most {args.max_new_tokens} new tokens")  # fmt: skip
     print(f"{'drafts':>6} {'kind':>5} {'run':>10} {'tokens':>7} {'wall s':>7} {'tok/s':>7} "
           f"{'accepted':>14} {'same tokens':>11}")  # fmt: skip
-    try:
+    with LocalService(
+        worker_model=args.model, device="cpu", model_dir=resolve_model_dir(args.model)
+    ) as service:
         service.start_worker()
         for setting in args.settings.split(","):
             service.use_scheduler(("--speculative-tokens", setting))
@@ -183,9 +182,6 @@ def main(argv: list[str] | None = None) -> int:
                     share = f"{accepted}/{drafted}" if drafted else "-"
                     print(f"{setting:>6} {kind:>5} {run_name:>10} {num_tokens:>7} {wall_s:>7.1f} "
                           f"{num_tokens / wall_s:>7.1f} {share:>14} {'yes' if same else 'NO':>11}")  # fmt: skip
-    finally:
-        service.stop()
-        service.cleanup()
     return 0
 
 

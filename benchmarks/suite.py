@@ -283,8 +283,9 @@ def _run_local_service(
     workloads: list[PeerWorkload],
     results: SuiteResults,
 ) -> None:
-    service = LocalService(worker_model=args.worker_model, device=args.device, model_dir=model_dir)
-    try:
+    with LocalService(
+        worker_model=args.worker_model, device=args.device, model_dir=model_dir
+    ) as service:
         service.start_worker()
         for scenario in scenarios:
             _print_scenario_header(scenario)
@@ -304,9 +305,6 @@ def _run_local_service(
             _use_scheduler(service, ())
             report = _bench(with_target(workload.workload, service.address))
             results.peer_workloads[workload.name] = {PAGODA: report}
-    finally:
-        service.stop()
-        service.cleanup()
 
 
 def _use_scheduler(

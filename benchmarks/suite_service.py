@@ -100,7 +100,8 @@ def resolve_model_dir(model: str) -> str:
 
 
 class LocalService:
-    """A worker and a restartable scheduler on this machine; use as a context manager."""
+    """A worker and a restartable scheduler on this machine; use as a context manager (its
+    exit stops both and removes the run directory with their logs)."""
 
     def __init__(
         self,
@@ -132,6 +133,7 @@ class LocalService:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+        self.cleanup()
 
     def start_worker(self) -> None:
         argv = [sys.executable, "-m", "pagoda.gpu_worker", "--zmq-endpoint", self.endpoint,

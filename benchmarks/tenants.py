@@ -119,60 +119,57 @@ def main(argv: list[str] | None = None) -> int:
         keys.write_text(f"flood:1:{FLOOD_KEY}\nprobe:1:{PROBE_KEY}\n")
         keys.chmod(0o600)
         service.start_worker()
-        try:
-            for fair in (False, True):
-                service.use_scheduler(
-                    ("--api-key-file", str(keys), "--fair-share" if fair else "--no-fair-share",
-                     "--max-active-requests", str(args.max_active_requests),
-                     "--max-waiting-requests", str(4 * args.streams),
-                     "--max-tenant-waiting-requests", str(4 * args.streams),
-                     *shlex.split(args.scheduler_args))
-                )  # fmt: skip
-                idle = asyncio.run(probe_ttfts_ms(service.address, until=None, count=args.probes))
-                before, steps_before = asyncio.run(served_tokens(service.address))
-                flood_s = time.monotonic()
-                done = threading.Event()
-                config = BenchConfig(
-                    target=service.address,
-                    api_key=FLOOD_KEY,
-                    arrival="closed",
-                    num_users=args.streams,
-                    num_requests=1_000_000,
-                    duration_s=args.duration_s,
-                    prompt_repeats=(4,),
-                    max_new_tokens=args.max_new_tokens,
-                    ignore_eos=True,
-                )
-                reports = []
+        for fair in (False, True):
+            service.use_scheduler(
+                ("--api-key-file", str(keys), "--fair-share" if fair else "--no-fair-share",
+                 "--max-active-requests", str(args.max_active_requests),
+                 "--max-waiting-requests", str(4 * args.streams),
+                 "--max-tenant-waiting-requests", str(4 * args.streams),
+                 *shlex.split(args.scheduler_args))
+            )  # fmt: skip
+            idle = asyncio.run(probe_ttfts_ms(service.address, until=None, count=args.probes))
+            before, steps_before = asyncio.run(served_tokens(service.address))
+            flood_s = time.monotonic()
+            done = threading.Event()
+            config = BenchConfig(
+                target=service.address,
+                api_key=FLOOD_KEY,
+                arrival="closed",
+                num_users=args.streams,
+                num_requests=1_000_000,
+                duration_s=args.duration_s,
+                prompt_repeats=(4,),
+                max_new_tokens=args.max_new_tokens,
+                ignore_eos=True,
+            )
+            reports = []
 
-                def flood(config=config, done=done, reports=reports) -> None:
-                    try:
-                        reports.append(run_bench(config))
-                    finally:
-                        done.set()
+            def flood(config=config, done=done, reports=reports) -> None:
+                try:
+                    reports.append(run_bench(config))
+                finally:
+                    done.set()
 
-                thread = threading.Thread(target=flood)
-                thread.start()
-                time.sleep(min(3.0, args.duration_s / 4))  # the flood fills the worker first
-                loaded = asyncio.run(probe_ttfts_ms(service.address, until=done, count=0))
-                thread.join()
-                flood_s = time.monotonic() - flood_s
-                after, steps_after = asyncio.run(served_tokens(service.address))
-                gained = {name: after[name] - before.get(name, 0) for name in after}
-                share = gained.get("probe", 0) / max(1, sum(gained.values()))
-                tokens_per_s = reports[0].completion_tokens_per_s if reports else float("nan")
-                step_ms = 1000 * flood_s / max(1, steps_after - steps_before)  # the flood's
-                idle_ms = percentile(idle, 0.5)
-                print(
-                    f"{'on' if fair else 'off':>5} {idle_ms:>7.0f}ms "
-                    f"{percentile(loaded, 0.5):>8.0f}ms {percentile(loaded, 0.99):>8.0f}ms "
-                    f"{step_ms:>5.1f}ms {ttft_goal_ms(idle_ms, step_ms):>5.0f}ms "
-                    f"{len(loaded):>7} {share:>12.3f} {tokens_per_s:>12.0f} "
-                    f"{os.getloadavg()[0]:>9.2f}",
-                    flush=True,
-                )
-        finally:
-            service.cleanup()
+            thread = threading.Thread(target=flood)
+            thread.start()
+            time.sleep(min(3.0, args.duration_s / 4))  # the flood fills the worker first
+            loaded = asyncio.run(probe_ttfts_ms(service.address, until=done, count=0))
+            thread.join()
+            flood_s = time.monotonic() - flood_s
+            after, steps_after = asyncio.run(served_tokens(service.address))
+            gained = {name: after[name] - before.get(name, 0) for name in after}
+            share = gained.get("probe", 0) / max(1, sum(gained.values()))
+            tokens_per_s = reports[0].completion_tokens_per_s if reports else float("nan")
+            step_ms = 1000 * flood_s / max(1, steps_after - steps_before)  # the flood's
+            idle_ms = percentile(idle, 0.5)
+            print(
+                f"{'on' if fair else 'off':>5} {idle_ms:>7.0f}ms "
+                f"{percentile(loaded, 0.5):>8.0f}ms {percentile(loaded, 0.99):>8.0f}ms "
+                f"{step_ms:>5.1f}ms {ttft_goal_ms(idle_ms, step_ms):>5.0f}ms "
+                f"{len(loaded):>7} {share:>12.3f} {tokens_per_s:>12.0f} "
+                f"{os.getloadavg()[0]:>9.2f}",
+                flush=True,
+            )
     return 0
 
 
