@@ -1266,6 +1266,7 @@ def make_default_shaped(directory: str) -> None:
 def service(directory: str) -> None:
     """Worker and scheduler as the operator runs them; greedy gRPC text vs generate() on the
     same device and weights; then a short `make bench` workload against the running server."""
+    import shutil
     import socket
     import subprocess
     import tempfile
@@ -1407,6 +1408,7 @@ def service(directory: str) -> None:
                 if "steps were launched ahead" in line:  # the worker's count, at its stop
                     say("INFO", f"service: {line.split(': ', 1)[-1]}")
             print(f"INFO {name} log tail:\n{text[-2500:]}", flush=True)
+        shutil.rmtree(run_dir, ignore_errors=True)  # the logs, printed above, and the socket
 
 
 def reference_greedy(directory: str, prompt: str, n_new: int) -> tuple[list[int], list[int]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -161,8 +162,6 @@ def main() -> int:
     if args.replicas < 1:
         parser.error("--replicas must be at least 1")
 
-    runtime_dir = tempfile.mkdtemp(prefix="pagoda-run-")
-    os.chmod(runtime_dir, 0o700)
     scheduler_model = "default" if args.model == "dummy" else args.model
     # The worker converts the default model on first use; the scheduler reads the result.
     resolve = subprocess.run(
@@ -170,6 +169,8 @@ def main() -> int:
     )
     if resolve.returncode != 0:
         return resolve.returncode
+    runtime_dir = tempfile.mkdtemp(prefix="pagoda-run-")  # the workers' sockets
+    os.chmod(runtime_dir, 0o700)
     worker_env = None
     if args.replicas > 1 and "OMP_NUM_THREADS" not in os.environ:
         # Each worker's torch would take every core; they share them out instead.
@@ -234,10 +235,7 @@ def main() -> int:
         return 0
     finally:
         stop(processes)
-        try:
-            os.rmdir(runtime_dir)
-        except OSError:
-            pass
+        shutil.rmtree(runtime_dir, ignore_errors=True)  # a socket a killed worker left
 
 
 if __name__ == "__main__":
