@@ -284,6 +284,20 @@ class Driver:
         return plan
 
 
+def feed_prompt(i, prompt, s, chunk, entries, new) -> bool:
+    """Admit sequence i (state `s`) when new and feed its prompt's next chunk (chunk tokens,
+    all when None), as greedy_engine's steps do; False once the prompt is all fed."""
+    if not s["admitted"]:
+        new.append((i, len(prompt), []))
+        s["admitted"] = True
+    if s["pos"] >= len(prompt):
+        return False
+    n = len(prompt) - s["pos"] if chunk is None else min(chunk, len(prompt) - s["pos"])
+    entries.append((i, s["pos"], prompt[s["pos"] : s["pos"] + n], s["pos"] + n == len(prompt)))
+    s["pos"] += n
+    return True
+
+
 def greedy_engine(engine, prompts, new_tokens, chunk=None, stagger=True):
     """Greedy tokens per prompt through the engine: staggered admission, chunked prefill
     (chunk tokens per step), decodes batched with prefills."""
@@ -296,14 +310,7 @@ def greedy_engine(engine, prompts, new_tokens, chunk=None, stagger=True):
             s = state[i]
             if len(s["out"]) >= new_tokens or (stagger and i > step):
                 continue
-            if not s["admitted"]:
-                new.append((i, len(p), []))
-                s["admitted"] = True
-            if s["pos"] < len(p):
-                n = len(p) - s["pos"] if chunk is None else min(chunk, len(p) - s["pos"])
-                entries.append((i, s["pos"], p[s["pos"] : s["pos"] + n], s["pos"] + n == len(p)))
-                s["pos"] += n
-            else:
+            if not feed_prompt(i, p, s, chunk, entries, new):
                 entries.append((i, s["pos"], [s["out"][-1]], True))
                 s["pos"] += 1
         res = d.run(entries, new)
@@ -381,14 +388,8 @@ def greedy_drafted(engine, prompts, truth, new_tokens, chunk=None, max_drafts=4)
             s = state[i]
             if len(s["out"]) >= new_tokens or i > step:
                 continue
-            if not s["admitted"]:
-                new.append((i, len(p), []))
-                s["admitted"] = True
-            if s["pos"] < len(p):
-                n = len(p) - s["pos"] if chunk is None else min(chunk, len(p) - s["pos"])
-                entries.append((i, s["pos"], p[s["pos"] : s["pos"] + n], s["pos"] + n == len(p)))
+            if feed_prompt(i, p, s, chunk, entries, new):
                 counts.append(0)
-                s["pos"] += n
                 continue
             done = len(s["out"])
             drafts = list(truth[i][done : done + min(max_drafts, new_tokens - done - 1)])
