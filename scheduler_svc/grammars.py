@@ -28,7 +28,8 @@ A row with n-gram drafts (StepPlan.draft_counts; never planned ahead) samples af
 last token and after each draft: it gets a mask per sample point, its matcher fed the
 drafts one by one and rolled back (llguidance does both on its threads), so each sample
 is what decoding one token at a time under the grammar gives. The core keeps the samples
-while they equal the drafts; catch_up then feeds the matcher the tokens kept.
+while they equal the drafts; catch_up then feeds the matcher the tokens kept. The core
+drafts no token the grammar refuses: it asks `num_allowed` first (core.request.Grammar).
 """
 
 from __future__ import annotations
@@ -106,6 +107,14 @@ class RequestGrammar:
         """A matcher of its own for another sample of the same request (n > 1), in the
         state of this one before any token: call before this one consumes any."""
         return RequestGrammar(self.matcher.deep_copy(), self.eos_token_ids)
+
+    def num_allowed(self, request: Request, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order, the grammar allows after `request`'s tokens
+        (the core's question before it drafts them: core.request.Grammar)."""
+        self.catch_up(request)
+        if self.matcher.is_error():
+            return 0
+        return self.matcher.validate_tokens(token_ids)
 
     def catch_up(self, request: Request) -> None:
         """Consume the tokens `request` generated since the last call."""

@@ -383,6 +383,8 @@ class Planner:
             drafts = propose(
                 request.token_ids, config.speculative_ngram_min, config.speculative_ngram_max, worth
             )
+            if drafts and request.grammar is not None:  # none the grammar would refuse
+                drafts = drafts[: request.grammar.num_allowed(request, drafts)]
             b.feed_drafted(request, position, drafts)
             num_drafted += len(drafts)
             if self.tenants.fair:

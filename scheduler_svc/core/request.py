@@ -10,9 +10,19 @@ import math
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pagoda.common.step import SamplingParams, WorkerGeometry
 from pagoda.scheduler_svc.core.kv import ROOT_HASH
+
+
+class Grammar(Protocol):
+    """A constrained request's matcher (scheduler_svc.grammars.RequestGrammar): the core
+    asks it one thing, so that it drafts no token the grammar refuses."""
+
+    def num_allowed(self, request: Request, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order, the grammar allows after `request`'s tokens."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,13 +49,13 @@ class ValidRequest:
     tenant: str = ""
     tenant_weight: float = 1.0
     # Structured output: the service's grammar matcher (scheduler_svc.grammars), opaque to
-    # the core.
-    grammar: object | None = None
+    # the core but for Grammar's one question.
+    grammar: Grammar | None = None
     # Samples of this prompt (n): n core requests named by sample_request_ids, sharing
     # the prompt's KV blocks (see Request.prompt_leader).
     n: int = 1
     # With a grammar and n > 1: the matchers of samples 1 to n-1 (each its own state).
-    sample_grammars: tuple[object, ...] = ()
+    sample_grammars: tuple[Grammar, ...] = ()
     # A Chat request's tools (scheduler_svc.tools.ValidTools), opaque to the core: the text
     # stage reads the output for their calls.
     tools: object | None = None
@@ -140,7 +150,7 @@ class Request:
     # generated) at which it ends: max_new_tokens or a full context. Empty until admitted.
     stop_token_ids: frozenset[int] = frozenset()
     max_num_tokens: int = 0
-    grammar: object | None = None  # ValidRequest.grammar
+    grammar: Grammar | None = None  # ValidRequest.grammar
     # A sample of an n > 1 request: its full blocks are keyed and matched even with prefix
     # caching off (then under a root hash private to the request's samples), so the
     # samples share the prompt's blocks by reference count whatever the setting.

@@ -126,6 +126,18 @@ def test_a_row_with_drafts_gets_the_mask_after_each_and_its_matcher_is_rolled_ba
     assert grammar.num_consumed_tokens == 5
 
 
+def test_the_core_asks_how_many_drafts_the_grammar_allows(compiler, vocabulary):
+    grammar = compiler.compile(ValidConstraint("choice", '["ababa"]'), TINY_VOCAB_SIZE, [EOS])
+    a, b = vocabulary.index(b"a"), vocabulary.index(b"b")
+    request = running("r", grammar, [a])
+    assert grammar.num_allowed(request, [b, a, a, b]) == 2  # after "aba", "a" is refused
+    assert grammar.num_allowed(request, [a]) == 0
+    assert grammar.num_consumed_tokens == 1  # caught up, nothing more consumed
+    plan = plan_of([1], [True])
+    fill_masks(plan, {1: request}.get, TINY_VOCAB_SIZE)
+    assert allowed_ids(plan.allowed_token_bitmask) == {b}
+
+
 def test_a_constraint_compiled_again_is_a_copy_of_the_first(compiler, vocabulary, monkeypatch):
     constraint = ValidConstraint("choice", '["ab", "ba"]')
     first = compiler.compile(constraint, TINY_VOCAB_SIZE, [EOS])

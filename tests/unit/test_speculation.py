@@ -160,6 +160,35 @@ def test_the_same_stream_in_fewer_steps(speculative_tokens):
     )
 
 
+class RefusesFive:
+    """A grammar that refuses token 5 (core.request.Grammar): the fake worker does not mask,
+    so only the drafts change."""
+
+    def __init__(self) -> None:
+        self.num_asked = 0
+
+    def num_allowed(self, request, token_ids: list[int]) -> int:
+        self.num_asked += 1
+        return token_ids.index(5) if 5 in token_ids else len(token_ids)
+
+
+def test_a_grammar_trims_the_drafts_it_would_refuse():
+    grammar = RefusesFive()
+    constrained = dataclasses.replace(
+        make_request("r0", cyclic_prompt(), max_new_tokens=30), grammar=grammar
+    )
+    plain, _, _ = run(
+        [make_request("r0", cyclic_prompt(), max_new_tokens=30)], speculative_tokens=4
+    )
+    drafted, stats, plans = run([constrained], speculative_tokens=4)
+    assert drafted["r0"].token_ids == plain["r0"].token_ids
+    assert grammar.num_asked > 0 and stats.num_draft_tokens > 0
+    for plan in plans:
+        for row, num_drafts in enumerate(plan.draft_counts):
+            end = plan.token_offsets[row + 1]
+            assert 5 not in plan.token_ids[end - num_drafts : end]
+
+
 @pytest.mark.parametrize(
     "stopping",
     [
