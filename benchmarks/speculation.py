@@ -105,10 +105,10 @@ PROMPTS = {"echo": echo_prompts, "open": open_prompts, "json": json_prompts}
 CONSTRAINTS = {"json": generation_pb2.Constraint(json_schema=json.dumps(ITEMS_SCHEMA))}
 
 
-async def chat(stub, prompt: str, max_new_tokens: int, constraint=None) -> list[int]:
+async def chat(stub, prompt: str, max_new_tokens: int, constraint, sampling) -> list[int]:
     request = generation_pb2.ChatRequest(
         messages=[generation_pb2.ChatMessage(role="user", content=prompt)],
-        sampling=generation_pb2.SamplingParams(temperature=0.0),
+        sampling=sampling,
         stopping=generation_pb2.StoppingCriteria(max_new_tokens=max_new_tokens),
         constraint=constraint,
     )
@@ -119,7 +119,12 @@ async def chat(stub, prompt: str, max_new_tokens: int, constraint=None) -> list[
 
 
 async def run(
-    address: str, prompts: list[str], max_new_tokens: int, concurrency: int, constraint=None
+    address: str,
+    prompts: list[str],
+    max_new_tokens: int,
+    concurrency: int,
+    constraint,
+    sampling: generation_pb2.SamplingParams,
 ):
     """Every prompt's tokens, the wall time, and the drafted and accepted tokens."""
     async with grpc.aio.insecure_channel(address) as channel:
@@ -130,7 +135,7 @@ async def run(
         for first in range(0, len(prompts), concurrency):
             batch = prompts[first : first + concurrency]
             outputs += await asyncio.gather(
-                *(chat(stub, p, max_new_tokens, constraint) for p in batch)
+                *(chat(stub, p, max_new_tokens, constraint, sampling) for p in batch)
             )
         wall_s = time.monotonic() - start_s
         after = await stub.GetServerStats(generation_pb2.ServerStatsRequest())
@@ -149,13 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     add("--burst", type=int, default=8, help="requests at once in the burst run")
     add("--max-new-tokens", type=int, default=160)
     add("--runs", default="sequential,burst")
+    add("--repetition-penalty", type=float, default=1.0, help="as the CLI's 1.1, say")
     args = parser.parse_args(argv)
+    sampling = generation_pb2.SamplingParams(
+        temperature=0.0, repetition_penalty=args.repetition_penalty
+    )
     kinds = args.kinds.split(",")
     if unknown := set(kinds) - set(PROMPTS):
         parser.error(f"unknown kinds {sorted(unknown)}: choose from {sorted(PROMPTS)}")
     prompts = {kind: PROMPTS[kind](args.requests) for kind in kinds}
     reference: dict[str, list[list[int]]] = {}
     print(f"model {args.model}, {args.requests} chat requests per kind, greedy, "
+          f"repetition penalty {args.repetition_penalty:g}, "
           f"at most {args.max_new_tokens} new tokens")  # fmt: skip
     print(f"{'drafts':>6} {'kind':>5} {'run':>10} {'tokens':>7} {'wall s':>7} {'tok/s':>7} "
           f"{'accepted':>14} {'same tokens':>11}")  # fmt: skip
@@ -175,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                             args.max_new_tokens,
                             concurrency,
                             CONSTRAINTS.get(kind),
+                            sampling,
                         )
                     )
                     same = reference.setdefault(kind, outputs) == outputs

@@ -279,6 +279,8 @@ class PagedEngine(Engine):
                     for seq in sequences
                 ),
             )
+            if sampling.drafted_seq_ids:
+                token_counts.add_drafts(*counts, sampling)
         return EnqueuedTokens(clock, sample_on_device(logits, rows, counts) if rows else None)
 
 

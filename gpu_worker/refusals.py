@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagoda.common.plan_check import PlanError
-from pagoda.common.step import NewSequence, SamplingParams, StepPlan, has_penalty, num_masks
+from pagoda.common.step import NewSequence, SamplingParams, StepPlan, num_masks
 
 if TYPE_CHECKING:
     from pagoda.gpu_worker.sequence_table import Sequence, SequenceTable
@@ -49,11 +49,10 @@ def check_draft_counts(plan: StepPlan) -> None:
         raise PlanError("draft_counts holds a negative count")
 
 
-def draft_problem(plan: StepPlan, row: int, seq: Sequence, *, last_sampled: bool) -> str | None:
+def draft_problem(plan: StepPlan, row: int, *, last_sampled: bool) -> str | None:
     """Why `row` of `plan`, which has drafts (StepPlan.draft_counts), cannot sample after
     each of them what decoding one token at a time would, or None. A last_sampled row
-    feeds one token, so it is named before the count; a penalized sequence's counts would
-    already hold the drafts."""
+    feeds one token, so it is named before the count."""
     seq_id, num_drafts = plan.seq_ids[row], plan.draft_counts[row]
     num_fed = plan.token_offsets[row + 1] - plan.token_offsets[row]
     if not plan.sample[row]:
@@ -64,11 +63,6 @@ def draft_problem(plan: StepPlan, row: int, seq: Sequence, *, last_sampled: bool
         return (
             f"sequence {seq_id} feeds {num_fed} tokens with {num_drafts} drafts "
             "(its last real token comes before them)"
-        )
-    if has_penalty(seq.sampling):
-        return (
-            f"sequence {seq_id} has drafts but a repetition, presence or frequency penalty "
-            "(its counts would hold the drafts)"
         )
     return None
 

@@ -195,7 +195,7 @@ class SequenceTable:
             seq = sequences.get(seq_id)
             placeholder = i in last_sampled_rows
             if draft_counts and draft_counts[i] and seq is not None:
-                problem = draft_problem(plan, i, seq, last_sampled=placeholder)
+                problem = draft_problem(plan, i, last_sampled=placeholder)
                 if problem:
                     refuse(seq_id, problem)
                     continue

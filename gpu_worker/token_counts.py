@@ -10,6 +10,11 @@ Only sequences with a penalty get a row: 5 bytes per vocabulary id (bool + int32
 245 KB for a 49,152-id vocabulary, 61 MB for 256 penalized sequences. Row 0 stays all
 zero for sequences without one. A rewound sequence (recompute) is counted again from
 its history. Rows of sequences the table no longer holds are reclaimed each step.
+
+A row with drafts (StepPlan.draft_counts) is counted without them: the scheduler keeps
+some, and the next row feeds from after those, so `update` counts the kept ones then. Its
+sample after the j-th draft reads the counts with drafts 1..j added (`add_drafts`, on the
+gathered copies), as decoding one token at a time would have counted them.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagoda.common.step import StepPlan, has_penalty
-from pagoda.gpu_worker.sequence_table import Sequence, SequenceTable
+from pagoda.gpu_worker.sequence_table import SamplingRows, Sequence, SequenceTable
 from pagoda.gpu_worker.step_events import upload
 
 if TYPE_CHECKING:
@@ -71,7 +76,7 @@ class TokenCounts:
         source_of = dict(zip(fill.rows, fill.sources, strict=True)) if fill is not None else {}
         device_rows: list[int] = []
         device_sources: list[int] = []
-        offsets = plan.token_offsets
+        offsets, draft_counts = plan.token_offsets, plan.draft_counts
         for i, seq in penalized:
             start = plan.start_positions[i]
             entry = self._rows.get(seq.seq_id)
@@ -87,6 +92,8 @@ class TokenCounts:
             history = seq.token_ids
             num_prompt = seq.num_prompt_tokens
             end = start + offsets[i + 1] - offsets[i]
+            if draft_counts:  # drafts count once kept: the next row feeds from after them
+                end -= draft_counts[i]
             self._num_counted[seq.seq_id] = end
             if i in source_of:  # a sampled token: generated
                 device_rows.append(row)
@@ -162,6 +169,35 @@ class TokenCounts:
         index = torch.tensor(row_ids, dtype=torch.long).to(self.device, non_blocking=True)
         counts = self.output_counts.index_select(0, index) if with_counts else None
         return self.seen.index_select(0, index), counts
+
+    def add_drafts(
+        self, seen: torch.Tensor, counts: torch.Tensor | None, sampling: SamplingRows
+    ) -> None:
+        """Count, in `gather`'s copies for `sampling`'s points, the drafts fed before each
+        point of a penalized row with drafts: the history a token decoded alone there
+        would follow (`update` counts a row's drafts only once they are kept)."""
+        drafted = sampling.drafted_seq_ids
+        points: list[int] = []
+        token_ids: list[int] = []
+        first: tuple[Sequence, int] | None = None  # the row's sequence, its first point
+        for point, (seq, position) in enumerate(
+            zip(sampling.sequences, sampling.positions, strict=True)
+        ):
+            if seq.seq_id not in drafted or not has_penalty(seq.sampling):
+                continue
+            if first is None or first[0] is not seq:
+                first = (seq, position)  # its first point follows its last real token
+            drafts = seq.token_ids[first[1] : position]
+            points += [point] * len(drafts)
+            token_ids += drafts
+        if not points:
+            return
+        _, index = upload(points + token_ids, torch.long, self.device)
+        pairs = (index[: len(points)], index[len(points) :])
+        seen.index_put_(pairs, torch.ones((), dtype=torch.bool, device=self.device))
+        if counts is not None:
+            ones = torch.ones((), dtype=torch.int32, device=self.device).expand(len(points))
+            counts.index_put_(pairs, ones, accumulate=True)
 
     def _take_row(self, seq: Sequence) -> int:
         row = self._free_rows.pop()  # _reserve made sure there is one

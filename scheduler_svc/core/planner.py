@@ -59,7 +59,6 @@ from pagoda.scheduler_svc.core.request import Request, RequestState, set_stop_ru
 from pagoda.scheduler_svc.core.running import RunningSet
 from pagoda.scheduler_svc.core.speculation import (
     acceptance,
-    can_speculate,
     draft_price,
     num_worth_drafting,
     pause_drafts,
@@ -328,7 +327,6 @@ class Planner:
                 speculates
                 and position + 1 == num_known
                 and slot != block_size - 1  # its table has room for a draft
-                and can_speculate(request.sampling)
             ):
                 drafting.append((request, position))
                 if grown_indices and grown_indices[-1] == len(fed):

@@ -36,7 +36,6 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
-from pagoda.common.step import SamplingParams, has_penalty
 from pagoda.scheduler_svc.core.request import Request
 from pagoda.scheduler_svc.core.step_budget import StepCostModel
 
@@ -79,13 +78,6 @@ def propose(token_ids: array, ngram_min: int, ngram_max: int, max_drafts: int) -
                 return token_ids[first : first + max_drafts].tolist()
             end = found + len(needle) - 1
     return []
-
-
-def can_speculate(sampling: SamplingParams) -> bool:
-    """Whether a request's samples do not depend on its own earlier tokens beyond the
-    logits: no penalty (its counts would hold the drafts as generated). A grammar may
-    draft: its rows get a mask per sample point (scheduler_svc.grammars)."""
-    return not has_penalty(sampling)
 
 
 def acceptance(num_kept_drafts: float, num_tried_drafts: float) -> float:

@@ -75,11 +75,17 @@ REPEATING_PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [40, 41, 42, 43, 40, 41, 42], [
 NUM_TOKENS = 40
 
 
+# Penalties per prompt: the worker counts the drafts before each sample point.
+PENALTIES = [{}, {"repetition_penalty": 1.2}, {"presence_penalty": 0.4, "frequency_penalty": 0.3}]
+
+
 async def sampled(address: str, seed: int) -> list[tuple[list[int], list[float]]]:
-    async def one(stub, prompt):
+    async def one(stub, prompt, penalties):
         request = generation_pb2.GenerateRequest(
             prompt_token_ids=generation_pb2.TokenIds(ids=prompt),
-            sampling=generation_pb2.SamplingParams(temperature=0.8, top_k=20, seed=seed),
+            sampling=generation_pb2.SamplingParams(
+                temperature=0.8, top_k=20, seed=seed, **penalties
+            ),
             stopping=generation_pb2.StoppingCriteria(max_new_tokens=NUM_TOKENS, ignore_eos=True),
             logprobs=3,
         )
@@ -91,7 +97,12 @@ async def sampled(address: str, seed: int) -> list[tuple[list[int], list[float]]
 
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        return await asyncio.gather(*(one(stub, prompt) for prompt in REPEATING_PROMPTS))
+        return await asyncio.gather(
+            *(
+                one(stub, prompt, penalties)
+                for prompt, penalties in zip(REPEATING_PROMPTS, PENALTIES, strict=True)
+            )
+        )
 
 
 def test_tiny_model_gives_the_same_tokens_and_logprobs_with_drafts(tmp_path, tiny_model):  # noqa: F811
