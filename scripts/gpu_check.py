@@ -284,11 +284,12 @@ class Driver:
         return plan
 
 
-def feed_prompt(i, prompt, s, chunk, entries, new) -> bool:
-    """Admit sequence i (state `s`) when new and feed its prompt's next chunk (chunk tokens,
-    all when None), as greedy_engine's steps do; False once the prompt is all fed."""
+def feed_prompt(i, prompt, s, chunk, entries, new, params=None) -> bool:
+    """Admit sequence i (state `s`; sampling `params`, greedy when None) when new and feed
+    its prompt's next chunk (chunk tokens, all when None), as greedy_engine's steps do;
+    False once the prompt is all fed."""
     if not s["admitted"]:
-        new.append((i, len(prompt), []))
+        new.append((i, len(prompt), [], *([params] if params else [])))
         s["admitted"] = True
     if s["pos"] >= len(prompt):
         return False
@@ -298,9 +299,10 @@ def feed_prompt(i, prompt, s, chunk, entries, new) -> bool:
     return True
 
 
-def greedy_engine(engine, prompts, new_tokens, chunk=None, stagger=True):
+def greedy_engine(engine, prompts, new_tokens, chunk=None, stagger=True, params=None):
     """Greedy tokens per prompt through the engine: staggered admission, chunked prefill
-    (chunk tokens per step), decodes batched with prefills."""
+    (chunk tokens per step), decodes batched with prefills; `params` (penalties, say) for
+    every sequence, greedy when None."""
     d = Driver(engine)
     state = {i: dict(pos=0, out=[], admitted=False) for i in range(len(prompts))}
     step = 0
@@ -310,7 +312,7 @@ def greedy_engine(engine, prompts, new_tokens, chunk=None, stagger=True):
             s = state[i]
             if len(s["out"]) >= new_tokens or (stagger and i > step):
                 continue
-            if not feed_prompt(i, p, s, chunk, entries, new):
+            if not feed_prompt(i, p, s, chunk, entries, new, params):
                 entries.append((i, s["pos"], [s["out"][-1]], True))
                 s["pos"] += 1
         res = d.run(entries, new)
@@ -372,12 +374,12 @@ def greedy_engine_ahead(engine, prompts, new_tokens, chunk=None):
     return [state[i]["out"][:new_tokens] for i in range(len(prompts))]
 
 
-def greedy_drafted(engine, prompts, truth, new_tokens, chunk=None, max_drafts=4):
+def greedy_drafted(engine, prompts, truth, new_tokens, chunk=None, max_drafts=4, params=None):
     """greedy_engine's steps with speculative rows: each decode row feeds its last token and
     up to max_drafts drafts (StepPlan.draft_counts), the next tokens of `truth` (what one
     token at a time gave), one of them changed in every row of odd sequences. The
     samples after the drafts are kept while equal to them, plus one, as the scheduler does.
-    Returns (tokens per prompt, drafts fed, drafts kept)."""
+    `params` as greedy_engine's. Returns (tokens per prompt, drafts fed, drafts kept)."""
     d = Driver(engine)
     vocab_size = engine.facts.vocab_size
     state = {i: dict(pos=0, out=[], admitted=False) for i in range(len(prompts))}
@@ -388,7 +390,7 @@ def greedy_drafted(engine, prompts, truth, new_tokens, chunk=None, max_drafts=4)
             s = state[i]
             if len(s["out"]) >= new_tokens or i > step:
                 continue
-            if feed_prompt(i, p, s, chunk, entries, new):
+            if feed_prompt(i, p, s, chunk, entries, new, params):
                 counts.append(0)
                 continue
             done = len(s["out"])
@@ -422,11 +424,21 @@ def greedy_drafted(engine, prompts, truth, new_tokens, chunk=None, max_drafts=4)
 
 
 def drafts_vs_decoding(eng, prompts, got, n_new, dtype) -> None:
-    """Speculative rows sample what decoding one token at a time sampled. On a CPU the
+    """Speculative rows sample what decoding one token at a time sampled, without and with
+    penalties (the sample after a draft counts the drafts before it). On a CPU the
     scheduler speculates by default because this holds bit for bit; on CUDA a draft row
     runs the prefill path (no decode graph), so bfloat16 may differ in the last bits: this
     says how much, to decide whether speculation can be on by default there too."""
-    drafted, num_fed, num_kept = greedy_drafted(eng, prompts, got, n_new, chunk=24)
+    from pagoda.common.step import SamplingParams
+
+    penalties = SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
+    penalized = greedy_engine(eng, prompts, n_new, chunk=24, params=penalties)
+    for name, truth, params in (("", got, None), (" with penalties", penalized, penalties)):
+        _drafts_vs(eng, prompts, truth, n_new, dtype, name, params)
+
+
+def _drafts_vs(eng, prompts, got, n_new, dtype, name, params) -> None:
+    drafted, num_fed, num_kept = greedy_drafted(eng, prompts, got, n_new, chunk=24, params=params)
     exact = sum(a == g for a, g in zip(drafted, got, strict=True))
     prefix = [
         next((k for k, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), n_new)
@@ -436,7 +448,7 @@ def drafts_vs_decoding(eng, prompts, got, n_new, dtype) -> None:
     good = exact == len(prompts) if strict else 2 * exact >= len(prompts)
     say(
         "PASS" if good and 0 < num_kept < num_fed else "FAIL",
-        f"[{dtype}] rows with drafts (right and wrong, up to 4) == one token at a time: "
+        f"[{dtype}] rows with drafts (right and wrong, up to 4){name} == one token at a time: "
         f"{exact}/{len(prompts)} sequences exact, first divergence {prefix}; "
         f"{num_kept}/{num_fed} drafts kept{'' if strict else ' (bf16: late divergence is OK)'}",
     )
