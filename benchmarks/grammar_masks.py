@@ -1,7 +1,10 @@
 """The scheduler's structured-output cost per step: fill_masks for N constrained rows of the
 default model's vocabulary (49,152 tokens), each matcher at a different point of a JSON
-object, consuming one token per step as in serving. `python -m benchmarks.grammar_masks [--rows 64] [--repeats 50]`; prints the
-median and p90 milliseconds per step (masks computed, packed and attached to the plan)."""
+object, consuming one token per step as in serving. `python -m benchmarks.grammar_masks
+[--rows 64] [--repeats 50] [--drafts 4]`; prints the median and p90 milliseconds per step
+(masks computed, packed and attached to the plan). With --drafts, each row also drafts the
+object's next tokens (speculation): a mask per sample point, the matcher fed the drafts
+and rolled back."""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--drafts", type=int, default=0, help="drafts per row (0: none)")
     args = parser.parse_args()
     tokenizer = load_tokenizer(resolve_model_dir("default").path)
     vocab_size = tokenizer.vocab_size
@@ -50,6 +54,13 @@ def main() -> None:
         )  # fmt: skip
     compile_ms = (time.perf_counter() - started) * 1e3
     plan = StepPlan(step_id=0, seq_ids=list(requests), sample=[True] * args.rows)
+    if args.drafts:  # each row: its last token, then the object's next tokens as drafts
+        for row in range(args.rows):
+            done = row % len(text_ids)
+            drafts = text_ids[done : done + args.drafts]
+            plan.token_ids += [text_ids[done - 1] if done else 1, *drafts]
+            plan.token_offsets.append(len(plan.token_ids))
+            plan.draft_counts.append(len(drafts))
     fill_masks(plan, requests.get, vocab_size)  # the matchers consume their tokens here
     times_ms = []
     for _ in range(args.repeats):
@@ -65,7 +76,8 @@ def main() -> None:
         times_ms.append((time.perf_counter() - started) * 1e3)
     times_ms.sort()
     print(
-        f"{args.rows} constrained rows, vocabulary {vocab_size}: fill_masks median "
+        f"{args.rows} constrained rows, {sum(plan.draft_counts)} drafts, vocabulary "
+        f"{vocab_size}: fill_masks median "
         f"{statistics.median(times_ms):.2f} ms, p90 {times_ms[int(0.9 * len(times_ms))]:.2f} ms "
         f"({len(plan.allowed_token_bitmask)} bytes of masks); first compile of {args.rows} "
         f"(vocabulary read included) {compile_ms:.0f} ms"
