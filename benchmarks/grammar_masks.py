@@ -16,7 +16,8 @@ import time
 from pagoda.gpu_worker.model_loader import resolve_model_dir
 from pagoda.scheduler_svc.core import StepPlan
 from pagoda.scheduler_svc.core.request import Request, token_array
-from pagoda.scheduler_svc.grammars import GrammarCompiler, ValidConstraint, fill_masks
+from pagoda.scheduler_svc.grammar_masks import fill_masks
+from pagoda.scheduler_svc.grammars import GrammarCompiler, ValidConstraint
 from pagoda.scheduler_svc.tokenizer import load_tokenizer
 
 SCHEMA = {

@@ -8,7 +8,7 @@ end (plan_timing.py), so that requests arriving meanwhile join it; the loop publ
 outputs and waits for that moment or N's result, whichever comes first. Without overlap,
 one step at a time. A constrained row of N+1 (structured output) needs N's token for its
 mask: N+1 goes out saying its masks follow, and right after N is applied, before anything
-else, the loop sends them (grammars.masks_after), while the worker still runs N+1's
+else, the loop sends them (grammar_masks.masks_after), while the worker still runs N+1's
 forward.
 
 One loop turns one Scheduler (one lane of the serving front, front.py). The front adds
@@ -31,7 +31,7 @@ from typing import NamedTuple, Protocol
 
 from pagoda.common import step_codec
 from pagoda.protos import step_pb2
-from pagoda.scheduler_svc import grammars
+from pagoda.scheduler_svc import grammar_masks, grammars
 from pagoda.scheduler_svc.core import (
     FinishReason,
     RequestOutput,
@@ -137,7 +137,7 @@ class _Flight:
     encoded_s: float  # when it was ready to send
     # Its masks that follow (StepPlan.masks_follow), until sent once the step before it
     # is answered or failed.
-    masks: grammars.PendingMasks | None = None
+    masks: grammar_masks.PendingMasks | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,7 +296,7 @@ class StepLoop:
         masks = None
         if grammars.any_live():
             vocab_size = self._worker.hello.vocab_size
-            masks = grammars.fill_masks(decision, self._scheduler.request_of, vocab_size)
+            masks = grammar_masks.fill_masks(decision, self._scheduler.request_of, vocab_size)
         plan = step_codec.encode_plan(decision)
         encoded_s = self._clock()
         self._timing.planned(encoded_s - started_s)
@@ -310,7 +310,7 @@ class StepLoop:
         flight = self._flights[0] if self._flights else None
         if flight is None or flight.masks is None:
             return
-        masks = grammars.masks_after(flight.masks, self._scheduler.request_of)
+        masks = grammar_masks.masks_after(flight.masks, self._scheduler.request_of)
         flight.masks = None
         self._link.send_masks(step_codec.encode_masks(masks))
 

@@ -20,12 +20,8 @@ from pagoda.scheduler_svc import grammars
 from pagoda.scheduler_svc.constraint_validation import validate_constraint
 from pagoda.scheduler_svc.core import NewSequence, StepPlan
 from pagoda.scheduler_svc.core.request import Request, token_array
-from pagoda.scheduler_svc.grammars import (
-    GrammarError,
-    ValidConstraint,
-    fill_masks,
-    mask_words,
-)
+from pagoda.scheduler_svc.grammar_masks import fill_masks, mask_words, masks_after
+from pagoda.scheduler_svc.grammars import GrammarError, ValidConstraint
 from pagoda.scheduler_svc.validation import ValidationError
 from tests.conftest import TINY_VOCAB_SIZE
 from tests.unit.conftest import make_geometry, make_request, make_scheduler
@@ -290,7 +286,7 @@ def test_an_ahead_row_s_mask_follows_the_plan_once_its_token_is_known(compiler, 
     assert ahead.grammar.num_consumed_tokens == 0
     ahead.token_ids.append(a)  # the step in flight sampled "a" for it
     del requests[3]  # and ended the other (its token of step 7 is dropped)
-    masks = grammars.masks_after(pending, requests.get)
+    masks = masks_after(pending, requests.get)
     assert masks.step_id == 7 and masks.seq_ids == [1]
     assert allowed_ids(masks.allowed_token_bitmask) == {b}
     assert ahead.grammar.num_consumed_tokens == 1
