@@ -9,6 +9,7 @@ One builder per plan; its state ends with it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagoda.common.step import NewSequence, StepPlan
@@ -99,17 +100,10 @@ class PlanBuilder:
         plan = self.plan
         start = request.num_computed_tokens
         end = start + num_tokens
-        token_ids, table = request.token_ids, request.block_ids
-        plan.seq_ids.append(request.seq_id)
-        plan.start_positions.append(start)
-        plan.sample.append(end == len(token_ids))
-        plan.token_ids.extend(token_ids[start:end])
-        plan.token_offsets.append(len(plan.token_ids))
-        plan.block_ids.extend(table[request.num_blocks_sent :])
-        plan.block_offsets.append(len(plan.block_ids))
+        token_ids = request.token_ids
+        self._append_row(request, start, end == len(token_ids), token_ids[start:end])
         if plan.draft_counts:
             plan.draft_counts.append(0)
-        request.num_blocks_sent = len(table)
         request.num_computed_tokens = end
         request.last_scheduled_step = self.step_id
         if self._prefix_caching or request.shares_prompt:
@@ -126,19 +120,27 @@ class PlanBuilder:
         if not plan.draft_counts:
             plan.draft_counts.extend([0] * index)
         plan.draft_counts.append(len(drafts))
+        self._append_row(request, position, True, [request.token_ids[position], *drafts])
+        plan.num_decode_tokens += 1  # its drafts are counted apart (StepPlan.draft_counts)
+        first, last = self._decode_entries
+        self._decode_entries = (first if last == index and last > first else index, index + 1)
+
+    def _append_row(
+        self, request: Request, start: int, sample: bool, token_ids: Sequence[int]
+    ) -> None:
+        """One row of the columns: `request`'s sequence feeds `token_ids` from position
+        `start` (and samples after them when `sample`), with the blocks of its table not
+        sent yet."""
+        plan = self.plan
         plan.seq_ids.append(request.seq_id)
-        plan.start_positions.append(position)
-        plan.sample.append(True)
-        plan.token_ids.append(request.token_ids[position])
-        plan.token_ids.extend(drafts)
+        plan.start_positions.append(start)
+        plan.sample.append(sample)
+        plan.token_ids.extend(token_ids)
         plan.token_offsets.append(len(plan.token_ids))
         table = request.block_ids
         plan.block_ids.extend(table[request.num_blocks_sent :])
         plan.block_offsets.append(len(plan.block_ids))
         request.num_blocks_sent = len(table)
-        plan.num_decode_tokens += 1  # its drafts are counted apart (StepPlan.draft_counts)
-        first, last = self._decode_entries
-        self._decode_entries = (first if last == index and last > first else index, index + 1)
 
     def give_blocks(self, requests: list[Request]) -> None:
         """One new block for each of `requests` (decoders at a block boundary, promised
