@@ -71,7 +71,6 @@ def fill_masks(
     if not any_live():
         return None
     ahead = set(plan.last_sampled_rows)
-    draft_counts, token_ids, ends = plan.draft_counts, plan.token_ids, plan.token_offsets[1:]
     rows: list[int] = []
     grammars: list[RequestGrammar] = []
     drafts: list[list[int]] = []
@@ -90,8 +89,7 @@ def fill_masks(
         grammar.catch_up(request)
         rows.append(index)
         grammars.append(grammar)
-        num_drafts = draft_counts[index] if draft_counts else 0
-        drafts.append(token_ids[ends[index] - num_drafts : ends[index]] if num_drafts else [])
+        drafts.append(plan.drafts(index))
     if rows:
         plan.allowed_token_rows = rows
         plan.allowed_token_bitmask = _bitmasks(grammars, vocab_size, drafts)

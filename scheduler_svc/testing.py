@@ -183,7 +183,7 @@ class FakeWorker:
                 sequence.last_sampled = (token_id, last_position + 1)
                 want_logprobs = want_logprobs or sequence.num_logprobs > 0
                 if num_drafts:
-                    self._keep_accepted(sequence, fed[len(fed) - num_drafts :], samples)
+                    self._keep_accepted(sequence, plan.drafts(index), samples)
             elif num_drafts:
                 raise PlanError(f"step {plan.step_id}: seq {seq_id} has drafts but samples none")
         if want_logprobs:

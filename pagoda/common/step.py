@@ -157,6 +157,14 @@ class StepPlan:
     def sampled_seq_ids(self) -> list[int]:
         return sampled_seq_ids(self.seq_ids, self.sample, self.draft_counts)
 
+    def drafts(self, row: int) -> list[int]:
+        """The drafted tokens row `row` feeds (its last draft_counts[row]; [] for none)."""
+        num_drafts = self.draft_counts[row] if self.draft_counts else 0
+        if not num_drafts:
+            return []
+        end = self.token_offsets[row + 1]
+        return self.token_ids[end - num_drafts : end]
+
     def named_seq_ids(self) -> set[int]:
         """Every sequence id the plan mentions, readable even when its columns are malformed."""
         ids = set(self.seq_ids) | set(self.forget_seq_ids)

@@ -668,11 +668,8 @@ class Scheduler:
         their logprobs. The accepted drafts' K/V is written: they count as computed, and
         the blocks they complete are keyed. Tokens taken."""
         running, planner = self._planner.running, self._planner
-        offsets, fed = plan.token_offsets, plan.token_ids
         drafts_of = {
-            plan.seq_ids[i]: fed[offsets[i + 1] - count : offsets[i + 1]]
-            for i, count in enumerate(plan.draft_counts)
-            if count
+            plan.seq_ids[i]: plan.drafts(i) for i, count in enumerate(plan.draft_counts) if count
         }
         seq_ids, token_ids = result.seq_ids, result.token_ids
         num_taken, index = 0, 0
