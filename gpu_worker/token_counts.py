@@ -116,7 +116,7 @@ class TokenCounts:
             _, index = upload(device_rows + device_sources, torch.long, self.device)
             num_rows = len(device_rows)
             pairs = (index[:num_rows], fill.tokens.index_select(0, index[num_rows:]))
-            self._count(pairs, pairs)  # sampled tokens: generated
+            _count_into(self.seen, self.output_counts, pairs, pairs)  # sampled: generated
 
     def _count_from_host(
         self,
@@ -125,8 +125,8 @@ class TokenCounts:
         output_rows: list[int],
         output_tokens: list[int],
     ) -> None:
-        """_count of (row, token) pairs from host lists: every pair seen, the output pairs
-        also generated; in one copy to the device."""
+        """Count (row, token) pairs from host lists into the tables (_count_into): every
+        pair seen, the output pairs also generated; in one copy to the device."""
         num_prompt_pairs, num_output_pairs = len(prompt_rows), len(output_rows)
         if not num_prompt_pairs + num_output_pairs:
             return
@@ -143,23 +143,7 @@ class TokenCounts:
             torch.cat([index[:num_prompt_pairs], output[0]]),
             torch.cat([index[num_prompt_pairs:split], output[1]]),
         )
-        self._count(seen, output)
-
-    def _count(
-        self,
-        seen: tuple[torch.Tensor, torch.Tensor],
-        generated: tuple[torch.Tensor, torch.Tensor],
-    ) -> None:
-        """seen[row, token] = True for each (rows, tokens) pair of `seen`, and one more in
-        output_counts[row, token] for each pair of `generated` (device tensors)."""
-        self.seen.index_put_(seen, torch.ones((), dtype=torch.bool, device=self.device))
-        num_generated = generated[0].shape[0]
-        if num_generated:
-            self.output_counts.index_put_(
-                generated,
-                torch.ones((), dtype=torch.int32, device=self.device).expand(num_generated),
-                accumulate=True,
-            )
+        _count_into(self.seen, self.output_counts, seen, output)
 
     def gather(
         self, row_ids: list[int], *, with_counts: bool = True
@@ -194,10 +178,7 @@ class TokenCounts:
             return
         _, index = upload(points + token_ids, torch.long, self.device)
         pairs = (index[: len(points)], index[len(points) :])
-        seen.index_put_(pairs, torch.ones((), dtype=torch.bool, device=self.device))
-        if counts is not None:
-            ones = torch.ones((), dtype=torch.int32, device=self.device).expand(len(points))
-            counts.index_put_(pairs, ones, accumulate=True)
+        _count_into(seen, counts, pairs, pairs)  # drafts: generated
 
     def _take_row(self, seq: Sequence) -> int:
         row = self._free_rows.pop()  # _reserve made sure there is one
@@ -227,3 +208,23 @@ class TokenCounts:
                 del self._rows[seq_id]
                 self._num_counted.pop(seq_id, None)
                 self._free_rows.append(row)
+
+
+def _count_into(
+    seen_table: torch.Tensor,
+    counts_table: torch.Tensor | None,
+    seen: tuple[torch.Tensor, torch.Tensor],
+    generated: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """seen_table[row, token] = True for each (rows, tokens) pair of `seen`, and one more
+    in counts_table[row, token] (unless None) for each pair of `generated` (device tensors
+    on the tables' device)."""
+    device = seen_table.device
+    seen_table.index_put_(seen, torch.ones((), dtype=torch.bool, device=device))
+    num_generated = generated[0].shape[0]
+    if counts_table is not None and num_generated:
+        counts_table.index_put_(
+            generated,
+            torch.ones((), dtype=torch.int32, device=device).expand(num_generated),
+            accumulate=True,
+        )
