@@ -52,7 +52,7 @@ class SampleRow:
 
     params: SamplingParams
     # Every token at positions [0, position): prompt + generated; then, for a sample point
-    # of a row with drafts, the drafts after it (penalties read these: such a row has none).
+    # of a row with drafts, the drafts after it, which its penalties do not count.
     token_ids: list[int]
     num_prompt_tokens: int
     position: int  # position the sampled token will occupy
@@ -76,8 +76,8 @@ def counts_from_histories(rows: list[SampleRow], vocab_size: int, device) -> Tok
     """(seen anywhere [S, vocab] bool, generated counts [S, vocab]) built from the rows'
     token lists: the definition that pagoda.gpu_worker.token_counts keeps up to date."""
     num_rows = len(rows)
-    row_index = [i for i, r in enumerate(rows) for _ in r.token_ids]
-    tokens = [t for r in rows for t in r.token_ids]
+    row_index = [i for i, r in enumerate(rows) for _ in r.token_ids[: r.position]]
+    tokens = [t for r in rows for t in r.token_ids[: r.position]]
     seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
     seen[torch.tensor(row_index, device=device), torch.tensor(tokens, device=device)] = True
     generated = [r.token_ids[r.num_prompt_tokens : r.position] for r in rows]

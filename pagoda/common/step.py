@@ -61,8 +61,8 @@ class SamplingParams:
 
 def has_penalty(params: SamplingParams) -> bool:
     """Whether sampling reads the sequence's own token counts (a repetition, presence or
-    frequency penalty): only such a sequence gets counts on the worker, and none may
-    sample after drafts (the counts would hold them; scheduler_svc.core.speculation)."""
+    frequency penalty): only such a sequence gets counts on the worker (token_counts.py,
+    which counts a row's drafts before each of its sample points)."""
     return (
         params.repetition_penalty != 1.0
         or params.presence_penalty != 0.0
