@@ -26,7 +26,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from pagoda.common.plan_check import PlanError, check_columns
-from pagoda.common.step import SamplingParams, StepMasks, StepPlan, num_masks
+from pagoda.common.step import SamplingParams, StepMasks, StepPlan, mask_words, num_masks
 from pagoda.gpu_worker.refusals import (
     check_allowed_token_rows,
     check_draft_counts,
@@ -311,7 +311,7 @@ def spread_drafts(values: list[int], rows: list[int], draft_counts: list[int]) -
 
 def allowed_token_mask_bytes(vocab_size: int) -> int:
     """Bytes of one row's allowed-token bitmask: ceil(vocab / 32) 32-bit words."""
-    return (vocab_size + 31) // 32 * 4
+    return mask_words(vocab_size) * 4
 
 
 def allowed_token_masks(plan: StepPlan, vocab_size: int) -> dict[int, list[bytes]]:

@@ -36,16 +36,10 @@ from llguidance.numpy import (
     fill_next_token_bitmask_par_with_draft_tokens,
 )
 
-from pagoda.common.step import StepMasks
+from pagoda.common.step import StepMasks, mask_words
 from pagoda.scheduler_svc.core import StepPlan
 from pagoda.scheduler_svc.core.request import Request
 from pagoda.scheduler_svc.grammars import RequestGrammar, any_live
-
-
-def mask_words(vocab_size: int) -> int:
-    """32-bit words per row of an allowed-token bitmask."""
-    return (vocab_size + 31) // 32
-
 
 _executor: llguidance.LLExecutor | None = None
 # Threads that compute a step's masks; the rest of the machine runs the worker.

@@ -189,6 +189,11 @@ def sampled_seq_ids(
     return sampled
 
 
+def mask_words(vocab_size: int) -> int:
+    """32-bit words of one allowed-token bitmask (StepPlan.allowed_token_bitmask)."""
+    return (vocab_size + 31) // 32
+
+
 def num_masks(draft_counts: Sequence[int], rows: Sequence[int]) -> list[int]:
     """How many masks allowed_token_bitmask holds for each of `rows` (allowed_token_rows)
     of a plan with these draft_counts: one per sample point, d + 1 for a row with d drafts."""

@@ -13,6 +13,7 @@ import pytest
 
 from pagoda.common import step_codec, wire
 from pagoda.common.plan_check import PlanError
+from pagoda.common.step import mask_words
 from pagoda.common.step_codec import decode_plan
 from pagoda.gpu_worker.sequence_table import SequenceTable, allowed_token_masks
 from pagoda.protos import generation_pb2 as pb
@@ -20,7 +21,7 @@ from pagoda.scheduler_svc import grammars
 from pagoda.scheduler_svc.constraint_validation import validate_constraint
 from pagoda.scheduler_svc.core import NewSequence, StepPlan
 from pagoda.scheduler_svc.core.request import Request, token_array
-from pagoda.scheduler_svc.grammar_masks import fill_masks, mask_words, masks_after
+from pagoda.scheduler_svc.grammar_masks import fill_masks, masks_after
 from pagoda.scheduler_svc.grammars import GrammarError, ValidConstraint
 from pagoda.scheduler_svc.validation import ValidationError
 from tests.conftest import TINY_VOCAB_SIZE
