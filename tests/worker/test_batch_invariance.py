@@ -185,18 +185,28 @@ PATHS = pytest.mark.parametrize(
     ids=["none", "int8", "int8-q4_1"],
 )
 BACKENDS = pytest.mark.parametrize("backend", ["reference", "cpu"])
+SEEDS = pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
+
+
+def case_alone(
+    tiny_models: TinyModels, quantization: str, weights: str, seed: int | None, backend: str,
+    label: str = "",
+):  # fmt: skip
+    """One case of PATHS x SEEDS x BACKENDS: its models, a generator named by `label` and
+    the case, a random prompt of 20-45 tokens, and what that prompt gives alone."""
+    models = models_under_test(tiny_models, quantization, weights, backend)
+    rng = random.Random(f"{label}{quantization}-{weights}-{seed}")
+    (prompt,) = random_prompts(1, seed=rng.randrange(1000), min_len=20, max_len=45)
+    return models, rng, prompt, alone(models, quantization, backend, prompt, seed)
 
 
 @PATHS
-@pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
+@SEEDS
 @BACKENDS
 def test_a_request_is_the_same_alone_in_any_batch_chunked_and_recomputed(
     tiny_models, quantization, weights, seed, backend
 ):
-    models = models_under_test(tiny_models, quantization, weights, backend)
-    rng = random.Random(f"{quantization}-{weights}-{seed}")
-    (prompt,) = random_prompts(1, seed=rng.randrange(1000), min_len=20, max_len=45)
-    expected = alone(models, quantization, backend, prompt, seed)
+    models, rng, prompt, expected = case_alone(tiny_models, quantization, weights, seed, backend)
     assert len(expected[0]) == NUM_NEW_TOKENS
     for trial in range(NUM_TRIALS):
         got = in_a_random_batch(models, quantization, backend, prompt, seed, rng)

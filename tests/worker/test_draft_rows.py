@@ -21,9 +21,11 @@ from tests.worker.test_batch_invariance import (
     BACKENDS,
     NUM_NEW_TOKENS,
     PATHS,
+    SEEDS,
     TARGET,
     add_random_mates,
     alone,
+    case_alone,
     models_under_test,
     sampling,
     traced_entries,
@@ -79,15 +81,14 @@ def drafted_run(engine, prompt, seed, draft, rng, *, mates: bool) -> ToySchedule
 
 
 @PATHS
-@pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
+@SEEDS
 @BACKENDS
 def test_samples_after_drafts_are_what_decoding_one_token_at_a_time_gives(
     tiny_models, quantization, weights, seed, backend
 ):
-    models = models_under_test(tiny_models, quantization, weights, backend)
-    rng = random.Random(f"drafts-{quantization}-{weights}-{seed}")
-    (prompt,) = random_prompts(1, seed=rng.randrange(1000), min_len=20, max_len=45)
-    expected = alone(models, quantization, backend, prompt, seed)
+    models, rng, prompt, expected = case_alone(
+        tiny_models, quantization, weights, seed, backend, label="drafts-"
+    )
     vocab_size = models.reference.config.vocab_size
     num_fed = num_kept = 0
     for trial in range(NUM_TRIALS):
