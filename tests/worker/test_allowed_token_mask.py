@@ -60,3 +60,19 @@ def test_the_dummy_worker_takes_the_next_allowed_id():
     assert dummy_next_token(3, 4, VOCAB, OutsideMask(bitmask({free}))) == free
     allowed = (free + 5) % VOCAB
     assert dummy_next_token(3, 4, VOCAB, OutsideMask(bitmask({allowed}))) == allowed
+
+
+def test_the_masked_logits_are_masked_fills_floats_exactly():
+    """The CPU adds each mask byte's 0 or -inf from a table instead of a masked_fill:
+    the same floats, bit for bit, on any rows of a batch (the vocabulary ends inside a word)."""
+    generator = torch.Generator().manual_seed(0)
+    batch = torch.randn(5, VOCAB, generator=generator) * 10
+    batch[0, 3] = float("-inf")  # a logit bias's -inf stays -inf
+    masks = {1: set(range(0, VOCAB, 3)), 2: {69}, 4: set(range(VOCAB)) - {0, 40}}
+    rows = [row(SamplingParams(), bitmask(masks[i]) if i in masks else None) for i in range(5)]
+    expected = batch.clone()
+    for i, allowed in masks.items():
+        expected[i] = expected[i].masked_fill(
+            torch.tensor([t not in allowed for t in range(VOCAB)]), float("-inf")
+        )
+    assert torch.equal(mask_disallowed_tokens(batch.clone(), rows), expected)
