@@ -1,10 +1,11 @@
 """The scheduler's structured-output cost per step: fill_masks for N constrained rows of the
 default model's vocabulary (49,152 tokens), each matcher at a different point of a JSON
 object, consuming one token per step as in serving. `python -m benchmarks.grammar_masks
-[--rows 64] [--repeats 50] [--drafts 4]`; prints the median and p90 milliseconds per step
-(masks computed, packed and attached to the plan). With --drafts, each row also drafts the
-object's next tokens (speculation): a mask per sample point, the matcher fed the drafts
-and rolled back."""
+[--rows 64] [--repeats 50] [--drafts 4] [--kind tool-calls]`; prints the median and p90
+milliseconds per step (masks computed, packed and attached to the plan). With --drafts, each
+row also drafts the object's next tokens (speculation): a mask per sample point, the matcher
+fed the drafts and rolled back. `--kind tool-calls`: instead of a JSON object, tool_choice
+AUTO's lazy grammar with a strict tool, the rows at points of a text and then a call."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pagoda.scheduler_svc.core.request import Request, token_array
 from pagoda.scheduler_svc.grammar_masks import fill_masks
 from pagoda.scheduler_svc.grammars import GrammarCompiler, ValidConstraint
 from pagoda.scheduler_svc.tokenizer import load_tokenizer
+from pagoda.scheduler_svc.tools import ToolFormat, valid_tools
 
 SCHEMA = {
     "type": "object",
@@ -30,6 +32,22 @@ SCHEMA = {
     "required": ["name", "age", "tags"],
 }
 TEXT = '{"name":"Ann Smith","age":31,"tags":["calm","kind","tall"]}'
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOL_CALL_TEXT = (
+    "Let me look up the weather there for you, it only takes a moment.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+
+
+def constraint_and_text(kind: str) -> tuple[ValidConstraint, str]:
+    if kind == "json":
+        return ValidConstraint("json_schema", json.dumps(SCHEMA)), TEXT
+    tools = valid_tools(
+        [("get_weather", "", json.dumps(CITY), True), ("get_time", "", "", False)],
+        "auto", "", True, ToolFormat.GENERIC, (),
+    )  # fmt: skip
+    assert tools is not None and tools.holds_auto_calls
+    return tools.constraint(), TOOL_CALL_TEXT
 
 
 def main() -> None:
@@ -37,13 +55,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--drafts", type=int, default=0, help="drafts per row (0: none)")
+    parser.add_argument("--kind", choices=("json", "tool-calls"), default="json")
     args = parser.parse_args()
     tokenizer = load_tokenizer(resolve_model_dir("default").path)
     vocab_size = tokenizer.vocab_size
     eos = sorted(tokenizer.eos_token_ids)
     compiler = GrammarCompiler(tokenizer.tokenizer.to_str)
-    constraint = ValidConstraint("json_schema", json.dumps(SCHEMA))
-    text_ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    constraint, text = constraint_and_text(args.kind)
+    text_ids = tokenizer.encode(text, add_special_tokens=False)
     started = time.perf_counter()
     requests = {}
     for row in range(args.rows):
@@ -77,7 +96,7 @@ def main() -> None:
         times_ms.append((time.perf_counter() - started) * 1e3)
     times_ms.sort()
     print(
-        f"{args.rows} constrained rows, {sum(plan.draft_counts)} drafts, vocabulary "
+        f"{args.rows} constrained rows ({args.kind}), {sum(plan.draft_counts)} drafts, vocabulary "
         f"{vocab_size}: fill_masks median "
         f"{statistics.median(times_ms):.2f} ms, p90 {times_ms[int(0.9 * len(times_ms))]:.2f} ms "
         f"({len(plan.allowed_token_bitmask)} bytes of masks); first compile of {args.rows} "

@@ -50,6 +50,11 @@ def _set_tool(message: pb.Tool, where: str, tool: Any) -> None:
     _set_text(message, "name", spec.get("name"), where)
     _set_text(message, "description", spec.get("description"), where)
     _set_json_text(message, "parameters", spec.get("parameters"), where)
+    strict = spec.get("strict")
+    if strict is not None:
+        if not isinstance(strict, bool):
+            raise invalid_argument(f"{where}.strict must be True or False, not {strict!r:.64}")
+        message.strict = strict
 
 
 def _set_tool_choice(message: pb.ToolChoice, tool_choice: Any) -> None:

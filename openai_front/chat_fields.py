@@ -42,10 +42,12 @@ def tool_options(
     return {name: value for name, value in options.items() if value is not None}
 
 
-def function_tool(name: str, description: str | None, parameters: Any) -> dict[str, str]:
+def function_tool(
+    name: str, description: str | None, parameters: Any, strict: bool
+) -> dict[str, Any]:
     """One function tool as the client takes it: its parameters as JSON text (whatever JSON
     value was given: the scheduler checks it)."""
-    out = {"name": name}
+    out: dict[str, Any] = {"name": name, "strict": strict}
     if description is not None:
         out["description"] = description
     if parameters is not None:

@@ -106,9 +106,12 @@ class Function(BaseModel):
     name: str
     description: str | None = None
     # A JSON Schema of the arguments (None: any object); any JSON value is passed on as
-    # text and the scheduler checks it. `strict` is ignored: tool_choice "required" or a
-    # named function holds the calls to their schemas, "auto" never does.
+    # text and the scheduler checks it. tool_choice "required" or a named function holds
+    # every call to its schema; under "auto" a `strict` function's calls are held to it
+    # (in models that write calls in <tool_call> tags, and those whose template takes no
+    # tools).
     parameters: Any = None
+    strict: bool | None = None
 
 
 class Tool(BaseModel):

@@ -220,13 +220,15 @@ def _tool_options(body: ChatCompletionRequest) -> dict[str, Any]:
     return tool_options(tools, body.tool_choice, body.parallel_tool_calls)
 
 
-def _tool(index: int, tool: Any) -> dict[str, str]:
+def _tool(index: int, tool: Any) -> dict[str, Any]:
     if tool.type != "function":
         raise not_a_function(f"tools[{index}].type", tool.type)
     function = tool.function
     if function is None:
         raise invalid(f"tools[{index}].function must be given", f"tools[{index}].function")
-    return function_tool(function.name, function.description, function.parameters)
+    return function_tool(
+        function.name, function.description, function.parameters, bool(function.strict)
+    )
 
 
 def _message(index: int, message: Any) -> dict[str, Any]:

@@ -90,7 +90,7 @@ def _tools(request, tokenizer: TextTokenizer) -> ValidTools | None:
         mode = "auto"
     parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
     return valid_tools(
-        [(tool.name, tool.description, tool.parameters) for tool in request.tools],
+        [(tool.name, tool.description, tool.parameters, tool.strict) for tool in request.tools],
         mode,
         function_name,
         parallel,

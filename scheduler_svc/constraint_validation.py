@@ -1,6 +1,7 @@
 """A request's structured-output constraint, checked: its own constraint field (kind and
-size), or the calls a Chat's tool_choice REQUIRED or named function constrains it to, and
-the stopping and sampling rules a constraint cannot live with. The grammar itself is
+size), or the calls a Chat's tool_choice REQUIRED or named function constrains it to (or
+AUTO with a strict tool, its calls), and the stopping and sampling rules a constraint
+cannot live with. The grammar itself is
 compiled by grammars.py."""
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pagoda.scheduler_svc.validation import ValidationError
 
 def validate_constraint(request, valid: ValidRequest) -> ValidConstraint | None:
     """A request's structured-output constraint (GenerateRequest.constraint, or the calls
-    of a Chat request's tool_choice REQUIRED or function), checked for size and for the
+    of a Chat request's tool_choice REQUIRED or function, or of AUTO with a strict tool),
+    checked for size and for the
     stopping rules it cannot live with; None when it has none. The grammar itself is
     compiled by scheduler_svc.grammars."""
     tools = valid.tools if isinstance(valid.tools, ValidTools) else None
@@ -29,15 +31,19 @@ def validate_constraint(request, valid: ValidRequest) -> ValidConstraint | None:
         constraint = tools.constraint()
     if constraint is None:
         return None
-    # The grammar ends the request by allowing EOS alone: nothing may mask or ignore it.
+    auto_calls = tools is not None and tools.holds_auto_calls
+    what = "a constrained request"
+    if auto_calls:
+        what += " (tool_choice AUTO with a strict tool constrains its calls)"
+    # A grammar is done once it consumed EOS: nothing may ignore it. And a grammar ends
+    # the request by allowing EOS alone, which nothing may mask; AUTO's calls' grammar
+    # never does (free text follows every call, an open call allows no EOS anyway).
     if valid.stopping.ignore_eos:
-        raise ValidationError("a constrained request cannot set stopping.ignore_eos")
-    if valid.stopping.min_new_tokens:
-        raise ValidationError("a constrained request cannot set stopping.min_new_tokens")
+        raise ValidationError(f"{what} cannot set stopping.ignore_eos")
+    if valid.stopping.min_new_tokens and not auto_calls:
+        raise ValidationError(f"{what} cannot set stopping.min_new_tokens")
     if valid.sampling.allowed_token_ids or valid.sampling.banned_token_ids:  # it may need any id
-        raise ValidationError(
-            "a constrained request cannot set sampling.allowed_token_ids or banned_token_ids"
-        )
+        raise ValidationError(f"{what} cannot set sampling.allowed_token_ids or banned_token_ids")
     return constraint
 
 

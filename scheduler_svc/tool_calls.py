@@ -23,10 +23,8 @@ from typing import Any
 
 from pagoda.scheduler_svc.core import ToolCall
 from pagoda.scheduler_svc.stop_strings import StopStringMatcher, held_back_length
-from pagoda.scheduler_svc.tools import ToolChoice, ToolFormat, ValidTools
+from pagoda.scheduler_svc.tools import CALL_CLOSE, CALL_OPEN, ToolChoice, ToolFormat, ValidTools
 
-CALL_OPEN = "<tool_call>"
-CALL_CLOSE = "</tool_call>"
 _OPENING = (CALL_OPEN,)
 
 # A parsed call before it has an id: (name, arguments text).

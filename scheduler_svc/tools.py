@@ -5,7 +5,9 @@ The model sees a request's tools through its chat template (tool_templates.py: t
 template's own `tools`, or for one that takes none, a system message asking for
 Hermes-style <tool_call> tags). What the output is depends on tool_choice:
 - AUTO: whatever the model writes, read for calls in its template's format
-  (scheduler_svc.tool_calls), text streamed until a call may begin;
+  (scheduler_svc.tool_calls), text streamed until a call may begin; with a strict tool,
+  in the tagged formats, each call the model opens is constrained (a lazy grammar: free
+  text until "<tool_call>", then a call's JSON until "</tool_call>");
 - NONE: text, not read for calls;
 - REQUIRED and a named function: constrained (structured output) to JSON calls, so every
   model, even one never trained to call tools, answers with valid calls. REQUIRED's
@@ -30,6 +32,9 @@ MAX_TOOLS_BYTES = 65536
 # constraint are made by recursion, and no real schema comes near.
 MAX_SCHEMA_DEPTH = 64
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# The tags of a call in the tagged formats (HERMES, GENERIC).
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
 
 
 class ToolsError(ValueError):
@@ -63,6 +68,7 @@ class ToolFunction:
     name: str
     description: str
     parameters: dict[str, Any]  # a JSON Schema of the arguments object
+    strict: bool = False  # under AUTO, its calls hold to the schema
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +89,20 @@ class ValidTools:
 
     @property
     def constrained(self) -> bool:
+        """The whole output is calls (REQUIRED, a named function)."""
         return self.choice in (ToolChoice.REQUIRED, ToolChoice.FUNCTION)
+
+    @property
+    def holds_auto_calls(self) -> bool:
+        """AUTO with a strict tool in a tagged format: each call the model opens is
+        constrained, the text around calls is free. The JSON format's calls are the
+        whole answer, which some templates open with a special token that a grammar
+        cannot see: those stay read, not constrained."""
+        return (
+            self.choice is ToolChoice.AUTO
+            and self.format is not ToolFormat.JSON
+            and any(function.strict for function in self.functions)
+        )
 
     def for_template(self) -> list[dict[str, Any]]:
         """The tools as a chat template takes them (transformers' `tools`: OpenAI's shape)."""
@@ -100,42 +119,80 @@ class ValidTools:
         ]
 
     def constraint(self) -> ValidConstraint | None:
-        """The structured output of REQUIRED and of a named function; None otherwise. The
-        arguments are closed objects where the schema leaves that open (as vLLM's strict
-        JSON mode, and OpenAI's strict functions): a call names only declared parameters,
-        and cannot run on inventing new ones until max_new_tokens."""
+        """The structured output of REQUIRED, of a named function, and of AUTO's calls when
+        it holds them; None otherwise. The arguments are closed objects where the schema
+        leaves that open (as vLLM's strict JSON mode, and OpenAI's strict functions): a
+        call names only declared parameters, and cannot run on inventing new ones until
+        max_new_tokens."""
         if self.choice is ToolChoice.FUNCTION:
             (index,) = (i for i, f in enumerate(self.functions) if f.name == self.function_name)
             return self._arguments_constraint(index)
+        if self.holds_auto_calls:
+            return ValidConstraint("lark_grammar", self._auto_calls_grammar(), "tools")
         if self.choice is not ToolChoice.REQUIRED:
             return None
-        # Each tool's schema goes whole under $defs, its own references ("#/$defs/...",
-        # pydantic's) rewritten to point into it there.
         calls = {
-            "$defs": {
-                f"tool{index}": moved_under(f"#/$defs/tool{index}", closed(function.parameters))
-                for index, function in enumerate(self.functions)
-            },
+            **self._call_schemas(strict_only=False),
             "type": "array",
             "minItems": 1,
-            "items": {
-                "anyOf": [
-                    {
-                        "type": "object",
-                        "properties": {
-                            "name": {"const": function.name},
-                            "arguments": {"$ref": f"#/$defs/tool{index}"},
-                        },
-                        "required": ["name", "arguments"],
-                        "additionalProperties": False,
-                    }
-                    for index, function in enumerate(self.functions)
-                ]
-            },
         }
         if not self.parallel:
             calls["maxItems"] = 1
         return ValidConstraint("json_schema", json.dumps(calls), "tools")
+
+    def _call_schemas(self, strict_only: bool) -> dict[str, Any]:
+        """The "$defs" and "items" of a list of calls: each one {"name": a tool's,
+        "arguments": its closed schema}, or any object for a tool that is not strict when
+        `strict_only`. Each tool's schema goes whole under $defs, its own references
+        ("#/$defs/...", pydantic's) rewritten to point into it there."""
+        schemas = {
+            f"tool{index}": moved_under(f"#/$defs/tool{index}", closed(function.parameters))
+            if function.strict or not strict_only
+            else {"type": "object"}
+            for index, function in enumerate(self.functions)
+        }
+        call = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": function.name},
+                    "arguments": {"$ref": f"#/$defs/tool{index}"},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for index, function in enumerate(self.functions)
+        ]
+        return {"$defs": schemas, "items": {"anyOf": call}}
+
+    def _auto_calls_grammar(self) -> str:
+        """AUTO's lazy grammar (llguidance's Lark): any text, and from "<tool_call>" on a
+        call as the tagged templates write it ({"name": ..., "arguments": ...}, with
+        json.dumps' separators, as a template's tojson shows past calls) until
+        "</tool_call>"; text again after it, and more calls when parallel. The text
+        allows EOS wherever it may end; an open call does not."""
+        parts = self._call_schemas(strict_only=True)
+        call = {
+            "$defs": parts["$defs"],
+            **parts["items"],
+            "x-guidance": {
+                "whitespace_flexible": False,
+                "item_separator": ", ",
+                "key_separator": ": ",
+            },
+        }
+        repeat = "*" if self.parallel else "?"
+        return "\n".join(
+            (
+                "%llguidance {}",
+                f"start: call{repeat} TEXT",
+                r"TEXT: /(.|\n)*/",
+                f"call_opening[lazy]: TEXT {json.dumps(CALL_OPEN)}",
+                r"BLANKS: /[ \t\n]{0,2}/",
+                f"call: call_opening BLANKS %json {json.dumps(call)} BLANKS "
+                f"{json.dumps(CALL_CLOSE)}",
+            )
+        )
 
     def argument_constraints(self) -> list[ValidConstraint]:
         """Each tool's arguments alone, to find which one a REQUIRED constraint that the
@@ -192,14 +249,15 @@ def closed(schema: Any) -> Any:
 
 
 def valid_tools(
-    tools: list[tuple[str, str, str]],
+    tools: list[tuple[str, str, str, bool]],
     mode: str,
     function_name: str,
     parallel: bool,
     format: ToolFormat,
     special_texts: tuple[str, ...],
 ) -> ValidTools | None:
-    """A request's (name, description, parameters JSON text) tools and its choice, checked;
+    """A request's (name, description, parameters JSON text, strict) tools and its choice,
+    checked;
     None without tools and with no choice that needs them. `mode`: "auto", "none",
     "required", or "function" for `function_name`."""
     if not tools:
@@ -208,17 +266,17 @@ def valid_tools(
         return None
     if len(tools) > MAX_TOOLS:
         raise ToolsError(f"tools holds {len(tools)} tools; at most {MAX_TOOLS}")
-    num_bytes = sum(len(part.encode()) for tool in tools for part in tool)
+    num_bytes = sum(len(part.encode()) for tool in tools for part in tool[:3])
     if num_bytes > MAX_TOOLS_BYTES:
         raise ToolsError(f"tools hold {num_bytes} bytes; at most {MAX_TOOLS_BYTES}")
     functions = []
-    for index, (name, description, parameters) in enumerate(tools):
+    for index, (name, description, parameters, strict) in enumerate(tools):
         check_name(f"tools[{index}].name", name)
         if any(f.name == name for f in functions):
             raise ToolsError(f"tools[{index}].name {name!r} is used twice")
         check_no_special_text(f"tools[{index}].description", description, special_texts)
         check_no_special_text(f"tools[{index}].parameters", parameters, special_texts)
-        functions.append(ToolFunction(name, description, _parameters(index, parameters)))
+        functions.append(ToolFunction(name, description, _parameters(index, parameters), strict))
     if mode == "function" and all(f.name != function_name for f in functions):
         raise ToolsError(
             f"tool_choice.function_name {function_name[:64]!r} is not one of the tools"

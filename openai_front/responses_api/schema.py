@@ -47,9 +47,8 @@ class ResponsesTool(_Loose):
     type: str
     name: str | None = None
     description: str | None = None
-    # A JSON Schema of the arguments. `strict` (the Responses API's default is true) is
-    # echoed, not read: tool_choice "required" or a named function holds the calls to
-    # their schemas, "auto" never does, as on chat.
+    # A JSON Schema of the arguments. `strict` is chat's, and true when absent (the
+    # Responses API's default).
     parameters: Any = None
     strict: bool | None = None
 

@@ -97,12 +97,13 @@ def _refused(param: str, why: str) -> FrontError:
     return unsupported_parameter(param, f"{param} is not supported: {why}")
 
 
-def _tool(index: int, tool: ResponsesTool) -> dict[str, str]:
+def _tool(index: int, tool: ResponsesTool) -> dict[str, Any]:
     if tool.type != "function":
         raise not_a_function(f"tools[{index}].type", tool.type)
     if tool.name is None:
         raise invalid(f"tools[{index}].name must be given", f"tools[{index}].name")
-    return function_tool(tool.name, tool.description, tool.parameters)
+    strict = tool.strict is not False  # the Responses API's default is strict
+    return function_tool(tool.name, tool.description, tool.parameters, strict)
 
 
 def _tool_choice(tool_choice: str | dict[str, Any]) -> str | dict[str, str]:

@@ -44,7 +44,7 @@ FIRST_TOKEN_ID = 1000
 FAKE_CALL_ID = "call_" + "0123456789ab" * 2
 FAKE_CALL_ARGUMENTS = '{"city": "Paris"}'
 FAKE_CALL_TOKENS = 3
-# The tool the fake call calls, as an OpenAI client declares it (`strict` is ignored).
+# The tool the fake call calls, as an OpenAI client declares it.
 WEATHER_SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string"}},

@@ -36,6 +36,8 @@ def test_tools_in_openai_and_flat_shapes():
     # A dict is sent as its JSON text, text as given, none as empty (any object).
     assert json.loads(request.tools[0].parameters) == WEATHER_SCHEMA
     assert [t.parameters for t in request.tools[1:]] == ['{"type": "object"}', ""]
+    # `strict` as given (WEATHER's True), False when absent.
+    assert [t.strict for t in request.tools] == [True, False, False]
 
 
 @pytest.mark.parametrize(
@@ -110,6 +112,7 @@ def test_a_conversation_with_calls_and_their_answers():
         ({"tool_choice": {"type": "file_search"}}, "tool_choice.type"),
         ({"tool_choice": 1}, "tool_choice"),
         ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"tools": [{"name": "f", "strict": "yes"}]}, "tools[0].strict"),
     ],
 )
 def test_malformed_tool_options_are_refused_before_sending(options, named):

@@ -105,3 +105,40 @@ def test_required_tool_choice_calls_the_fitting_tool_with_the_city(default_model
     assert call.name == "get_weather"
     arguments = json.loads(call.arguments)
     assert arguments["city"] == "Paris" and set(arguments) <= {"city", "unit"}
+
+
+def test_a_strict_tool_under_auto_leaves_an_answer_without_calls_as_it_was(
+    default_model_dir, tmp_path
+):
+    """The default model answers these in text, never opening a call: with its tools
+    strict (AUTO's lazy grammar, live each step) the tokens are the same, greedy and seeded,
+    since free text allows every token a model writes in text."""
+    strict = [
+        pb.Tool(name=t.name, description=t.description, parameters=t.parameters, strict=True)
+        for t in (WEATHER, TIME)
+    ]
+    questions = ["Is it raining in London right now?", "Tell me a joke.", "What is 2+2?"]
+    samplings = (pb.SamplingParams(), pb.SamplingParams(temperature=0.7, seed=3))
+    requests = [
+        pb.ChatRequest(
+            messages=[pb.ChatMessage(role="user", content=question)],
+            tools=tools,
+            sampling=sampling,
+            stopping=pb.StoppingCriteria(max_new_tokens=48),
+        )
+        for tools in ([WEATHER, TIME], strict)
+        for question in questions
+        for sampling in samplings
+    ]
+    with (
+        running_service(tmp_path, model=str(default_model_dir)) as service,
+        service.channel() as channel,
+        ThreadPoolExecutor(len(requests)) as pool,
+    ):
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        replies = list(pool.map(lambda r: list(stub.Chat(r, timeout=600)), requests))
+    half = len(requests) // 2
+    for plain, held in zip(replies[:half], replies[half:], strict=True):
+        assert not held[-1].tool_calls
+        assert [t for r in held for t in r.token_ids] == [t for r in plain for t in r.token_ids]
+        assert "".join(r.text for r in held) == "".join(r.text for r in plain)

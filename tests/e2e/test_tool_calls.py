@@ -31,6 +31,9 @@ TIME = pb.Tool(
     parameters=json.dumps({"type": "object", "properties": {}, "additionalProperties": False}),
 )
 QUESTION = pb.ChatMessage(role="user", content="The weather in Paris?")
+STRICT_WEATHER = pb.Tool(
+    name=WEATHER.name, description=WEATHER.description, parameters=WEATHER.parameters, strict=True
+)
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +103,20 @@ def test_auto_output_that_is_no_call_is_text_whole(service):
     assert "".join(r.text for r in responses) == "".join(r.text for r in plain)
 
 
+def test_a_strict_tool_under_auto_holds_the_output_to_text_and_calls(service):
+    """Before any call the lazy grammar allows text: a bias toward <|im_start|> (id 1, a
+    special token, no text) that a plain request follows is masked once a tool is strict.
+    (That the grammar holds an opened call is tests/unit/test_tools.py's, on the same
+    compiler: a random model never opens one.)"""
+    bias = pb.SamplingParams(logit_bias={1: 100.0})
+    plain = chat(service, tools=[WEATHER, TIME], sampling=bias)
+    assert {t for r in plain for t in r.token_ids} == {1}
+    strict = chat(service, tools=[STRICT_WEATHER, TIME], sampling=bias)
+    tokens = [t for r in strict for t in r.token_ids]
+    assert tokens and 1 not in tokens
+    assert strict[-1].finish_reason in (pb.LENGTH, pb.STOP) and not strict[-1].tool_calls
+
+
 def test_a_conversation_goes_on_after_a_call(service):
     first = chat(service, tools=[WEATHER], tool_choice=pb.ToolChoice(function_name="get_weather"))
     (call,) = first[-1].tool_calls
@@ -129,6 +146,14 @@ def test_a_conversation_goes_on_after_a_call(service):
                 "tool_choice": pb.ToolChoice(function_name="f"),
             },
             "tools[1].parameters is invalid",
+        ),
+        (
+            {"tools": [WEATHER, pb.Tool(name="f", parameters='{"type": "nope"}', strict=True)]},
+            "tools[1].parameters is invalid",
+        ),
+        (
+            {"tools": [STRICT_WEATHER], "stopping": pb.StoppingCriteria(ignore_eos=True)},
+            "AUTO with a strict tool",
         ),
     ],
 )

@@ -59,14 +59,21 @@ def test_every_field_is_passed_on():
         "tools": [
             {
                 "name": "get_weather",
+                "strict": True,
                 "description": "The weather of a city.",
                 "parameters": json.dumps(WEATHER_SCHEMA),
             },
-            {"name": "get_time"},
+            {"name": "get_time", "strict": True},  # the Responses API's default
         ],
         "tool_choice": "required",
         "parallel_tool_calls": False,
     }
+
+
+def test_strict_is_true_unless_a_tool_says_false():
+    lax = {**WEATHER, "strict": False}
+    request = grpc_request(tools=[lax, TIME])
+    assert [tool.strict for tool in request.tools] == [False, True]
 
 
 def test_instructions_come_first_and_items_become_chat_messages():

@@ -62,6 +62,13 @@ def test_parameters_that_are_not_an_object_go_on_as_json_for_the_scheduler_to_ch
     assert grpc_request(tools=[tool]).tools[0].parameters == '"nope"'
 
 
+@pytest.mark.parametrize("strict", [None, False, True])
+def test_a_functions_strict_is_passed_on_false_when_absent(strict):
+    function = {**WEATHER["function"], "strict": strict}
+    request = grpc_request(tools=[{"type": "function", "function": function}])
+    assert request.tools[0].strict is bool(strict)
+
+
 @pytest.mark.parametrize(
     ("tool_choice", "field", "value"),
     TOOL_CHOICES,

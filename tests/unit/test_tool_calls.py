@@ -23,7 +23,7 @@ WEATHER = '{"type": "object", "properties": {"city": {"type": "string"}}}'
 
 def tools(choice: str = "auto", fmt: ToolFormat = ToolFormat.HERMES, **options) -> ValidTools:
     valid = valid_tools(
-        [("get_weather", "The weather in a city", WEATHER), ("get_time", "", "")],
+        [("get_weather", "The weather in a city", WEATHER, False), ("get_time", "", "", False)],
         choice,
         options.get("function_name", ""),
         options.get("parallel", True),

@@ -4,6 +4,7 @@ tool_choice REQUIRED and a named function, compiled against a real vocabulary.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -252,3 +253,91 @@ def test_past_call_arguments_nested_past_jsons_limit_are_refused(tokenizer):
     )
     with pytest.raises(ValidationError, match="arguments must be a JSON object's text"):
         validate_chat(request, tokenizer, LIMITS)
+
+
+STRICT_WEATHER = pb.Tool(
+    name=WEATHER.name, description=WEATHER.description, parameters=WEATHER.parameters, strict=True
+)
+
+
+def auto_calls_matcher(tokenizer, compiler, **fields):
+    return constrained_matcher(tokenizer, compiler, chat(tools=[STRICT_WEATHER, TIME], **fields))
+
+
+def allowed(matcher, ids: list[int]) -> bool:
+    return matcher.validate_tokens(ids) == len(ids)
+
+
+def test_a_strict_tool_under_auto_holds_each_call_and_leaves_the_text_free(
+    tokenizer, compiler, tokens
+):
+    """Free text (EOS wherever it may end) until "<tool_call>"; then only a call of a
+    declared tool, the strict one's arguments fitting its closed schema, another's any
+    object, written as the tagged templates write calls; free text again after it."""
+    matcher = auto_calls_matcher(tokenizer, compiler)
+    eos = [2]
+    text = tokens("Let me look that up: {not a call} [1, 2]")
+    assert allowed(matcher, text)
+    assert matcher.consume_tokens(text)
+    assert allowed(matcher, eos)
+    opening = tokens(" <tool_call>\n")
+    assert matcher.consume_tokens(opening)
+    assert not allowed(matcher, eos)  # an open call does not end
+    wrong = {
+        "an undeclared tool": '{"name": "get_date", "arguments": {}}',
+        "arguments outside the schema": '{"name": "get_weather", "arguments": {"city": 5}}',
+        "a parameter the schema does not declare": (
+            '{"name": "get_weather", "arguments": {"town": "Oslo"}}'
+        ),
+        "no arguments": '{"name": "get_weather"}',
+        "text": "I would call get_weather",
+    }
+    for what, call in wrong.items():
+        assert not allowed(matcher, tokens(call)), what
+    assert allowed(matcher, tokens('{"name": "get_time", "arguments": {"any": [1, {}]}}'))
+    call = tokens('{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    assert matcher.consume_tokens(call)
+    assert allowed(matcher, eos)
+    assert allowed(matcher, tokens("\nDone. <tool_call>\n"))  # text, then another call
+    assert matcher.consume_tokens(tokens("\n<tool_call>"))
+    assert not allowed(matcher, tokens('{"name": "nope"'))
+
+
+def test_without_parallel_calls_what_follows_the_call_is_text(tokenizer, compiler, tokens):
+    """The reader ends the sample when the one call closes; a second "<tool_call>" is text
+    to the grammar."""
+    matcher = auto_calls_matcher(tokenizer, compiler, parallel_tool_calls=False)
+    once = tokens('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    assert matcher.consume_tokens(once)
+    assert allowed(matcher, tokens('<tool_call>\n{"name": "nope"'))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["no strict tool", "tool_choice NONE", "the JSON format"],
+)
+def test_auto_calls_are_read_not_held_without_a_strict_tool_in_a_tagged_format(tokenizer, case):
+    tools = [STRICT_WEATHER, TIME]
+    fields = {}
+    if case == "no strict tool":
+        tools = [WEATHER, TIME]
+    elif case == "tool_choice NONE":
+        fields["tool_choice"] = pb.ToolChoice(mode=pb.TOOL_CHOICE_NONE)
+    request = chat(tools=tools, **fields)
+    valid = validate_chat(request, tokenizer, LIMITS)
+    if case == "the JSON format":
+        valid = dataclasses.replace(
+            valid, tools=dataclasses.replace(valid.tools, format=ToolFormat.JSON)
+        )
+    assert not valid.tools.holds_auto_calls
+    assert validate_constraint(request, valid) is None
+
+
+def test_strict_auto_calls_take_min_new_tokens_but_not_ignore_eos(tokenizer):
+    def constraint(**stopping):
+        request = chat(tools=[STRICT_WEATHER], stopping=pb.StoppingCriteria(**stopping))
+        return validate_constraint(request, validate_chat(request, tokenizer, LIMITS))
+
+    assert constraint(min_new_tokens=4).kind == "lark_grammar"
+    with pytest.raises(ValidationError, match="AUTO with a strict tool.*ignore_eos"):
+        constraint(ignore_eos=True)
