@@ -81,12 +81,10 @@ def main(argv: list[str] | None = None) -> int:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"{num_workers} workers never attached")
                     time.sleep(0.2)
-                config = BenchConfig(
+                config = BenchConfig.closed_loop(
+                    args.streams,
+                    args.duration_s,
                     target=service.address,
-                    arrival="closed",
-                    num_users=args.streams,
-                    num_requests=1_000_000,
-                    duration_s=args.duration_s,
                     prompt_repeats=(args.prompt_repeats,),
                     max_new_tokens=args.max_new_tokens,
                     ignore_eos=True,

@@ -98,12 +98,10 @@ def main(argv: list[str] | None = None) -> int:
                 *shlex.split(setting),
             )
             service.use_scheduler(scheduler_args)
-            config = BenchConfig(
+            config = BenchConfig.closed_loop(
+                args.streams,
+                args.duration_s,
                 target=service.address,
-                arrival="closed",
-                num_users=args.streams,
-                num_requests=1_000_000,
-                duration_s=args.duration_s,
                 prompt_repeats=(16,),
                 max_new_tokens=args.max_new_tokens,
                 ignore_eos=True,

@@ -122,6 +122,11 @@ def _workload(**fields) -> BenchConfig:
     return BenchConfig(**fields)
 
 
+def _closed_loop(num_users: int, duration_s: float, **fields) -> BenchConfig:
+    fields.setdefault("ignore_eos", True)
+    return BenchConfig.closed_loop(num_users, duration_s, **fields)
+
+
 def _scaled(count: int, quick: bool, quick_count: int) -> int:
     return quick_count if quick else count
 
@@ -264,22 +269,18 @@ def _two_tenants(quick: bool, salt: str) -> Scenario:
     # other sends short requests one after another; keys unique to one suite run.
     flood_key, probe_key = f"flood-{salt}-0123456789", f"probe-{salt}-0123456789"
     duration_s = 10.0 if quick else 30.0
-    flood = _workload(
-        arrival="closed",
-        num_users=24,
-        num_requests=1_000_000,
-        duration_s=duration_s,
+    flood = _closed_loop(
+        24,
+        duration_s,
         prompt_repeats=(32,),
         max_new_tokens=64,
         api_key=flood_key,
     )
     # The probe starts once the flood's first prompts are in and ends with it.
     settle_s = 2.0 if quick else 5.0
-    probe = _workload(
-        arrival="closed",
-        num_users=1,
-        num_requests=1_000_000,
-        duration_s=duration_s - settle_s,
+    probe = _closed_loop(
+        1,
+        duration_s - settle_s,
         prompt_repeats=(8,),
         max_new_tokens=4,
         api_key=probe_key,

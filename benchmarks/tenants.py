@@ -131,13 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             before, steps_before = asyncio.run(served_tokens(service.address))
             flood_s = time.monotonic()
             done = threading.Event()
-            config = BenchConfig(
+            config = BenchConfig.closed_loop(
+                args.streams,
+                args.duration_s,
                 target=service.address,
                 api_key=FLOOD_KEY,
-                arrival="closed",
-                num_users=args.streams,
-                num_requests=1_000_000,
-                duration_s=args.duration_s,
                 prompt_repeats=(4,),
                 max_new_tokens=args.max_new_tokens,
                 ignore_eos=True,

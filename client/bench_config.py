@@ -9,6 +9,8 @@ from typing import Any
 from pagoda.client.connection import DEFAULT_TARGET
 
 ARRIVALS = ("burst", "interval", "poisson", "closed")
+# The request count of a run that its duration ends (BenchConfig.closed_loop).
+UNCOUNTED = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +82,18 @@ class BenchConfig:
                 problems.append(f"{name} must be positive, got {value}")
         if problems:
             raise ValueError("; ".join(problems))
+
+    @classmethod
+    def closed_loop(cls, num_users: int, duration_s: float, **fields: Any) -> BenchConfig:
+        """`num_users` users that each send a request when their last one ends, for
+        `duration_s` (the count never ends the run first)."""
+        return cls(
+            arrival="closed",
+            num_users=num_users,
+            num_requests=UNCOUNTED,
+            duration_s=duration_s,
+            **fields,
+        )
 
     @property
     def prompt_mode(self) -> str:
