@@ -5,7 +5,8 @@ Each step, after schedule() and before the plan is encoded, `fill_masks` takes t
 constrained rows that sample. A row whose tokens are all known (a prompt's last chunk, a
 decode after a serial step) gets its mask in the plan: its matcher is fed the tokens the
 request generated since (a recompute after preemption feeds none), then the masks of all
-such rows are computed at once on llguidance's threads. A row planned ahead under
+such rows are computed at once (on llguidance's threads where CPUs are to spare:
+`mask_threads`). A row planned ahead under
 overlapped steps (in last_sampled_rows) feeds the token of the step in flight, unknown
 yet, and its mask needs it: the plan says masks_follow, and once that step's result is
 applied, `masks_after` feeds the matchers that token and computes those rows' masks into
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import llguidance
 import numpy as np
 from llguidance.numpy import (
+    fill_next_token_bitmask,
     fill_next_token_bitmask_par,
     fill_next_token_bitmask_par_with_draft_tokens,
 )
@@ -44,6 +47,25 @@ from pagoda.scheduler_svc.grammars import RequestGrammar, any_live
 _executor: llguidance.LLExecutor | None = None
 # Threads that compute a step's masks; the rest of the machine runs the worker.
 NUM_MASK_THREADS = 2
+# Below this many CPUs for the scheduler, rows without drafts are computed on the loop's
+# own thread: on 2 cores, which the worker uses too, waiting for the two threads doubled
+# a step's masks (1.03-1.06 ms against 0.51-0.53 ms for 15 rows; docs/benchmarks.md).
+MIN_CPUS_FOR_MASK_THREADS = 4
+
+
+def mask_threads() -> int:
+    """The llguidance threads for masks of rows without drafts: NUM_MASK_THREADS, or 0
+    (the loop's thread) where the scheduler may run on fewer than
+    MIN_CPUS_FOR_MASK_THREADS CPUs. Drafted rows always use the threads (llguidance feeds
+    and rolls back their drafts there)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return NUM_MASK_THREADS if cpus >= MIN_CPUS_FOR_MASK_THREADS else 0
+
+
+_num_mask_threads: int | None = None
 
 
 @dataclass(slots=True)
@@ -131,8 +153,14 @@ def _bitmasks(
             drafted.append((grammar.matcher, starts[k], drafts[k]))
         else:
             plain.append((grammar.matcher, starts[k]))
+    global _executor, _num_mask_threads
+    if _num_mask_threads is None:
+        _num_mask_threads = mask_threads()
+    if plain and not _num_mask_threads:
+        for matcher, row in plain:
+            fill_next_token_bitmask(matcher, masks, row)
+        plain = []
     if plain or drafted:
-        global _executor
         if _executor is None:
             _executor = llguidance.LLExecutor(num_threads=NUM_MASK_THREADS)
         if plain:

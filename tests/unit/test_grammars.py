@@ -17,7 +17,7 @@ from pagoda.common.step import mask_words
 from pagoda.common.step_codec import decode_plan
 from pagoda.gpu_worker.sequence_table import SequenceTable, allowed_token_masks
 from pagoda.protos import generation_pb2 as pb
-from pagoda.scheduler_svc import grammars
+from pagoda.scheduler_svc import grammar_masks, grammars
 from pagoda.scheduler_svc.constraint_validation import validate_constraint
 from pagoda.scheduler_svc.core import NewSequence, StepPlan
 from pagoda.scheduler_svc.core.request import Request, token_array
@@ -73,6 +73,37 @@ def test_masks_cover_the_constrained_sampling_rows_only(compiler, vocabulary):
     allowed = allowed_ids(plan.allowed_token_bitmask)
     assert allowed and all(set(vocabulary[t].decode()) <= {"a", "b"} for t in allowed)
     assert EOS not in allowed  # "a+b" is not matched by nothing
+
+
+def test_masks_are_the_same_on_the_loops_thread_and_on_llguidances(
+    compiler, vocabulary, monkeypatch
+):
+    """Rows without drafts are computed on the step loop's thread where the scheduler has
+    few CPUs: the same bits as the threads give, row for row, with an error row's EOS."""
+    a = vocabulary.index(b"a")
+    constraints = [("regex", "a+b"), ("choice", '["ab", "ba"]'), ("json_object", "")]
+    requests = {}
+    for seq_id, (kind, source) in enumerate(constraints * 2, start=1):
+        grammar = compiler.compile(ValidConstraint(kind, source), TINY_VOCAB_SIZE, [EOS])
+        requests[seq_id] = running(f"r{seq_id}", grammar, [a] if seq_id > 3 else [])
+    masks = {}
+    for threads in (0, 2):
+        monkeypatch.setattr(grammar_masks, "_num_mask_threads", threads)
+        for request in requests.values():  # each computes from the same state again
+            request.grammar.matcher.reset()
+            request.grammar.num_consumed_tokens = 0
+        plan = plan_of(list(requests), [True] * len(requests))
+        fill_masks(plan, requests.get, TINY_VOCAB_SIZE)
+        masks[threads] = plan.allowed_token_bitmask
+    assert masks[0] == masks[2]
+    words = np.frombuffer(masks[0], dtype="<u4").reshape(len(requests), -1)
+    assert words.any(axis=1).all()
+
+
+@pytest.mark.parametrize(("cpus", "threads"), [(1, 0), (2, 0), (4, 2), (16, 2)])
+def test_mask_threads_are_used_where_cpus_are_to_spare(monkeypatch, cpus, threads):
+    monkeypatch.setattr(grammar_masks.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert grammar_masks.mask_threads() == threads
 
 
 def test_the_matcher_catches_up_with_generated_tokens_and_ends_with_eos(compiler, vocabulary):
