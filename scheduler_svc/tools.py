@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,9 @@ class ValidTools:
     function_name: str = ""  # ToolChoice.FUNCTION's
     parallel: bool = True  # several calls in one answer
     format: ToolFormat = ToolFormat.HERMES
+    # The model's added tokens (text, id), sorted by id: AUTO's calls' grammar lets the
+    # text hold them, and takes a tag that is one of them as that token.
+    added_tokens: tuple[tuple[str, int], ...] = ()
 
     @property
     def names(self) -> frozenset[str]:
@@ -169,8 +173,12 @@ class ValidTools:
         """AUTO's lazy grammar (llguidance's Lark): any text, and from "<tool_call>" on a
         call as the tagged templates write it ({"name": ..., "arguments": ...}, with
         json.dumps' separators, as a template's tojson shows past calls) until
-        "</tool_call>"; text again after it, and more calls when parallel. The text
-        allows EOS wherever it may end; an open call does not."""
+        "</tool_call>"; then text again, and more calls. Without parallel calls the reader
+        ends the sample when the first one closes. The text holds any added token (Qwen's
+        <think>; a model's turn markers, as without a grammar) but the opening tag's,
+        which opens a call; a tag that is an added token is taken as the token or as its
+        spelled text. The text allows EOS wherever it may end; an open call does not."""
+        added = dict(self.added_tokens)
         parts = self._call_schemas(strict_only=True)
         call = {
             "$defs": parts["$defs"],
@@ -181,18 +189,27 @@ class ValidTools:
                 "key_separator": ": ",
             },
         }
-        repeat = "*" if self.parallel else "?"
-        return "\n".join(
-            (
-                "%llguidance {}",
-                f"start: call{repeat} TEXT",
-                r"TEXT: /(.|\n)*/",
-                f"call_opening[lazy]: TEXT {json.dumps(CALL_OPEN)}",
-                r"BLANKS: /[ \t\n]{0,2}/",
-                f"call: call_opening BLANKS %json {json.dumps(call)} BLANKS "
-                f"{json.dumps(CALL_CLOSE)}",
-            )
-        )
+        in_text = [token_id for text, token_id in self.added_tokens if text != CALL_OPEN]
+        opening = ["call_opening"]
+        if CALL_OPEN in added:
+            opening.append(f"TEXT <[{added[CALL_OPEN]}]>")
+        closing = [json.dumps(CALL_CLOSE)]
+        if CALL_CLOSE in added:
+            closing.append(f"<[{added[CALL_CLOSE]}]>")
+        lines = [
+            "%llguidance {}",
+            "start: part* TEXT",
+            "part: call" + (" | TEXT added_token" if in_text else ""),
+            r"TEXT: /(.|\n)*/",
+            f"call_opening[lazy]: TEXT {json.dumps(CALL_OPEN)}",
+            f"opening: {' | '.join(opening)}",
+            f"closing: {' | '.join(closing)}",
+            r"BLANKS: /[ \t\n]{0,2}/",
+            f"call: opening BLANKS %json {json.dumps(call)} BLANKS closing",
+        ]
+        if in_text:
+            lines.append(f"added_token: <[{_id_ranges(in_text)}]>")
+        return "\n".join(lines)
 
     def argument_constraints(self) -> list[ValidConstraint]:
         """Each tool's arguments alone, to find which one a REQUIRED constraint that the
@@ -202,6 +219,17 @@ class ValidTools:
     def _arguments_constraint(self, index: int) -> ValidConstraint:
         schema = json.dumps(closed(self.functions[index].parameters))
         return ValidConstraint("json_schema", schema, f"tools[{index}].parameters")
+
+
+def _id_ranges(token_ids: list[int]) -> str:
+    """Sorted ids as llguidance's token ranges: [1, 2, 3, 7] -> "1-3,7"."""
+    ranges: list[list[int]] = []
+    for token_id in token_ids:
+        if ranges and token_id == ranges[-1][1] + 1:
+            ranges[-1][1] = token_id
+        else:
+            ranges.append([token_id, token_id])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
 
 
 def moved_under(pointer: str, schema: Any) -> Any:
@@ -255,6 +283,7 @@ def valid_tools(
     parallel: bool,
     format: ToolFormat,
     special_texts: tuple[str, ...],
+    added_token_ids: Mapping[str, int] | None = None,
 ) -> ValidTools | None:
     """A request's (name, description, parameters JSON text, strict) tools and its choice,
     checked;
@@ -281,7 +310,8 @@ def valid_tools(
         raise ToolsError(
             f"tool_choice.function_name {function_name[:64]!r} is not one of the tools"
         )
-    return ValidTools(tuple(functions), ToolChoice(mode), function_name, parallel, format)
+    added = tuple(sorted((added_token_ids or {}).items(), key=lambda item: item[1]))
+    return ValidTools(tuple(functions), ToolChoice(mode), function_name, parallel, format, added)
 
 
 def _parameters(index: int, text: str) -> dict[str, Any]:

@@ -130,6 +130,24 @@ def long_context_copy(model_dir: Path, directory: Path, num_positions: int = 204
     return directory
 
 
+# Tags a model may have as tokens of their own (Qwen's), not spelled in bytes.
+TAG_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+
+
+def add_tag_tokens(tokenizer_dir: Path) -> dict[str, int]:
+    """Add TAG_TOKENS to the tiny tokenizer in `tokenizer_dir` as added tokens that are not
+    special (as Qwen's are; ids below TINY_VOCAB_SIZE, which the BPE does not fill);
+    their ids by text."""
+    from tokenizers import AddedToken, Tokenizer
+
+    path = tokenizer_dir / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TAG_TOKENS])
+    assert tokenizer.get_vocab_size() <= TINY_VOCAB_SIZE
+    tokenizer.save(str(path))
+    return {tag: tokenizer.token_to_id(tag) for tag in TAG_TOKENS}
+
+
 @pytest.fixture(scope="session", params=sorted(TINY_ARCHITECTURES))
 def tiny_model_dir(request, tmp_path_factory) -> Path:
     """A tiny random model directory, once per architecture (parametrized)."""

@@ -14,7 +14,7 @@ import pytest
 
 from pagoda.protos import generation_pb2 as pb
 from pagoda.protos import generation_pb2_grpc
-from tests.conftest import long_context_copy
+from tests.conftest import add_tag_tokens, long_context_copy
 from tests.e2e.conftest import running_service
 
 pytestmark = pytest.mark.slow
@@ -103,18 +103,35 @@ def test_auto_output_that_is_no_call_is_text_whole(service):
     assert "".join(r.text for r in responses) == "".join(r.text for r in plain)
 
 
-def test_a_strict_tool_under_auto_holds_the_output_to_text_and_calls(service):
-    """Before any call the lazy grammar allows text: a bias toward <|im_start|> (id 1, a
-    special token, no text) that a plain request follows is masked once a tool is strict.
-    (That the grammar holds an opened call is tests/unit/test_tools.py's, on the same
-    compiler: a random model never opens one.)"""
-    bias = pb.SamplingParams(logit_bias={1: 100.0})
-    plain = chat(service, tools=[WEATHER, TIME], sampling=bias)
-    assert {t for r in plain for t in r.token_ids} == {1}
-    strict = chat(service, tools=[STRICT_WEATHER, TIME], sampling=bias)
-    tokens = [t for r in strict for t in r.token_ids]
-    assert tokens and 1 not in tokens
-    assert strict[-1].finish_reason in (pb.LENGTH, pb.STOP) and not strict[-1].tool_calls
+@pytest.fixture(scope="module")
+def tagged_service(tiny_model_factory, tmp_path_factory):
+    """A service whose tiny model has Qwen's tags as tokens of their own: (it, their ids)."""
+    model = long_context_copy(tiny_model_factory("llama"), tmp_path_factory.mktemp("tagged"))
+    ids = add_tag_tokens(model)
+    with running_service(tmp_path_factory.mktemp("tagged-run"), model=str(model)) as running:
+        yield running, ids
+
+
+def test_a_strict_tool_under_auto_holds_a_call_the_model_opens(tagged_service):
+    """A bias makes the random model open a call at once: with its tool strict the call
+    is one of the tool, its arguments fitting the schema; without, what follows the tag
+    is a random model's, which comes back as text."""
+    service, ids = tagged_service
+    fields = {
+        "sampling": pb.SamplingParams(logit_bias={ids["<tool_call>"]: 100.0}),
+        "stopping": pb.StoppingCriteria(max_new_tokens=160),
+        "parallel_tool_calls": False,
+    }
+    plain = chat(service, tools=[WEATHER], **fields)
+    assert plain[-1].finish_reason == pb.LENGTH and not plain[-1].tool_calls
+    assert "".join(r.text for r in plain).startswith("<tool_call>")
+    held = chat(service, tools=[STRICT_WEATHER], **fields)
+    assert held[-1].finish_reason == pb.TOOL_CALLS, held[-1]
+    (call,) = held[-1].tool_calls
+    arguments = json.loads(call.arguments)
+    assert call.name == "get_weather" and set(arguments) == {"city"}
+    assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 8
+    assert [t for r in held for t in r.token_ids][0] == ids["<tool_call>"]
 
 
 def test_a_conversation_goes_on_after_a_call(service):

@@ -7,18 +7,20 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import llguidance
 import pytest
 
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc.chat_validation import validate_chat
 from pagoda.scheduler_svc.constraint_validation import validate_constraint
+from pagoda.scheduler_svc.grammars import GrammarCompiler
 from pagoda.scheduler_svc.tokenizer import load_tokenizer
-from pagoda.scheduler_svc.tools import ToolChoice, ToolFormat, closed, tool_format
+from pagoda.scheduler_svc.tools import ToolChoice, ToolFormat, closed, tool_format, valid_tools
 from pagoda.scheduler_svc.validation import (
     Limits,
     ValidationError,
 )
-from tests.conftest import TINY_VOCAB_SIZE
+from tests.conftest import TINY_VOCAB_SIZE, add_tag_tokens, build_tiny_tokenizer
 
 LIMITS = Limits(
     max_context_tokens=2048,
@@ -258,31 +260,55 @@ def test_past_call_arguments_nested_past_jsons_limit_are_refused(tokenizer):
 STRICT_WEATHER = pb.Tool(
     name=WEATHER.name, description=WEATHER.description, parameters=WEATHER.parameters, strict=True
 )
+EOS = 2  # the tiny tokenizer's <|im_end|>
 
 
-def auto_calls_matcher(tokenizer, compiler, **fields):
-    return constrained_matcher(tokenizer, compiler, chat(tools=[STRICT_WEATHER, TIME], **fields))
+@pytest.fixture(scope="module")
+def tagged(tmp_path_factory):
+    """The tiny tokenizer with Qwen's tags as tokens of their own: (its ids by text, the
+    grammar compiler on it, text -> its token ids)."""
+    directory = build_tiny_tokenizer(tmp_path_factory.mktemp("tagged"))
+    ids = add_tag_tokens(directory)
+    added = load_tokenizer(directory).added_token_ids  # <unk>, <|im_start|>, ... the tags
+    assert {added[tag] for tag in ids} == set(ids.values())
+    text = (directory / "tokenizer.json").read_text()
+    llg = llguidance.LLTokenizer(text, n_vocab=TINY_VOCAB_SIZE)
+    return added, GrammarCompiler(lambda: text), llg.tokenize_str
+
+
+def auto_calls(tagged, parallel: bool = True):
+    """The matcher of AUTO with a strict get_weather and a lax get_time, on `tagged`."""
+    ids, compiler, _ = tagged
+    tools = valid_tools(
+        [("get_weather", "", WEATHER.parameters, True), ("get_time", "", "", False)],
+        "auto", "", parallel, ToolFormat.HERMES, (), ids,
+    )  # fmt: skip
+    assert tools is not None and tools.holds_auto_calls
+    return compiler.compile(tools.constraint(), TINY_VOCAB_SIZE, (EOS,)).matcher
 
 
 def allowed(matcher, ids: list[int]) -> bool:
     return matcher.validate_tokens(ids) == len(ids)
 
 
-def test_a_strict_tool_under_auto_holds_each_call_and_leaves_the_text_free(
-    tokenizer, compiler, tokens
-):
-    """Free text (EOS wherever it may end) until "<tool_call>"; then only a call of a
-    declared tool, the strict one's arguments fitting its closed schema, another's any
-    object, written as the tagged templates write calls; free text again after it."""
-    matcher = auto_calls_matcher(tokenizer, compiler)
-    eos = [2]
+@pytest.mark.parametrize("opening", ["the tag's token", "the tag spelled"])
+def test_a_strict_tool_under_auto_holds_each_call_and_leaves_the_text_free(tagged, opening):
+    """Free text (EOS wherever it may end) until "<tool_call>", as the model's token or
+    spelled; then only a call of a declared tool, the strict one's arguments fitting its
+    closed schema, another's any object, written as the tagged templates write calls,
+    closed by the tag either way; free text again after it, and another call."""
+    ids, _, tokens = tagged
+    matcher = auto_calls(tagged)
     text = tokens("Let me look that up: {not a call} [1, 2]")
     assert allowed(matcher, text)
     assert matcher.consume_tokens(text)
-    assert allowed(matcher, eos)
-    opening = tokens(" <tool_call>\n")
-    assert matcher.consume_tokens(opening)
-    assert not allowed(matcher, eos)  # an open call does not end
+    assert allowed(matcher, [EOS])
+    if opening == "the tag's token":
+        tag = [ids["<tool_call>"]]
+    else:  # one byte token a character: no single token of it
+        tag = [token for character in "<tool_call>" for token in tokens(character)]
+    assert matcher.consume_tokens([*tokens(" "), *tag, *tokens("\n")])
+    assert not allowed(matcher, [EOS])  # an open call does not end
     wrong = {
         "an undeclared tool": '{"name": "get_date", "arguments": {}}',
         "arguments outside the schema": '{"name": "get_weather", "arguments": {"city": 5}}',
@@ -294,22 +320,29 @@ def test_a_strict_tool_under_auto_holds_each_call_and_leaves_the_text_free(
     }
     for what, call in wrong.items():
         assert not allowed(matcher, tokens(call)), what
+    assert not allowed(matcher, [ids["<think>"]])  # no added token inside a call
     assert allowed(matcher, tokens('{"name": "get_time", "arguments": {"any": [1, {}]}}'))
-    call = tokens('{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    call = tokens('{"name": "get_weather", "arguments": {"city": "Paris"}}\n')
     assert matcher.consume_tokens(call)
-    assert allowed(matcher, eos)
-    assert allowed(matcher, tokens("\nDone. <tool_call>\n"))  # text, then another call
-    assert matcher.consume_tokens(tokens("\n<tool_call>"))
+    assert allowed(matcher, tokens("</tool_call>")) and allowed(matcher, [ids["</tool_call>"]])
+    assert matcher.consume_tokens([ids["</tool_call>"]])
+    assert allowed(matcher, [EOS])
+    assert matcher.consume_tokens(tokens("\nDone."))
+    assert matcher.consume_tokens([ids["<tool_call>"]])  # another call
     assert not allowed(matcher, tokens('{"name": "nope"'))
 
 
-def test_without_parallel_calls_what_follows_the_call_is_text(tokenizer, compiler, tokens):
-    """The reader ends the sample when the one call closes; a second "<tool_call>" is text
-    to the grammar."""
-    matcher = auto_calls_matcher(tokenizer, compiler, parallel_tool_calls=False)
-    once = tokens('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
-    assert matcher.consume_tokens(once)
-    assert allowed(matcher, tokens('<tool_call>\n{"name": "nope"'))
+def test_the_text_holds_the_models_added_tokens_as_without_a_grammar(tagged):
+    """Qwen's <think> ... </think>, a stray closing tag, the turn's markers: the text
+    allows every added token but the opening tag's, which opens a call."""
+    ids, _, tokens = tagged
+    matcher = auto_calls(tagged, parallel=False)
+    thought = [ids["<think>"], *tokens("Paris, so the weather tool."), ids["</think>"]]
+    assert matcher.consume_tokens(thought)
+    for token_id in (ids["</tool_call>"], ids["<|im_start|>"], ids["<think>"]):
+        assert allowed(matcher, [token_id])
+    assert matcher.consume_tokens([ids["<tool_call>"]])
+    assert not allowed(matcher, [EOS]) and not allowed(matcher, tokens("Paris"))
 
 
 @pytest.mark.parametrize(
