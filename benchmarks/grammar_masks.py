@@ -20,6 +20,7 @@ from pagoda.scheduler_svc.core.request import Request, token_array
 from pagoda.scheduler_svc.grammar_masks import fill_masks
 from pagoda.scheduler_svc.grammars import GrammarCompiler, ValidConstraint
 from pagoda.scheduler_svc.tokenizer import load_tokenizer
+from pagoda.scheduler_svc.tool_constraints import tool_constraint
 from pagoda.scheduler_svc.tools import ToolFormat, valid_tools
 
 SCHEMA = {
@@ -47,7 +48,7 @@ def constraint_and_text(kind: str, added_token_ids: dict[str, int]) -> tuple[Val
         "auto", "", True, ToolFormat.GENERIC, (), added_token_ids,
     )  # fmt: skip
     assert tools is not None and tools.holds_auto_calls
-    return tools.constraint(), TOOL_CALL_TEXT
+    return tool_constraint(tools), TOOL_CALL_TEXT
 
 
 def main() -> None:

@@ -44,6 +44,7 @@ from pagoda.scheduler_svc.response_writer import ResponseWriter
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.tenants import Tenant, TokenBucket
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
+from pagoda.scheduler_svc.tool_constraints import argument_constraints
 from pagoda.scheduler_svc.tools import MAX_TOOLS, ValidTools
 from pagoda.scheduler_svc.validation import (
     Limits,
@@ -231,7 +232,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except GrammarError:
             if not isinstance(tools, ValidTools) or constraint.field != "tools":
                 raise
-            for alone in tools.argument_constraints():
+            for alone in argument_constraints(tools):
                 self._grammars.compile(alone, vocab_size, eos_token_ids)  # raises for it
             raise
 

@@ -10,6 +10,7 @@ import json
 
 from pagoda.scheduler_svc.core import ValidRequest
 from pagoda.scheduler_svc.grammars import MAX_CHOICES, MAX_CONSTRAINT_BYTES, ValidConstraint
+from pagoda.scheduler_svc.tool_constraints import tool_constraint
 from pagoda.scheduler_svc.tools import ValidTools
 from pagoda.scheduler_svc.validation import ValidationError
 
@@ -28,7 +29,7 @@ def validate_constraint(request, valid: ValidRequest) -> ValidConstraint | None:
                 "a constraint cannot be combined with tools unless tool_choice is NONE "
                 "(tool_choice REQUIRED or a function constrains the output to calls)"
             )
-        constraint = tools.constraint()
+        constraint = tool_constraint(tools)
     if constraint is None:
         return None
     auto_calls = tools is not None and tools.holds_auto_calls

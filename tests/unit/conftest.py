@@ -31,6 +31,7 @@ from pagoda.scheduler_svc.grammars import GrammarCompiler
 from pagoda.scheduler_svc.output_processor import OutputProcessor
 from pagoda.scheduler_svc.step_loop import apply_step
 from pagoda.scheduler_svc.testing import FakeWorker
+from pagoda.scheduler_svc.tokenizer import TextTokenizer, load_tokenizer
 from tests.conftest import TINY_VOCAB_SIZE
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -360,6 +361,12 @@ def drive(
     if stop_early:
         return streams
     raise AssertionError(f"not done after {max_steps} steps")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir) -> TextTokenizer:
+    """The default model's tokenizer (SmolLM2's; its template takes no tools)."""
+    return load_tokenizer(default_model_dir)
 
 
 @pytest.fixture(scope="module")

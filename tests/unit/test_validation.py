@@ -8,7 +8,6 @@ import pytest
 
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc.chat_validation import validate_chat
-from pagoda.scheduler_svc.tokenizer import load_tokenizer
 from pagoda.scheduler_svc.validation import (
     Limits,
     ValidationError,
@@ -27,11 +26,6 @@ LIMITS = Limits(
     max_stop_total_bytes=20,
 )
 LARGE_CONTEXT = dataclasses.replace(LIMITS, max_context_tokens=1000)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    return load_tokenizer(default_model_dir)
 
 
 def generate(**fields) -> pb.GenerateRequest:
