@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from pagoda.scheduler_svc.grammars import ValidConstraint
-from pagoda.scheduler_svc.tools import CALL_CLOSE, CALL_OPEN, ToolChoice, ValidTools
+from pagoda.scheduler_svc.tools import CALL_CLOSE, CALL_OPEN, ToolChoice, ToolFormat, ValidTools
 
 
 def tool_constraint(tools: ValidTools) -> ValidConstraint | None:
@@ -23,6 +23,8 @@ def tool_constraint(tools: ValidTools) -> ValidConstraint | None:
         (index,) = (i for i, f in enumerate(tools.functions) if f.name == tools.function_name)
         return _arguments_constraint(tools, index)
     if tools.holds_auto_calls:
+        if tools.format is ToolFormat.JSON:
+            return ValidConstraint("lark_grammar", _auto_json_calls_grammar(tools), "tools")
         return ValidConstraint("lark_grammar", _auto_calls_grammar(tools), "tools")
     if tools.choice is not ToolChoice.REQUIRED:
         return None
@@ -36,10 +38,13 @@ def tool_constraint(tools: ValidTools) -> ValidConstraint | None:
     return ValidConstraint("json_schema", json.dumps(calls), "tools")
 
 
-def _call_schemas(tools: ValidTools, strict_only: bool) -> dict[str, Any]:
+def _call_schemas(
+    tools: ValidTools, strict_only: bool, keys: tuple[str, ...] = ("arguments",)
+) -> dict[str, Any]:
     """The "$defs" and "items" of a list of calls: each one {"name": a tool's,
     "arguments": its closed schema}, or any object for a tool that is not strict when
-    `strict_only`. Each tool's schema goes whole under $defs, its own references
+    `strict_only`; with more `keys`, the arguments under any one of them (Llama writes
+    "parameters"). Each tool's schema goes whole under $defs, its own references
     ("#/$defs/...", pydantic's) rewritten to point into it there."""
     schemas = {
         f"tool{index}": moved_under(f"#/$defs/tool{index}", closed(function.parameters))
@@ -52,14 +57,19 @@ def _call_schemas(tools: ValidTools, strict_only: bool) -> dict[str, Any]:
             "type": "object",
             "properties": {
                 "name": {"const": function.name},
-                "arguments": {"$ref": f"#/$defs/tool{index}"},
+                key: {"$ref": f"#/$defs/tool{index}"},
             },
-            "required": ["name", "arguments"],
+            "required": ["name", key],
             "additionalProperties": False,
         }
         for index, function in enumerate(tools.functions)
+        for key in keys
     ]
     return {"$defs": schemas, "items": {"anyOf": call}}
+
+
+# How templates show past calls (tojson): the separators a call is held to.
+_TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _auto_calls_grammar(tools: ValidTools) -> str:
@@ -73,15 +83,7 @@ def _auto_calls_grammar(tools: ValidTools) -> str:
     spelled text. The text allows EOS wherever it may end; an open call does not."""
     added = dict(tools.added_tokens)
     parts = _call_schemas(tools, strict_only=True)
-    call = {
-        "$defs": parts["$defs"],
-        **parts["items"],
-        "x-guidance": {
-            "whitespace_flexible": False,
-            "item_separator": ", ",
-            "key_separator": ": ",
-        },
-    }
+    call = {"$defs": parts["$defs"], **parts["items"], "x-guidance": _TEMPLATE_JSON}
     in_text = [token_id for text, token_id in tools.added_tokens if text != CALL_OPEN]
     opening = ["call_opening"]
     if CALL_OPEN in added:
@@ -102,6 +104,38 @@ def _auto_calls_grammar(tools: ValidTools) -> str:
     ]
     if in_text:
         lines.append(f"added_token: <[{_id_ranges(in_text)}]>")
+    return "\n".join(lines)
+
+
+def _auto_json_calls_grammar(tools: ValidTools) -> str:
+    """AUTO's grammar in the JSON format (Llama 3, Mistral), where calls are the whole
+    answer: after any added tokens (Mistral's [TOOL_CALLS], Llama's <|python_tag|>), an
+    answer is either text, which begins with something other than "{" or "[" (past
+    blanks) and then holds anything, added tokens too, or calls: one {"name",
+    "arguments" or "parameters"} object (Llama writes the latter), or a list of them (one
+    at most without parallel calls), and nothing after them but blanks. As the reader
+    tells them apart: an answer that begins with "{" or "[" is read as calls."""
+    parts = _call_schemas(tools, strict_only=True, keys=("arguments", "parameters"))
+    one = parts["items"]
+    calls_list: dict[str, Any] = {"type": "array", "items": one, "minItems": 1}
+    if not tools.parallel:
+        calls_list["maxItems"] = 1
+    calls = {"$defs": parts["$defs"], "anyOf": [one, calls_list], "x-guidance": _TEMPLATE_JSON}
+    added_ids = [token_id for _, token_id in tools.added_tokens]
+    lead = "added_token* " if added_ids else ""
+    # Blanks alone, or words: text that began as text may hold added tokens after it.
+    words = "WORDS (added_token TEXT)*" if added_ids else "WORDS"
+    lines = [
+        "%llguidance {}",
+        f"start: {lead}(calls | text)",
+        r"BLANKS: /[ \t\n]{0,4}/",
+        f"calls: BLANKS %json {json.dumps(calls)} BLANKS",
+        f"text: BLANK_TEXT | {words}",
+        r"BLANK_TEXT: /\s*/",
+        r"WORDS: /\s*[^\s{\[](.|\n)*/",
+    ]
+    if added_ids:
+        lines += [r"TEXT: /(.|\n)*/", f"added_token: <[{_id_ranges(added_ids)}]>"]
     return "\n".join(lines)
 
 

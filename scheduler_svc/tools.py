@@ -6,8 +6,9 @@ template's own `tools`, or for one that takes none, a system message asking for
 Hermes-style <tool_call> tags). What the output is depends on tool_choice:
 - AUTO: whatever the model writes, read for calls in its template's format
   (scheduler_svc.tool_calls), text streamed until a call may begin; with a strict tool,
-  in the tagged formats, each call the model opens is constrained (a lazy grammar: free
-  text until "<tool_call>", then a call's JSON until "</tool_call>");
+  each call the model makes is constrained (in the tagged formats a lazy grammar: free
+  text until "<tool_call>", then a call's JSON until "</tool_call>"; in the JSON format,
+  an answer that begins as calls is calls);
 - NONE: text, not read for calls;
 - REQUIRED and a named function: constrained (structured output) to JSON calls, so every
   model, even one never trained to call tools, answers with valid calls. REQUIRED's
@@ -97,15 +98,9 @@ class ValidTools:
 
     @property
     def holds_auto_calls(self) -> bool:
-        """AUTO with a strict tool in a tagged format: each call the model opens is
-        constrained, the text around calls is free. The JSON format's calls are the
-        whole answer, which some templates open with a special token that a grammar
-        cannot see: those stay read, not constrained."""
-        return (
-            self.choice is ToolChoice.AUTO
-            and self.format is not ToolFormat.JSON
-            and any(function.strict for function in self.functions)
-        )
+        """AUTO with a strict tool: each call the model makes is constrained, the text
+        is free (scheduler_svc.tool_constraints)."""
+        return self.choice is ToolChoice.AUTO and any(f.strict for f in self.functions)
 
     def for_template(self) -> list[dict[str, Any]]:
         """The tools as a chat template takes them (transformers' `tools`: OpenAI's shape)."""

@@ -11,6 +11,7 @@ import json
 
 import grpc
 import pytest
+from tokenizers import Tokenizer
 
 from pagoda.protos import generation_pb2 as pb
 from pagoda.protos import generation_pb2_grpc
@@ -132,6 +133,49 @@ def test_a_strict_tool_under_auto_holds_a_call_the_model_opens(tagged_service):
     assert call.name == "get_weather" and set(arguments) == {"city"}
     assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 8
     assert [t for r in held for t in r.token_ids][0] == ids["<tool_call>"]
+
+
+# A template that takes tools and writes calls as the whole answer (Llama 3's JSON format).
+JSON_FORMAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nFunctions: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def json_format_service(tiny_model_factory, tmp_path_factory):
+    """A service whose tiny model's template writes calls as JSON answers: (it, the id
+    of "{")."""
+    model = long_context_copy(tiny_model_factory("llama"), tmp_path_factory.mktemp("json"))
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": JSON_FORMAT_TEMPLATE})
+    )
+    brace = Tokenizer.from_file(str(model / "tokenizer.json")).token_to_id("{")
+    with running_service(tmp_path_factory.mktemp("json-run"), model=str(model)) as running:
+        yield running, brace
+
+
+def test_a_strict_tool_under_auto_holds_an_answer_that_begins_as_a_call(json_format_service):
+    """In the JSON format an answer that begins with "{" is a call: a bias makes the
+    random model begin so; strict, the answer is a call of the tool, its arguments
+    fitting the schema, and nothing after it; without, it comes back as text."""
+    service, brace = json_format_service
+    fields = {
+        "sampling": pb.SamplingParams(logit_bias={brace: 100.0}),
+        "stopping": pb.StoppingCriteria(max_new_tokens=160),
+        "parallel_tool_calls": False,
+    }
+    plain = chat(service, tools=[WEATHER], **fields)
+    assert not plain[-1].tool_calls
+    assert "".join(r.text for r in plain).startswith("{")
+    held = chat(service, tools=[STRICT_WEATHER], **fields)
+    assert held[-1].finish_reason == pb.TOOL_CALLS, held[-1]
+    (call,) = held[-1].tool_calls
+    arguments = json.loads(call.arguments)
+    assert call.name == "get_weather" and set(arguments) == {"city"}
+    assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 8
 
 
 def test_a_conversation_goes_on_after_a_call(service):

@@ -5,11 +5,11 @@ the model's added tokens in it, a call held to its schema once opened)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import llguidance
 import pytest
+from tokenizers import AddedToken, Tokenizer
 
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc.chat_validation import validate_chat
@@ -111,10 +111,15 @@ EOS = 2  # the tiny tokenizer's <|im_end|>
 
 @pytest.fixture(scope="module")
 def tagged(tmp_path_factory):
-    """The tiny tokenizer with Qwen's tags as tokens of their own: (its ids by text, the
-    grammar compiler on it, text -> its token ids)."""
+    """The tiny tokenizer with Qwen's tags as tokens of their own, and Mistral's special
+    [TOOL_CALLS]: (its added tokens' ids by text, the grammar compiler on it, text -> its
+    token ids)."""
     directory = build_tiny_tokenizer(tmp_path_factory.mktemp("tagged"))
     ids = add_tag_tokens(directory)
+    path = directory / "tokenizer.json"
+    with_mistral = Tokenizer.from_file(str(path))
+    with_mistral.add_special_tokens([AddedToken("[TOOL_CALLS]", special=True, normalized=False)])
+    with_mistral.save(str(path))
     added = load_tokenizer(directory).added_token_ids  # <unk>, <|im_start|>, ... the tags
     assert {added[tag] for tag in ids} == set(ids.values())
     text = (directory / "tokenizer.json").read_text()
@@ -122,12 +127,12 @@ def tagged(tmp_path_factory):
     return added, GrammarCompiler(lambda: text), llg.tokenize_str
 
 
-def auto_calls(tagged, parallel: bool = True):
+def auto_calls(tagged, parallel: bool = True, format: ToolFormat = ToolFormat.HERMES):
     """The matcher of AUTO with a strict get_weather and a lax get_time, on `tagged`."""
     ids, compiler, _ = tagged
     tools = valid_tools(
         [("get_weather", "", WEATHER.parameters, True), ("get_time", "", "", False)],
-        "auto", "", parallel, ToolFormat.HERMES, (), ids,
+        "auto", "", parallel, format, (), ids,
     )  # fmt: skip
     assert tools is not None and tools.holds_auto_calls
     return compiler.compile(tool_constraint(tools), TINY_VOCAB_SIZE, (EOS,)).matcher
@@ -191,23 +196,46 @@ def test_the_text_holds_the_models_added_tokens_as_without_a_grammar(tagged):
     assert not allowed(matcher, [EOS]) and not allowed(matcher, tokens("Paris"))
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["no strict tool", "tool_choice NONE", "the JSON format"],
-)
-def test_auto_calls_are_read_not_held_without_a_strict_tool_in_a_tagged_format(tokenizer, case):
+def test_in_the_json_format_an_answer_is_text_or_calls_as_a_whole(tagged):
+    """Llama 3 and Mistral write calls as the whole answer: text that does not begin with
+    "{" or "[" stays free (added tokens and brackets after those), an answer that begins
+    so is a call or a list of calls (Llama's "parameters" or "arguments"), after any added
+    token (Mistral's [TOOL_CALLS]), and nothing follows the calls but blanks and EOS."""
+    ids, _, tokens = tagged
+    text = auto_calls(tagged, format=ToolFormat.JSON)
+    answer = tokens("  It is sunny in Paris {as always} [1].")
+    assert allowed(text, answer) and text.consume_tokens(answer) and allowed(text, [EOS])
+    assert text.consume_tokens([ids["<think>"], *tokens('{"no": "call"'), EOS])
+    for opened in ("{", " ["):  # a call begun does not end
+        assert not allowed(auto_calls(tagged, format=ToolFormat.JSON), [*tokens(opened), EOS])
+    for wrong in ('{"name": "get_date"', '[{"name": "get_weather", "arguments": 5'):
+        assert not allowed(auto_calls(tagged, format=ToolFormat.JSON), tokens(wrong))
+    calls = {
+        "Llama's": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        "a list": '[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {}}]',
+    }
+    for what, call in calls.items():
+        matcher = auto_calls(tagged, format=ToolFormat.JSON)
+        assert matcher.consume_tokens(tokens(call)), what
+        assert allowed(matcher, [EOS]) and not allowed(matcher, tokens(" Done")), what
+    mistral = auto_calls(tagged, format=ToolFormat.JSON, parallel=False)
+    assert mistral.consume_tokens([ids["[TOOL_CALLS]"]])
+    assert not allowed(mistral, tokens('[{"foo"'))  # the token leads calls, not free text
+    one = tokens('[{"name": "get_time", "arguments": {"any": 1}}')
+    assert mistral.consume_tokens(one) and not allowed(mistral, tokens(", {"))
+
+
+@pytest.mark.parametrize("case", ["no strict tool", "tool_choice NONE"])
+def test_auto_calls_are_read_not_held_without_a_strict_tool(tokenizer, case):
     tools = [STRICT_WEATHER, TIME]
     fields = {}
     if case == "no strict tool":
         tools = [WEATHER, TIME]
-    elif case == "tool_choice NONE":
+    else:
         fields["tool_choice"] = pb.ToolChoice(mode=pb.TOOL_CHOICE_NONE)
     request = chat(tools=tools, **fields)
     valid = validate_chat(request, tokenizer, LIMITS)
-    if case == "the JSON format":
-        valid = dataclasses.replace(
-            valid, tools=dataclasses.replace(valid.tools, format=ToolFormat.JSON)
-        )
     assert not valid.tools.holds_auto_calls
     assert validate_constraint(request, valid) is None
 
