@@ -7,7 +7,9 @@ One worker and scheduler of --model on this machine; the scheduler restarted per
   - `open`: questions whose answer repeats nothing, where drafts are rare and wasted;
   - `json`: extraction under a JSON schema (structured output): the answer copies the
     prompt's names and numbers into a fixed shape, each constrained row drafting with a
-    mask per sample point.
+    mask per sample point;
+  - `tools`: a question for one of two tools under tool_choice "required": the answer
+    is a call, whose keys and tool names the grammar forces (drafted as such).
 Each kind runs one request at a time (--sequential) and as a burst of --burst at once.
 Reported per setting and run: generated tokens, wall time, tokens per second, the
 drafted tokens the model accepted (GetServerStats before and after), and whether every
@@ -101,16 +103,63 @@ def json_prompts(count: int) -> list[str]:
     return prompts
 
 
-PROMPTS = {"echo": echo_prompts, "open": open_prompts, "json": json_prompts}
-CONSTRAINTS = {"json": generation_pb2.Constraint(json_schema=json.dumps(ITEMS_SCHEMA))}
+CITIES = ["Paris", "Oslo", "Lima", "Cairo", "Tokyo", "Quito", "Perth", "Dakar"]
 
 
-async def chat(stub, prompt: str, max_new_tokens: int, constraint, sampling) -> list[int]:
+def tools_prompts(count: int) -> list[str]:
+    return [
+        f"What is the weather in {CITIES[i % len(CITIES)]} right now, in celsius?"
+        if i % 2 == 0
+        else f"Search the web for the history of {CITIES[i % len(CITIES)]}."
+        for i in range(count)
+    ]
+
+
+TOOLS = [
+    generation_pb2.Tool(
+        name="get_weather",
+        description="The current weather in a city",
+        parameters=json.dumps(
+            {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 40},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+            }
+        ),
+    ),
+    generation_pb2.Tool(
+        name="web_search",
+        description="Search the web",
+        parameters=json.dumps(
+            {
+                "type": "object",
+                "properties": {"query": {"type": "string", "maxLength": 80}},
+                "required": ["query"],
+            }
+        ),
+    ),
+]
+PROMPTS = {"echo": echo_prompts, "open": open_prompts, "json": json_prompts, "tools": tools_prompts}
+# Each kind's fields of its ChatRequests beyond the message.
+FIELDS = {
+    "json": {"constraint": generation_pb2.Constraint(json_schema=json.dumps(ITEMS_SCHEMA))},
+    "tools": {
+        "tools": TOOLS,
+        "tool_choice": generation_pb2.ToolChoice(mode=generation_pb2.TOOL_CHOICE_REQUIRED),
+        "parallel_tool_calls": False,
+    },
+}
+
+
+async def chat(stub, prompt: str, max_new_tokens: int, fields, sampling) -> list[int]:
     request = generation_pb2.ChatRequest(
         messages=[generation_pb2.ChatMessage(role="user", content=prompt)],
         sampling=sampling,
         stopping=generation_pb2.StoppingCriteria(max_new_tokens=max_new_tokens),
-        constraint=constraint,
+        **fields,
     )
     tokens: list[int] = []
     async for response in stub.Chat(request, timeout=900):
@@ -123,7 +172,7 @@ async def run(
     prompts: list[str],
     max_new_tokens: int,
     concurrency: int,
-    constraint,
+    fields: dict,
     sampling: generation_pb2.SamplingParams,
 ):
     """Every prompt's tokens, the wall time, and the drafted and accepted tokens."""
@@ -135,7 +184,7 @@ async def run(
         for first in range(0, len(prompts), concurrency):
             batch = prompts[first : first + concurrency]
             outputs += await asyncio.gather(
-                *(chat(stub, p, max_new_tokens, constraint, sampling) for p in batch)
+                *(chat(stub, p, max_new_tokens, fields, sampling) for p in batch)
             )
         wall_s = time.monotonic() - start_s
         after = await stub.GetServerStats(generation_pb2.ServerStatsRequest())
@@ -184,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                             prompts[kind],
                             args.max_new_tokens,
                             concurrency,
-                            CONSTRAINTS.get(kind),
+                            FIELDS.get(kind, {}),
                             sampling,
                         )
                     )

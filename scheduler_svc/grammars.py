@@ -80,6 +80,15 @@ class RequestGrammar:
         state of this one before any token: call before this one consumes any."""
         return RequestGrammar(self.matcher.deep_copy(), self.eos_token_ids)
 
+    def forced_tokens(self, request: Request) -> list[int]:
+        """The tokens the grammar forces after `request`'s tokens, as llguidance tokenizes
+        forced text (its fast-forward tokens: a JSON key, a tool's name): drafts the
+        model keeps but where it spells them otherwise (core.request.Grammar)."""
+        self.catch_up(request)
+        if self.matcher.is_error():
+            return []
+        return self.matcher.compute_ff_tokens()
+
     def num_allowed(self, request: Request, token_ids: list[int]) -> int:
         """How many of `token_ids`, in order, the grammar allows after `request`'s tokens
         (the core's question before it drafts them: core.request.Grammar)."""

@@ -361,7 +361,10 @@ class Planner:
         with the drafts speculation proposes for it: those worth their `price`
         (speculation.draft_price) at its acceptance rate, as many as its table's last
         block, its length limit and `num_tokens` allow, each token charged to its tenant
-        (a draft costs the worker as a token does, kept or not); drafted tokens fed."""
+        (a draft costs the worker as a token does, kept or not); drafted tokens fed. A
+        constrained request whose grammar forces its next tokens drafts those instead,
+        paused or not: the model is held to them (kept unless it spells them otherwise,
+        so priced as kept)."""
         config = self.config
         block_size = self.blocks.block_size
         num_drafted = 0
@@ -372,17 +375,25 @@ class Planner:
                 request.max_num_tokens - position - 2,  # the last sample may end it
                 num_tokens - num_drafted,
             )
-            worth = 0
-            if limit > 0 and b.step_id >= request.drafts_resume_step:
-                rate = acceptance(request.num_kept_drafts, request.num_tried_drafts)
-                worth = num_worth_drafting(rate, price, limit)
-                if not worth:
-                    pause_drafts(request, b.step_id)
-            drafts = propose(
-                request.token_ids, config.speculative_ngram_min, config.speculative_ngram_max, worth
-            )
-            if drafts and request.grammar is not None:  # none the grammar would refuse
-                drafts = drafts[: request.grammar.num_allowed(request, drafts)]
+            grammar = request.grammar
+            forced = grammar.forced_tokens(request) if grammar is not None and limit > 0 else []
+            if forced:
+                drafts = forced[: num_worth_drafting(1.0, price, limit)]
+            else:
+                worth = 0
+                if limit > 0 and b.step_id >= request.drafts_resume_step:
+                    rate = acceptance(request.num_kept_drafts, request.num_tried_drafts)
+                    worth = num_worth_drafting(rate, price, limit)
+                    if not worth:
+                        pause_drafts(request, b.step_id)
+                drafts = propose(
+                    request.token_ids,
+                    config.speculative_ngram_min,
+                    config.speculative_ngram_max,
+                    worth,
+                )
+                if drafts and grammar is not None:  # none the grammar would refuse
+                    drafts = drafts[: grammar.num_allowed(request, drafts)]
             b.feed_drafted(request, position, drafts)
             num_drafted += len(drafts)
             if self.tenants.fair:

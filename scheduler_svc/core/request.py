@@ -18,7 +18,11 @@ from pagoda.scheduler_svc.core.kv import ROOT_HASH
 
 class Grammar(Protocol):
     """A constrained request's matcher (scheduler_svc.grammars.RequestGrammar): the core
-    asks it one thing, so that it drafts no token the grammar refuses."""
+    asks it what to draft: the tokens it forces next, else no token it refuses."""
+
+    def forced_tokens(self, request: Request) -> list[int]:
+        """The tokens the grammar forces after `request`'s tokens (none: [])."""
+        ...
 
     def num_allowed(self, request: Request, token_ids: list[int]) -> int:
         """How many of `token_ids`, in order, the grammar allows after `request`'s tokens."""

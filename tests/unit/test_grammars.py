@@ -166,6 +166,21 @@ def test_the_core_asks_how_many_drafts_the_grammar_allows(compiler, vocabulary):
     assert allowed_ids(plan.allowed_token_bitmask) == {b}
 
 
+def test_the_core_drafts_the_tokens_the_grammar_forces(compiler, tiny_llg_tokenizer):
+    """A JSON key, a choice's only way on: llguidance's fast-forward tokens, after the
+    request's tokens, nothing consumed; none where the model has a choice."""
+    choice = ValidConstraint("choice", '["The quick brown fox", "The lazy dog"]')
+    grammar = compiler.compile(choice, TINY_VOCAB_SIZE, [EOS])
+    request = running("r", grammar)
+    assert tiny_llg_tokenizer.decode_str(grammar.forced_tokens(request)).startswith("The")
+    request.token_ids.extend(tiny_llg_tokenizer.tokenize_str("The q"))
+    forced = tiny_llg_tokenizer.decode_str(grammar.forced_tokens(request))
+    assert forced and "The q" + forced in "The quick brown fox"
+    assert grammar.num_consumed_tokens == len(tiny_llg_tokenizer.tokenize_str("The q"))
+    open_string = compiler.compile(ValidConstraint("regex", "[a-z]+"), TINY_VOCAB_SIZE, [EOS])
+    assert open_string.forced_tokens(running("s", open_string)) == []
+
+
 def test_a_constraint_compiled_again_is_a_copy_of_the_first(compiler, vocabulary, monkeypatch):
     constraint = ValidConstraint("choice", '["ab", "ba"]')
     first = compiler.compile(constraint, TINY_VOCAB_SIZE, [EOS])

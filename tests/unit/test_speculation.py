@@ -159,6 +159,9 @@ class RefusesFive:
     def __init__(self) -> None:
         self.num_asked = 0
 
+    def forced_tokens(self, request) -> list[int]:
+        return []
+
     def num_allowed(self, request, token_ids: list[int]) -> int:
         self.num_asked += 1
         return token_ids.index(5) if 5 in token_ids else len(token_ids)
@@ -179,6 +182,44 @@ def test_a_grammar_trims_the_drafts_it_would_refuse():
         for row, num_drafts in enumerate(plan.draft_counts):
             end = plan.token_offsets[row + 1]
             assert 5 not in plan.token_ids[end - num_drafts : end]
+
+
+class Forces:
+    """A grammar that forces the next 3 tokens of `output` (core.request.Grammar), or 3
+    other ones: the fake worker does not mask, so only the drafts change."""
+
+    def __init__(self, output: list[int], right: bool) -> None:
+        self.output = output
+        self.right = right
+
+    def forced_tokens(self, request) -> list[int]:
+        upcoming = self.output[request.num_generated_tokens :][:3]
+        return upcoming if self.right else [token ^ 1 for token in upcoming]
+
+    def num_allowed(self, request, token_ids: list[int]) -> int:
+        raise AssertionError("a forcing grammar is not asked about n-gram drafts")
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_a_grammar_that_forces_tokens_drafts_them(right):
+    """Whatever the n-gram would propose (the prompt repeats), the forced tokens are the
+    drafts: kept when the model writes them, dropped when it does not, and the output is
+    decoding's either way."""
+    plain, _, plain_plans = run(
+        [make_request("r0", cyclic_prompt(), max_new_tokens=30)], speculative_tokens=0
+    )
+    output = plain["r0"].token_ids
+    constrained = dataclasses.replace(
+        make_request("r0", cyclic_prompt(), max_new_tokens=30), grammar=Forces(output, right)
+    )
+    drafted, stats, plans = run([constrained], speculative_tokens=4)
+    assert drafted["r0"].token_ids == output
+    assert stats.num_draft_tokens > 0
+    if right:
+        assert stats.num_accepted_draft_tokens == stats.num_draft_tokens
+        assert len(plans) < len(plain_plans)
+    else:
+        assert stats.num_accepted_draft_tokens == 0
 
 
 @pytest.mark.parametrize(
