@@ -40,12 +40,14 @@ TOOL_CALL_TEXT = (
 )
 
 
-def constraint_and_text(kind: str, added_token_ids: dict[str, int]) -> tuple[ValidConstraint, str]:
+def constraint_and_text(
+    kind: str, added_tokens: tuple[tuple[str, int], ...]
+) -> tuple[ValidConstraint, str]:
     if kind == "json":
         return ValidConstraint("json_schema", json.dumps(SCHEMA)), TEXT
     tools = valid_tools(
         [("get_weather", "", json.dumps(CITY), True), ("get_time", "", "", False)],
-        "auto", "", True, ToolFormat.GENERIC, (), added_token_ids,
+        "auto", "", True, ToolFormat.GENERIC, (), added_tokens,
     )  # fmt: skip
     assert tools is not None and tools.holds_auto_calls
     return tool_constraint(tools), TOOL_CALL_TEXT
@@ -62,7 +64,7 @@ def main() -> None:
     vocab_size = tokenizer.vocab_size
     eos = sorted(tokenizer.eos_token_ids)
     compiler = GrammarCompiler(tokenizer.tokenizer.to_str)
-    constraint, text = constraint_and_text(args.kind, tokenizer.added_token_ids)
+    constraint, text = constraint_and_text(args.kind, tokenizer.added_tokens)
     text_ids = tokenizer.encode(text, add_special_tokens=False)
     started = time.perf_counter()
     requests = {}

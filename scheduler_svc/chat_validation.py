@@ -96,7 +96,7 @@ def _tools(request, tokenizer: TextTokenizer) -> ValidTools | None:
         parallel,
         tokenizer.tool_format,
         tokenizer.special_texts,
-        tokenizer.added_token_ids,
+        tokenizer.added_tokens,
     )
 
 

@@ -49,9 +49,9 @@ class TextTokenizer:
     # The text of each special token ("<|im_start|>"), and a copy of the tokenizer that
     # reads such text in a message's content as ordinary text (made on first use).
     special_texts: tuple[str, ...] = ()
-    # Every added token's id by its text, special or not: a grammar (llguidance) sees
+    # Every added token (text, id), special or not, by id: a grammar (llguidance) sees
     # them as tokens, never as the bytes of their text.
-    added_token_ids: dict[str, int] = field(default_factory=dict)
+    added_tokens: tuple[tuple[str, int], ...] = ()
     _splitting: Tokenizer | None = None
     _byte_tables: dict[bool, list[bytes] | None] = field(default_factory=dict)
     _text_tables: dict[bool, list[str | None] | None] = field(default_factory=dict)
@@ -193,9 +193,11 @@ def load_tokenizer(model_dir: Path) -> TextTokenizer:
     text_tokenizer.special_texts = tuple(
         added.content for added in added_tokens.values() if added.special and added.content
     )
-    text_tokenizer.added_token_ids = {
-        added.content: token_id for token_id, added in added_tokens.items() if added.content
-    }
+    text_tokenizer.added_tokens = tuple(
+        (added.content, token_id)
+        for token_id, added in sorted(added_tokens.items())
+        if added.content
+    )
     text_tokenizer.token_texts()  # built now (~0.3 s) rather than in the first request's step
     return text_tokenizer
 

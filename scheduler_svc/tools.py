@@ -22,7 +22,6 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +123,7 @@ def valid_tools(
     parallel: bool,
     format: ToolFormat,
     special_texts: tuple[str, ...],
-    added_token_ids: Mapping[str, int] | None = None,
+    added_tokens: tuple[tuple[str, int], ...] = (),
 ) -> ValidTools | None:
     """A request's (name, description, parameters JSON text, strict) tools and its choice,
     checked;
@@ -151,8 +150,9 @@ def valid_tools(
         raise ToolsError(
             f"tool_choice.function_name {function_name[:64]!r} is not one of the tools"
         )
-    added = tuple(sorted((added_token_ids or {}).items(), key=lambda item: item[1]))
-    return ValidTools(tuple(functions), ToolChoice(mode), function_name, parallel, format, added)
+    return ValidTools(
+        tuple(functions), ToolChoice(mode), function_name, parallel, format, added_tokens
+    )
 
 
 def _parameters(index: int, text: str) -> dict[str, Any]:

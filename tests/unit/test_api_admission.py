@@ -70,7 +70,7 @@ class CountingTokenizer:
     model_max_length = None
     tool_format = ToolFormat.GENERIC
     special_texts = ()
-    added_token_ids: dict[str, int] = {}
+    added_tokens = ()
 
     def __init__(self) -> None:
         self.encode_threads: list[str] = []

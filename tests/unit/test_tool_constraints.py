@@ -120,7 +120,7 @@ def tagged(tmp_path_factory):
     with_mistral = Tokenizer.from_file(str(path))
     with_mistral.add_special_tokens([AddedToken("[TOOL_CALLS]", special=True, normalized=False)])
     with_mistral.save(str(path))
-    added = load_tokenizer(directory).added_token_ids  # <unk>, <|im_start|>, ... the tags
+    added = dict(load_tokenizer(directory).added_tokens)  # <unk>, <|im_start|>, ... the tags
     assert {added[tag] for tag in ids} == set(ids.values())
     text = (directory / "tokenizer.json").read_text()
     llg = llguidance.LLTokenizer(text, n_vocab=TINY_VOCAB_SIZE)
@@ -132,7 +132,7 @@ def auto_calls(tagged, parallel: bool = True, format: ToolFormat = ToolFormat.HE
     ids, compiler, _ = tagged
     tools = valid_tools(
         [("get_weather", "", WEATHER.parameters, True), ("get_time", "", "", False)],
-        "auto", "", parallel, format, (), ids,
+        "auto", "", parallel, format, (), tuple(ids.items()),
     )  # fmt: skip
     assert tools is not None and tools.holds_auto_calls
     return compiler.compile(tool_constraint(tools), TINY_VOCAB_SIZE, (EOS,)).matcher
