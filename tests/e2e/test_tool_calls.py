@@ -118,21 +118,30 @@ def test_a_strict_tool_under_auto_holds_a_call_the_model_opens(tagged_service):
     is one of the tool, its arguments fitting the schema; without, what follows the tag
     is a random model's, which comes back as text."""
     service, ids = tagged_service
+    plain, held = plain_and_strict(service, ids["<tool_call>"])
+    assert plain[-1].finish_reason == pb.LENGTH and not plain[-1].tool_calls
+    assert "".join(r.text for r in plain).startswith("<tool_call>")
+    assert_one_city_call(held)
+    assert [t for r in held for t in r.token_ids][0] == ids["<tool_call>"]
+
+
+def plain_and_strict(service, token_id: int) -> tuple[list, list]:
+    """The same chat with WEATHER, then with it strict: a bias makes the model write
+    `token_id` wherever it may; one call at most."""
     fields = {
-        "sampling": pb.SamplingParams(logit_bias={ids["<tool_call>"]: 100.0}),
+        "sampling": pb.SamplingParams(logit_bias={token_id: 100.0}),
         "stopping": pb.StoppingCriteria(max_new_tokens=160),
         "parallel_tool_calls": False,
     }
-    plain = chat(service, tools=[WEATHER], **fields)
-    assert plain[-1].finish_reason == pb.LENGTH and not plain[-1].tool_calls
-    assert "".join(r.text for r in plain).startswith("<tool_call>")
-    held = chat(service, tools=[STRICT_WEATHER], **fields)
-    assert held[-1].finish_reason == pb.TOOL_CALLS, held[-1]
-    (call,) = held[-1].tool_calls
+    return chat(service, tools=[WEATHER], **fields), chat(service, tools=[STRICT_WEATHER], **fields)
+
+
+def assert_one_city_call(responses: list) -> None:
+    assert responses[-1].finish_reason == pb.TOOL_CALLS, responses[-1]
+    (call,) = responses[-1].tool_calls
     arguments = json.loads(call.arguments)
     assert call.name == "get_weather" and set(arguments) == {"city"}
     assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 8
-    assert [t for r in held for t in r.token_ids][0] == ids["<tool_call>"]
 
 
 # A template that takes tools and writes calls as the whole answer (Llama 3's JSON format).
@@ -162,20 +171,10 @@ def test_a_strict_tool_under_auto_holds_an_answer_that_begins_as_a_call(json_for
     random model begin so; strict, the answer is a call of the tool, its arguments
     fitting the schema, and nothing after it; without, it comes back as text."""
     service, brace = json_format_service
-    fields = {
-        "sampling": pb.SamplingParams(logit_bias={brace: 100.0}),
-        "stopping": pb.StoppingCriteria(max_new_tokens=160),
-        "parallel_tool_calls": False,
-    }
-    plain = chat(service, tools=[WEATHER], **fields)
+    plain, held = plain_and_strict(service, brace)
     assert not plain[-1].tool_calls
     assert "".join(r.text for r in plain).startswith("{")
-    held = chat(service, tools=[STRICT_WEATHER], **fields)
-    assert held[-1].finish_reason == pb.TOOL_CALLS, held[-1]
-    (call,) = held[-1].tool_calls
-    arguments = json.loads(call.arguments)
-    assert call.name == "get_weather" and set(arguments) == {"city"}
-    assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 8
+    assert_one_city_call(held)
 
 
 def test_a_conversation_goes_on_after_a_call(service):
