@@ -108,8 +108,7 @@ class Function(BaseModel):
     # A JSON Schema of the arguments (None: any object); any JSON value is passed on as
     # text and the scheduler checks it. tool_choice "required" or a named function holds
     # every call to its schema; under "auto" a `strict` function's calls are held to it
-    # (in models that write calls in <tool_call> tags, and those whose template takes no
-    # tools).
+    # (docs/operations.md, "The OpenAI-compatible front").
     parameters: Any = None
     strict: bool | None = None
 

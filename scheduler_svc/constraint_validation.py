@@ -1,8 +1,7 @@
 """A request's structured-output constraint, checked: its own constraint field (kind and
 size), or the calls a Chat's tool_choice REQUIRED or named function constrains it to (or
 AUTO with a strict tool, its calls), and the stopping and sampling rules a constraint
-cannot live with. The grammar itself is
-compiled by grammars.py."""
+cannot live with. The grammar itself is compiled by grammars.py."""
 
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ from pagoda.scheduler_svc.validation import ValidationError
 def validate_constraint(request, valid: ValidRequest) -> ValidConstraint | None:
     """A request's structured-output constraint (GenerateRequest.constraint, or the calls
     of a Chat request's tool_choice REQUIRED or function, or of AUTO with a strict tool),
-    checked for size and for the
-    stopping rules it cannot live with; None when it has none. The grammar itself is
-    compiled by scheduler_svc.grammars."""
+    checked for size and for the stopping rules it cannot live with; None when it has
+    none. The grammar itself is compiled by scheduler_svc.grammars."""
     tools = valid.tools if isinstance(valid.tools, ValidTools) else None
     constraint = _request_constraint(request)
     if tools is not None and tools.reads_calls:

@@ -6,9 +6,8 @@ constrained rows that sample. A row whose tokens are all known (a prompt's last 
 decode after a serial step) gets its mask in the plan: its matcher is fed the tokens the
 request generated since (a recompute after preemption feeds none), then the masks of all
 such rows are computed at once (on llguidance's threads where CPUs are to spare:
-`mask_threads`). A row planned ahead under
-overlapped steps (in last_sampled_rows) feeds the token of the step in flight, unknown
-yet, and its mask needs it: the plan says masks_follow, and once that step's result is
+`mask_threads`). A row planned ahead under overlapped steps (in last_sampled_rows) feeds
+the token of the step in flight, unknown yet, and its mask needs it: the plan says masks_follow, and once that step's result is
 applied, `masks_after` feeds the matchers that token and computes those rows' masks into
 the StepMasks the step loop sends after the plan; the worker waits for it only to sample,
 so the masks are computed while it runs the forward (about 1.3 ms for 64 rows, measured
@@ -16,10 +15,11 @@ in docs/benchmarks.md: on the step loop, no thread hop). A request that ended me
 gets no mask: its token of that step is dropped (the core's ahead rule). A grammar that
 is complete and cannot go on allows only EOS, so the request ends with STOP.
 
-A row with n-gram drafts (StepPlan.draft_counts; never planned ahead) samples after its
-last token and after each draft: it gets a mask per sample point, its matcher fed the
-drafts one by one and rolled back (llguidance does both on its threads), so each sample
-is what decoding one token at a time under the grammar gives. The core keeps the samples
+A row with drafts (StepPlan.draft_counts: the n-gram's or the grammar's forced tokens;
+never planned ahead) samples after its last token and after each draft: it gets a mask
+per sample point, its matcher fed the drafts one by one and rolled back (llguidance does
+both on its threads), so each sample is what decoding one token at a time under the
+grammar gives. The core keeps the samples
 while they equal the drafts; catch_up then feeds the matcher the tokens kept.
 """
 
@@ -133,6 +133,14 @@ def masks_after(pending: PendingMasks, request_of: Callable[[int], Request | Non
     return StepMasks(step_id=pending.step_id, seq_ids=seq_ids, allowed_token_bitmask=bitmask)
 
 
+def _mask_executor() -> llguidance.LLExecutor:
+    """llguidance's NUM_MASK_THREADS threads, made on first use."""
+    global _executor
+    if _executor is None:
+        _executor = llguidance.LLExecutor(num_threads=NUM_MASK_THREADS)
+    return _executor
+
+
 def _bitmasks(
     grammars: list[RequestGrammar], vocab_size: int, drafts: list[list[int]] | None = None
 ) -> bytes:
@@ -153,20 +161,16 @@ def _bitmasks(
             drafted.append((grammar.matcher, starts[k], drafts[k]))
         else:
             plain.append((grammar.matcher, starts[k]))
-    global _executor, _num_mask_threads
+    global _num_mask_threads
     if _num_mask_threads is None:
         _num_mask_threads = mask_threads()
     if plain and not _num_mask_threads:
         for matcher, row in plain:
             fill_next_token_bitmask(matcher, masks, row)
-        plain = []
-    if plain or drafted:
-        if _executor is None:
-            _executor = llguidance.LLExecutor(num_threads=NUM_MASK_THREADS)
-        if plain:
-            fill_next_token_bitmask_par(_executor, plain, masks)
-        if drafted:
-            fill_next_token_bitmask_par_with_draft_tokens(_executor, drafted, masks)
+    elif plain:
+        fill_next_token_bitmask_par(_mask_executor(), plain, masks)
+    if drafted:
+        fill_next_token_bitmask_par_with_draft_tokens(_mask_executor(), drafted, masks)
     words = masks.view(np.uint32)
     for row in np.flatnonzero(~words.any(axis=1)):
         k = bisect.bisect_right(starts, row) - 1  # the grammar the row belongs to

@@ -4,13 +4,13 @@ The engine is llguidance (Rust, no torch: the scheduler never imports torch). It
 tokenizer's vocabulary, which it reads from tokenizer.json once per (vocabulary size, EOS
 ids), about a second on the first constrained request. A request's constraint is compiled
 when it is validated (an invalid one is INVALID_ARGUMENT before any work); its matcher
-rides on the request (ValidRequest.grammar, opaque to the core but for one question,
+rides on the request (ValidRequest.grammar, opaque to the core but for two questions,
 core.request.Grammar) and dies with it. The compiler keeps the last MAX_CACHED_GRAMMARS
 constraints' pristine matchers and gives each later request with the same constraint a
 copy (microseconds, against 2-7 ms for a compile, measured: a short request's compile was
 most of what a constraint cost it). Each step's allowed-token bitmasks are
-scheduler_svc.grammar_masks'. The core drafts no token a grammar refuses: it asks
-`RequestGrammar.num_allowed` first.
+scheduler_svc.grammar_masks'. The core drafts the tokens a grammar forces
+(`RequestGrammar.forced_tokens`), else none it refuses (`num_allowed`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ MAX_CHOICES = 256
 # Compiled constraints kept for the next request with the same one (see the docstring).
 MAX_CACHED_GRAMMARS = 64
 # JSON without whitespace between tokens: a model cannot pad its output with blanks forever.
-_JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 class GrammarError(ValueError):
@@ -84,18 +84,17 @@ class RequestGrammar:
         """The tokens the grammar forces after `request`'s tokens, as llguidance tokenizes
         forced text (its fast-forward tokens: a JSON key, a tool's name): drafts the
         model keeps but where it spells them otherwise (core.request.Grammar)."""
-        self.catch_up(request)
-        if self.matcher.is_error():
-            return []
-        return self.matcher.compute_ff_tokens()
+        return self.matcher.compute_ff_tokens() if self._caught_up(request) else []
 
     def num_allowed(self, request: Request, token_ids: list[int]) -> int:
         """How many of `token_ids`, in order, the grammar allows after `request`'s tokens
         (the core's question before it drafts them: core.request.Grammar)."""
+        return self.matcher.validate_tokens(token_ids) if self._caught_up(request) else 0
+
+    def _caught_up(self, request: Request) -> bool:
+        """catch_up, then whether the matcher can still answer (it refused no token)."""
         self.catch_up(request)
-        if self.matcher.is_error():
-            return 0
-        return self.matcher.validate_tokens(token_ids)
+        return not self.matcher.is_error()
 
     def catch_up(self, request: Request) -> None:
         """Consume the tokens `request` generated since the last call."""
@@ -119,9 +118,9 @@ def _grammar_text(constraint: ValidConstraint) -> str:
             schema = json.loads(source)
             if not isinstance(schema, dict | bool):
                 raise GrammarError(f"{constraint.field_name} must be a JSON object")
-            return matcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+            return matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if kind == "json_object":
-            return matcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+            return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if kind == "regex":
             return matcher.grammar_from_regex(source)
         if kind == "lark_grammar":

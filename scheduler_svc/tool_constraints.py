@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagoda.scheduler_svc.grammars import ValidConstraint
+from pagoda.scheduler_svc.grammars import JSON_OPTIONS, ValidConstraint
 from pagoda.scheduler_svc.tools import CALL_CLOSE, CALL_OPEN, ToolChoice, ToolFormat, ValidTools
 
 
@@ -69,7 +69,7 @@ def _call_schemas(
 
 
 # How templates show past calls (tojson): the separators a call is held to.
-_TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_TEMPLATE_JSON = {**JSON_OPTIONS, "item_separator": ", ", "key_separator": ": "}
 
 
 def _auto_calls_grammar(tools: ValidTools) -> str:
