@@ -364,7 +364,7 @@ class Planner:
         (a draft costs the worker as a token does, kept or not); drafted tokens fed. A
         constrained request whose grammar forces its next tokens drafts those instead,
         paused or not: the model is held to them (kept unless it spells them otherwise,
-        so priced as kept)."""
+        so priced as kept), and what becomes of them stays out of its record."""
         config = self.config
         block_size = self.blocks.block_size
         num_drafted = 0
@@ -379,6 +379,7 @@ class Planner:
             forced = grammar.forced_tokens(request) if grammar is not None and limit > 0 else []
             if forced:
                 drafts = forced[: num_worth_drafting(1.0, price, limit)]
+                request.forced_drafts_step = b.step_id
             else:
                 worth = 0
                 if limit > 0 and b.step_id >= request.drafts_resume_step:

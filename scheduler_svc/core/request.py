@@ -163,11 +163,14 @@ class Request:
     prompt_leader: Request | None = None
     # Speculation: its drafts kept and tried, faded per step (speculation.acceptance), and
     # its pause after drafts that were not worth their price: no drafts before
-    # drafts_resume_step, a pause twice as long next time until one is kept.
+    # drafts_resume_step, a pause twice as long next time until one is kept. The step
+    # whose drafts its grammar forced: those say nothing of its n-gram drafts' chances,
+    # so they stay out of the record.
     num_kept_drafts: float = 0.0
     num_tried_drafts: float = 0.0
     draft_pause_steps: int = 0
     drafts_resume_step: int = 0
+    forced_drafts_step: int = -1
 
     @property
     def num_generated_tokens(self) -> int:

@@ -684,7 +684,8 @@ class Scheduler:
             if drafts:
                 self._num_draft_tokens += len(drafts)
                 self._num_accepted_draft_tokens += kept - 1
-                record_drafts(request, len(drafts), kept - 1)
+                if request.forced_drafts_step != plan.step_id:
+                    record_drafts(request, len(drafts), kept - 1)
             wants_logprobs = bool(request.sampling.num_logprobs and result.logprobs)
             taken: list[int] = []
             finish_reason = None

@@ -191,8 +191,10 @@ class Forces:
     def __init__(self, output: list[int], right: bool) -> None:
         self.output = output
         self.right = right
+        self.records: list[tuple[float, float]] = []  # the request's, at each ask
 
     def forced_tokens(self, request) -> list[int]:
+        self.records.append((request.num_kept_drafts, request.num_tried_drafts))
         upcoming = self.output[request.num_generated_tokens :][:3]
         return upcoming if self.right else [token ^ 1 for token in upcoming]
 
@@ -209,12 +211,15 @@ def test_a_grammar_that_forces_tokens_drafts_them(right):
         [make_request("r0", cyclic_prompt(), max_new_tokens=30)], speculative_tokens=0
     )
     output = plain["r0"].token_ids
+    grammar = Forces(output, right)
     constrained = dataclasses.replace(
-        make_request("r0", cyclic_prompt(), max_new_tokens=30), grammar=Forces(output, right)
+        make_request("r0", cyclic_prompt(), max_new_tokens=30), grammar=grammar
     )
     drafted, stats, plans = run([constrained], speculative_tokens=4)
     assert drafted["r0"].token_ids == output
     assert stats.num_draft_tokens > 0
+    # Forced drafts say nothing of the n-gram's chances: its record stays clean.
+    assert len(grammar.records) > 1 and set(grammar.records) == {(0.0, 0.0)}
     if right:
         assert stats.num_accepted_draft_tokens == stats.num_draft_tokens
         assert len(plans) < len(plain_plans)
