@@ -39,6 +39,7 @@ from pagoda.scheduler_svc.info_rpcs import (
     tokenize,
 )
 from pagoda.scheduler_svc.metrics import Metrics
+from pagoda.scheduler_svc.reasoning import reasoning_splits
 from pagoda.scheduler_svc.refusals import Undecodable, answer, refusal
 from pagoda.scheduler_svc.response_writer import ResponseWriter
 from pagoda.scheduler_svc.settings import ServiceConfig
@@ -162,18 +163,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # with DEADLINE_EXCEEDED, and its request is cancelled, under any policy).
         valid = dataclasses.replace(valid, time_limit_s=context.time_remaining())
         slots = self._submit(valid)
+        splits = reasoning_splits(valid.thinking, len(slots))
         try:
             if len(slots) == 1:
-                slot = slots[0]
+                slot, split = slots[0], splits[0]
                 while True:
                     output = await slot.next()
                     await self._writer.stream(
-                        context, slot, output, client_request_id, tenant.name, record=record
+                        context,
+                        slot,
+                        output,
+                        client_request_id,
+                        tenant.name,
+                        record=record,
+                        split=split,
                     )
                     if output.finish_reason is not None:
                         return
             await self._writer.stream_samples(
-                context, slots, client_request_id, tenant.name, record
+                context, slots, client_request_id, tenant.name, record, splits
             )
         finally:
             # Reached on normal end, refusal, client cancel, deadline, disconnect or a
@@ -207,6 +215,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             constraint = validate_constraint(request, valid)
             if constraint is None:
                 return valid
+            if not (isinstance(valid.tools, ValidTools) and valid.tools.holds_auto_calls):
+                # The grammar holds the whole output: no thinking comes before it.
+                valid = dataclasses.replace(valid, thinking=None)
             # Compiling a schema can take a while (and the first one reads the vocabulary).
             grammar = await asyncio.get_running_loop().run_in_executor(
                 self._tokenizer_threads,

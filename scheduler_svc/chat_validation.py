@@ -8,8 +8,13 @@ field names and never builds one.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from typing import Any
+
 from pagoda.scheduler_svc.core import ValidRequest
-from pagoda.scheduler_svc.tokenizer import ChatTemplateError, TextTokenizer
+from pagoda.scheduler_svc.reasoning import thinking_of
+from pagoda.scheduler_svc.tokenizer import TEMPLATE_VARIABLES, ChatTemplateError, TextTokenizer
 from pagoda.scheduler_svc.tool_templates import template_messages
 from pagoda.scheduler_svc.tools import ToolFormat, ToolsError, ValidTools, valid_tools
 from pagoda.scheduler_svc.validation import (
@@ -22,6 +27,7 @@ from pagoda.scheduler_svc.validation import (
 )
 
 MAX_CHAT_MESSAGES = 256
+MAX_TEMPLATE_KWARGS_BYTES = 4096
 
 
 def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidRequest:
@@ -44,6 +50,7 @@ def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidReq
             raise ValidationError(
                 f"messages[{index}].role {echoed(message.role)} is not one of: {roles}"
             )
+    variables = _template_variables(request.chat_template_kwargs)
     try:
         tools = _tools(request, tokenizer)
         conversation = template_messages(request.messages, tools, tokenizer)
@@ -53,7 +60,7 @@ def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidReq
     if tools is not None and tokenizer.tool_format is not ToolFormat.GENERIC:
         shown_tools = tools.for_template()
     try:
-        rendered = tokenizer.render_chat(conversation, shown_tools)
+        rendered = tokenizer.render_chat(conversation, shown_tools, variables)
     except Exception as exc:  # the template's own raise_exception() and jinja errors
         # The template's message may quote the conversation.
         raise ValidationError(
@@ -68,8 +75,35 @@ def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidReq
     except ChatTemplateError as exc:
         sentence = str(exc)
     else:
-        return valid_request(request, tuple(prompt_token_ids), limits, tools)
+        valid = valid_request(request, tuple(prompt_token_ids), limits, tools)
+        if not tokenizer.thinks:
+            return valid
+        # A grammar over the whole output undoes it (api._admit).
+        return dataclasses.replace(valid, thinking=thinking_of(rendered))
     raise ValidationError(sentence)
+
+
+def _template_variables(text: str) -> dict[str, Any]:
+    """ChatRequest.chat_template_kwargs: a JSON object of the caller's template variables."""
+    if not text:
+        return {}
+    if len(text.encode()) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise ValidationError(
+            f"chat_template_kwargs must be at most {MAX_TEMPLATE_KWARGS_BYTES} bytes"
+        )
+    try:
+        variables = json.loads(text)
+    except (ValueError, RecursionError):
+        variables = None
+    if not isinstance(variables, dict):
+        raise ValidationError("chat_template_kwargs must be a JSON object's text")
+    taken = sorted(TEMPLATE_VARIABLES.intersection(variables))
+    if taken:
+        raise ValidationError(
+            f"chat_template_kwargs cannot set {taken[0]}: the server gives the template "
+            f"{', '.join(sorted(TEMPLATE_VARIABLES))}"
+        )
+    return variables
 
 
 # ToolChoiceMode's values (pagoda.v1), by number.

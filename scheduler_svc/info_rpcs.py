@@ -64,6 +64,7 @@ def model_info(
         eos_token_ids=sorted(tokenizer.eos_token_ids),
         worker_connected=front.worker is not None,
         has_chat_template=tokenizer.chat_template is not None,
+        thinks=tokenizer.thinks,
     )
     if hello is not None:
         info.model_id = hello.model_id

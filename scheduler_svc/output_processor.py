@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pagoda.scheduler_svc.core import FinishReason, RequestOutput, StepOutputs, ValidRequest
 from pagoda.scheduler_svc.core.request import sample_request_ids
 from pagoda.scheduler_svc.detokenizer import IncrementalDetokenizer
+from pagoda.scheduler_svc.reasoning import Thinking
 from pagoda.scheduler_svc.stop_strings import StopStringMatcher
 from pagoda.scheduler_svc.tool_calls import ToolCallReader
 from pagoda.scheduler_svc.tools import ValidTools
@@ -83,7 +84,8 @@ class OutputProcessor:
             )
             if isinstance(tools, ValidTools) and tools.reads_calls:
                 # Constrained calls are JSON, not text a stop string could end.
-                matcher = ToolCallReader(tools, None if tools.constrained else matcher)
+                thinking = request.thinking if isinstance(request.thinking, Thinking) else None
+                matcher = ToolCallReader(tools, None if tools.constrained else matcher, thinking)
             self._texts[request_id] = (self._new_detokenizer(), matcher)
 
     def __len__(self) -> int:

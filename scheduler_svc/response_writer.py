@@ -16,6 +16,7 @@ from pagoda.protos import generation_pb2
 from pagoda.scheduler_svc.access_log import CallRecord
 from pagoda.scheduler_svc.core import FinishReason, RequestOutput, Usage
 from pagoda.scheduler_svc.metrics import Metrics
+from pagoda.scheduler_svc.reasoning import ReasoningSplit
 from pagoda.scheduler_svc.refusals import refusal
 from pagoda.scheduler_svc.responses import to_response, to_usage, total_usage
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
@@ -43,19 +44,21 @@ class ResponseWriter:
         index: int = 0,
         usages: list[Usage | None] | None = None,
         record: CallRecord | None = None,
+        split: ReasoningSplit | None = None,
     ) -> None:
         """Write one output of a sample; an ERROR ends the call with the slot's status
         (every other sample is cancelled). With `usages` (n > 1: each sample's final
         usage, by index, None until it ends), the last sample to end also carries the
-        request's total_usage. `record` (the access log) hears each finishing output."""
+        request's total_usage. `record` (the access log) hears each finishing output.
+        `split` (a thinking model's chat) moves the sample's reasoning to reasoning_text."""
         if output.finish_reason is FinishReason.ERROR:
             if output.token_ids or output.text:
-                await self._write(
-                    context, to_response(output, request_id, self._token_bytes, index)
-                )
+                response = to_response(output, request_id, self._token_bytes, index)
+                await self._write(context, _split(response, split, last=True))
             code = getattr(grpc.StatusCode, slot.error_code or "INTERNAL")
             raise refusal(self._metrics, code, output.error_message or "the request failed")
         response = to_response(output, request_id, self._token_bytes, index)
+        _split(response, split, last=output.finish_reason is not None)
         if output.finish_reason is not None:
             self._metrics.observe_tenant_finish(tenant, output)
             if record is not None:
@@ -73,10 +76,13 @@ class ResponseWriter:
         request_id: str,
         tenant: str,
         record: CallRecord | None = None,
+        splits: list[ReasoningSplit | None] | None = None,
     ) -> None:
-        """Stream n samples' outputs as they come, each tagged with its index; returns once
-        every sample has ended. Each slot is read by one task at a time, so a sample's
-        messages stay in order and none is lost or repeated."""
+        """Stream n samples' outputs as they come, each tagged with its index (`splits`:
+        each one's, as stream's `split`); returns once every sample has ended. Each slot
+        is read by one task at a time, so a sample's messages stay in order and none is
+        lost or repeated."""
+        splits = splits or [None] * len(slots)
         usages: list[Usage | None] = [None] * len(slots)
         reading = {asyncio.ensure_future(slot.next()): index for index, slot in enumerate(slots)}
         try:
@@ -86,7 +92,15 @@ class ResponseWriter:
                     index = reading.pop(task)
                     output = task.result()
                     await self.stream(
-                        context, slots[index], output, request_id, tenant, index, usages, record
+                        context,
+                        slots[index],
+                        output,
+                        request_id,
+                        tenant,
+                        index,
+                        usages,
+                        record,
+                        splits[index],
                     )
                     if output.finish_reason is None:
                         reading[asyncio.ensure_future(slots[index].next())] = index
@@ -115,3 +129,17 @@ class ResponseWriter:
             self._write_watch.stalled_sentence,
             stalled=True,
         )
+
+
+def _split(
+    response: generation_pb2.GenerateResponse, split: ReasoningSplit | None, *, last: bool
+) -> generation_pb2.GenerateResponse:
+    """`response` with its text's reasoning moved to reasoning_text (in place)."""
+    if split is None:
+        return response
+    reasoning, answer = split.push(response.text)
+    if last:
+        more, rest = split.flush()
+        reasoning, answer = reasoning + more, answer + rest
+    response.reasoning_text, response.text = reasoning, answer
+    return response

@@ -19,12 +19,19 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
+from pagoda.scheduler_svc.reasoning import THINK_CLOSE, THINK_OPEN
 from pagoda.scheduler_svc.tools import ToolFormat, tool_format
 
 BASE_ROLES = ("system", "user", "assistant", "tool")
 # A model_max_length this large in tokenizer_config.json means "not set".
 UNSET_MODEL_MAX_LENGTH = 10**9
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+# What render_chat gives the template itself: a caller's variables cannot replace them.
+TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"}
+)
 
 
 class ChatTemplateError(ValueError):
@@ -45,6 +52,9 @@ class TextTokenizer:
     known_roles: frozenset[str] = frozenset()
     # How the template shows tools and the model writes calls (scheduler_svc.tools).
     tool_format: ToolFormat = ToolFormat.GENERIC
+    # Whether the template writes the model's thinking between <think> and </think>, tags
+    # that decoding keeps (not special tokens): Chat keeps it apart (reasoning.py).
+    thinks: bool = False
     _template: jinja2.Template | None = None
     # The text of each special token ("<|im_start|>"), and a copy of the tokenizer that
     # reads such text in a message's content as ordinary text (made on first use).
@@ -99,13 +109,19 @@ class TextTokenizer:
         self,
         messages: Sequence[tuple[str, str] | Mapping[str, Any]],
         tools: list[dict[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """Messages ((role, content) pairs, or message dicts as transformers takes them:
         "tool_calls", "tool_call_id", ...) -> prompt text with the assistant's turn opened.
-        `tools` go to the template as transformers passes them (None: no tools)."""
+        `tools` go to the template as transformers passes them (None: no tools);
+        `variables` are the caller's own ({"enable_thinking": False}), none of
+        TEMPLATE_VARIABLES."""
         if self._template is None:
             raise ChatTemplateError("the model has no chat template")
+        if variables and not TEMPLATE_VARIABLES.isdisjoint(variables):
+            raise ChatTemplateError("a template variable of the server's was given")
         return self._template.render(
+            **(variables or {}),
             messages=[
                 message
                 if isinstance(message, Mapping)
@@ -197,6 +213,12 @@ def load_tokenizer(model_dir: Path) -> TextTokenizer:
         (added.content, token_id)
         for token_id, added in sorted(added_tokens.items())
         if added.content
+    )
+    text_tokenizer.thinks = (
+        chat_template is not None
+        and THINK_OPEN in chat_template
+        and THINK_CLOSE in chat_template
+        and not {THINK_OPEN, THINK_CLOSE} & set(text_tokenizer.special_texts)
     )
     text_tokenizer.token_texts()  # built now (~0.3 s) rather than in the first request's step
     return text_tokenizer

@@ -8,6 +8,8 @@ the text is held until the sample ends:
   tag, and blanks at the end, are held until the next tokens settle them);
 - JSON format: an answer that begins with "{" or "[" is held whole;
 - REQUIRED or a named function: the whole output (constrained to the calls' JSON).
+A thinking model's reasoning (reasoning.py) is passed on unread: calls are read in the
+answer after it.
 When the sample ends, the held text is parsed. Calls of declared tools whose arguments are
 JSON objects become the last output's tool_calls, and the text between and after them its
 text. Held text that does not parse that way is returned as text, whole: nothing the model
@@ -22,6 +24,7 @@ import secrets
 from typing import Any
 
 from pagoda.scheduler_svc.core import ToolCall
+from pagoda.scheduler_svc.reasoning import ReasoningSplit, Thinking
 from pagoda.scheduler_svc.stop_strings import StopStringMatcher, held_back_length
 from pagoda.scheduler_svc.tools import CALL_CLOSE, CALL_OPEN, ToolChoice, ToolFormat, ValidTools
 
@@ -42,6 +45,7 @@ class ToolCallReader:
     __slots__ = (
         "tools",
         "stop",
+        "thinking",
         "calls",
         "_pending",
         "_held",
@@ -52,9 +56,16 @@ class ToolCallReader:
     # The output processor calls push() for every token of a reader.
     trigger = ""
 
-    def __init__(self, tools: ValidTools, stop: StopStringMatcher | None = None) -> None:
+    def __init__(
+        self,
+        tools: ValidTools,
+        stop: StopStringMatcher | None = None,
+        thinking: Thinking | None = None,
+    ) -> None:
         self.tools = tools
         self.stop = stop
+        # Where the answer begins, when the model thinks first: the text before it passes.
+        self.thinking = None if thinking is None else ReasoningSplit(thinking, verbatim=True)
         self.calls: tuple[ToolCall, ...] = ()
         # Text that may begin a call: a partial "<tool_call>", or a JSON answer's leading
         # blanks (until its first other character says whether it is a call).
@@ -85,15 +96,22 @@ class ToolCallReader:
         stopped = False
         if self.stop is not None:
             text, stopped = self.stop.push(text)
-        text = self._read(text)
-        return text, stopped or self._closed
+        if self.thinking is not None and not self.thinking.answering:
+            reasoning, answer = self.thinking.push(text)
+            return reasoning + self._read(answer), stopped or self._closed
+        return self._read(text), stopped or self._closed
 
     def flush(self, tail: str = "") -> str:
         """The sample ended, `tail` its last text: read the held text for calls (into
         `calls`) and return the text still to send."""
         if self.stop is not None:
             tail = self.stop.flush(tail)
-        text = self._read(tail) + self._pending
+        reasoning = ""
+        if self.thinking is not None:
+            reasoning, tail = self.thinking.push(tail)
+            more, answer = self.thinking.flush()
+            reasoning, tail = reasoning + more, tail + answer
+        text = reasoning + self._read(tail) + self._pending
         held, self._held, self._pending = self._held, None, ""
         if not held:
             return text

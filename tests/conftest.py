@@ -148,6 +148,27 @@ def add_tag_tokens(tokenizer_dir: Path) -> dict[str, int]:
     return {tag: tokenizer.token_to_id(tag) for tag in TAG_TOKENS}
 
 
+# A thinking model's template (Qwen3's kind): the assistant's turn opens <think>, or with
+# enable_thinking false closes it empty.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+
+
+def make_thinking(tokenizer_dir: Path) -> Path:
+    """Give the tiny tokenizer in `tokenizer_dir` THINKING_TEMPLATE and the tags as tokens of
+    their own (add_tag_tokens); the directory."""
+    add_tag_tokens(tokenizer_dir)
+    path = tokenizer_dir / "tokenizer_config.json"
+    path.write_text(
+        json.dumps({**json.loads(path.read_text()), "chat_template": THINKING_TEMPLATE})
+    )
+    return tokenizer_dir
+
+
 @pytest.fixture(scope="session", params=sorted(TINY_ARCHITECTURES))
 def tiny_model_dir(request, tmp_path_factory) -> Path:
     """A tiny random model directory, once per architecture (parametrized)."""

@@ -63,6 +63,9 @@ class ValidRequest:
     # A Chat request's tools (scheduler_svc.tools.ValidTools), opaque to the core: the text
     # stage reads the output for their calls.
     tools: object | None = None
+    # A Chat request's thinking (scheduler_svc.reasoning.Thinking; None: its output is not
+    # split), opaque to the core: the text stage and the edge keep reasoning apart.
+    thinking: object | None = None
     # Seconds the caller waits from now (its gRPC deadline's time remaining; None: none):
     # the `deadline` admission policy starts the earliest deadline first.
     time_limit_s: float | None = None

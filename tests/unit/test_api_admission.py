@@ -71,6 +71,7 @@ class CountingTokenizer:
     tool_format = ToolFormat.GENERIC
     special_texts = ()
     added_tokens = ()
+    thinks = False
 
     def __init__(self) -> None:
         self.encode_threads: list[str] = []
@@ -86,7 +87,7 @@ class CountingTokenizer:
     def encode_chat(self, rendered: str, contents: list[str]) -> list[int]:
         return self.encode(rendered, add_special_tokens=False)
 
-    def render_chat(self, messages, tools=None) -> str:
+    def render_chat(self, messages, tools=None, variables=None) -> str:
         self.render_threads.append(threading.current_thread().name)
         return "".join(message["content"] for message in messages)
 

@@ -1,0 +1,108 @@
+"""A thinking model end to end: a scheduler, a tiny random-weight model whose chat template
+opens <think> (tests.conftest.THINKING_TEMPLATE), a real worker and the gRPC Chat API.
+What the model writes before </think> streams as reasoning_text and only the rest as
+text; token_ids stream every token; the caller's template variables close the thinking
+before it begins; a grammar over the whole output leaves it unsplit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagoda.protos import generation_pb2 as pb
+from pagoda.protos import generation_pb2_grpc
+from pagoda.scheduler_svc.reasoning import Thinking
+from tests.conftest import long_context_copy, make_thinking
+from tests.e2e.conftest import running_service
+from tests.unit.test_reasoning import expected
+
+pytestmark = pytest.mark.slow
+
+QUESTION = pb.ChatMessage(role="user", content="The weather in Paris?")
+
+
+@pytest.fixture(scope="module")
+def thinking_service(tiny_model_factory, tmp_path_factory):
+    """A service of a thinking model: (it, the id of "</think>")."""
+    model = long_context_copy(tiny_model_factory("llama"), tmp_path_factory.mktemp("thinking"))
+    make_thinking(model)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    close = next(t["id"] for t in spec["added_tokens"] if t["content"] == "</think>")
+    with running_service(tmp_path_factory.mktemp("thinking-run"), model=str(model)) as running:
+        yield running, close
+
+
+def chat(service, **fields) -> list[pb.GenerateResponse]:
+    fields.setdefault("messages", [QUESTION])
+    fields.setdefault("stopping", pb.StoppingCriteria(max_new_tokens=24))
+    with service.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        return list(stub.Chat(pb.ChatRequest(**fields), timeout=300))
+
+
+def decoded(service, responses) -> str:
+    """The text of every token the responses streamed."""
+    token_ids = [token_id for response in responses for token_id in response.token_ids]
+    with service.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=True)
+        return stub.Detokenize(request, timeout=30).text
+
+
+def joined(responses) -> tuple[str, str]:
+    return "".join(r.reasoning_text for r in responses), "".join(r.text for r in responses)
+
+
+def test_the_model_says_it_thinks(thinking_service):
+    service, _ = thinking_service
+    with service.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        assert stub.GetModelInfo(pb.ModelInfoRequest(), timeout=30).thinks
+
+
+def test_what_comes_before_the_closing_tag_is_reasoning(thinking_service):
+    service, close = thinking_service
+    for sampling in (pb.SamplingParams(), pb.SamplingParams(temperature=1.0, seed=5)):
+        responses = chat(service, sampling=sampling)
+        reasoning, text = joined(responses)
+        assert reasoning and (reasoning, text) == expected(
+            Thinking.BEGUN, decoded(service, responses)
+        )
+        assert sum(len(r.token_ids) for r in responses) == responses[-1].usage.completion_tokens
+    # Every token "</think>": the first closes the thinking, empty; the rest are answer.
+    responses = chat(
+        service,
+        sampling=pb.SamplingParams(logit_bias={close: 100.0}),
+        stopping=pb.StoppingCriteria(max_new_tokens=4),
+    )
+    assert joined(responses) == ("", "</think>" * 3)
+
+
+def test_with_tools_the_thinking_passes_the_calls_reader_unread(thinking_service):
+    service, _ = thinking_service
+    tool = pb.Tool(name="get_time", parameters='{"type": "object", "properties": {}}')
+    responses = chat(
+        service, tools=[tool], stopping=pb.StoppingCriteria(max_new_tokens=24, stop=["zzz"])
+    )
+    assert joined(responses) == expected(Thinking.BEGUN, decoded(service, responses))
+    assert not responses[-1].tool_calls and responses[-1].finish_reason != pb.TOOL_CALLS
+
+
+def test_template_variables_close_the_thinking_before_it_begins(thinking_service):
+    service, close = thinking_service
+    open_, closed = (
+        chat(service, sampling=pb.SamplingParams(logit_bias={close: 100.0}), **fields)
+        for fields in ({}, {"chat_template_kwargs": '{"enable_thinking": false}'})
+    )
+    assert closed[-1].usage.prompt_tokens > open_[-1].usage.prompt_tokens
+    assert joined(closed) == ("", decoded(service, closed))  # no thinking: all answer
+    assert joined(open_)[0] == "" and joined(open_)[1] != joined(closed)[1]
+
+
+def test_a_grammar_over_the_whole_output_leaves_it_unsplit(thinking_service):
+    service, _ = thinking_service
+    responses = chat(service, constraint=pb.Constraint(json_object=True))
+    reasoning, text = joined(responses)
+    assert reasoning == "" and text == decoded(service, responses)
+    assert text.startswith("{")  # the grammar's, from the first token (24 may cut it)

@@ -1,0 +1,189 @@
+"""A thinking model's reasoning kept apart from its answer (reasoning.py): the split as
+text streams, in a ToolCallReader, in the chat template's rendering and in validation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagoda.protos import generation_pb2 as pb
+from pagoda.scheduler_svc.chat_validation import validate_chat
+from pagoda.scheduler_svc.reasoning import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    ReasoningSplit,
+    Thinking,
+    thinking_of,
+)
+from pagoda.scheduler_svc.tokenizer import load_tokenizer
+from pagoda.scheduler_svc.tool_calls import ToolCallReader
+from pagoda.scheduler_svc.tools import ToolFormat, valid_tools
+from pagoda.scheduler_svc.validation import ValidationError
+from tests.conftest import make_thinking
+from tests.unit.test_validation import LIMITS
+
+BEGUN, MAY_BEGIN = Thinking.BEGUN, Thinking.MAY_BEGIN
+
+
+def split_pieces(thinking: Thinking, pieces: list[str], verbatim: bool = False):
+    """The (reasoning, answer) a split returns over `pieces`, each part joined."""
+    split = ReasoningSplit(thinking, verbatim=verbatim)
+    parts = [split.push(piece) for piece in pieces] + [split.flush()]
+    return "".join(r for r, _ in parts), "".join(a for _, a in parts)
+
+
+def expected(thinking: Thinking, text: str) -> tuple[str, str]:
+    """The split of a whole output, as reasoning.py's docstring states it."""
+    if thinking is MAY_BEGIN:
+        if not text.lstrip().startswith(THINK_OPEN):
+            return "", text
+        text = text.lstrip()[len(THINK_OPEN) :]
+    end = text.find(THINK_CLOSE)
+    if end < 0:
+        return text.strip(), ""
+    return text[:end].strip(), text[end + len(THINK_CLOSE) :].lstrip()
+
+
+@pytest.mark.parametrize(
+    ("thinking", "pieces", "reasoning", "answer"),
+    [
+        # Qwen3: the output opens its thinking.
+        (MAY_BEGIN, ["<think>", "\nThe user", " greets.\n", "</think>", "\n\n", "Hello!"],
+         "The user greets.", "Hello!"),
+        # DeepSeek-R1: the prompt opened it.
+        (BEGUN, ["Hmm", ".\n</th", "ink>\n\nAnswer: 4"], "Hmm.", "Answer: 4"),
+        # No thinking: every character is the answer's, blanks included.
+        (MAY_BEGIN, ["\n", " Hi <think>", " there"], "", "\n Hi <think> there"),
+        (MAY_BEGIN, ["<thi", "s is text"], "", "<this is text"),
+        # Cut by max_new_tokens inside the thinking: all reasoning.
+        (MAY_BEGIN, ["<think>\n", "still going ", "</thi"], "still going </thi", ""),
+        (BEGUN, ["a  ", "\n", " b"], "a  \n b", ""),
+        # Only the first </think> ends it.
+        (BEGUN, ["x</think>y</think>"], "x", "y</think>"),
+    ],
+)  # fmt: skip
+def test_reasoning_and_answer(thinking, pieces, reasoning, answer):
+    assert split_pieces(thinking, pieces) == (reasoning, answer)
+
+
+def test_reasoning_streams_as_it_comes_and_blanks_wait_for_what_follows():
+    split = ReasoningSplit(MAY_BEGIN)
+    assert split.push("<think>\n") == ("", "")
+    assert split.push("One") == ("One", "")
+    assert split.push(" two\n") == (" two", "")  # the newline may end the thinking
+    assert split.push("three</") == ("\nthree", "")
+    assert split.push("think>\n\n") == ("", "")
+    assert split.push("Hi") == ("", "Hi")
+    assert split.flush() == ("", "")
+
+
+PIECES = st.lists(
+    st.sampled_from(["<think>", "</think>", "<", "/", "think", ">", " ", "\n", "a", "b c"]),
+    max_size=14,
+).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    text=PIECES,
+    cuts=st.lists(st.integers(min_value=0, max_value=120), max_size=8),
+    thinking=st.sampled_from([BEGUN, MAY_BEGIN]),
+)
+def test_the_split_does_not_depend_on_how_tokens_cut_the_text(text, cuts, thinking):
+    bounds = sorted({0, len(text), *(cut for cut in cuts if cut < len(text))})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert split_pieces(thinking, pieces) == expected(thinking, text)
+    # Verbatim, the same answer, after every character before it as written.
+    passed, answer = split_pieces(thinking, pieces, verbatim=True)
+    assert answer == expected(thinking, text)[1]
+    assert passed + answer == text
+
+
+def test_the_prompt_says_where_the_thinking_stands():
+    assert thinking_of("<|im_start|>assistant\n<think>\n") is BEGUN
+    assert thinking_of("<|im_start|>assistant\n") is MAY_BEGIN
+    # Qwen3 with enable_thinking false: an empty thinking is already closed.
+    assert thinking_of("<|im_start|>assistant\n<think>\n\n</think>\n\n") is MAY_BEGIN
+
+
+def hermes_tools():
+    parameters = '{"type": "object", "properties": {"city": {"type": "string"}}}'
+    return valid_tools(
+        [("get_weather", "", parameters, False)], "auto", "", True, ToolFormat.HERMES, ()
+    )
+
+
+def test_calls_are_read_in_the_answer_never_in_the_thinking():
+    reader = ToolCallReader(hermes_tools(), thinking=MAY_BEGIN)
+    thought = '<think>\nI could write <tool_call>{"name": "get_weather"}</tool_call>.\n</think>\n'
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    shown = [reader.push(piece)[0] for piece in (thought[:20], thought[20:], "\n", call)]
+    last = reader.flush()
+    # The thinking passed unread and whole (the edge splits it); the call was read.
+    assert "".join(shown) + last == thought + "\n"
+    ((name, arguments),) = [(c.name, json.loads(c.arguments)) for c in reader.calls]
+    assert (name, arguments) == ("get_weather", {"city": "Oslo"})
+
+
+def test_a_thinking_cut_short_holds_no_call_and_loses_no_text():
+    reader = ToolCallReader(hermes_tools(), thinking=BEGUN)
+    text = 'Maybe <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    assert reader.push(text)[0] + reader.flush() == text
+    assert reader.calls == ()
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tiny_tokenizer_dir, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("thinking")
+    shutil.copytree(tiny_tokenizer_dir, directory, dirs_exist_ok=True)
+    return make_thinking(directory)
+
+
+def chat(**fields) -> pb.ChatRequest:
+    return pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="Hi")], **fields)
+
+
+def test_a_template_that_writes_think_tags_thinks(thinking_model, tiny_tokenizer_dir, tokenizer):
+    thinking = load_tokenizer(thinking_model)
+    assert thinking.thinks
+    assert not tokenizer.thinks and not load_tokenizer(tiny_tokenizer_dir).thinks
+    assert validate_chat(chat(), thinking, LIMITS).thinking is BEGUN
+    # The caller's template variables reach the template.
+    closed = validate_chat(
+        chat(chat_template_kwargs='{"enable_thinking": false}'), thinking, LIMITS
+    )
+    assert closed.thinking is MAY_BEGIN
+    assert thinking.decode(list(closed.prompt_token_ids), skip_special_tokens=False).endswith(
+        "<think>\n\n</think>\n\n"
+    )
+    assert validate_chat(chat(), tokenizer, LIMITS).thinking is None
+
+
+def test_think_tags_that_decoding_skips_are_no_thinking(thinking_model, tmp_path):
+    shutil.copytree(thinking_model, tmp_path, dirs_exist_ok=True)
+    path = tmp_path / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    for added in spec["added_tokens"]:
+        if added["content"] in (THINK_OPEN, THINK_CLOSE):
+            added["special"] = True
+    path.write_text(json.dumps(spec))
+    assert not load_tokenizer(tmp_path).thinks
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "sentence"),
+    [
+        ("[1]", "must be a JSON object's text"),
+        ("{not json", "must be a JSON object's text"),
+        ('{"add_generation_prompt": false}', "cannot set add_generation_prompt"),
+        ('{"messages": []}', "cannot set messages"),
+        (json.dumps({"x": "y" * 5000}), "at most 4096 bytes"),
+    ],
+)
+def test_bad_template_variables_are_refused_with_a_sentence(tokenizer, kwargs, sentence):
+    with pytest.raises(ValidationError, match=sentence):
+        validate_chat(chat(chat_template_kwargs=kwargs), tokenizer, LIMITS)
