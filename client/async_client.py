@@ -120,6 +120,10 @@ class AsyncClient:
 
         With `tools=`, the last chunk may carry the model's calls (`Chunk.tool_calls`,
         finish_reason "tool_calls"); `tool_choice=` and `parallel_tool_calls=` steer them.
+        A model that thinks (`ModelInfo.thinks`) streams its thinking in
+        `Chunk.reasoning_text`, before the answer in `Chunk.text`.
+        `chat_template_kwargs=` (a dict, sent as JSON) gives the chat template extra
+        variables, e.g. {"enable_thinking": False} for Qwen3 to answer without thinking.
         """
         request = convert.chat_request(messages, **options)
         return AsyncChunkStream(self._stubs()[0].Chat(request, **self._call_kwargs()))

@@ -191,6 +191,13 @@ def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TEXT",
         help="share cached prompt blocks only with requests of the same salt (tenant isolation)",
     )
+    add(
+        "--chat-template-kwargs",
+        type=_json_object,
+        metavar="JSON",
+        help="extra variables for the model's chat template, a JSON object, e.g. "
+        "'{\"enable_thinking\": false}' to make Qwen3 answer without thinking",
+    )
     add("--logprobs", type=int, metavar="N", help="print top-N logprobs per token to stderr")
     add("--show-usage", action="store_true", help="print usage and timings to stderr")
 
@@ -202,6 +209,16 @@ def _tools_file(path: str) -> list[Any]:
     except (OSError, ValueError) as exc:
         raise argparse.ArgumentTypeError(f"cannot read tools from {path}: {exc}") from None
     return tools if isinstance(tools, list) else [tools]
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _tool_choice(text: str) -> str | dict[str, str]:

@@ -104,26 +104,48 @@ def _user_lines(interactive: bool) -> Iterator[str]:
 
 
 def _stream_to_stdout(stream: ChunkStream) -> tuple[Completion, float | None]:
-    """Write each chunk's text as it arrives; the joined completion and first-token time."""
+    """Write each chunk's text as it arrives; the joined completion and first-token time.
+
+    A thinking model's reasoning goes to stderr between <think> and </think> lines as it
+    arrives, so stdout holds the answer alone (all reasoning comes before the answer).
+    """
     chunks = []
     first_token_s = None
     wrote_text = False
+    reasoning = ""  # written to stderr, its </think> line not yet
     try:
         for chunk in stream:
             if first_token_s is None and chunk.token_ids:
                 first_token_s = time.perf_counter()
+            if chunk.reasoning_text:
+                if not reasoning:
+                    sys.stderr.write("<think>\n")
+                reasoning += chunk.reasoning_text
+                sys.stderr.write(chunk.reasoning_text)
+                sys.stderr.flush()
+            if reasoning and (chunk.text or chunk.is_last):
+                _end_reasoning(reasoning)
+                reasoning = ""
             if chunk.text:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 wrote_text = True
             chunks.append(chunk)
     except PagodaError:
+        if reasoning:
+            _end_reasoning(reasoning)
         if wrote_text:
             # End the partial answer's line before the error line goes to stderr.
             sys.stdout.write("\n")
             sys.stdout.flush()
         raise
     return join_chunks(chunks), first_token_s
+
+
+def _end_reasoning(reasoning: str) -> None:
+    """Close the reasoning written to stderr with its </think> line."""
+    sys.stderr.write(("" if reasoning.endswith("\n") else "\n") + "</think>\n")
+    sys.stderr.flush()
 
 
 def _finish_answer(

@@ -93,6 +93,9 @@ class GenerationOptions(TypedDict, total=False):
     tool_choice: str | Mapping[str, Any]
     # False: at most one call per turn (the server's default: several).
     parallel_tool_calls: bool
+    # Chat only. Extra variables for the model's chat template, sent as JSON text, e.g.
+    # {"enable_thinking": False} to make Qwen3 answer without thinking.
+    chat_template_kwargs: Mapping[str, Any]
 
 
 _SAMPLING_FIELDS = (
@@ -107,7 +110,7 @@ _SAMPLING_FIELDS = (
 )
 _STOPPING_SCALAR_FIELDS = ("max_new_tokens", "min_new_tokens", "ignore_eos")
 _TOP_LEVEL_FIELDS = ("priority", "logprobs", "request_id", "cache_salt", "n")
-_CHAT_ONLY_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+_CHAT_ONLY_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
 _OPTION_NAMES = frozenset(GenerationOptions.__annotations__)
 
 _FINISH_REASON_NAMES = {
@@ -203,6 +206,7 @@ def chunk_from_response(response: pb.GenerateResponse) -> Chunk:
         index=response.index,
         total_usage=total_usage,
         tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in response.tool_calls),
+        reasoning_text=response.reasoning_text,
     )
 
 
@@ -232,6 +236,7 @@ def _apply_options(request: pb.GenerateRequest | pb.ChatRequest, options: dict[s
         raise TypeError(f"unexpected generation option(s): {', '.join(unknown)}")
     if isinstance(request, pb.ChatRequest):
         set_tool_options(request, options)
+        _set_chat_template_kwargs(request, options.get("chat_template_kwargs"))
     else:
         for name in _CHAT_ONLY_FIELDS:
             if options.get(name) is not None:
@@ -261,6 +266,21 @@ def _apply_options(request: pb.GenerateRequest | pb.ChatRequest, options: dict[s
         _extend(request.stopping.stop_token_ids, "stop_token_ids", stop_token_ids)
     for name in _TOP_LEVEL_FIELDS:
         _set_scalar(request, name, options.get(name))
+
+
+def _set_chat_template_kwargs(request: pb.ChatRequest, kwargs: Any) -> None:
+    """The template's extra variables as a JSON object's text; the server checks its size
+    and refuses the names it passes itself."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, Mapping) or not all(isinstance(name, str) for name in kwargs):
+        raise invalid_argument(
+            f"chat_template_kwargs must be a dict with string keys, not {kwargs!r:.64}"
+        )
+    try:
+        request.chat_template_kwargs = json.dumps(dict(kwargs), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise invalid_argument(f"chat_template_kwargs is not JSON-serializable ({exc})") from None
 
 
 def _set_constraint(message: pb.Constraint, constraint: Mapping[str, Any]) -> None:

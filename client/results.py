@@ -70,7 +70,10 @@ class Chunk:
     `total_usage` (the prompt counted once, the samples' completions summed). A chat with
     `tools` may end on calls: the last chunk carries them in `tool_calls` and its
     finish_reason is "tool_calls"; the text streamed is then what the output held besides
-    the calls (often nothing).
+    the calls (often nothing). A chat with a model that thinks (ModelInfo.thinks) streams
+    its thinking in `reasoning_text` (the text between <think> and </think>) and only the
+    answer in `text`; a sample's reasoning all comes before its answer, and one chunk may
+    carry the end of one and the start of the other.
     """
 
     request_id: str
@@ -83,6 +86,7 @@ class Chunk:
     index: int = 0
     total_usage: Usage | None = None
     tool_calls: tuple[ToolCall, ...] = ()
+    reasoning_text: str = ""
 
     @property
     def is_last(self) -> bool:
@@ -104,6 +108,7 @@ class Completion:
     num_chunks: int
     index: int = 0  # the sample's, with n > 1
     tool_calls: tuple[ToolCall, ...] = ()  # with finish_reason "tool_calls"
+    reasoning_text: str = ""  # a thinking model's thoughts, apart from the answer (`text`)
 
 
 def join_samples(chunks: Iterable[Chunk]) -> list[Completion]:
@@ -119,6 +124,7 @@ def join_chunks(chunks: Iterable[Chunk]) -> Completion:
     wins."""
     request_id = ""
     texts: list[str] = []
+    reasoning_texts: list[str] = []
     token_ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
@@ -131,6 +137,7 @@ def join_chunks(chunks: Iterable[Chunk]) -> Completion:
         index = chunk.index
         request_id = chunk.request_id or request_id
         texts.append(chunk.text)
+        reasoning_texts.append(chunk.reasoning_text)
         token_ids.extend(chunk.token_ids)
         if chunk.logprobs is not None:
             logprobs = (logprobs or []) + chunk.logprobs
@@ -149,6 +156,7 @@ def join_chunks(chunks: Iterable[Chunk]) -> Completion:
         num_chunks=num_chunks,
         index=index,
         tool_calls=tool_calls,
+        reasoning_text="".join(reasoning_texts),
     )
 
 
@@ -174,6 +182,9 @@ class ModelInfo:
     worker_connected: bool
     # Chat works only with a template; the CLI's `generate` uses it when there is one.
     has_chat_template: bool
+    # The template writes the model's thinking in <think> tags (Qwen3, DeepSeek-R1); Chat
+    # streams it as Chunk.reasoning_text.
+    thinks: bool
 
 
 @dataclass(frozen=True, slots=True)

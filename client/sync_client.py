@@ -107,6 +107,10 @@ class Client:
 
         With `tools=`, the last chunk may carry the model's calls (`Chunk.tool_calls`,
         finish_reason "tool_calls"); `tool_choice=` and `parallel_tool_calls=` steer them.
+        A model that thinks (`ModelInfo.thinks`) streams its thinking in
+        `Chunk.reasoning_text`, before the answer in `Chunk.text`.
+        `chat_template_kwargs=` (a dict, sent as JSON) gives the chat template extra
+        variables, e.g. {"enable_thinking": False} for Qwen3 to answer without thinking.
         """
         return self._open(lambda: self._client.chat(messages, **options))
 

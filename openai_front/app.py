@@ -2,10 +2,11 @@
 vLLM's /tokenize and /detokenize, and /health.
 
 Each request is translated (translation.py), sent as gRPC calls with the caller's bearer
-key (upstream.py) and answered in OpenAI's shapes (responses.py), whole or as server-sent
-events (streaming.py); the Responses API has its own translation and shapes
-(responses_api/). A streamed response begins only once every call has produced its first
-chunk, so a request the scheduler refuses gets its HTTP status, not a 200 stream.
+key (upstream.py) and answered in OpenAI's shapes, whole (responses.py) or as server-sent
+events (stream_events.py, written by streaming.py); the Responses API has its own
+translation and shapes (responses_api/). A streamed response begins only once every call
+has produced its first chunk, so a request the scheduler refuses gets its HTTP status,
+not a 200 stream.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from starlette.exceptions import HTTPException
 
 from pagoda.client.errors import PagodaError
 from pagoda.client.results import Chunk
-from pagoda.openai_front import responses
+from pagoda.openai_front import responses, stream_events
 from pagoda.openai_front.body_limit import BodyLimit
 from pagoda.openai_front.config import FrontConfig
 from pagoda.openai_front.errors import (
@@ -275,14 +276,14 @@ async def _event_stream(
                 index = call.choice_index + chunk.index
                 if header.endpoint == "chat" and index not in started:
                     started.add(index)
-                    yield sse(responses.role_event(header, index, plan.include_usage))
+                    yield sse(stream_events.role_event(header, index, plan.include_usage))
                 choices[index].add(chunk)
-                for event in responses.chunk_events(
+                for event in stream_events.chunk_events(
                     header, call, chunk, plan.num_top_logprobs, plan.include_usage
                 ):
                     yield sse(event)
             if plan.include_usage:
-                yield sse(responses.usage_event(header, choices.values()))
+                yield sse(stream_events.usage_event(header, choices.values()))
         except FrontError as error:
             yield error_event(error)
         yield DONE_EVENT

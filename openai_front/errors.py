@@ -83,6 +83,7 @@ _PARAMS: dict[str, dict[str, str]] = {
 _COMMON_PARAMS = {
     "tools": "tools",
     "tool_choice": "tool_choice",
+    "chat_template_kwargs": "chat_template_kwargs",
     "stopping.max_new_tokens": "max_tokens",
     "stopping.min_new_tokens": "min_tokens",
     "stopping.stop": "stop",

@@ -1,19 +1,19 @@
-"""The client's chunks -> OpenAI's JSON: whole responses, stream events, logprobs and usage.
+"""The client's chunks -> OpenAI's JSON: whole responses, logprobs and usage (the stream's
+events are built from the same pieces in `stream_events`).
 
 Pure: no I/O. A token's string is its text from the gRPC logprobs (`bytes` its UTF-8
 bytes; a token that holds part of a character shows U+FFFD in the string, its bytes are
 exact); from a server that sends ids only, `token_id:<id>` (the form of vLLM's
 --return-tokens-as-token-ids) with `bytes` null.
 
-Calls of tools come on a sample's last chunk. A whole response gives them in its message
-(the content null when the output held no other text); a stream sends its text as content
-first, then one event of all the calls (each whole, by `index`, as OpenAI and vLLM stream
-them: a client joins the `arguments` of one index), then the finish "tool_calls".
+Calls of tools come on a sample's last chunk; a whole response gives them in its message
+(the content null when the output held no other text). A thinking model's reasoning
+(Chunk.reasoning_text) is the message's `reasoning_content`, as vLLM and DeepSeek's API
+name it, left out when there is none.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +57,7 @@ class Choice:
     call: Call
     sample: int = 0  # its index within the call (Chunk.index)
     texts: list[str] = field(default_factory=list)
+    reasoning_texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -69,6 +70,7 @@ class Choice:
 
     def add(self, chunk: Chunk) -> None:
         self.texts.append(chunk.text)
+        self.reasoning_texts.append(chunk.reasoning_text)
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs or ())
         if chunk.finish_reason is not None:
@@ -185,12 +187,15 @@ def _whole_choice(endpoint: Endpoint, choice: Choice, num_top: int | None) -> di
         out["message"] = {
             "role": "assistant",
             "content": text if text.strip() else None,
-            "tool_calls": [_tool_call_json(call) for call in choice.tool_calls],
+            "tool_calls": [tool_call_json(call) for call in choice.tool_calls],
         }
     elif endpoint == "chat":
         out["message"] = {"role": "assistant", "content": text}
     else:
         out["text"] = text
+    reasoning = "".join(choice.reasoning_texts)
+    if endpoint == "chat" and reasoning:
+        out["message"]["reasoning_content"] = reasoning
     out["logprobs"] = logprobs
     out["finish_reason"] = choice.finish_reason
     if choice.call.return_token_ids:
@@ -198,103 +203,9 @@ def _whole_choice(endpoint: Endpoint, choice: Choice, num_top: int | None) -> di
     return out
 
 
-def _tool_call_json(call: ToolCall) -> dict[str, Any]:
+def tool_call_json(call: ToolCall) -> dict[str, Any]:
     return {
         "id": call.id,
         "type": "function",
         "function": {"name": call.name, "arguments": call.arguments},
     }
-
-
-def role_event(header: Header, index: int, include_usage: bool) -> dict[str, Any]:
-    """The first chat event of a choice: the assistant's role, no text yet."""
-    choice = {
-        "index": index,
-        "delta": {"role": "assistant", "content": ""},
-        "logprobs": None,
-        "finish_reason": None,
-    }
-    return _event(header, choice, include_usage)
-
-
-def chunk_events(
-    header: Header,
-    call: Call,
-    chunk: Chunk,
-    num_top_logprobs: int | None,
-    include_usage: bool,
-) -> list[dict[str, Any]]:
-    """The stream events of one chunk: one, none for a chunk with nothing to show, or for a
-    last chunk with calls, its text and tokens (when it has any), the calls, then the
-    finish."""
-    # Tokens whose text is held (a call, a stop string's start) have nothing to show,
-    # unless their ids or logprobs were asked for.
-    shows = bool(
-        chunk.text or call.return_token_ids or (num_top_logprobs is not None and chunk.logprobs)
-    )
-    if not chunk.tool_calls:
-        if not shows and chunk.finish_reason is None:
-            return []
-        return [chunk_event(header, call, chunk, num_top_logprobs, include_usage)]
-    events = []
-    if shows:
-        body = dataclasses.replace(chunk, finish_reason=None, tool_calls=())
-        events.append(chunk_event(header, call, body, num_top_logprobs, include_usage))
-    calls_choice = {
-        "index": call.choice_index + chunk.index,
-        "delta": {
-            "tool_calls": [
-                {"index": k, **_tool_call_json(tool_call)}
-                for k, tool_call in enumerate(chunk.tool_calls)
-            ]
-        },
-        "logprobs": None,
-        "finish_reason": None,
-    }
-    if call.return_token_ids:
-        calls_choice["token_ids"] = []
-    events.append(_event(header, calls_choice, include_usage))
-    end = dataclasses.replace(chunk, text="", token_ids=[], logprobs=None, tool_calls=())
-    events.append(chunk_event(header, call, end, num_top_logprobs, include_usage))
-    return events
-
-
-def chunk_event(
-    header: Header,
-    call: Call,
-    chunk: Chunk,
-    num_top_logprobs: int | None,
-    include_usage: bool,
-) -> dict[str, Any]:
-    """The stream event of one chunk (its finish_reason set on the last)."""
-    reason = None if chunk.finish_reason is None else finish_reason(chunk.finish_reason)
-    logprobs = None
-    if num_top_logprobs is not None and chunk.logprobs:
-        logprobs = logprobs_json(header.endpoint, chunk.logprobs, num_top_logprobs)
-    choice: dict[str, Any] = {"index": call.choice_index + chunk.index}
-    if header.endpoint == "chat":
-        choice["delta"] = {"content": chunk.text} if chunk.text or reason is None else {}
-    else:
-        choice["text"] = chunk.text
-    choice["logprobs"] = logprobs
-    choice["finish_reason"] = reason
-    if call.return_token_ids:
-        # The tokens this event's text came from: a benchmark counts them per event.
-        choice["token_ids"] = chunk.token_ids
-    return _event(header, choice, include_usage)
-
-
-def usage_event(header: Header, choices: Iterable[Choice]) -> dict[str, Any]:
-    """The last event under stream_options.include_usage: no choices, the usage."""
-    body = header.fields(header.chunk_object)
-    body["choices"] = []
-    body["usage"] = usage_json(choices)
-    return body
-
-
-def _event(header: Header, choice: dict[str, Any], include_usage: bool) -> dict[str, Any]:
-    body = header.fields(header.chunk_object)
-    body["choices"] = [choice]
-    if include_usage:
-        body["usage"] = None
-    return body

@@ -131,6 +131,8 @@ class ChatCompletionRequest(SamplingFields):
     # The deprecated forms of tools and tool_choice: refused, naming their successors.
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
+    # vLLM's: extra variables for the chat template, e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 Endpoint = Literal["completions", "chat"]

@@ -8,7 +8,8 @@ value is passed on as given and the scheduler validates it (its INVALID_ARGUMENT
 becomes the 400); only what the gRPC API cannot express is refused here. Tools are the
 gRPC Chat's own fields: function tools, tool_choice, parallel_tool_calls, assistant
 messages' calls and tool messages go as they are; the scheduler renders them, reads the
-calls from the output and validates everything.
+calls from the output and validates everything. So is chat_template_kwargs (vLLM's name),
+the template's extra variables.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def plan_chat(body: ChatCompletionRequest, request_id: str, max_n: int) -> Plan:
     max_tokens = body.max_completion_tokens or body.max_tokens
     options = _options(body, max_tokens=max_tokens, num_logprobs=num_top)
     options.update(_tool_options(body))  # type: ignore[typeddict-item]
+    if body.chat_template_kwargs is not None:
+        options["chat_template_kwargs"] = body.chat_template_kwargs
     messages = [_message(index, m) for index, m in enumerate(body.messages)]
     calls = [
         Call(

@@ -1,10 +1,12 @@
 """A finished Chat call -> the Responses API's response object and its output items.
 
-Pure but for the items' random ids. The output is a message of the text when the model
-wrote text (whitespace alone beside calls is none, as chat's content is null then) or
-called no tool, then one function_call item per call. A finish by length is status
-"incomplete" (reason max_output_tokens); a call is never cut short (a cut call is text),
-so only a message can be incomplete.
+Pure but for the items' random ids. The output is a reasoning item of the model's
+thinking when it thought (a model that thinks: Chunk.reasoning_text), then a message of
+the text when the model wrote text (whitespace alone beside calls is none, as chat's
+content is null then) or called no tool, then one function_call item per call. A finish
+by length is status "incomplete" (reason max_output_tokens); a call is never cut short (a
+cut call is text), so only a message, or thinking that nothing followed, can be
+incomplete.
 """
 
 from __future__ import annotations
@@ -108,8 +110,24 @@ def shows_message(text: str, tool_calls: Sequence[ToolCall]) -> bool:
 
 
 def new_item_id(prefix: str) -> str:
-    """An output item's id: "msg" or "fc", "_" and 32 hex digits."""
+    """An output item's id: "rs", "msg" or "fc", "_" and 32 hex digits."""
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def reasoning_item(item_id: str, status: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The model's thinking, in the open: `parts` its one reasoning_text part, none while
+    it begins. No summary is written and nothing is encrypted."""
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": parts, "status": status}
+
+
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_status(response_status: str, answered: bool) -> str:
+    """A reasoning item's status: completed once an answer or a call followed it, else the
+    response's (a finish by length cut the thinking short)."""
+    return "completed" if answered else response_status
 
 
 def message_item(item_id: str, status: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -149,7 +167,11 @@ def whole_response(head: ResponseHead, choice: Choice) -> dict[str, Any]:
         )
     status = status_of(choice.finish_reason)
     text = "".join(choice.texts)
+    reasoning = "".join(choice.reasoning_texts)
     output = []
+    if reasoning:
+        thought = reasoning_status(status, bool(text or choice.tool_calls))
+        output.append(reasoning_item(new_item_id("rs"), thought, [reasoning_part(reasoning)]))
     if shows_message(text, choice.tool_calls):
         output.append(message_item(new_item_id("msg"), status, [text_part(text)]))
     output += [function_call_item(new_item_id("fc"), call) for call in choice.tool_calls]

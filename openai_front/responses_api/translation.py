@@ -3,8 +3,10 @@
 Pure: no I/O. `instructions` is a system message put first; a string `input` is one user
 message; input items are chat messages ("developer" is "system"), function calls (those
 in a row, with an assistant message just before them, are one assistant turn, as the chat
-API writes a turn of text and calls) and their outputs (tool messages). Function tools,
-tool_choice and parallel_tool_calls are the Chat's fields, text.format its constraint.
+API writes a turn of text and calls) and their outputs (tool messages); reasoning items (a
+previous response's thinking, sent back) are accepted and left out, as thinking models'
+templates drop past thinking anyway. Function tools, tool_choice and parallel_tool_calls
+are the Chat's fields, text.format its constraint.
 Every value is passed on as given and the scheduler validates it; only what the gRPC API
 cannot express, or what needs a stored response, is refused here, naming its field.
 """
@@ -37,8 +39,8 @@ from pagoda.openai_front.translation import OPENAI_DEFAULT_TEMPERATURE, Call, Pl
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text")
 TOOL_CHOICE_MODES = ("auto", "none", "required")
-# `include` entries that can be honoured: no reasoning items are ever produced, so there is
-# no encrypted reasoning to include.
+# `include` entries that can be honoured: reasoning items carry their text in the open and
+# none is encrypted, so there is no encrypted reasoning to include.
 HONOURED_INCLUDES = frozenset({"reasoning.encrypted_content"})
 STATELESS = "this server stores no responses: send the whole conversation as input"
 Item = TypeVar("Item", bound=BaseModel)
@@ -168,11 +170,13 @@ def _add_item(messages: list[dict[str, Any]], index: int, item: dict[str, Any]) 
         if isinstance(output, list):
             output = joined_text(output, TEXT_PARTS, f"{where}.output")
         messages.append({"role": "tool", "content": output, "tool_call_id": result.call_id})
+    elif kind == "reasoning":
+        pass  # a previous response's thinking: templates of thinking models drop it anyway
     else:
         raise unsupported_parameter(
             f"{where}.type",
             f"{where}.type {str(kind)[:64]!r} is not supported: the gRPC API takes messages, "
-            "function calls and their outputs",
+            "function calls and their outputs (reasoning items are left out)",
         )
 
 

@@ -10,6 +10,9 @@ standard health service, but generates canned text:
   With a tool_choice naming a function, it calls that function instead: FAKE_CALL_TOKENS
   messages of tokens without text (held back, as a call's are), then the last one carries
   the call (id FAKE_CALL_ID, arguments FAKE_CALL_ARGUMENTS) and finish TOOL_CALLS.
+  A servicer made with `thinks=True` (ModelInfo.thinks) first thinks FAKE_THOUGHT, one word
+  of reasoning_text per message; the message of its last word carries the first word of
+  the answer too. chat_template_kwargs {"enable_thinking": false} turns the thinking off.
 - magic prompts (for Chat, the last message's content):
   - "echo": one message whose text is the request in protobuf text format; finish STOP.
   - "error:<CODE>": fails at once with that grpc.StatusCode name (e.g. "error:UNAVAILABLE").
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import threading
 import time
 from concurrent import futures
@@ -44,6 +48,7 @@ FIRST_TOKEN_ID = 1000
 FAKE_CALL_ID = "call_" + "0123456789ab" * 2
 FAKE_CALL_ARGUMENTS = '{"city": "Paris"}'
 FAKE_CALL_TOKENS = 3
+FAKE_THOUGHT = "Hm, a greeting."
 # The tool the fake call calls, as an OpenAI client declares it.
 WEATHER_SCHEMA = {
     "type": "object",
@@ -109,9 +114,11 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
         api_key: str | None = None,
         preemptions_per_request: int = 0,
         has_chat_template: bool = False,
+        thinks: bool = False,
     ) -> None:
         self.token_delay_s = token_delay_s
         self.has_chat_template = has_chat_template
+        self.thinks = thinks
         self.api_key = api_key
         self.preemptions_per_request = preemptions_per_request
         self.requests: list[RecordedCall] = []
@@ -152,14 +159,23 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
         last = request.messages[-1].content
         rendered = "\n".join(f"{m.role}: {m.content}" for m in request.messages)
         words = f"({len(request.messages)} messages) you said: {last}".split(" ")
-        pieces = [words[0]] + [f" {word}" for word in words[1:]]
+        pieces = _words(words)
         pieces = pieces[: self._num_new_tokens(request, context, default=len(pieces))]
         tool_calls = []
         if request.tool_choice.function_name:
             name = request.tool_choice.function_name
             tool_calls = [pb.ToolCall(id=FAKE_CALL_ID, name=name, arguments=FAKE_CALL_ARGUMENTS)]
             pieces = [""] * FAKE_CALL_TOKENS
-        yield from self._stream(request, context, last, len(rendered.split()), pieces, tool_calls)
+        thought = []
+        kwargs = json.loads(request.chat_template_kwargs or "{}")
+        if self.thinks and kwargs.get("enable_thinking", True):
+            thought = _words(FAKE_THOUGHT.split(" "))
+            # The thinking counts toward max_new_tokens too.
+            pieces = [""] * (len(thought) - 1) + pieces
+            pieces = pieces[: request.stopping.max_new_tokens or None]
+        yield from self._stream(
+            request, context, last, len(rendered.split()), pieces, tool_calls, thought
+        )
 
     def Tokenize(self, request, context):
         self._admit("Tokenize", request, context)
@@ -180,6 +196,7 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
         info = pb.ModelInfo()
         info.CopyFrom(MODEL_INFO)
         info.has_chat_template = self.has_chat_template
+        info.thinks = self.thinks
         return info
 
     def GetServerStats(self, request, context):
@@ -229,6 +246,7 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
         num_prompt_tokens: int,
         pieces: list[str],
         tool_calls=(),
+        thought=(),
     ):
         request_id = request.request_id or f"fake-{next(self._ids)}"
         # The handler's own endings set `handled`; any other end of the RPC is the client's
@@ -245,13 +263,30 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
             on_rpc_end()
         try:
             yield from self._respond(
-                request, request_id, context, prompt, num_prompt_tokens, pieces, tool_calls, ended
+                request,
+                request_id,
+                context,
+                prompt,
+                num_prompt_tokens,
+                pieces,
+                tool_calls,
+                thought,
+                ended,
             )
         finally:
             handled.set()
 
     def _respond(
-        self, request, request_id, context, prompt, num_prompt_tokens, pieces, tool_calls, ended
+        self,
+        request,
+        request_id,
+        context,
+        prompt,
+        num_prompt_tokens,
+        pieces,
+        tool_calls,
+        thought,
+        ended,
     ):
         arrival = time.perf_counter()
         if prompt.startswith("error:"):
@@ -277,7 +312,8 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
                     self.counters.num_generated_tokens += 1
                 if index == 0:
                     first_token_ms = (time.perf_counter() - arrival) * 1000
-                yield self._token_message(request, request_id, index, piece)
+                reasoning = thought[index] if index < len(thought) else ""
+                yield self._token_message(request, request_id, index, piece, reasoning)
             if prompt.startswith("error-after:"):
                 self._abort_with(context, prompt.removeprefix("error-after:"))
             if prompt == "hang":
@@ -305,9 +341,11 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
                 self.counters.num_running -= 1
                 self.counters.num_requests_finished += 1
 
-    def _token_message(self, request, request_id: str, index: int, piece: str):
+    def _token_message(self, request, request_id: str, index: int, piece: str, reasoning: str):
         token_id = FIRST_TOKEN_ID + index
-        message = pb.GenerateResponse(request_id=request_id, text=piece, token_ids=[token_id])
+        message = pb.GenerateResponse(
+            request_id=request_id, text=piece, reasoning_text=reasoning, token_ids=[token_id]
+        )
         if request.logprobs:
             message.logprobs.add(
                 token_id=token_id,
@@ -326,6 +364,11 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _abort_with(context, code_name: str) -> None:
         code = getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN)
         context.abort(code, f"The fake server was asked to fail with {code_name}.")
+
+
+def _words(words: list[str]) -> list[str]:
+    """One message's text per word, the space before each word but the first."""
+    return [words[0]] + [f" {word}" for word in words[1:]]
 
 
 class FakeServer:

@@ -181,6 +181,7 @@ def test_model_info_covers_every_proto_field():
         numerics="int8: q_proj as int8; activations per-token symmetric int8",
         worker_connected=True,
         has_chat_template=True,
+        thinks=True,
     )
     info = model_info_from_proto(message)
     assert {f.name for f in dataclasses.fields(info)} == set(pb.ModelInfo.DESCRIPTOR.fields_by_name)

@@ -45,6 +45,11 @@ def test_grpc_status_to_http(code, status, kind):
         ("messages[1].role 'x' is not a role", "chat", "messages"),
         ("messages[1].role 'x' is not a role", "responses", "input"),
         ("tool_choice.function_name 'f' is not one of the tools", "chat", "tool_choice"),
+        (
+            "chat_template_kwargs cannot set messages: the server gives",
+            "chat",
+            "chat_template_kwargs",
+        ),
         ("constraint.json_schema is not a schema", "chat", "response_format"),
         ("constraint.json_schema is not a schema", "responses", "text.format"),
         ("a constrained request cannot set sampling.logit_bias", "chat", None),

@@ -194,8 +194,6 @@ REFUSALS = [
     ({"input": [{"role": "user"}]}, "input[0].content", "Field required", None),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
      "input[0].content", "'input_image'", UNSUPPORTED),
-    ({"input": [{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": []}]},
-     "input[1].type", "'reasoning'", UNSUPPORTED),
     ({"input": [{"type": "web_search_call", "action": {}}]}, "input[0].type",
      "'web_search_call'", UNSUPPORTED),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id",

@@ -19,6 +19,7 @@ from pagoda.openai_front import responses
 from pagoda.openai_front.errors import FrontError
 from pagoda.openai_front.responses import Choice, Header
 from pagoda.openai_front.schemas import ChatCompletionRequest
+from pagoda.openai_front.stream_events import chunk_events, role_event
 from pagoda.openai_front.translation import Call, plan_chat
 from pagoda.protos import generation_pb2 as pb
 from tests.client.fake_server import (
@@ -225,9 +226,9 @@ def test_a_response_without_calls_keeps_its_content():
 
 def stream_events(chunks, call: Call | None = None) -> list[dict]:
     call = call or chat_call()
-    events = [responses.role_event(HEADER, 0, False)]
+    events = [role_event(HEADER, 0, False)]
     for chunk in chunks:
-        events += responses.chunk_events(HEADER, call, chunk, None, False)
+        events += chunk_events(HEADER, call, chunk, None, False)
     return events
 
 
@@ -253,7 +254,7 @@ def test_a_stream_sends_the_text_then_the_calls_then_the_finish():
 
 def test_a_last_chunk_of_no_tokens_sends_the_calls_and_the_finish_only():
     empty = Chunk("r", "", [], None, "tool_calls", USAGE, None, tool_calls=(CALL_B,))
-    events = responses.chunk_events(HEADER, chat_call(), empty, None, False)
+    events = chunk_events(HEADER, chat_call(), empty, None, False)
     assert [list(e["choices"][0]["delta"]) for e in events] == [["tool_calls"], []]
 
 
@@ -274,7 +275,7 @@ def test_the_streamed_calls_keep_tokens_logprobs_and_the_choice_index():
     entry = TokenLogprob(token_id=7, logprob=-0.5, top_token_ids=[7], top_logprobs=[-0.5])
     chunk = Chunk("r", "", [7], [entry], "tool_calls", USAGE, None, index=1, tool_calls=(CALL_A,))
     call = Call(2, 0, None, MESSAGES, {}, n=2, return_token_ids=True)
-    tokens, calls, end = responses.chunk_events(HEADER, call, chunk, 0, True)
+    tokens, calls, end = chunk_events(HEADER, call, chunk, 0, True)
     assert [e["choices"][0]["index"] for e in (tokens, calls, end)] == [3, 3, 3]
     assert tokens["choices"][0]["token_ids"] == [7] and tokens["choices"][0]["logprobs"]
     assert calls["choices"][0]["token_ids"] == [] and calls["choices"][0]["logprobs"] is None
