@@ -29,6 +29,7 @@ from pagoda.scheduler_svc.grammars import (
     GrammarCompiler,
     GrammarError,
     RequestGrammar,
+    ThinkingFirst,
     ValidConstraint,
 )
 from pagoda.scheduler_svc.info_rpcs import (
@@ -39,7 +40,7 @@ from pagoda.scheduler_svc.info_rpcs import (
     tokenize,
 )
 from pagoda.scheduler_svc.metrics import Metrics
-from pagoda.scheduler_svc.reasoning import reasoning_splits
+from pagoda.scheduler_svc.reasoning import Thinking, reasoning_splits
 from pagoda.scheduler_svc.refusals import Undecodable, answer, refusal
 from pagoda.scheduler_svc.response_writer import ResponseWriter
 from pagoda.scheduler_svc.settings import ServiceConfig
@@ -215,9 +216,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             constraint = validate_constraint(request, valid)
             if constraint is None:
                 return valid
-            if not (isinstance(valid.tools, ValidTools) and valid.tools.holds_auto_calls):
-                # The grammar holds the whole output: no thinking comes before it.
-                valid = dataclasses.replace(valid, thinking=None)
+            # A thinking model thinks before the constrained output; under AUTO with a
+            # strict tool the grammar's free text takes the thinking already.
+            thinking_first = None
+            auto_calls = isinstance(valid.tools, ValidTools) and valid.tools.holds_auto_calls
+            if isinstance(valid.thinking, Thinking) and not auto_calls:
+                thinking_first = ThinkingFirst(valid.thinking, self._tokenizer.added_tokens)
             # Compiling a schema can take a while (and the first one reads the vocabulary).
             grammar = await asyncio.get_running_loop().run_in_executor(
                 self._tokenizer_threads,
@@ -226,6 +230,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 valid.tools,
                 limits.vocab_size,
                 self._last_hello.eos_token_ids,
+                thinking_first,
             )
             forks = tuple(grammar.fork() for _ in range(valid.n - 1))
             return dataclasses.replace(valid, grammar=grammar, sample_grammars=forks)
@@ -234,12 +239,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         raise refusal(self._metrics, grpc.StatusCode.INVALID_ARGUMENT, sentence)
 
     def _compile(
-        self, constraint: ValidConstraint, tools: object, vocab_size: int, eos_token_ids
+        self,
+        constraint: ValidConstraint,
+        tools: object,
+        vocab_size: int,
+        eos_token_ids,
+        thinking_first: ThinkingFirst | None,
     ) -> RequestGrammar:
         """The request's grammar. When the engine refuses tool_choice REQUIRED's, the
         sentence names the tool whose parameters it refuses (each compiled alone)."""
         try:
-            return self._grammars.compile(constraint, vocab_size, eos_token_ids)
+            return self._grammars.compile(constraint, vocab_size, eos_token_ids, thinking_first)
         except GrammarError:
             if not isinstance(tools, ValidTools) or constraint.field != "tools":
                 raise

@@ -27,6 +27,7 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from pagoda.scheduler_svc.core.request import Request
+from pagoda.scheduler_svc.reasoning import THINK_CLOSE, THINK_OPEN, Thinking
 
 log = logging.getLogger("pagoda.grammars")
 
@@ -110,6 +111,73 @@ def any_live() -> bool:
     return bool(_live)
 
 
+def id_ranges(token_ids: list[int]) -> str:
+    """Sorted ids as llguidance's token ranges: [1, 2, 3, 7] -> "1-3,7"."""
+    ranges: list[list[int]] = []
+    for token_id in token_ids:
+        if ranges and token_id == ranges[-1][1] + 1:
+            ranges[-1][1] = token_id
+        else:
+            ranges.append([token_id, token_id])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkingFirst:
+    """A thinking model's thinking before a constraint's output (reasoning.py): where it
+    stands when the output begins, and the model's added tokens (text, id), which
+    llguidance sees as tokens only: the tags may be among them."""
+
+    thinking: Thinking
+    added_tokens: tuple[tuple[str, int], ...]
+
+
+def _thinking_first(grammar: str, first: ThinkingFirst, eos_token_ids: tuple[int, ...]) -> str:
+    """`grammar` (a top-level grammar's JSON, or Lark) after the model's thinking: under
+    BEGUN, any text (added tokens too) until </think>; under MAY_BEGIN, the same opened
+    by <think>, or none at all. A few blanks may follow the thinking, as templates write
+    them; then the constraint's output. A tag that is an added token is taken as the
+    token or as its spelled text (the reader splits on the text alone). No EOS ends the
+    thinking: the output ends in the constraint's."""
+    added = dict(first.added_tokens)
+    opening = [json.dumps(THINK_OPEN)]
+    if THINK_OPEN in added:
+        opening.append(f"<[{added[THINK_OPEN]}]>")
+    closing = ["closing_text"]
+    if THINK_CLOSE in added:
+        closing.append(f"TEXT <[{added[THINK_CLOSE]}]>")
+    inside = sorted(
+        token_id
+        for text, token_id in first.added_tokens
+        if text != THINK_CLOSE and token_id not in eos_token_ids
+    )
+    thought = "(TEXT added_token)* closing BLANKS"
+    lines = [
+        "%llguidance {}",
+        "start: thought @answer"
+        if first.thinking is Thinking.BEGUN
+        else "start: (opening thought)? @answer",
+        f"thought: {thought}" if inside else "thought: closing BLANKS",
+        f"opening: {' | '.join(opening)}",
+        f"closing: {' | '.join(closing)}",
+        f"closing_text[lazy]: TEXT {json.dumps(THINK_CLOSE)}",
+        r"TEXT: /(.|\n)*/",
+        r"BLANKS: /[ \t\n]{0,4}/",
+    ]
+    if inside:
+        lines.append(f"added_token: <[{id_ranges(inside)}]>")
+    if grammar.lstrip().startswith("{"):
+        answer = json.loads(grammar)["grammars"]
+        if len(answer) != 1:
+            raise GrammarError("a constraint of several grammars cannot follow a thinking")
+        answer = [{**answer[0], "name": "answer"}]
+    else:
+        answer = [{"name": "answer", "lark_grammar": grammar}]
+    return json.dumps(
+        {"grammars": [{"name": "thinking", "lark_grammar": "\n".join(lines)}, *answer]}
+    )
+
+
 def _grammar_text(constraint: ValidConstraint) -> str:
     kind, source = constraint.kind, constraint.source
     matcher = llguidance.LLMatcher
@@ -162,13 +230,18 @@ class GrammarCompiler:
         return tokenizer
 
     def compile(
-        self, constraint: ValidConstraint, vocab_size: int, eos_token_ids: Collection[int]
+        self,
+        constraint: ValidConstraint,
+        vocab_size: int,
+        eos_token_ids: Collection[int],
+        thinking_first: ThinkingFirst | None = None,
     ) -> RequestGrammar:
-        """A fresh matcher for one request; GrammarError names what is wrong."""
+        """A fresh matcher for one request (its output the model's thinking first, then
+        the constraint's, with `thinking_first`); GrammarError names what is wrong."""
         eos = tuple(sorted(eos_token_ids))
         if not eos:
             raise GrammarError("structured output needs a model with an EOS token")
-        key = (vocab_size, eos, constraint)
+        key = (vocab_size, eos, constraint, thinking_first)
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is not None:
@@ -176,6 +249,8 @@ class GrammarCompiler:
                 return RequestGrammar(compiled.deep_copy(), eos)
         tokenizer = self._tokenizer(vocab_size, eos)
         grammar = _grammar_text(constraint)
+        if thinking_first is not None:
+            grammar = _thinking_first(grammar, thinking_first, eos)
         problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
         if problem:
             raise GrammarError(f"{constraint.field_name} is invalid: {problem[:300]}")

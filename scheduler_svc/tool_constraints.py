@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagoda.scheduler_svc.grammars import JSON_OPTIONS, ValidConstraint
+from pagoda.scheduler_svc.grammars import JSON_OPTIONS, ValidConstraint, id_ranges
 from pagoda.scheduler_svc.tools import CALL_CLOSE, CALL_OPEN, ToolChoice, ToolFormat, ValidTools
 
 
@@ -103,7 +103,7 @@ def _auto_calls_grammar(tools: ValidTools) -> str:
         f"call: opening BLANKS %json {json.dumps(call)} BLANKS closing",
     ]
     if in_text:
-        lines.append(f"added_token: <[{_id_ranges(in_text)}]>")
+        lines.append(f"added_token: <[{id_ranges(in_text)}]>")
     return "\n".join(lines)
 
 
@@ -135,7 +135,7 @@ def _auto_json_calls_grammar(tools: ValidTools) -> str:
         r"WORDS: /\s*[^\s{\[](.|\n)*/",
     ]
     if added_ids:
-        lines += [r"TEXT: /(.|\n)*/", f"added_token: <[{_id_ranges(added_ids)}]>"]
+        lines += [r"TEXT: /(.|\n)*/", f"added_token: <[{id_ranges(added_ids)}]>"]
     return "\n".join(lines)
 
 
@@ -148,17 +148,6 @@ def argument_constraints(tools: ValidTools) -> list[ValidConstraint]:
 def _arguments_constraint(tools: ValidTools, index: int) -> ValidConstraint:
     schema = json.dumps(closed(tools.functions[index].parameters))
     return ValidConstraint("json_schema", schema, f"tools[{index}].parameters")
-
-
-def _id_ranges(token_ids: list[int]) -> str:
-    """Sorted ids as llguidance's token ranges: [1, 2, 3, 7] -> "1-3,7"."""
-    ranges: list[list[int]] = []
-    for token_id in token_ids:
-        if ranges and token_id == ranges[-1][1] + 1:
-            ranges[-1][1] = token_id
-        else:
-            ranges.append([token_id, token_id])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
 
 
 def moved_under(pointer: str, schema: Any) -> Any:

@@ -2,7 +2,7 @@
 opens <think> (tests.conftest.THINKING_TEMPLATE), a real worker and the gRPC Chat API.
 What the model writes before </think> streams as reasoning_text and only the rest as
 text; token_ids stream every token; the caller's template variables close the thinking
-before it begins; a grammar over the whole output leaves it unsplit."""
+before it begins; a constraint's grammar lets the model think, then holds the answer."""
 
 from __future__ import annotations
 
@@ -100,9 +100,53 @@ def test_template_variables_close_the_thinking_before_it_begins(thinking_service
     assert joined(open_)[0] == "" and joined(open_)[1] != joined(closed)[1]
 
 
-def test_a_grammar_over_the_whole_output_leaves_it_unsplit(thinking_service):
-    service, _ = thinking_service
-    responses = chat(service, constraint=pb.Constraint(json_object=True))
-    reasoning, text = joined(responses)
-    assert reasoning == "" and text == decoded(service, responses)
-    assert text.startswith("{")  # the grammar's, from the first token (24 may cut it)
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+def test_a_constraint_holds_the_answer_after_the_thinking(thinking_service):
+    """The grammar lets the model think first, then holds the answer: with "</think>"
+    forced, an empty thinking; with it likely, a seed whose sample thinks a while."""
+    service, close = thinking_service
+    constraint = pb.Constraint(json_schema=json.dumps(ANSWER))
+    stopping = pb.StoppingCriteria(max_new_tokens=64)
+    forced = chat(
+        service,
+        constraint=constraint,
+        stopping=stopping,
+        sampling=pb.SamplingParams(logit_bias={close: 100.0}),
+    )
+    assert forced[0].token_ids[0] == close
+    reasoning, text = joined(forced)
+    assert reasoning == "" and json.loads(text)["answer"] in ("yes", "no")
+    for seed in range(32):
+        sampling = pb.SamplingParams(temperature=1.0, seed=seed, logit_bias={close: 4.0})
+        responses = chat(service, constraint=constraint, stopping=stopping, sampling=sampling)
+        reasoning, text = joined(responses)
+        if reasoning and responses[-1].finish_reason == pb.STOP:
+            break
+    assert reasoning and responses[-1].finish_reason == pb.STOP
+    assert json.loads(text)["answer"] in ("yes", "no")
+    assert (reasoning, text) == expected(Thinking.BEGUN, decoded(service, responses))
+
+
+def test_required_calls_come_after_the_thinking(thinking_service):
+    service, close = thinking_service
+    tool = pb.Tool(
+        name="get_weather",
+        parameters=json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}}),
+    )
+    responses = chat(
+        service,
+        tools=[tool],
+        tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_REQUIRED),
+        sampling=pb.SamplingParams(logit_bias={close: 100.0}),
+        stopping=pb.StoppingCriteria(max_new_tokens=64),
+    )
+    assert responses[-1].finish_reason == pb.TOOL_CALLS, responses[-1]
+    assert [call.name for call in responses[-1].tool_calls][:1] == ["get_weather"]
+    assert joined(responses) == ("", "")

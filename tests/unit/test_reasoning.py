@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc.chat_validation import validate_chat
+from pagoda.scheduler_svc.grammars import GrammarCompiler, ThinkingFirst, ValidConstraint
 from pagoda.scheduler_svc.reasoning import (
     THINK_CLOSE,
     THINK_OPEN,
@@ -23,7 +24,7 @@ from pagoda.scheduler_svc.tokenizer import load_tokenizer
 from pagoda.scheduler_svc.tool_calls import ToolCallReader
 from pagoda.scheduler_svc.tools import ToolFormat, valid_tools
 from pagoda.scheduler_svc.validation import ValidationError
-from tests.conftest import make_thinking
+from tests.conftest import TINY_VOCAB_SIZE, make_thinking
 from tests.unit.test_validation import LIMITS
 
 BEGUN, MAY_BEGIN = Thinking.BEGUN, Thinking.MAY_BEGIN
@@ -187,3 +188,96 @@ def test_think_tags_that_decoding_skips_are_no_thinking(thinking_model, tmp_path
 def test_bad_template_variables_are_refused_with_a_sentence(tokenizer, kwargs, sentence):
     with pytest.raises(ValidationError, match=sentence):
         validate_chat(chat(chat_template_kwargs=kwargs), tokenizer, LIMITS)
+
+
+# -- a constraint after the thinking -------------------------------------------------------
+
+ANSWER = ValidConstraint(
+    "json_schema",
+    json.dumps(
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a"],
+            "additionalProperties": False,
+        }
+    ),
+)
+EOS = 2
+
+
+def accepts(directory, thinking: Thinking, tokens_of, pieces, *, constraint=ANSWER) -> bool:
+    """Whether the constraint after a thinking (the tokenizer in `directory`, its added
+    tokens as ThinkingFirst's) takes `pieces` (text, or an added token's text), then
+    EOS."""
+    tokenizer = load_tokenizer(directory)
+    compiler = GrammarCompiler(lambda: (directory / "tokenizer.json").read_text())
+    first = ThinkingFirst(thinking, tokenizer.added_tokens)
+    matcher = compiler.compile(constraint, TINY_VOCAB_SIZE, [EOS], first).matcher
+    token_ids = [token_id for piece in pieces for token_id in tokens_of(tokenizer, piece)]
+    taken = all(matcher.consume_token(token_id) for token_id in token_ids)
+    return taken and matcher.is_accepting() and matcher.consume_token(EOS)
+
+
+def encoded(tokenizer, piece: str) -> list[int]:
+    return tokenizer.encode(piece, add_special_tokens=False)
+
+
+@pytest.mark.parametrize(
+    ("thinking", "pieces", "taken"),
+    [
+        (BEGUN, ["Let me see.", "</think>", "\n\n", '{"a":1}'], True),
+        (BEGUN, ["</think>", '{"a":1}'], True),  # an empty thinking
+        (BEGUN, ['{"a":1}'], False),  # the thinking must close first
+        (BEGUN, ["Still thinking"], False),  # no EOS inside it
+        (BEGUN, ["a <tool_call> b", "</think>", '{"a":2}'], True),  # added tokens in it
+        (BEGUN, ["x", "</think>", "Sure!"], False),  # the answer is the constraint's
+        (MAY_BEGIN, ['{"a":1}'], True),  # no thinking at all
+        (MAY_BEGIN, ["<think>", "Hm.", "</think>", "\n", '{"a":1}'], True),
+        (MAY_BEGIN, ["Hm.", '{"a":1}'], False),
+    ],
+)
+def test_a_constraint_follows_the_thinking(thinking_model, thinking, pieces, taken):
+    assert accepts(thinking_model, thinking, encoded, pieces) is taken
+
+
+def test_no_eos_ends_the_thinking_though_it_is_an_added_token(thinking_model):
+    tokenizer = load_tokenizer(thinking_model)
+    assert EOS in dict(tokenizer.added_tokens).values()
+    compiler = GrammarCompiler(lambda: (thinking_model / "tokenizer.json").read_text())
+    first = ThinkingFirst(BEGUN, tokenizer.added_tokens)
+    matcher = compiler.compile(ANSWER, TINY_VOCAB_SIZE, [EOS], first).matcher
+    assert matcher.consume_tokens(encoded(tokenizer, "Let me think"))
+    assert matcher.validate_tokens([EOS]) == 0
+    assert matcher.validate_tokens(encoded(tokenizer, "<|im_start|>")) == 1  # others are text
+
+
+def test_tags_spelled_in_text_open_and_close_the_thinking_too(tiny_tokenizer_dir, tmp_path):
+    """A model whose tags are no tokens of their own spells them: the grammar takes the
+    text, token by token, as the reader does."""
+    shutil.copytree(tiny_tokenizer_dir, tmp_path, dirs_exist_ok=True)
+
+    def spelled(tokenizer, piece: str) -> list[int]:
+        return [t for ch in piece for t in tokenizer.encode(ch, add_special_tokens=False)]
+
+    assert accepts(tmp_path, MAY_BEGIN, spelled, ["<think>", "ok", "</think>", '{"a":3}'])
+    assert accepts(tmp_path, BEGUN, spelled, ["o</thin", "k></think>", '{"a":3}']) is False
+    assert accepts(tmp_path, BEGUN, spelled, ["ok</th", "ink>", '{"a":3}'])
+
+
+def test_required_calls_are_read_after_the_thinking():
+    tools = valid_tools(
+        [("get_weather", "", '{"type": "object"}', False)],
+        "required",
+        "",
+        True,
+        ToolFormat.HERMES,
+        (),
+    )
+    reader = ToolCallReader(tools, thinking=BEGUN)
+    shown = reader.push("I will call it.</think>\n")[0]
+    shown += reader.push('[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')[0]
+    assert shown + reader.flush() == "I will call it.</think>\n"
+    assert [(c.name, json.loads(c.arguments)) for c in reader.calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
