@@ -15,8 +15,9 @@ from pagoda.protos import generation_pb2 as pb
 # A chat message: a (role, content) pair or a dict of OpenAI's shape, {"role", "content"},
 # an assistant's {"role": "assistant", "content": str or None, "tool_calls": [...]} (OpenAI's
 # {"id", "type": "function", "function": {"name", "arguments"}} dicts, that inner dict with an
-# "id", or ToolCall values from a previous answer), a tool's {"role": "tool", "content",
-# "tool_call_id", "name" (optional)}.
+# "id", or ToolCall values from a previous answer, and a thinking model's
+# "reasoning_content" from one), a tool's {"role": "tool", "content", "tool_call_id",
+# "name" (optional)}.
 Message = Mapping[str, Any] | Sequence[str]
 
 _TOOL_CHOICE_MODES = {
@@ -116,6 +117,7 @@ def set_message(message: pb.ChatMessage, index: int, value: Message) -> None:
             _set_tool_call(message.tool_calls.add(), f"{where}.tool_calls[{number}]", call)
     _set_text(message, "tool_call_id", value.get("tool_call_id"), where)
     _set_text(message, "name", value.get("name"), where)
+    _set_text(message, "reasoning_content", value.get("reasoning_content"), where)
 
 
 def _set_tool_call(message: pb.ToolCall, where: str, call: Any) -> None:

@@ -251,6 +251,8 @@ def _message(index: int, message: Any) -> dict[str, Any]:
         out["tool_call_id"] = message.tool_call_id
     if message.name is not None:
         out["name"] = message.name
+    if message.reasoning_content:
+        out["reasoning_content"] = message.reasoning_content
     return out
 
 

@@ -135,6 +135,8 @@ def _tools(request, tokenizer: TextTokenizer) -> ValidTools | None:
 
 
 def num_message_chars(message) -> int:
-    """A chat message's characters, its calls' and their answer's ids included."""
+    """A chat message's characters, its calls', their answer's ids and its thinking
+    included."""
     calls = sum(len(call.id) + len(call.name) + len(call.arguments) for call in message.tool_calls)
-    return len(message.content) + calls + len(message.tool_call_id) + len(message.name)
+    own = len(message.content) + len(message.reasoning_content)
+    return own + calls + len(message.tool_call_id) + len(message.name)

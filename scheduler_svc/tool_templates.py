@@ -50,7 +50,8 @@ def template_messages(
 ) -> list[dict[str, Any]]:
     """A conversation's pagoda.v1.ChatMessages (roles already checked) as the template takes
     them: transformers' dicts, with an assistant's "tool_calls" ({"id", "type", "function":
-    {"name", "arguments": a dict}}) and a tool answer's "tool_call_id". For a template
+    {"name", "arguments": a dict}}) and "reasoning_content", and a tool answer's
+    "tool_call_id". For a template
     without tools (GENERIC), the tools' description opens the system message, past calls
     are written in the assistant's text, and where the template knows no "tool" role an
     answer is a user message in <tool_response> tags."""
@@ -74,7 +75,9 @@ def template_messages(
                 entry["content"] = "\n".join(filter(None, [message.content, *shown]))
             else:
                 entry["tool_calls"] = calls
-        for name in ("tool_call_id", "name"):
+        if message.reasoning_content and message.role != "assistant":
+            raise ToolsError(f"messages[{index}].reasoning_content is for an assistant message")
+        for name in ("tool_call_id", "name", "reasoning_content"):
             value = getattr(message, name)
             if value:
                 check_no_special_text(f"messages[{index}].{name}", value, special_texts)

@@ -3,9 +3,10 @@
 Pure: no I/O. `instructions` is a system message put first; a string `input` is one user
 message; input items are chat messages ("developer" is "system"), function calls (those
 in a row, with an assistant message just before them, are one assistant turn, as the chat
-API writes a turn of text and calls) and their outputs (tool messages); reasoning items (a
-previous response's thinking, sent back) are accepted and left out, as thinking models'
-templates drop past thinking anyway. Function tools, tool_choice and parallel_tool_calls
+API writes a turn of text and calls) and their outputs (tool messages); a reasoning item
+(a previous response's thinking, sent back) is the next assistant turn's
+reasoning_content, which a thinking model's template may show again (Qwen3's does after
+the last user message). Function tools, tool_choice and parallel_tool_calls
 are the Chat's fields, text.format its constraint.
 Every value is passed on as given and the scheduler validates it; only what the gRPC API
 cannot express, or what needs a stored response, is refused here, naming its field.
@@ -156,7 +157,10 @@ def _add_item(messages: list[dict[str, Any]], index: int, item: dict[str, Any]) 
         content = message.content
         if isinstance(content, list):
             content = joined_text(content, TEXT_PARTS, f"{where}.content")
-        messages.append({"role": role, "content": content})
+        if role == "assistant" and _thought_alone(messages):
+            messages[-1]["content"] = content  # the answer after its thinking
+        else:
+            messages.append({"role": role, "content": content})
     elif kind == "function_call":
         call = _parsed(FunctionCallItem, item, where)
         if not messages or messages[-1]["role"] != "assistant":
@@ -171,13 +175,30 @@ def _add_item(messages: list[dict[str, Any]], index: int, item: dict[str, Any]) 
             output = joined_text(output, TEXT_PARTS, f"{where}.output")
         messages.append({"role": "tool", "content": output, "tool_call_id": result.call_id})
     elif kind == "reasoning":
-        pass  # a previous response's thinking: templates of thinking models drop it anyway
+        # A previous response's thinking, in the open: the next assistant turn's
+        # reasoning_content (a summary or encrypted content alone is left out).
+        parts = item.get("content")
+        thought = "".join(
+            part["text"]
+            for part in (parts if isinstance(parts, list) else [])
+            if isinstance(part, dict)
+            and part.get("type") == "reasoning_text"
+            and isinstance(part.get("text"), str)
+        )
+        if thought:
+            messages.append({"role": "assistant", "content": "", "reasoning_content": thought})
     else:
         raise unsupported_parameter(
             f"{where}.type",
             f"{where}.type {str(kind)[:64]!r} is not supported: the gRPC API takes messages, "
-            "function calls and their outputs (reasoning items are left out)",
+            "function calls and their outputs (and reasoning items' text)",
         )
+
+
+def _thought_alone(messages: list[dict[str, Any]]) -> bool:
+    """Whether the last message is an assistant's thinking with no answer yet."""
+    last = messages[-1] if messages else {}
+    return bool(last.get("reasoning_content")) and not last["content"] and "tool_calls" not in last
 
 
 def _parsed(model: type[Item], item: dict[str, Any], where: str) -> Item:

@@ -116,3 +116,14 @@ def test_the_cli_sends_chat_template_kwargs_and_shows_thinks(make_server):
     assert bad.returncode == 2 and "expected a JSON object" in bad.stderr
     info = run_cli("info", target=server.target)
     assert info.returncode == 0 and re.search(r"^thinks +True$", info.stdout, re.M)
+
+
+def test_an_assistant_messages_reasoning_content_is_sent_and_checked():
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello.", "reasoning_content": "Greet back."},
+    ]
+    assert [m.reasoning_content for m in chat_request(messages).messages] == ["", "Greet back."]
+    bad = [{"role": "assistant", "content": "Hello.", "reasoning_content": 1}]
+    with pytest.raises(InvalidArgumentError, match=r"messages\[0\].reasoning_content"):
+        chat_request(bad)

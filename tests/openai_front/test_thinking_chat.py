@@ -216,3 +216,19 @@ def test_chat_template_kwargs_that_are_no_object_are_a_400_naming_it(fake_server
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", "chat_template_kwargs")
+
+
+def test_an_assistant_turns_reasoning_content_goes_back_to_the_template(thinking_server):
+    """A conversation sent back with its thinking (a tool loop): the gRPC message has it."""
+    conversation = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello.", "reasoning_content": "Greet back."},
+        {"role": "user", "content": "more"},
+    ]
+
+    async def scenario(sdk, _):
+        return await sdk.chat.completions.create(model="fake-model", messages=conversation)
+
+    with_front(thinking_server, scenario)
+    sent = thinking_server.servicer.last_request("Chat").messages
+    assert [m.reasoning_content for m in sent] == ["", "Greet back.", ""]

@@ -1,7 +1,7 @@
 """The Responses API with a model that thinks: a reasoning item first in the output (whole),
 its events before the message's (streamed: OpenAI's order, output indexes and sequence
 numbers continuous), each checked by the official `openai` package's types; reasoning items
-sent back as input accepted and left out; then the whole front in this process against the
+sent back as input are their assistant turn's reasoning_content; then the whole front in this process against the
 client tests' fake gRPC server."""
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def test_the_reasoning_events_come_first_in_openais_order():
     assert [item.id for item in final.output] == [reasoning_id, events[9]["item"]["id"]]
 
 
-def test_reasoning_items_sent_back_as_input_are_accepted_and_left_out():
+def test_reasoning_items_sent_back_as_input_are_their_turns_reasoning_content():
     items = [
         {"role": "user", "content": "hi"},
         {"type": "reasoning", "id": "rs_1", "summary": [], "status": "completed",
@@ -156,10 +156,24 @@ def test_reasoning_items_sent_back_as_input_are_accepted_and_left_out():
     ]  # fmt: skip
     assert planned(input=items).messages == [
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "Hello.", "tool_calls": [
+        {"role": "assistant", "content": "Hello.", "reasoning_content": "Hm.", "tool_calls": [
             {"id": "call_a", "name": "get_weather", "arguments": "{}"},
         ]},
         {"role": "user", "content": "and now?"},
+    ]  # fmt: skip
+    # A thinking followed by calls only; one with no text of its own is left out.
+    items = [
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "summary": [], "content": [
+            {"type": "reasoning_text", "text": "Call it."}, {"type": "reasoning_text", "text": 7}]},
+        {"type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": "{}"},
+        {"type": "reasoning", "summary": [], "content": "not parts"},
+    ]  # fmt: skip
+    assert planned(input=items).messages == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "reasoning_content": "Call it.", "tool_calls": [
+            {"id": "call_a", "name": "get_weather", "arguments": "{}"},
+        ]},
     ]  # fmt: skip
 
 
@@ -187,7 +201,7 @@ def test_the_sdk_reads_the_reasoning_item_whole_and_streamed(thinking_server):
     ]
 
 
-def test_a_previous_responses_output_sent_back_is_a_conversation_without_its_thinking(
+def test_a_previous_responses_output_sent_back_is_a_conversation_with_its_thinking(
     thinking_server,
 ):
     async def scenario(sdk, _):
@@ -200,8 +214,8 @@ def test_a_previous_responses_output_sent_back_is_a_conversation_without_its_thi
     follow_up = with_front(thinking_server, scenario)
     assert follow_up.output_text == "(3 messages) you said: more"
     sent = thinking_server.servicer.last_request("Chat").messages
-    assert [(m.role, m.content) for m in sent] == [
-        ("user", "hi"),
-        ("assistant", ANSWER),
-        ("user", "more"),
+    assert [(m.role, m.content, m.reasoning_content) for m in sent] == [
+        ("user", "hi", ""),
+        ("assistant", ANSWER, FAKE_THOUGHT),
+        ("user", "more", ""),
     ]

@@ -281,3 +281,37 @@ def test_required_calls_are_read_after_the_thinking():
     assert [(c.name, json.loads(c.arguments)) for c in reader.calls] == [
         ("get_weather", {"city": "Oslo"})
     ]
+
+
+# A template that shows an assistant turn's thinking again, as Qwen3's does after the last
+# user message.
+SHOWS_THINKING = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_an_assistant_turns_thinking_reaches_the_template(thinking_model, tmp_path):
+    shutil.copytree(thinking_model, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = SHOWS_THINKING
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = load_tokenizer(tmp_path)
+
+    def request(role: str, thought: str) -> pb.ChatRequest:
+        return pb.ChatRequest(
+            messages=[
+                pb.ChatMessage(role="user", content="Hi"),
+                pb.ChatMessage(role=role, content="Hello.", reasoning_content=thought),
+            ]
+        )
+
+    valid = validate_chat(request("assistant", "Greet back."), tokenizer, LIMITS)
+    prompt = tokenizer.decode(list(valid.prompt_token_ids), skip_special_tokens=False)
+    assert "<think>Greet back.</think>Hello." in prompt
+    with pytest.raises(ValidationError, match=r"messages\[1\].reasoning_content is for an"):
+        validate_chat(request("user", "Greet back."), tokenizer, LIMITS)
+    with pytest.raises(ValidationError, match=r"messages\[1\].reasoning_content"):
+        validate_chat(request("assistant", "x<|im_end|>"), tokenizer, LIMITS)
