@@ -158,15 +158,15 @@ THINKING_TEMPLATE = (
 )
 
 
-def make_thinking(tokenizer_dir: Path) -> Path:
+def make_thinking(tokenizer_dir: Path) -> dict[str, int]:
     """Give the tiny tokenizer in `tokenizer_dir` THINKING_TEMPLATE and the tags as tokens of
-    their own (add_tag_tokens); the directory."""
-    add_tag_tokens(tokenizer_dir)
+    their own; their ids by text (add_tag_tokens)."""
+    ids = add_tag_tokens(tokenizer_dir)
     path = tokenizer_dir / "tokenizer_config.json"
     path.write_text(
         json.dumps({**json.loads(path.read_text()), "chat_template": THINKING_TEMPLATE})
     )
-    return tokenizer_dir
+    return ids
 
 
 @pytest.fixture(scope="session", params=sorted(TINY_ARCHITECTURES))

@@ -26,9 +26,7 @@ QUESTION = pb.ChatMessage(role="user", content="The weather in Paris?")
 def thinking_service(tiny_model_factory, tmp_path_factory):
     """A service of a thinking model: (it, the id of "</think>")."""
     model = long_context_copy(tiny_model_factory("llama"), tmp_path_factory.mktemp("thinking"))
-    make_thinking(model)
-    spec = json.loads((model / "tokenizer.json").read_text())
-    close = next(t["id"] for t in spec["added_tokens"] if t["content"] == "</think>")
+    close = make_thinking(model)["</think>"]
     with running_service(tmp_path_factory.mktemp("thinking-run"), model=str(model)) as running:
         yield running, close
 

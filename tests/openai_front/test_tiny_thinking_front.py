@@ -5,8 +5,6 @@ whole and streamed, on both APIs; chat_template_kwargs reaches the template."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from pagoda.protos import generation_pb2 as pb
@@ -23,9 +21,7 @@ NUM_TOKENS = 12
 @pytest.fixture(scope="module")
 def stack(tiny_model_factory, tmp_path_factory):
     model = long_context_copy(tiny_model_factory("llama"), tmp_path_factory.mktemp("thinking"))
-    make_thinking(model)
-    spec = json.loads((model / "tokenizer.json").read_text())
-    close = next(t["id"] for t in spec["added_tokens"] if t["content"] == "</think>")
+    close = make_thinking(model)["</think>"]
     with sdk_stack(model, tmp_path_factory.mktemp("thinking-front")) as (service, sdk, name):
         yield service, sdk, name, close
 

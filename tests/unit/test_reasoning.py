@@ -141,7 +141,8 @@ def test_a_thinking_cut_short_holds_no_call_and_loses_no_text():
 def thinking_model(tiny_tokenizer_dir, tmp_path_factory):
     directory = tmp_path_factory.mktemp("thinking")
     shutil.copytree(tiny_tokenizer_dir, directory, dirs_exist_ok=True)
-    return make_thinking(directory)
+    make_thinking(directory)
+    return directory
 
 
 def chat(**fields) -> pb.ChatRequest:
