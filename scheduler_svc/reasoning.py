@@ -1,11 +1,12 @@
 """A thinking model's reasoning, kept apart from its answer as the output streams.
 
 Models such as Qwen3 and DeepSeek-R1 think before they answer, between <think> and
-</think>. When the chat template writes those tags (TextTokenizer.thinks), a Chat request
-that no grammar holds whole has its output split: the text between the tags streams as
+</think>. When the chat template writes those tags (TextTokenizer.thinks), a Chat
+request's output is split: the text between the tags streams as
 GenerateResponse.reasoning_text, the text after them as `text`. The tags, the blanks
 inside them at either end and the blanks between </think> and the answer are left out;
-token_ids still stream every token.
+token_ids still stream every token. A constraint's grammar lets the thinking come first
+(grammars.ThinkingFirst) and holds the answer.
 
 Where the thinking begins is the prompt's to say (thinking_of): a template that opens
 <think> in the assistant's turn (DeepSeek-R1, Qwen3's thinking-only models) starts the
