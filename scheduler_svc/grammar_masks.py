@@ -17,10 +17,10 @@ is complete and cannot go on allows only EOS, so the request ends with STOP.
 
 A row with drafts (StepPlan.draft_counts: the n-gram's or the grammar's forced tokens;
 never planned ahead) samples after its last token and after each draft: it gets a mask
-per sample point, its matcher fed the drafts one by one and rolled back (llguidance does
-both on its threads), so each sample is what decoding one token at a time under the
-grammar gives. The core keeps the samples
-while they equal the drafts; catch_up then feeds the matcher the tokens kept.
+per sample point, its matcher fed the drafts one by one and rolled back (on the loop's
+thread, or on llguidance's threads where CPUs are to spare, as for the other rows), so
+each sample is what decoding one token at a time under the grammar gives. The core keeps
+the samples while they equal the drafts; catch_up then feeds the matcher the tokens kept.
 """
 
 from __future__ import annotations
@@ -47,17 +47,15 @@ from pagoda.scheduler_svc.grammars import RequestGrammar, any_live
 _executor: llguidance.LLExecutor | None = None
 # Threads that compute a step's masks; the rest of the machine runs the worker.
 NUM_MASK_THREADS = 2
-# Below this many CPUs for the scheduler, rows without drafts are computed on the loop's
-# own thread: on 2 cores, which the worker uses too, waiting for the two threads doubled
-# a step's masks (1.03-1.06 ms against 0.51-0.53 ms for 15 rows; docs/benchmarks.md).
+# Below this many CPUs for the scheduler, masks are computed on the loop's own thread: on
+# 2 cores, which the worker uses too, waiting for the two threads doubled a step's masks
+# (1.03-1.06 ms against 0.51-0.53 ms for 15 rows; docs/benchmarks.md).
 MIN_CPUS_FOR_MASK_THREADS = 4
 
 
 def mask_threads() -> int:
-    """The llguidance threads for masks of rows without drafts: NUM_MASK_THREADS, or 0
-    (the loop's thread) where the scheduler may run on fewer than
-    MIN_CPUS_FOR_MASK_THREADS CPUs. Drafted rows always use the threads (llguidance feeds
-    and rolls back their drafts there)."""
+    """The llguidance threads for a step's masks: NUM_MASK_THREADS, or 0 (the loop's
+    thread) where the scheduler may run on fewer than MIN_CPUS_FOR_MASK_THREADS CPUs."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -164,16 +162,37 @@ def _bitmasks(
     global _num_mask_threads
     if _num_mask_threads is None:
         _num_mask_threads = mask_threads()
-    if plain and not _num_mask_threads:
+    if not _num_mask_threads:
         for matcher, row in plain:
             fill_next_token_bitmask(matcher, masks, row)
-    elif plain:
-        fill_next_token_bitmask_par(_mask_executor(), plain, masks)
-    if drafted:
-        fill_next_token_bitmask_par_with_draft_tokens(_mask_executor(), drafted, masks)
+        for matcher, row, row_drafts in drafted:
+            _fill_drafted(matcher, masks, row, row_drafts)
+    else:
+        if plain:
+            fill_next_token_bitmask_par(_mask_executor(), plain, masks)
+        if drafted:
+            fill_next_token_bitmask_par_with_draft_tokens(_mask_executor(), drafted, masks)
     words = masks.view(np.uint32)
     for row in np.flatnonzero(~words.any(axis=1)):
         k = bisect.bisect_right(starts, row) - 1  # the grammar the row belongs to
         for token_id in grammars[k].eos_token_ids:
             words[row, token_id // 32] |= np.uint32(1 << (token_id % 32))
     return masks.astype("<i4", copy=False).tobytes()
+
+
+def _fill_drafted(
+    matcher: llguidance.LLMatcher, masks: np.ndarray, row: int, drafts: list[int]
+) -> None:
+    """A drafted row's masks on this thread, as llguidance's threads compute them: the mask
+    at `row` + i after the first i drafts, the matcher fed them one by one and then rolled
+    back. Past a draft the grammar refuses, the rows stay empty (EOS only, _bitmasks)."""
+    num_fed = 0
+    for draft in drafts:
+        fill_next_token_bitmask(matcher, masks, row + num_fed)
+        if matcher.try_consume_tokens([draft]) != 1:
+            break
+        num_fed += 1
+    else:
+        fill_next_token_bitmask(matcher, masks, row + num_fed)
+    if num_fed:
+        matcher.rollback(num_fed)

@@ -100,6 +100,42 @@ def test_masks_are_the_same_on_the_loops_thread_and_on_llguidances(
     assert words.any(axis=1).all()
 
 
+def test_drafted_masks_are_the_same_on_the_loops_thread_and_on_llguidances(
+    compiler, vocabulary, monkeypatch
+):
+    """Drafted rows too: right drafts, a refused one, EOS as a draft; each matcher rolled
+    back to where it was."""
+    a, b = vocabulary.index(b"a"), vocabulary.index(b"b")
+    rows = [  # (constraint, tokens fed before, the row's last token and drafts)
+        (("choice", '["ababa"]'), [a], [a, b, a, b]),
+        (("choice", '["ababa"]'), [a], [a, a, b]),  # the first draft is refused
+        (("choice", '["ab"]'), [], [b, a, b, EOS]),  # EOS ends it, then nothing fits
+        (("regex", "a+b"), [a, a], [a, a, a, b, EOS]),
+        (("json_object", ""), [], [b]),  # no drafts
+    ]
+    masks, consumed = {}, {}
+    for threads in (0, 2):
+        monkeypatch.setattr(grammar_masks, "_num_mask_threads", threads)
+        requests, token_ids, offsets, counts = {}, [], [0], []
+        for seq_id, ((kind, source), fed, tokens) in enumerate(rows, start=1):
+            grammar = compiler.compile(ValidConstraint(kind, source), TINY_VOCAB_SIZE, [EOS])
+            requests[seq_id] = running(f"r{seq_id}", grammar, fed)
+            token_ids += tokens
+            offsets.append(len(token_ids))
+            counts.append(len(tokens) - 1)
+        plan = StepPlan(
+            step_id=1, seq_ids=list(requests), sample=[True] * len(rows),
+            token_offsets=offsets, token_ids=token_ids, draft_counts=counts,
+        )  # fmt: skip
+        fill_masks(plan, requests.get, TINY_VOCAB_SIZE)
+        masks[threads] = plan.allowed_token_bitmask
+        consumed[threads] = [
+            r.grammar.matcher.validate_tokens([a, b, a]) for r in requests.values()
+        ]
+    assert masks[0] == masks[2]
+    assert consumed[0] == consumed[2]  # the same matcher states after the roll-backs
+
+
 @pytest.mark.parametrize(("cpus", "threads"), [(1, 0), (2, 0), (4, 2), (16, 2)])
 def test_mask_threads_are_used_where_cpus_are_to_spare(monkeypatch, cpus, threads):
     monkeypatch.setattr(grammar_masks.os, "sched_getaffinity", lambda pid: set(range(cpus)))
