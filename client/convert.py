@@ -216,6 +216,7 @@ def _usage_from_proto(usage: pb.Usage) -> Usage:
         completion_tokens=usage.completion_tokens,
         cached_prompt_tokens=usage.cached_prompt_tokens,
         num_preemptions=usage.num_preemptions,
+        reasoning_tokens=usage.reasoning_tokens,
     )
 
 

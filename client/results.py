@@ -35,6 +35,8 @@ class Usage:
     cached_prompt_tokens: int
     # Times the server preempted the request under KV pressure and recomputed it.
     num_preemptions: int = 0
+    # Of completion_tokens, a thinking model's thinking (the tags included).
+    reasoning_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -146,24 +146,29 @@ def _chat_token(entry: TokenLogprob, num_top: int) -> dict[str, Any]:
 
 def usage_json(choices: Iterable[Choice]) -> dict[str, Any]:
     """Usage over all choices: each prompt counted once (by its lowest choice, the sample
-    that computed it), every choice's completion tokens."""
-    prompt_tokens = cached_tokens = completion_tokens = 0
+    that computed it), every choice's completion tokens; a thinking model's reasoning
+    tokens among them when there are any (no such key otherwise, as before)."""
+    prompt_tokens = cached_tokens = completion_tokens = reasoning_tokens = 0
     counted_prompts: set[int] = set()
     for choice in sorted(choices, key=lambda choice: choice.index):
         usage = choice.usage
         if usage is None:
             continue
         completion_tokens += usage.completion_tokens
+        reasoning_tokens += usage.reasoning_tokens
         if choice.call.prompt_index not in counted_prompts:
             counted_prompts.add(choice.call.prompt_index)
             prompt_tokens += usage.prompt_tokens
             cached_tokens += usage.cached_prompt_tokens
-    return {
+    usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 def whole_response(

@@ -40,7 +40,7 @@ from pagoda.scheduler_svc.info_rpcs import (
     tokenize,
 )
 from pagoda.scheduler_svc.metrics import Metrics
-from pagoda.scheduler_svc.reasoning import Thinking, reasoning_splits
+from pagoda.scheduler_svc.reasoning import Thinking, sample_reasonings
 from pagoda.scheduler_svc.refusals import Undecodable, answer, refusal
 from pagoda.scheduler_svc.response_writer import ResponseWriter
 from pagoda.scheduler_svc.settings import ServiceConfig
@@ -139,6 +139,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         del request
         await answer_logged(context, handling, record)
 
+    def _token_text(self, token_id: int) -> str | None:
+        """A generated token's own text (None: part of a character), for the count of a
+        thinking model's reasoning tokens."""
+        texts = self._tokenizer.token_texts()
+        if texts is None:  # not byte-level BPE: decoded alone
+            return self._tokenizer.decode([token_id])
+        return texts[token_id] if token_id < len(texts) else ""
+
     def _call_record(self, method: str, context) -> CallRecord | None:
         return call_record(method, context) if self._config.access_log else None
 
@@ -164,10 +172,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # with DEADLINE_EXCEEDED, and its request is cancelled, under any policy).
         valid = dataclasses.replace(valid, time_limit_s=context.time_remaining())
         slots = self._submit(valid)
-        splits = reasoning_splits(valid.thinking, len(slots))
+        reasonings = sample_reasonings(valid.thinking, len(slots), self._token_text)
         try:
             if len(slots) == 1:
-                slot, split = slots[0], splits[0]
+                slot, reasoning = slots[0], reasonings[0]
                 while True:
                     output = await slot.next()
                     await self._writer.stream(
@@ -177,12 +185,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         client_request_id,
                         tenant.name,
                         record=record,
-                        split=split,
+                        reasoning=reasoning,
                     )
                     if output.finish_reason is not None:
                         return
             await self._writer.stream_samples(
-                context, slots, client_request_id, tenant.name, record, splits
+                context, slots, client_request_id, tenant.name, record, reasonings
             )
         finally:
             # Reached on normal end, refusal, client cancel, deadline, disconnect or a

@@ -21,6 +21,7 @@ and a request's ToolCallReader, so that no call is read inside the thinking.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 from pagoda.scheduler_svc.stop_strings import held_back_length
 
@@ -43,12 +44,15 @@ def thinking_of(rendered_prompt: str) -> Thinking:
     return Thinking.BEGUN if rendered_prompt.rstrip().endswith(THINK_OPEN) else Thinking.MAY_BEGIN
 
 
-def reasoning_splits(thinking: object, n: int) -> list[ReasoningSplit | None]:
-    """One split for each of a request's n samples, given its ValidRequest.thinking
-    (None each when its output is not split)."""
+def sample_reasonings(
+    thinking: object, n: int, token_text: Callable[[int], str | None]
+) -> list[SampleReasoning | None]:
+    """The edge's reasoning of each of a request's n samples, given its
+    ValidRequest.thinking (None each when its output is not split) and each token's text
+    (None: part of a character)."""
     if not isinstance(thinking, Thinking):
         return [None] * n
-    return [ReasoningSplit(thinking) for _ in range(n)]
+    return [SampleReasoning(thinking, token_text) for _ in range(n)]
 
 
 class _Part(enum.Enum):
@@ -76,6 +80,11 @@ class ReasoningSplit:
     def answering(self) -> bool:
         """Whether the answer has begun: every later piece is answer."""
         return self._part is _Part.ANSWER
+
+    @property
+    def undecided(self) -> bool:
+        """Whether it is not yet known if the output thinks (blanks, or part of <think>)."""
+        return self._part is _Part.LEADING
 
     def push(self, text: str) -> tuple[str, str]:
         """The next piece of output -> (reasoning, answer) the client may see now."""
@@ -140,3 +149,43 @@ class ReasoningSplit:
             return (text if self.verbatim else ""), ""
         self._part = _Part.ANSWER
         return (text[: len(text) - len(answer)] if self.verbatim else ""), answer
+
+
+class SampleReasoning:
+    """The edge's part for one sample: the split of what the client sees, and the count of
+    the thinking's tokens (Usage.reasoning_tokens): those before the token that holds the
+    answer's first character, the tags and the blanks after </think> included. The
+    count replays each token's own text through a split of its own, so text that a stop
+    string or a tool call held back does not shift it."""
+
+    __slots__ = ("split", "num_tokens", "_tokens", "_token_text", "_num_undecided")
+
+    def __init__(self, thinking: Thinking, token_text: Callable[[int], str | None]) -> None:
+        self.split = ReasoningSplit(thinking)
+        self.num_tokens = 0
+        self._tokens = ReasoningSplit(thinking, verbatim=True)
+        self._token_text = token_text
+        self._num_undecided = 0  # tokens of blanks or of "<thi" so far, under MAY_BEGIN
+
+    def push(self, text: str, token_ids, *, last: bool) -> tuple[str, str]:
+        """One message's text and tokens -> its (reasoning, answer); `last`: the sample's
+        last message."""
+        self._count(token_ids)
+        reasoning, answer = self.split.push(text)
+        if last:
+            more, rest = self.split.flush()
+            reasoning, answer = reasoning + more, answer + rest
+        return reasoning, answer
+
+    def _count(self, token_ids) -> None:
+        tokens = self._tokens
+        for token_id in token_ids:
+            if tokens.answering:
+                return
+            text = self._token_text(token_id)
+            tokens.push("\ufffd" if text is None else text)  # part of a character: no blank
+            if tokens.undecided:
+                self._num_undecided += 1
+            elif not tokens.answering:  # in the thinking, or closing it
+                self.num_tokens += self._num_undecided + 1
+                self._num_undecided = 0

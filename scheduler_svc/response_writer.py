@@ -16,7 +16,7 @@ from pagoda.protos import generation_pb2
 from pagoda.scheduler_svc.access_log import CallRecord
 from pagoda.scheduler_svc.core import FinishReason, RequestOutput, Usage
 from pagoda.scheduler_svc.metrics import Metrics
-from pagoda.scheduler_svc.reasoning import ReasoningSplit
+from pagoda.scheduler_svc.reasoning import SampleReasoning
 from pagoda.scheduler_svc.refusals import refusal
 from pagoda.scheduler_svc.responses import to_response, to_usage, total_usage
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
@@ -44,21 +44,22 @@ class ResponseWriter:
         index: int = 0,
         usages: list[Usage | None] | None = None,
         record: CallRecord | None = None,
-        split: ReasoningSplit | None = None,
+        reasoning: SampleReasoning | None = None,
     ) -> None:
         """Write one output of a sample; an ERROR ends the call with the slot's status
         (every other sample is cancelled). With `usages` (n > 1: each sample's final
         usage, by index, None until it ends), the last sample to end also carries the
         request's total_usage. `record` (the access log) hears each finishing output.
-        `split` (a thinking model's chat) moves the sample's reasoning to reasoning_text."""
+        `reasoning` (a thinking model's chat) moves the sample's thinking to
+        reasoning_text and counts its tokens (Usage.reasoning_tokens)."""
         if output.finish_reason is FinishReason.ERROR:
             if output.token_ids or output.text:
                 response = to_response(output, request_id, self._token_bytes, index)
-                await self._write(context, _split(response, split, last=True))
+                await self._write(context, _split(response, output, reasoning))
             code = getattr(grpc.StatusCode, slot.error_code or "INTERNAL")
             raise refusal(self._metrics, code, output.error_message or "the request failed")
         response = to_response(output, request_id, self._token_bytes, index)
-        _split(response, split, last=output.finish_reason is not None)
+        _split(response, output, reasoning)
         if output.finish_reason is not None:
             self._metrics.observe_tenant_finish(tenant, output)
             if record is not None:
@@ -76,13 +77,13 @@ class ResponseWriter:
         request_id: str,
         tenant: str,
         record: CallRecord | None = None,
-        splits: list[ReasoningSplit | None] | None = None,
+        reasonings: list[SampleReasoning | None] | None = None,
     ) -> None:
-        """Stream n samples' outputs as they come, each tagged with its index (`splits`:
-        each one's, as stream's `split`); returns once every sample has ended. Each slot
-        is read by one task at a time, so a sample's messages stay in order and none is
-        lost or repeated."""
-        splits = splits or [None] * len(slots)
+        """Stream n samples' outputs as they come, each tagged with its index
+        (`reasonings`: each one's, as stream's `reasoning`); returns once every sample has
+        ended. Each slot is read by one task at a time, so a sample's messages stay in
+        order and none is lost or repeated."""
+        reasonings = reasonings or [None] * len(slots)
         usages: list[Usage | None] = [None] * len(slots)
         reading = {asyncio.ensure_future(slot.next()): index for index, slot in enumerate(slots)}
         try:
@@ -100,7 +101,7 @@ class ResponseWriter:
                         index,
                         usages,
                         record,
-                        splits[index],
+                        reasonings[index],
                     )
                     if output.finish_reason is None:
                         reading[asyncio.ensure_future(slots[index].next())] = index
@@ -132,14 +133,20 @@ class ResponseWriter:
 
 
 def _split(
-    response: generation_pb2.GenerateResponse, split: ReasoningSplit | None, *, last: bool
+    response: generation_pb2.GenerateResponse,
+    output: RequestOutput,
+    reasoning: SampleReasoning | None,
 ) -> generation_pb2.GenerateResponse:
-    """`response` with its text's reasoning moved to reasoning_text (in place)."""
-    if split is None:
+    """`response` (of `output`) with its text's thinking moved to reasoning_text, and on
+    the sample's last message its thinking's tokens counted in the usage (the output's
+    too, which the request's total_usage adds up), in place."""
+    if reasoning is None:
         return response
-    reasoning, answer = split.push(response.text)
-    if last:
-        more, rest = split.flush()
-        reasoning, answer = reasoning + more, answer + rest
-    response.reasoning_text, response.text = reasoning, answer
+    last = output.finish_reason is not None
+    response.reasoning_text, response.text = reasoning.push(
+        response.text, response.token_ids, last=last
+    )
+    if last and output.usage is not None:
+        output.usage.reasoning_tokens = reasoning.num_tokens
+        response.usage.reasoning_tokens = reasoning.num_tokens
     return response

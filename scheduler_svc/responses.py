@@ -69,16 +69,18 @@ def to_usage(usage: Usage) -> generation_pb2.Usage:
         completion_tokens=usage.completion_tokens,
         cached_prompt_tokens=usage.cached_prompt_tokens,
         num_preemptions=usage.num_preemptions,
+        reasoning_tokens=usage.reasoning_tokens,
     )
 
 
 def total_usage(usages: list[Usage]) -> Usage:
     """A request's usage from its samples' (sample 0 first): the prompt once, as sample 0
-    computed it; completions and preemptions summed."""
+    computed it; completions, preemptions and reasoning tokens summed."""
     first = usages[0]
     return Usage(
         prompt_tokens=first.prompt_tokens,
         completion_tokens=sum(usage.completion_tokens for usage in usages),
         cached_prompt_tokens=first.cached_prompt_tokens,
         num_preemptions=sum(usage.num_preemptions for usage in usages),
+        reasoning_tokens=sum(usage.reasoning_tokens for usage in usages),
     )

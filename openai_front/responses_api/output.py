@@ -95,7 +95,7 @@ def usage_json(usage: Usage) -> dict[str, Any]:
             "cache_write_tokens": 0,
         },
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.total_tokens,
     }
 

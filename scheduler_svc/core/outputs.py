@@ -38,6 +38,9 @@ class Usage:
     completion_tokens: int
     cached_prompt_tokens: int  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int  # times preempted and recomputed
+    # Of completion_tokens, a thinking model's thinking: counted at the service's edge
+    # (scheduler_svc.reasoning), not by the core.
+    reasoning_tokens: int = 0
 
 
 @dataclass(slots=True)

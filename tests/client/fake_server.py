@@ -329,6 +329,8 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
                     prompt_tokens=num_prompt_tokens,
                     completion_tokens=len(pieces),
                     cached_prompt_tokens=cached,
+                    # The token that holds the answer's first word is none of the thinking's.
+                    reasoning_tokens=min(max(len(thought) - 1, 0), len(pieces)),
                 ),
                 timings=pb.Timings(
                     queued_ms=0.5,

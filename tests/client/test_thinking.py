@@ -28,13 +28,20 @@ def test_reasoning_text_reaches_the_chunk_and_is_joined_apart_from_the_text():
     responses = [
         pb.GenerateResponse(request_id="r", reasoning_text="Hm", token_ids=[1]),
         pb.GenerateResponse(request_id="r", reasoning_text=", ok.", text="Yes", token_ids=[2]),
-        pb.GenerateResponse(request_id="r", text=".", token_ids=[3], finish_reason=pb.STOP),
+        pb.GenerateResponse(
+            request_id="r",
+            text=".",
+            token_ids=[3],
+            finish_reason=pb.STOP,
+            usage=pb.Usage(completion_tokens=3, reasoning_tokens=1),
+        ),
     ]
     chunks = [chunk_from_response(response) for response in responses]
     assert [(c.reasoning_text, c.text) for c in chunks] == [("Hm", ""), (", ok.", "Yes"), ("", ".")]
     completion = join_chunks(chunks)
     assert (completion.reasoning_text, completion.text) == ("Hm, ok.", "Yes.")
     assert completion.token_ids == [1, 2, 3]
+    assert (completion.usage.completion_tokens, completion.usage.reasoning_tokens) == (3, 1)
     (sample,) = join_samples(chunks)
     assert sample.reasoning_text == "Hm, ok."
     assert join_chunks([chunks[-1]]).reasoning_text == ""

@@ -48,6 +48,19 @@ def decoded(service, responses) -> str:
         return stub.Detokenize(request, timeout=30).text
 
 
+def num_thinking_tokens(service, responses) -> int:
+    """The tokens before the one whose text begins the answer, found by decoding ever
+    longer prefixes of the tokens streamed."""
+    token_ids = [token_id for response in responses for token_id in response.token_ids]
+    with service.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        for count in range(1, len(token_ids) + 1):
+            request = pb.DetokenizeRequest(token_ids=token_ids[:count], skip_special_tokens=True)
+            if expected(Thinking.BEGUN, stub.Detokenize(request, timeout=30).text)[1]:
+                return count - 1
+    return len(token_ids)
+
+
 def joined(responses) -> tuple[str, str]:
     return "".join(r.reasoning_text for r in responses), "".join(r.text for r in responses)
 
@@ -67,7 +80,9 @@ def test_what_comes_before_the_closing_tag_is_reasoning(thinking_service):
         assert reasoning and (reasoning, text) == expected(
             Thinking.BEGUN, decoded(service, responses)
         )
-        assert sum(len(r.token_ids) for r in responses) == responses[-1].usage.completion_tokens
+        usage = responses[-1].usage
+        assert sum(len(r.token_ids) for r in responses) == usage.completion_tokens
+        assert usage.reasoning_tokens == num_thinking_tokens(service, responses)
     # Every token "</think>": the first closes the thinking, empty; the rest are answer.
     responses = chat(
         service,
@@ -75,6 +90,7 @@ def test_what_comes_before_the_closing_tag_is_reasoning(thinking_service):
         stopping=pb.StoppingCriteria(max_new_tokens=4),
     )
     assert joined(responses) == ("", "</think>" * 3)
+    assert responses[-1].usage.reasoning_tokens == 1  # the closing tag
 
 
 def test_with_tools_the_thinking_passes_the_calls_reader_unread(thinking_service):
@@ -95,6 +111,7 @@ def test_template_variables_close_the_thinking_before_it_begins(thinking_service
     )
     assert closed[-1].usage.prompt_tokens > open_[-1].usage.prompt_tokens
     assert joined(closed) == ("", decoded(service, closed))  # no thinking: all answer
+    assert closed[-1].usage.reasoning_tokens == 0
     assert joined(open_)[0] == "" and joined(open_)[1] != joined(closed)[1]
 
 
@@ -130,6 +147,9 @@ def test_a_constraint_holds_the_answer_after_the_thinking(thinking_service):
     assert reasoning and responses[-1].finish_reason == pb.STOP
     assert json.loads(text)["answer"] in ("yes", "no")
     assert (reasoning, text) == expected(Thinking.BEGUN, decoded(service, responses))
+    usage = responses[-1].usage
+    assert 0 < usage.reasoning_tokens == num_thinking_tokens(service, responses)
+    assert usage.reasoning_tokens < usage.completion_tokens
 
 
 def test_required_calls_come_after_the_thinking(thinking_service):
@@ -148,3 +168,19 @@ def test_required_calls_come_after_the_thinking(thinking_service):
     assert responses[-1].finish_reason == pb.TOOL_CALLS, responses[-1]
     assert [call.name for call in responses[-1].tool_calls][:1] == ["get_weather"]
     assert joined(responses) == ("", "")
+
+
+def test_each_sample_counts_its_thinking_and_the_total_adds_them_up(thinking_service):
+    service, close = thinking_service
+    responses = chat(
+        service,
+        n=3,
+        sampling=pb.SamplingParams(temperature=1.0, seed=2, logit_bias={close: 4.0}),
+    )
+    lasts = [r for r in responses if r.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
+    assert sorted(r.index for r in lasts) == [0, 1, 2]
+    for last in lasts:
+        sample = [r for r in responses if r.index == last.index]
+        assert last.usage.reasoning_tokens == num_thinking_tokens(service, sample)
+    total = responses[-1].total_usage.reasoning_tokens
+    assert total == sum(last.usage.reasoning_tokens for last in lasts) > 0

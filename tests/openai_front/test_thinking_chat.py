@@ -131,6 +131,9 @@ def test_the_whole_answer_has_reasoning_content_and_the_sdk_reads_it(thinking_se
         "reasoning_content": FAKE_THOUGHT,
     }
     assert raw["usage"]["completion_tokens"] == 7  # thinking and answer, one count
+    # Of them, the thinking's: the fake's last thought shares its token with the answer.
+    assert raw["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2}
+    assert completion.usage.completion_tokens_details.reasoning_tokens == 2
 
 
 def test_the_stream_sends_the_reasoning_first_the_role_once_every_logprob_once(thinking_server):
@@ -185,6 +188,7 @@ def test_an_answer_without_reasoning_has_no_reasoning_content_key(fake_server):
 
     whole, events = with_front(fake_server, scenario)
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": ANSWER}
+    assert "completion_tokens_details" not in whole["usage"]  # as before thinking models
     deltas = [event["choices"][0]["delta"] for event in events]
     assert "".join(d.get("content", "") for d in deltas) == ANSWER
     assert not any("reasoning_content" in delta for delta in deltas)

@@ -188,6 +188,7 @@ def test_the_sdk_reads_the_reasoning_item_whole_and_streamed(thinking_server):
 
     whole_response, events = with_front(thinking_server, scenario)
     for response in (whole_response, events[-1].response):
+        assert response.usage.output_tokens_details.reasoning_tokens == 2
         reasoning, message = response.output
         assert (reasoning.type, reasoning.content[0].text) == ("reasoning", FAKE_THOUGHT)
         assert message.type == "message" and response.output_text == ANSWER

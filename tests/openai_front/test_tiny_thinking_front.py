@@ -26,7 +26,8 @@ def stack(tiny_model_factory, tmp_path_factory):
         yield service, sdk, name, close
 
 
-def grpc_chat(service, **fields) -> tuple[str, str]:
+def grpc_chat(service, **fields) -> tuple[str, str, int]:
+    """The reasoning, the answer and the thinking's tokens of a gRPC Chat."""
     request = pb.ChatRequest(
         messages=[pb.ChatMessage(**m) for m in MESSAGES],
         stopping=pb.StoppingCriteria(max_new_tokens=NUM_TOKENS, ignore_eos=True),
@@ -34,7 +35,8 @@ def grpc_chat(service, **fields) -> tuple[str, str]:
     )
     with service.channel() as channel:
         responses = list(generation_pb2_grpc.GenerationStub(channel).Chat(request, timeout=120))
-    return "".join(r.reasoning_text for r in responses), "".join(r.text for r in responses)
+    reasoning = "".join(r.reasoning_text for r in responses)
+    return reasoning, "".join(r.text for r in responses), responses[-1].usage.reasoning_tokens
 
 
 def test_chat_completions_give_the_grpc_reasoning_whole_and_streamed(stack):
@@ -42,7 +44,7 @@ def test_chat_completions_give_the_grpc_reasoning_whole_and_streamed(stack):
     # A seed whose sample closes its thinking on the way (a bias makes "</think>" likely).
     for seed in range(32):
         sampling = pb.SamplingParams(temperature=1.0, seed=seed, logit_bias={close: 4.0})
-        reasoning, text = grpc_chat(service, sampling=sampling)
+        reasoning, text, num_thinking = grpc_chat(service, sampling=sampling)
         if reasoning and text:
             break
     assert reasoning and text
@@ -54,8 +56,10 @@ def test_chat_completions_give_the_grpc_reasoning_whole_and_streamed(stack):
         seed=seed,
         extra_body={"ignore_eos": True, "logit_bias": {str(close): 4.0}},
     )
-    whole = sdk.chat.completions.create(**options).choices[0].message
+    completion = sdk.chat.completions.create(**options)
+    whole = completion.choices[0].message
     assert (whole.model_extra.get("reasoning_content"), whole.content) == (reasoning, text)
+    assert 0 < completion.usage.completion_tokens_details.reasoning_tokens == num_thinking
     deltas = [c.choices[0].delta for c in sdk.chat.completions.create(stream=True, **options)]
     streamed = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
     assert (streamed, "".join(d.content or "" for d in deltas)) == (reasoning, text)
@@ -80,7 +84,7 @@ def test_template_variables_reach_the_template_through_the_front(stack):
 
 def test_the_responses_api_puts_the_reasoning_item_first(stack):
     service, sdk, model, _ = stack
-    reasoning, text = grpc_chat(service)
+    reasoning, text, num_thinking = grpc_chat(service)
     response = sdk.responses.create(
         model=model,
         input=MESSAGES[0]["content"],
@@ -91,3 +95,4 @@ def test_the_responses_api_puts_the_reasoning_item_first(stack):
     first = response.output[0]
     assert first.type == "reasoning" and [part.text for part in first.content] == [reasoning]
     assert response.output_text == text
+    assert response.usage.output_tokens_details.reasoning_tokens == num_thinking

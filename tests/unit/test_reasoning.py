@@ -17,6 +17,7 @@ from pagoda.scheduler_svc.reasoning import (
     THINK_CLOSE,
     THINK_OPEN,
     ReasoningSplit,
+    SampleReasoning,
     Thinking,
     thinking_of,
 )
@@ -316,3 +317,29 @@ def test_an_assistant_turns_thinking_reaches_the_template(thinking_model, tmp_pa
         validate_chat(request("user", "Greet back."), tokenizer, LIMITS)
     with pytest.raises(ValidationError, match=r"messages\[1\].reasoning_content"):
         validate_chat(request("assistant", "x<|im_end|>"), tokenizer, LIMITS)
+
+
+# -- counting the thinking's tokens --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("thinking", "texts", "num_reasoning"),
+    [
+        (BEGUN, ["a", " b", "</think>", "\n\n", "Hi", "!"], 4),
+        (BEGUN, ["a", "</th", "ink>", "Hi"], 3),  # a spelled tag
+        (BEGUN, ["a", " b"], 2),  # cut short: all thinking
+        (MAY_BEGIN, ["\n", "<think>", "x", "</think>", "Hi"], 4),  # its blanks before too
+        (MAY_BEGIN, ["\n", " ", "Hi"], 0),  # no thinking: the blanks are the answer's
+        (MAY_BEGIN, ["<th", "is"], 0),
+        (BEGUN, ["x", "</think>", "\n", None, "Hi"], 3),  # a character's first part answers
+    ],
+)
+def test_the_thinking_tokens_are_those_before_the_answers_first_character(
+    thinking, texts, num_reasoning
+):
+    """Whatever messages carry them, and whatever text a stop string held back."""
+    for messages in ([[i] for i in range(len(texts))], [list(range(len(texts)))]):
+        sample = SampleReasoning(thinking, texts.__getitem__)
+        for number, token_ids in enumerate(messages):
+            sample.push("", token_ids, last=number == len(messages) - 1)
+        assert sample.num_tokens == num_reasoning
