@@ -16,7 +16,13 @@ from pagoda.scheduler_svc.core import ValidRequest
 from pagoda.scheduler_svc.reasoning import thinking_of
 from pagoda.scheduler_svc.tokenizer import TEMPLATE_VARIABLES, ChatTemplateError, TextTokenizer
 from pagoda.scheduler_svc.tool_templates import template_messages
-from pagoda.scheduler_svc.tools import ToolFormat, ToolsError, ValidTools, valid_tools
+from pagoda.scheduler_svc.tools import (
+    ToolFormat,
+    ToolsError,
+    ValidTools,
+    check_no_special_text,
+    valid_tools,
+)
 from pagoda.scheduler_svc.validation import (
     MAX_PROMPT_BYTES_PER_TOKEN,
     Limits,
@@ -50,7 +56,7 @@ def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidReq
             raise ValidationError(
                 f"messages[{index}].role {echoed(message.role)} is not one of: {roles}"
             )
-    variables = _template_variables(request.chat_template_kwargs)
+    variables = _template_variables(request.chat_template_kwargs, tokenizer.special_texts)
     try:
         tools = _tools(request, tokenizer)
         conversation = template_messages(request.messages, tools, tokenizer)
@@ -78,13 +84,14 @@ def validate_chat(request, tokenizer: TextTokenizer, limits: Limits) -> ValidReq
         valid = valid_request(request, tuple(prompt_token_ids), limits, tools)
         if not tokenizer.thinks:
             return valid
-        # A grammar over the whole output undoes it (api._admit).
         return dataclasses.replace(valid, thinking=thinking_of(rendered))
     raise ValidationError(sentence)
 
 
-def _template_variables(text: str) -> dict[str, Any]:
-    """ChatRequest.chat_template_kwargs: a JSON object of the caller's template variables."""
+def _template_variables(text: str, special_texts: tuple[str, ...]) -> dict[str, Any]:
+    """ChatRequest.chat_template_kwargs: a JSON object of the caller's template variables.
+    None of its strings may hold a special token's text: a template that prints one would
+    write a turn marker where only the template writes them."""
     if not text:
         return {}
     if len(text.encode()) > MAX_TEMPLATE_KWARGS_BYTES:
@@ -103,6 +110,18 @@ def _template_variables(text: str) -> dict[str, Any]:
             f"chat_template_kwargs cannot set {taken[0]}: the server gives the template "
             f"{', '.join(sorted(TEMPLATE_VARIABLES))}"
         )
+    pending: list[Any] = [variables]
+    while pending:  # iterative: a 4096-byte object may nest past Python's recursion limit
+        value = pending.pop()
+        if isinstance(value, dict):
+            pending += [*value, *value.values()]
+        elif isinstance(value, list):
+            pending += value
+        elif isinstance(value, str):
+            try:
+                check_no_special_text("chat_template_kwargs", value, special_texts)
+            except ToolsError as exc:
+                raise ValidationError(str(exc)) from None
     return variables
 
 
