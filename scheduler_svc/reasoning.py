@@ -27,7 +27,6 @@ from pagoda.scheduler_svc.stop_strings import held_back_length
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
-_OPEN = (THINK_OPEN,)
 _CLOSE = (THINK_CLOSE,)
 
 
@@ -107,8 +106,14 @@ class ReasoningSplit:
             return self._inside(text)
         return self._closed(text)
 
-    def flush(self) -> tuple[str, str]:
-        """The output ended: the (reasoning, answer) still held."""
+    def flush(self, tail: str = "") -> tuple[str, str]:
+        """The output ended, `tail` its last piece: the (reasoning, answer) still to send."""
+        reasoning, answer = self.push(tail)
+        more, rest = self._flush_held()
+        return reasoning + more, answer + rest
+
+    def _flush_held(self) -> tuple[str, str]:
+        """The held text placed for good: the output ended."""
         held, self._held = self._held, ""
         if self._part is _Part.LEADING:  # blanks, or a "<thi" that never became a tag
             self._part = _Part.ANSWER
@@ -171,11 +176,7 @@ class SampleReasoning:
         """One message's text and tokens -> its (reasoning, answer); `last`: the sample's
         last message."""
         self._count(token_ids)
-        reasoning, answer = self.split.push(text)
-        if last:
-            more, rest = self.split.flush()
-            reasoning, answer = reasoning + more, answer + rest
-        return reasoning, answer
+        return self.split.flush(text) if last else self.split.push(text)
 
     def _count(self, token_ids) -> None:
         tokens = self._tokens

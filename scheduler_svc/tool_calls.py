@@ -108,9 +108,7 @@ class ToolCallReader:
             tail = self.stop.flush(tail)
         reasoning = ""
         if self.thinking is not None:
-            reasoning, tail = self.thinking.push(tail)
-            more, answer = self.thinking.flush()
-            reasoning, tail = reasoning + more, tail + answer
+            reasoning, tail = self.thinking.flush(tail)
         text = reasoning + self._read(tail) + self._pending
         held, self._held, self._pending = self._held, None, ""
         if not held:
