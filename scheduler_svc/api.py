@@ -40,9 +40,10 @@ from pagoda.scheduler_svc.info_rpcs import (
     tokenize,
 )
 from pagoda.scheduler_svc.metrics import Metrics
-from pagoda.scheduler_svc.reasoning import Thinking, sample_reasonings
+from pagoda.scheduler_svc.reasoning import Thinking
 from pagoda.scheduler_svc.refusals import Undecodable, answer, refusal
 from pagoda.scheduler_svc.response_writer import ResponseWriter
+from pagoda.scheduler_svc.sample_edge import sample_edges
 from pagoda.scheduler_svc.settings import ServiceConfig
 from pagoda.scheduler_svc.tenants import Tenant, TokenBucket
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
@@ -172,10 +173,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # with DEADLINE_EXCEEDED, and its request is cancelled, under any policy).
         valid = dataclasses.replace(valid, time_limit_s=context.time_remaining())
         slots = self._submit(valid)
-        reasonings = sample_reasonings(valid.thinking, len(slots), self._token_text)
+        edges = sample_edges(valid, len(slots), self._token_text)
         try:
             if len(slots) == 1:
-                slot, reasoning = slots[0], reasonings[0]
+                slot, edge = slots[0], edges[0]
                 while True:
                     output = await slot.next()
                     await self._writer.stream(
@@ -185,12 +186,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         client_request_id,
                         tenant.name,
                         record=record,
-                        reasoning=reasoning,
+                        edge=edge,
                     )
                     if output.finish_reason is not None:
                         return
             await self._writer.stream_samples(
-                context, slots, client_request_id, tenant.name, record, reasonings
+                context, slots, client_request_id, tenant.name, record, edges
             )
         finally:
             # Reached on normal end, refusal, client cancel, deadline, disconnect or a

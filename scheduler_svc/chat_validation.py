@@ -130,7 +130,8 @@ _TOOL_CHOICE_MODES = {0: "auto", 1: "none", 2: "required"}
 
 
 def _tools(request, tokenizer: TextTokenizer) -> ValidTools | None:
-    """A ChatRequest's tools, tool_choice and parallel_tool_calls, checked."""
+    """A ChatRequest's tools, tool_choice, parallel_tool_calls and stream_tool_calls,
+    checked."""
     which = request.tool_choice.WhichOneof("choice") if request.HasField("tool_choice") else None
     function_name = ""
     if which == "function_name":
@@ -142,7 +143,7 @@ def _tools(request, tokenizer: TextTokenizer) -> ValidTools | None:
     else:
         mode = "auto"
     parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
-    return valid_tools(
+    tools = valid_tools(
         [(tool.name, tool.description, tool.parameters, tool.strict) for tool in request.tools],
         mode,
         function_name,
@@ -151,6 +152,9 @@ def _tools(request, tokenizer: TextTokenizer) -> ValidTools | None:
         tokenizer.special_texts,
         tokenizer.added_tokens,
     )
+    if tools is None or not request.stream_tool_calls:
+        return tools
+    return dataclasses.replace(tools, streams=True)
 
 
 def num_message_chars(message) -> int:

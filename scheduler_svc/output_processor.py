@@ -15,7 +15,8 @@ The core streams token ids and ends requests on their ids and lengths alone
 - no stop string counts until min_new_tokens tokens precede the token (as for stop ids);
 - a stop token id or EOS ended the request in the core: its text is not streamed;
 - a Chat request with tools has its output read for calls (tool_calls.py): text that may
-  begin a call is held, and the calls come with the finishing output.
+  begin a call is held, and the calls come with the finishing output. Calls that stream
+  (ChatRequest.stream_tool_calls) are read at the edge instead (tool_call_stream.py).
 
 One OutputProcessor per scheduler, called from the step loop only; it owns the text state
 of every unfinished request, opened by `open` once the scheduler took the request and
@@ -83,9 +84,7 @@ class OutputProcessor:
                 else None
             )
             if isinstance(tools, ValidTools) and tools.reads_calls:
-                # Constrained calls are JSON, not text a stop string could end.
-                thinking = request.thinking if isinstance(request.thinking, Thinking) else None
-                matcher = ToolCallReader(tools, None if tools.constrained else matcher, thinking)
+                matcher = _call_reader(tools, matcher, request.thinking)
             self._texts[request_id] = (self._new_detokenizer(), matcher)
 
     def __len__(self) -> int:
@@ -238,6 +237,20 @@ class OutputProcessor:
 
     def _close(self, request_id: str) -> None:
         del self._texts[request_id]
+
+
+def _call_reader(
+    tools: ValidTools, stop: StopStringMatcher | None, thinking: object
+) -> Matcher | None:
+    """The matcher of a sample whose output is read for calls: a reader, which holds the
+    calls' text (or with streamed calls, which the edge reads, passes it and only looks for
+    the close that ends the sample); None where nothing is left to do. Constrained calls
+    are JSON, not text a stop string could end."""
+    if tools.constrained:
+        stop = None
+    if tools.streams and not tools.ends_at_first_close:
+        return stop
+    return ToolCallReader(tools, stop, thinking if isinstance(thinking, Thinking) else None)
 
 
 def _drop_after(output: RequestOutput, num_kept: int) -> None:

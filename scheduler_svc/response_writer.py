@@ -16,9 +16,9 @@ from pagoda.protos import generation_pb2
 from pagoda.scheduler_svc.access_log import CallRecord
 from pagoda.scheduler_svc.core import FinishReason, RequestOutput, Usage
 from pagoda.scheduler_svc.metrics import Metrics
-from pagoda.scheduler_svc.reasoning import SampleReasoning
 from pagoda.scheduler_svc.refusals import refusal
 from pagoda.scheduler_svc.responses import to_response, to_usage, total_usage
+from pagoda.scheduler_svc.sample_edge import SampleEdge
 from pagoda.scheduler_svc.tokenizer import TextTokenizer
 from pagoda.scheduler_svc.write_watch import StalledWrite, WriteWatch
 
@@ -44,22 +44,22 @@ class ResponseWriter:
         index: int = 0,
         usages: list[Usage | None] | None = None,
         record: CallRecord | None = None,
-        reasoning: SampleReasoning | None = None,
+        edge: SampleEdge | None = None,
     ) -> None:
         """Write one output of a sample; an ERROR ends the call with the slot's status
         (every other sample is cancelled). With `usages` (n > 1: each sample's final
         usage, by index, None until it ends), the last sample to end also carries the
         request's total_usage. `record` (the access log) hears each finishing output.
-        `reasoning` (a thinking model's chat) moves the sample's thinking to
-        reasoning_text and counts its tokens (Usage.reasoning_tokens)."""
+        `edge` reads the sample's text first (a thinking model's reasoning, streamed
+        calls of tools)."""
         if output.finish_reason is FinishReason.ERROR:
             if output.token_ids or output.text:
                 response = to_response(output, request_id, self._token_bytes, index)
-                await self._write(context, _split(response, output, reasoning))
+                await self._write(context, _read(response, output, edge))
             code = getattr(grpc.StatusCode, slot.error_code or "INTERNAL")
             raise refusal(self._metrics, code, output.error_message or "the request failed")
         response = to_response(output, request_id, self._token_bytes, index)
-        _split(response, output, reasoning)
+        _read(response, output, edge)
         if output.finish_reason is not None:
             self._metrics.observe_tenant_finish(tenant, output)
             if record is not None:
@@ -77,13 +77,13 @@ class ResponseWriter:
         request_id: str,
         tenant: str,
         record: CallRecord | None = None,
-        reasonings: list[SampleReasoning | None] | None = None,
+        edges: list[SampleEdge | None] | None = None,
     ) -> None:
         """Stream n samples' outputs as they come, each tagged with its index
-        (`reasonings`: each one's, as stream's `reasoning`); returns once every sample has
+        (`edges`: each one's, as stream's `edge`); returns once every sample has
         ended. Each slot is read by one task at a time, so a sample's messages stay in
         order and none is lost or repeated."""
-        reasonings = reasonings or [None] * len(slots)
+        edges = edges or [None] * len(slots)
         usages: list[Usage | None] = [None] * len(slots)
         reading = {asyncio.ensure_future(slot.next()): index for index, slot in enumerate(slots)}
         try:
@@ -101,7 +101,7 @@ class ResponseWriter:
                         index,
                         usages,
                         record,
-                        reasonings[index],
+                        edges[index],
                     )
                     if output.finish_reason is None:
                         reading[asyncio.ensure_future(slots[index].next())] = index
@@ -132,21 +132,7 @@ class ResponseWriter:
         )
 
 
-def _split(
-    response: generation_pb2.GenerateResponse,
-    output: RequestOutput,
-    reasoning: SampleReasoning | None,
+def _read(
+    response: generation_pb2.GenerateResponse, output: RequestOutput, edge: SampleEdge | None
 ) -> generation_pb2.GenerateResponse:
-    """`response` (of `output`) with its text's thinking moved to reasoning_text, and on
-    the sample's last message its thinking's tokens counted in the usage (the output's
-    too, which the request's total_usage adds up), in place."""
-    if reasoning is None:
-        return response
-    last = output.finish_reason is not None
-    response.reasoning_text, response.text = reasoning.push(
-        response.text, response.token_ids, last=last
-    )
-    if last and output.usage is not None:
-        output.usage.reasoning_tokens = reasoning.num_tokens
-        response.usage.reasoning_tokens = reasoning.num_tokens
-    return response
+    return response if edge is None else edge.apply(response, output)

@@ -15,6 +15,9 @@ JSON objects become the last output's tool_calls, and the text between and after
 text. Held text that does not parse that way is returned as text, whole: nothing the model
 wrote is lost. With parallel_tool_calls false, AUTO keeps the first call and, in the
 tagged formats, ends the sample as soon as that call's tag closes.
+Calls that stream (ChatRequest.stream_tool_calls) are read at the edge
+(tool_call_stream.py); a reader is then made only to end such a sample at that close, and
+passes all text on.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pagoda.scheduler_svc.tools import CALL_CLOSE, CALL_OPEN, ToolChoice, ToolFo
 _OPENING = (CALL_OPEN,)
 
 # A parsed call before it has an id: (name, arguments text).
-_Call = tuple[str, str]
+Call = tuple[str, str]
 
 
 def new_call_id() -> str:
@@ -52,6 +55,8 @@ class ToolCallReader:
         "_plain",
         "_ends_at_close",
         "_closed",
+        "_window",
+        "_opened",
     )
     # The output processor calls push() for every token of a reader.
     trigger = ""
@@ -74,12 +79,12 @@ class ToolCallReader:
         # nothing but calls: held from the start.
         self._held: str | None = "" if tools.constrained else None
         self._plain = False  # JSON format: the answer began as text, so it is text
-        # Without parallel calls, AUTO in a tagged format ends at the first closing tag;
-        # in JSON calls (constrained, or the JSON format) that text is a string's.
-        self._ends_at_close = not (
-            tools.parallel or tools.constrained or tools.format is ToolFormat.JSON
-        )
+        self._ends_at_close = tools.ends_at_first_close
         self._closed = False  # the first call's tag closed, where that ends the sample
+        # Streamed calls (the edge reads them, tool_call_stream.py): the text passes on,
+        # and its last characters are kept to find the first call's tags (None: held).
+        self._window: str | None = "" if tools.streams else None
+        self._opened = False
 
     @property
     def held_text(self) -> str:
@@ -123,6 +128,8 @@ class ToolCallReader:
         return text + content
 
     def _read(self, text: str) -> str:
+        if self._window is not None:
+            return self._watch(text)
         if self._held is not None:
             self._held += text
             if self._ends_at_close:  # only the tail can hold a tag this text closed
@@ -155,31 +162,44 @@ class ToolCallReader:
         self._pending = buffer[len(shown) :]
         return shown
 
-    def _parse(self, held: str) -> tuple[str, list[_Call]] | None:
+    def _watch(self, text: str) -> str:
+        """Streamed calls: `text` passes on; where the first call's tag closes, the sample
+        ends (ends_at_first_close)."""
+        window = self._window + text  # type: ignore[operator]
+        if not self._opened:
+            start = window.find(CALL_OPEN)
+            self._opened = start >= 0
+            window = window[start + len(CALL_OPEN) :] if self._opened else window
+        if self._opened and self._ends_at_close:
+            self._closed = self._closed or CALL_CLOSE in window
+        self._window = window[-len(CALL_CLOSE) :]
+        return text
+
+    def _parse(self, held: str) -> tuple[str, list[Call]] | None:
         tools = self.tools
         if tools.choice is ToolChoice.FUNCTION:
-            arguments = _json(held)
+            arguments = parse_json(held)
             if not isinstance(arguments, dict):
                 return None
             return "", [(tools.function_name, json.dumps(arguments, ensure_ascii=False))]
         if tools.choice is ToolChoice.REQUIRED or tools.format is ToolFormat.JSON:
-            calls = _calls_of(_json(held), tools.names)
+            calls = calls_of(parse_json(held), tools.names)
             return None if calls is None else ("", calls)
         return read_tagged_calls(held, tools.names)
 
 
-def read_tagged_calls(text: str, names: frozenset[str]) -> tuple[str, list[_Call]] | None:
+def read_tagged_calls(text: str, names: frozenset[str]) -> tuple[str, list[Call]] | None:
     """The calls between <tool_call> tags in `text` (the last one may be left open: EOS came
     first) and the text outside them ("" when only blanks); None unless every pair of tags
     holds a call of a declared tool."""
-    calls: list[_Call] = []
+    calls: list[Call] = []
     outside: list[str] = []
     position = 0
     while (start := text.find(CALL_OPEN, position)) >= 0:
         outside.append(text[position:start])
         end = text.find(CALL_CLOSE, start)
         body = text[start + len(CALL_OPEN) : len(text) if end < 0 else end]
-        call = _call_of(_json(body), names)
+        call = call_of(parse_json(body), names)
         if call is None:
             return None
         calls.append(call)
@@ -189,30 +209,31 @@ def read_tagged_calls(text: str, names: frozenset[str]) -> tuple[str, list[_Call
     return (content if content.strip() else ""), calls
 
 
-def _json(text: str) -> Any:
+def parse_json(text: str) -> Any:
+    """The value of a JSON text; None when it is not one."""
     try:
         return json.loads(text)
     except (ValueError, RecursionError):  # a model's "[[[[..." nests past json's limit
         return None
 
 
-def _calls_of(value: Any, names: frozenset[str]) -> list[_Call] | None:
+def calls_of(value: Any, names: frozenset[str]) -> list[Call] | None:
     """A call object, or a non-empty list of them, as models write them untagged."""
     items = value if isinstance(value, list) else [value]
-    calls = [_call_of(item, names) for item in items]
+    calls = [call_of(item, names) for item in items]
     if not calls or None in calls:
         return None
     return calls  # type: ignore[return-value]
 
 
-def _call_of(value: Any, names: frozenset[str]) -> _Call | None:
+def call_of(value: Any, names: frozenset[str]) -> Call | None:
     """{"name": a declared tool, "arguments" (Llama: "parameters"): an object, or an object's
     JSON text} -> (name, arguments as JSON text)."""
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
     arguments = value.get("arguments", value.get("parameters"))
     if isinstance(arguments, str):
-        arguments = _json(arguments)
+        arguments = parse_json(arguments)
     if not isinstance(arguments, dict):
         return None
     return value["name"], json.dumps(arguments, ensure_ascii=False)

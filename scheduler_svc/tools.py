@@ -81,6 +81,9 @@ class ValidTools:
     # The model's added tokens (text, id), sorted by id: AUTO's calls' grammar lets the
     # text hold them, and takes a tag that is one of them as that token.
     added_tokens: tuple[tuple[str, int], ...] = ()
+    # Calls stream as the model writes them (tool_call_stream.py), rather than whole at
+    # the end (tool_calls.py).
+    streams: bool = False
 
     @property
     def names(self) -> frozenset[str]:
@@ -94,6 +97,16 @@ class ValidTools:
     def constrained(self) -> bool:
         """The whole output is calls (REQUIRED, a named function)."""
         return self.choice in (ToolChoice.REQUIRED, ToolChoice.FUNCTION)
+
+    @property
+    def ends_at_first_close(self) -> bool:
+        """Without parallel calls, AUTO in a tagged format ends the sample as the first
+        call's tag closes (in JSON calls that text would be a string's)."""
+        return (
+            self.choice is ToolChoice.AUTO
+            and not self.parallel
+            and self.format is not ToolFormat.JSON
+        )
 
     @property
     def holds_auto_calls(self) -> bool:

@@ -15,6 +15,7 @@ from pagoda.protos import generation_pb2_grpc
 from pagoda.scheduler_svc.reasoning import Thinking
 from tests.conftest import long_context_copy, make_thinking
 from tests.e2e.conftest import running_service
+from tests.e2e.test_tool_calls import assert_streamed_as_whole
 from tests.unit.test_reasoning import expected
 
 pytestmark = pytest.mark.slow
@@ -168,6 +169,30 @@ def test_required_calls_come_after_the_thinking(thinking_service):
     assert responses[-1].finish_reason == pb.TOOL_CALLS, responses[-1]
     assert [call.name for call in responses[-1].tool_calls][:1] == ["get_weather"]
     assert joined(responses) == ("", "")
+
+
+def test_streamed_calls_come_after_the_thinking(thinking_service):
+    """A seed whose sample thinks a while, then calls: streamed, the thinking is the same
+    reasoning_text and the call's pieces come after it."""
+    service, close = thinking_service
+    tool = pb.Tool(name="get_time", parameters='{"type": "object", "properties": {}}')
+    fields = {
+        "tools": [tool],
+        "tool_choice": pb.ToolChoice(mode=pb.TOOL_CHOICE_REQUIRED),
+        "parallel_tool_calls": False,
+        "stopping": pb.StoppingCriteria(max_new_tokens=64),
+    }
+    for seed in range(32):
+        sampling = pb.SamplingParams(temperature=1.0, seed=seed, logit_bias={close: 4.0})
+        whole = chat(service, sampling=sampling, **fields)
+        if joined(whole)[0] and whole[-1].finish_reason == pb.TOOL_CALLS:
+            break
+    assert joined(whole)[0] and whole[-1].finish_reason == pb.TOOL_CALLS
+    streamed = chat(service, sampling=sampling, stream_tool_calls=True, **fields)
+    assert joined(streamed) == joined(whole)
+    assert_streamed_as_whole(streamed, whole)
+    first = next(i for i, r in enumerate(streamed) if r.tool_call_deltas)
+    assert not any(r.reasoning_text for r in streamed[first + 1 :])
 
 
 def test_each_sample_counts_its_thinking_and_the_total_adds_them_up(thinking_service):

@@ -222,3 +222,85 @@ def test_bad_tools_are_invalid_argument(service, fields, phrase):
         chat(service, **fields)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert phrase in refused.value.details()
+
+
+def streamed_and_whole(service, **fields) -> tuple[list, list]:
+    """The same chat with its calls streamed (stream_tool_calls), then whole."""
+    return chat(service, stream_tool_calls=True, **fields), chat(service, **fields)
+
+
+def assert_streamed_as_whole(streamed: list, whole: list) -> None:
+    """Each sample's streamed calls are its whole calls, piece by piece: the same tokens,
+    text and finish, pieces that add up to the last message's calls, and the calls' values
+    those of the whole reading (whose arguments are re-serialized)."""
+    assert not any(r.tool_call_deltas for r in whole)
+    for sample in {r.index for r in whole}:
+        mine = [r for r in streamed if r.index == sample]
+        theirs = [r for r in whole if r.index == sample]
+        assert [t for r in mine for t in r.token_ids] == [t for r in theirs for t in r.token_ids]
+        assert "".join(r.text for r in mine) == "".join(r.text for r in theirs)
+        assert mine[-1].finish_reason == theirs[-1].finish_reason
+        calls: list[list[str]] = []
+        for delta in (d for r in mine for d in r.tool_call_deltas):
+            if delta.index == len(calls):
+                calls.append([delta.id, delta.name, delta.arguments])
+            else:
+                assert not delta.id and not delta.name
+                calls[delta.index][2] += delta.arguments
+        assert [[c.id, c.name, c.arguments] for c in mine[-1].tool_calls] == calls
+        assert [(c.name, json.loads(c.arguments)) for c in mine[-1].tool_calls] == [
+            (c.name, json.loads(c.arguments)) for c in theirs[-1].tool_calls
+        ]
+
+
+def test_streamed_calls_of_a_named_function_and_of_required(service):
+    for sampling in (pb.SamplingParams(), pb.SamplingParams(temperature=1.0, seed=3)):
+        function = pb.ToolChoice(function_name="get_weather")
+        streamed, whole = streamed_and_whole(
+            service, tools=[WEATHER, TIME], tool_choice=function, sampling=sampling
+        )
+        assert_streamed_as_whole(streamed, whole)
+        assert streamed[-1].finish_reason == pb.TOOL_CALLS
+    required = pb.ToolChoice(mode=pb.TOOL_CHOICE_REQUIRED)
+    sampling = pb.SamplingParams(temperature=1.0, seed=11)
+    streamed, whole = streamed_and_whole(
+        service, tools=[WEATHER, TIME], tool_choice=required, sampling=sampling, n=3,
+        parallel_tool_calls=False,  # one call each: a list that goes on is cut by the limit
+    )  # fmt: skip
+    assert_streamed_as_whole(streamed, whole)
+    assert sum(len(r.tool_calls) for r in streamed) == 3
+
+
+def test_streamed_auto_text_that_is_no_call_is_the_same_text(service):
+    streamed, whole = streamed_and_whole(
+        service, tools=[WEATHER, TIME], sampling=pb.SamplingParams(seed=5)
+    )
+    assert_streamed_as_whole(streamed, whole)
+    assert not streamed[-1].tool_calls
+
+
+def test_streamed_calls_a_strict_tool_holds(tagged_service, json_format_service):
+    """The tagged and the JSON format: a bias opens a call at once, a strict tool holds
+    it (one call; the tagged format ends at its close)."""
+    for service, token_id in ((tagged_service[0], tagged_service[1]["<tool_call>"]),
+                              json_format_service):  # fmt: skip
+        fields = {
+            "tools": [STRICT_WEATHER],
+            "sampling": pb.SamplingParams(logit_bias={token_id: 100.0}),
+            "stopping": pb.StoppingCriteria(max_new_tokens=160),
+            "parallel_tool_calls": False,
+        }
+        streamed, whole = streamed_and_whole(service, **fields)
+        assert_streamed_as_whole(streamed, whole)
+        assert_one_city_call(streamed)
+
+
+def test_a_streamed_call_cut_by_the_limit_keeps_its_pieces_and_length(service):
+    function = pb.ToolChoice(function_name="get_weather")
+    streamed = chat(service, tools=[WEATHER], tool_choice=function, stream_tool_calls=True,
+                    stopping=pb.StoppingCriteria(max_new_tokens=3))  # fmt: skip
+    last = streamed[-1]
+    assert last.finish_reason == pb.LENGTH
+    (call,) = last.tool_calls
+    assert call.arguments == "".join(d.arguments for r in streamed for d in r.tool_call_deltas)
+    assert call.arguments.startswith("{") and "".join(r.text for r in streamed) == ""

@@ -1,0 +1,98 @@
+"""How a call of a tool is written, read piece by piece (for tool_call_stream.py): the
+head of a call, {"name": a declared tool, "arguments": up to the arguments' "{", and
+where a JSON value that began ends."""
+
+from __future__ import annotations
+
+import enum
+
+BLANKS = " \t\n\r"  # JSON's whitespace
+
+
+class ScanEnd(enum.Enum):
+    CLOSED = enum.auto()  # the value scanned closed
+    BROKE = enum.auto()  # a "<" outside a string in a tagged call: its JSON broke off
+
+
+class JsonScan:
+    """Where a JSON value ends: its nesting and string state over the pieces fed; from
+    `depth` 0 at its first character, 1 inside an object whose rest is scanned. `tagged`:
+    a "<" outside a string ends it (BROKE), where the call's tag may close."""
+
+    __slots__ = ("depth", "in_string", "escaped", "tagged")
+
+    def __init__(self, depth: int, tagged: bool) -> None:
+        self.depth = depth
+        self.in_string = False
+        self.escaped = False
+        self.tagged = tagged
+
+    def feed(self, text: str) -> tuple[int, ScanEnd | None]:
+        """How much of `text` belongs to the value, and how it ended (None: not yet)."""
+        depth, in_string, escaped = self.depth, self.in_string, self.escaped
+        end: tuple[int, ScanEnd | None] = (len(text), None)
+        for index, char in enumerate(text):
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif char == "\\":
+                    escaped = True
+                elif char == '"':
+                    in_string = False
+            elif char == '"':
+                in_string = True
+            elif char in "{[":
+                depth += 1
+            elif char in "}]":
+                depth -= 1
+                if depth <= 0:
+                    end = (index + 1, ScanEnd.CLOSED)
+                    break
+            elif char == "<" and self.tagged:
+                end = (index, ScanEnd.BROKE)
+                break
+        self.depth, self.in_string, self.escaped = depth, in_string, escaped
+        return end
+
+
+# The head of a call, step by step: each step's spellings (None: the tool's name, a JSON
+# string), blanks allowed before each; the last is the arguments' "{".
+_HEAD_STEPS = (("{",), ('"name"',), (":",), None, (",",), ('"arguments"', '"parameters"'))
+_HEAD_STEPS += ((":",), ("{",))
+
+
+def read_head(text: str, names: frozenset[str]) -> tuple[int, str] | bool | None:
+    """A call's head at the start of `text`: (where its arguments' "{" is, the tool's name);
+    False when the text is not written so; None when too little of it is there to say."""
+    position, name = 0, ""
+    for step in _HEAD_STEPS:
+        while position < len(text) and text[position] in BLANKS:
+            position += 1
+        rest = text[position:]
+        if not rest:
+            return None
+        if step is None:
+            read = _read_name(rest, names)
+            if not isinstance(read, tuple):
+                return read
+            name, length = read
+            position += length
+            continue
+        spelled = next((s for s in step if rest.startswith(s)), None)
+        if spelled is None:
+            return None if any(s.startswith(rest) for s in step) else False
+        position += len(spelled)
+    return position - 1, name
+
+
+def _read_name(rest: str, names: frozenset[str]) -> tuple[str, int] | bool | None:
+    """A declared tool's name as a JSON string at the start of `rest`: (name, its length
+    with the quotes); False, or None when `rest` ends inside a name that may still be one."""
+    if rest[0] != '"':
+        return False
+    end = rest.find('"', 1)
+    if end < 0:
+        partial = rest[1:]
+        return None if any(name.startswith(partial) for name in names) else False
+    name = rest[1:end]
+    return (name, end + 1) if name in names else False

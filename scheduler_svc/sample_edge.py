@@ -1,0 +1,73 @@
+"""The edge's own reading of one sample's text, message by message, before it is written:
+a thinking model's reasoning split from its answer (reasoning.SampleReasoning), then the
+calls of tools read from the answer as they stream (tool_call_stream.ToolCallStream).
+Part of the gRPC edge: the response writer applies it to each message it builds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pagoda.protos import generation_pb2
+from pagoda.scheduler_svc.core import FinishReason, RequestOutput, ValidRequest
+from pagoda.scheduler_svc.reasoning import SampleReasoning, sample_reasonings
+from pagoda.scheduler_svc.tool_call_stream import ToolCallStream
+from pagoda.scheduler_svc.tools import ValidTools
+
+
+@dataclass(slots=True)
+class SampleEdge:
+    reasoning: SampleReasoning | None = None
+    calls: ToolCallStream | None = None
+
+    def apply(
+        self, response: generation_pb2.GenerateResponse, output: RequestOutput
+    ) -> generation_pb2.GenerateResponse:
+        """`response` (of `output`) read, in place: its thinking moved to reasoning_text,
+        on the sample's last message its thinking's tokens counted in the usage (the
+        output's too, which the request's total_usage adds up); its calls' new pieces in
+        tool_call_deltas, and on the last message the calls whole (finish_reason
+        TOOL_CALLS, unless the output ended inside one)."""
+        last = output.finish_reason is not None
+        if self.reasoning is not None:
+            response.reasoning_text, response.text = self.reasoning.push(
+                response.text, response.token_ids, last=last
+            )
+            if last and output.usage is not None:
+                output.usage.reasoning_tokens = self.reasoning.num_tokens
+                response.usage.reasoning_tokens = self.reasoning.num_tokens
+        if self.calls is not None:
+            self._read_calls(response, last and output.finish_reason is not FinishReason.ERROR)
+        return response
+
+    def _read_calls(self, response: generation_pb2.GenerateResponse, last: bool) -> None:
+        calls = self.calls
+        assert calls is not None
+        response.text, pieces = calls.flush(response.text) if last else calls.push(response.text)
+        for piece in pieces:
+            response.tool_call_deltas.add(
+                index=piece.index, id=piece.id, name=piece.name, arguments=piece.arguments
+            )
+        if not last or not calls.calls:
+            return
+        for call in calls.calls:
+            response.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
+        if not calls.open_call:
+            response.finish_reason = generation_pb2.TOOL_CALLS
+
+
+def sample_edges(
+    valid: ValidRequest, n: int, token_text: Callable[[int], str | None]
+) -> list[SampleEdge | None]:
+    """The edge's reading of each of a request's n samples (None each where it has none),
+    given each token's text (None: part of a character), for a thinking model's count."""
+    reasonings = sample_reasonings(valid.thinking, n, token_text)
+    tools = valid.tools
+    streams = isinstance(tools, ValidTools) and tools.reads_calls and tools.streams
+    if not streams and reasonings[0] is None:
+        return [None] * n
+    return [
+        SampleEdge(reasoning, ToolCallStream(tools) if streams else None)  # type: ignore[arg-type]
+        for reasoning in reasonings
+    ]
