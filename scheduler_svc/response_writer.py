@@ -55,11 +55,11 @@ class ResponseWriter:
         if output.finish_reason is FinishReason.ERROR:
             if output.token_ids or output.text:
                 response = to_response(output, request_id, self._token_bytes, index)
-                await self._write(context, _read(response, output, edge))
+                for message in _read(response, output, edge):
+                    await self._write(context, message)
             code = getattr(grpc.StatusCode, slot.error_code or "INTERNAL")
             raise refusal(self._metrics, code, output.error_message or "the request failed")
-        response = to_response(output, request_id, self._token_bytes, index)
-        _read(response, output, edge)
+        messages = _read(to_response(output, request_id, self._token_bytes, index), output, edge)
         if output.finish_reason is not None:
             self._metrics.observe_tenant_finish(tenant, output)
             if record is not None:
@@ -67,8 +67,9 @@ class ResponseWriter:
             if usages is not None:
                 usages[index] = output.usage
                 if all(usage is not None for usage in usages):
-                    response.total_usage.CopyFrom(to_usage(total_usage(usages)))
-        await self._write(context, response)
+                    messages[-1].total_usage.CopyFrom(to_usage(total_usage(usages)))
+        for message in messages:
+            await self._write(context, message)
 
     async def stream_samples(
         self,
@@ -134,5 +135,6 @@ class ResponseWriter:
 
 def _read(
     response: generation_pb2.GenerateResponse, output: RequestOutput, edge: SampleEdge | None
-) -> generation_pb2.GenerateResponse:
-    return response if edge is None else edge.apply(response, output)
+) -> list[generation_pb2.GenerateResponse]:
+    """The messages to write for `response` (of `output`): itself, or as `edge` reads it."""
+    return [response] if edge is None else edge.apply(response, output)

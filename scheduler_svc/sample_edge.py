@@ -23,12 +23,14 @@ class SampleEdge:
 
     def apply(
         self, response: generation_pb2.GenerateResponse, output: RequestOutput
-    ) -> generation_pb2.GenerateResponse:
-        """`response` (of `output`) read, in place: its thinking moved to reasoning_text,
-        on the sample's last message its thinking's tokens counted in the usage (the
-        output's too, which the request's total_usage adds up); its calls' new pieces in
-        tool_call_deltas, and on the last message the calls whole (finish_reason
-        TOOL_CALLS, unless the output ended inside one)."""
+    ) -> list[generation_pb2.GenerateResponse]:
+        """`response` (of `output`) read, in place, and the messages to write for it: its
+        thinking moved to reasoning_text, on the sample's last message its thinking's
+        tokens counted in the usage (the output's too, which the request's total_usage
+        adds up); its calls' new pieces in tool_call_deltas, and on the last message the
+        calls whole (finish_reason TOOL_CALLS, unless the output ended inside one). Where
+        text follows a call that began in it, the text goes on in a message of its own
+        after (ToolCallStream._drain), which takes over the ending's fields."""
         last = output.finish_reason is not None
         if self.reasoning is not None:
             response.reasoning_text, response.text = self.reasoning.push(
@@ -37,24 +39,50 @@ class SampleEdge:
             if last and output.usage is not None:
                 output.usage.reasoning_tokens = self.reasoning.num_tokens
                 response.usage.reasoning_tokens = self.reasoning.num_tokens
-        if self.calls is not None:
-            self._read_calls(response, last and output.finish_reason is not FinishReason.ERROR)
-        return response
+        if self.calls is None:
+            return [response]
+        return self._read_calls(response, last and output.finish_reason is not FinishReason.ERROR)
 
-    def _read_calls(self, response: generation_pb2.GenerateResponse, last: bool) -> None:
+    def _read_calls(
+        self, response: generation_pb2.GenerateResponse, last: bool
+    ) -> list[generation_pb2.GenerateResponse]:
         calls = self.calls
         assert calls is not None
-        response.text, pieces = calls.flush(response.text) if last else calls.push(response.text)
-        for piece in pieces:
-            response.tool_call_deltas.add(
-                index=piece.index, id=piece.id, name=piece.name, arguments=piece.arguments
+        messages = calls.flush(response.text) if last else calls.push(response.text)
+        responses = [response]
+        for _ in messages[1:]:
+            responses.append(
+                generation_pb2.GenerateResponse(
+                    request_id=response.request_id, index=response.index
+                )
             )
-        if not last or not calls.calls:
-            return
-        for call in calls.calls:
-            response.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
-        if not calls.open_call:
-            response.finish_reason = generation_pb2.TOOL_CALLS
+        for message, (text, pieces) in zip(responses, messages, strict=True):
+            message.text = text
+            for piece in pieces:
+                message.tool_call_deltas.add(
+                    index=piece.index, id=piece.id, name=piece.name, arguments=piece.arguments
+                )
+        end = responses[-1]
+        if end is not response:
+            _hand_over_ending(response, end)
+        if last and calls.calls:
+            for call in calls.calls:
+                end.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
+            if not calls.open_call:
+                end.finish_reason = generation_pb2.TOOL_CALLS
+        return responses
+
+
+def _hand_over_ending(
+    first: generation_pb2.GenerateResponse, end: generation_pb2.GenerateResponse
+) -> None:
+    """The ending's fields (finish_reason, usage, timings) moved from `first` to `end`."""
+    end.finish_reason = first.finish_reason
+    first.finish_reason = generation_pb2.FINISH_REASON_UNSPECIFIED
+    for name in ("usage", "timings"):
+        if first.HasField(name):
+            getattr(end, name).CopyFrom(getattr(first, name))
+            first.ClearField(name)
 
 
 def sample_edges(

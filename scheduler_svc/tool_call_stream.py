@@ -39,6 +39,10 @@ class CallPiece(NamedTuple):
     arguments: str
 
 
+# One message's part: its text, and its calls' pieces (see ToolCallStream._drain).
+Message = tuple[str, list[CallPiece]]
+
+
 class _Mode(enum.Enum):
     TEXT = enum.auto()  # outside calls, tagged formats
     LEAD = enum.auto()  # the answer's first blanks: JSON calls, REQUIRED, a named function
@@ -68,8 +72,8 @@ class ToolCallStream:
         self._scan = JsonScan(0, self._tagged)
         # The calls so far: id, name, and their arguments' pieces.
         self._calls: list[tuple[str, str, list[str]]] = []
-        self._shown: list[str] = []
-        self._pieces: list[CallPiece] = []
+        # What was read since the last drain, in order: text and calls' pieces.
+        self._written: list[str | CallPiece] = []
         self.open_call = False  # the answer ended inside a call's head or arguments
         self._readers = {
             _Mode.TEXT: self._text,
@@ -86,14 +90,14 @@ class ToolCallStream:
     def calls(self) -> tuple[ToolCall, ...]:
         return tuple(ToolCall(id, name, "".join(parts)) for id, name, parts in self._calls)
 
-    def push(self, text: str) -> tuple[str, list[CallPiece]]:
-        """More of the answer -> (the text to show now, the calls' new pieces)."""
+    def push(self, text: str) -> list[Message]:
+        """More of the answer -> what to send now: (text, the calls' new pieces) a message."""
         self._buffer += text
         while self._buffer and self._step():
             pass
         return self._drain()
 
-    def flush(self, tail: str = "") -> tuple[str, list[CallPiece]]:
+    def flush(self, tail: str = "") -> list[Message]:
         """The answer ended, `tail` its last text: place what is still held."""
         self._buffer += tail
         while self._buffer and self._step():
@@ -205,7 +209,7 @@ class ToolCallStream:
         length, end = self._scan.feed(self._buffer)
         if length:
             self._calls[-1][2].append(self._buffer[:length])
-            self._pieces.append(CallPiece(len(self._calls) - 1, "", "", self._buffer[:length]))
+            self._written.append(CallPiece(len(self._calls) - 1, "", "", self._buffer[:length]))
         self._buffer = self._buffer[length:]
         if end is None:
             return False
@@ -287,22 +291,37 @@ class ToolCallStream:
 
     def _start_call(self, name: str, arguments: str = "") -> None:
         call_id = new_call_id()
-        self._pieces.append(CallPiece(len(self._calls), call_id, name, arguments))
+        self._written.append(CallPiece(len(self._calls), call_id, name, arguments))
         self._calls.append((call_id, name, [arguments]))
 
     def _show(self, text: str) -> None:
         if text:
-            self._shown.append(text)
+            self._written.append(text)
 
-    def _drain(self) -> tuple[str, list[CallPiece]]:
-        """The text and pieces since the last drain, a call's successive pieces as one."""
+    def _drain(self) -> list[Message]:
+        """What was read since the last drain as messages, each laid out as a client reads
+        one: the pieces of calls begun before it, then text, then the calls it begins.
+        Usually one; more where a call began and text followed it (nothing at all: one
+        empty message)."""
+        messages: list[Message] = []
+        texts: list[str] = []
         pieces: list[CallPiece] = []
-        for piece in self._pieces:
-            if pieces and pieces[-1].index == piece.index and not piece.id:
-                last = pieces[-1]
-                pieces[-1] = last._replace(arguments=last.arguments + piece.arguments)
+        begun: set[int] = set()  # the calls begun in this message
+        for item in self._written:
+            if isinstance(item, str):
+                if begun:  # text after a call begun here: the next message's
+                    messages.append(("".join(texts), pieces))
+                    texts, pieces, begun = [], [], set()
+                texts.append(item)
+                continue
+            if item.id:
+                begun.add(item.index)
+            elif item.index not in begun and texts:  # an earlier call's, after text
+                messages.append(("".join(texts), pieces))
+                texts, pieces, begun = [], [], set()
+            if pieces and pieces[-1].index == item.index and not item.id:
+                pieces[-1] = pieces[-1]._replace(arguments=pieces[-1].arguments + item.arguments)
             else:
-                pieces.append(piece)
-        shown = "".join(self._shown)
-        self._shown, self._pieces = [], []
-        return shown, pieces
+                pieces.append(item)
+        self._written = []
+        return [*messages, ("".join(texts), pieces)]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pagoda.protos import generation_pb2 as pb
 from pagoda.scheduler_svc.call_syntax import read_head
 from pagoda.scheduler_svc.chat_validation import validate_chat
-from pagoda.scheduler_svc.core import FinishReason, RequestOutput
+from pagoda.scheduler_svc.core import FinishReason, RequestOutput, Usage
 from pagoda.scheduler_svc.output_processor import _call_reader
 from pagoda.scheduler_svc.reasoning import Thinking
 from pagoda.scheduler_svc.responses import to_response
@@ -40,12 +40,10 @@ def stream(
     """Each piece's text and call pieces, the last entry the flush's (of `last`)."""
     reader = ToolCallStream(valid)
     shown, calls = [], []
-    for piece in pieces:
-        text, new = reader.push(piece)
-        shown.append(text)
-        calls.append(new)
-    text, new = reader.flush(last)
-    return [*shown, text], [*calls, new], reader
+    for messages in [*map(reader.push, pieces), reader.flush(last)]:
+        shown.append("".join(text for text, _ in messages))
+        calls.append([piece for _, new in messages for piece in new])
+    return shown, calls, reader
 
 
 def cut(output: str, cuts: list[int]) -> list[str]:
@@ -277,12 +275,12 @@ def finishing(text: str, reason: FinishReason) -> RequestOutput:
 def test_the_edge_sends_pieces_then_the_calls_whole_on_the_last_message():
     edge = SampleEdge(calls=ToolCallStream(streamed()))
     output = RequestOutput("r", 'Hm.<tool_call>{"name": "get_time", "arguments": {"tz', [1], None)
-    first = edge.apply(to_response(output), output)
+    (first,) = edge.apply(to_response(output), output)
     assert first.text == "Hm." and first.finish_reason == pb.FINISH_REASON_UNSPECIFIED
     (piece,) = first.tool_call_deltas
     assert (piece.index, piece.name, piece.arguments) == (0, "get_time", '{"tz')
     output = finishing('": 1}}</tool_call>', FinishReason.STOP)
-    last = edge.apply(to_response(output), output)
+    (last,) = edge.apply(to_response(output), output)
     assert [d.arguments for d in last.tool_call_deltas] == ['": 1}']
     assert [(c.id, c.arguments) for c in last.tool_calls] == [(piece.id, '{"tz": 1}')]
     assert last.finish_reason == pb.TOOL_CALLS
@@ -291,12 +289,43 @@ def test_the_edge_sends_pieces_then_the_calls_whole_on_the_last_message():
 def test_a_call_cut_by_the_limit_keeps_length_and_an_error_flushes_nothing():
     edge = SampleEdge(calls=ToolCallStream(streamed()))
     output = finishing('<tool_call>{"name": "get_time", "arguments": {"tz', FinishReason.LENGTH)
-    last = edge.apply(to_response(output), output)
+    (last,) = edge.apply(to_response(output), output)
     assert last.finish_reason == pb.LENGTH and [c.arguments for c in last.tool_calls] == ['{"tz']
     edge = SampleEdge(calls=ToolCallStream(streamed()))
     output = finishing('<tool_call>{"name": "get_time"', FinishReason.ERROR)
-    failed = edge.apply(to_response(output), output)
+    (failed,) = edge.apply(to_response(output), output)
     assert failed.finish_reason == pb.ERROR and not failed.tool_calls and failed.text == ""
+
+
+def test_a_message_reads_in_the_order_written_or_is_several():
+    """One message: the pieces of a call begun before it, then text, then the calls it
+    begins. Text after a call begun in it goes on in a message of its own, which ends the
+    sample when this one did."""
+    reader = ToolCallStream(streamed())
+    call = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    assert reader.push('<tool_call>{"name": "get_time", "arguments": {"a') == [
+        ("", [CallPiece(0, reader.calls[0].id, "get_time", '{"a')])
+    ]
+    messages = reader.push(f'": 1}}}}</tool_call>\nSo:{call}\nDone.{call}')
+    assert [(text, [(p.index, p.arguments) for p in pieces]) for text, pieces in messages] == [
+        ("So:", [(0, '": 1}'), (1, "{}")]),
+        ("Done.", [(2, "{}")]),  # the blanks after a call are no text
+    ]
+    edge = SampleEdge(calls=ToolCallStream(streamed()))
+    output = finishing(f"{call} Later.", FinishReason.STOP)
+    output.usage = Usage(3, 2, 0, 0)
+    first, end = edge.apply(to_response(output), output)
+    assert (first.text, first.finish_reason, first.HasField("usage")) == ("", 0, False)
+    assert [d.name for d in first.tool_call_deltas] == ["get_time"] and list(first.token_ids) == [
+        1,
+        2,
+    ]
+    assert (end.text, end.finish_reason, end.usage.completion_tokens) == (
+        "Later.",
+        pb.TOOL_CALLS,
+        2,
+    )
+    assert [c.name for c in end.tool_calls] == ["get_time"] and not end.token_ids
 
 
 def test_stream_tool_calls_reaches_the_tools(tokenizer):
