@@ -21,6 +21,7 @@ from pagoda.client.results import (
     Timings,
     TokenLogprob,
     ToolCall,
+    ToolCallDelta,
     Usage,
     WorkerStats,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "Timings",
     "TokenLogprob",
     "ToolCall",
+    "ToolCallDelta",
     "UnauthenticatedError",
     "UnavailableError",
     "Usage",

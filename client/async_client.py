@@ -120,6 +120,8 @@ class AsyncClient:
 
         With `tools=`, the last chunk may carry the model's calls (`Chunk.tool_calls`,
         finish_reason "tool_calls"); `tool_choice=` and `parallel_tool_calls=` steer them.
+        `stream_tool_calls=True` also streams each call as the model writes it, in pieces
+        (`Chunk.tool_call_deltas`: the first with its id and name, then its arguments' text).
         A model that thinks (`ModelInfo.thinks`) streams its thinking in
         `Chunk.reasoning_text`, before the answer in `Chunk.text`.
         `chat_template_kwargs=` (a dict, sent as JSON) gives the chat template extra

@@ -37,13 +37,12 @@ def set_tool_options(request: pb.ChatRequest, options: Mapping[str, Any]) -> Non
     tool_choice = options.get("tool_choice")
     if tool_choice is not None:
         _set_tool_choice(request.tool_choice, tool_choice)
-    parallel = options.get("parallel_tool_calls")
-    if parallel is not None:
-        if not isinstance(parallel, bool):
-            raise invalid_argument(
-                f"parallel_tool_calls must be True or False, not {parallel!r:.64}"
-            )
-        request.parallel_tool_calls = parallel
+    for name in ("parallel_tool_calls", "stream_tool_calls"):
+        value = options.get(name)
+        if value is not None:
+            if not isinstance(value, bool):
+                raise invalid_argument(f"{name} must be True or False, not {value!r:.64}")
+            setattr(request, name, value)
 
 
 def _set_tool(message: pb.Tool, where: str, tool: Any) -> None:

@@ -24,6 +24,7 @@ from pagoda.client.results import (
     Timings,
     TokenLogprob,
     ToolCall,
+    ToolCallDelta,
     Usage,
     WorkerStats,
     join_chunks,
@@ -42,6 +43,7 @@ __all__ = [
     "Timings",
     "TokenLogprob",
     "ToolCall",
+    "ToolCallDelta",
     "Usage",
     "chat_request",
     "chunk_from_response",
@@ -93,6 +95,8 @@ class GenerationOptions(TypedDict, total=False):
     tool_choice: str | Mapping[str, Any]
     # False: at most one call per turn (the server's default: several).
     parallel_tool_calls: bool
+    # True: each call also streams as the model writes it (Chunk.tool_call_deltas).
+    stream_tool_calls: bool
     # Chat only. Extra variables for the model's chat template, sent as JSON text, e.g.
     # {"enable_thinking": False} to make Qwen3 answer without thinking.
     chat_template_kwargs: Mapping[str, Any]
@@ -110,7 +114,13 @@ _SAMPLING_FIELDS = (
 )
 _STOPPING_SCALAR_FIELDS = ("max_new_tokens", "min_new_tokens", "ignore_eos")
 _TOP_LEVEL_FIELDS = ("priority", "logprobs", "request_id", "cache_salt", "n")
-_CHAT_ONLY_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
+_CHAT_ONLY_FIELDS = (
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "stream_tool_calls",
+    "chat_template_kwargs",
+)
 _OPTION_NAMES = frozenset(GenerationOptions.__annotations__)
 
 _FINISH_REASON_NAMES = {
@@ -207,6 +217,9 @@ def chunk_from_response(response: pb.GenerateResponse) -> Chunk:
         total_usage=total_usage,
         tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in response.tool_calls),
         reasoning_text=response.reasoning_text,
+        tool_call_deltas=tuple(
+            ToolCallDelta(d.index, d.id, d.name, d.arguments) for d in response.tool_call_deltas
+        ),
     )
 
 

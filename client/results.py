@@ -62,6 +62,21 @@ class ToolCall:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of one call as the model writes it (chat's `stream_tool_calls=True`).
+
+    The first piece of a call carries its `id` and `name` (its arguments often ""); the
+    later ones only more of its `arguments` text. A client joins the pieces of one
+    `index`: they add up to that call's ToolCall on the sample's last chunk.
+    """
+
+    index: int  # the call's place among its sample's calls (as in Chunk.tool_calls)
+    id: str  # the first piece's; "" on the later ones
+    name: str  # the first piece's; "" on the later ones
+    arguments: str  # more of the arguments' text
+
+
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """One streamed message: the new text and tokens since the previous one.
 
@@ -72,10 +87,14 @@ class Chunk:
     `total_usage` (the prompt counted once, the samples' completions summed). A chat with
     `tools` may end on calls: the last chunk carries them in `tool_calls` and its
     finish_reason is "tool_calls"; the text streamed is then what the output held besides
-    the calls (often nothing). A chat with a model that thinks (ModelInfo.thinks) streams
-    its thinking in `reasoning_text` (the text between <think> and </think>) and only the
-    answer in `text`; a sample's reasoning all comes before its answer, and one chunk may
-    carry the end of one and the start of the other.
+    the calls (often nothing). With `stream_tool_calls=True` the calls also come as the
+    model writes them: each chunk's `tool_call_deltas` are the pieces written since the
+    previous chunk, in order, and the text outside the calls streams as it comes; the last
+    chunk still carries every call whole, its finish_reason "length" when the output was
+    cut inside a call (whose arguments are then not JSON). A chat with a model that thinks
+    (ModelInfo.thinks) streams its thinking in `reasoning_text` (the text between <think>
+    and </think>) and only the answer in `text`; a sample's reasoning all comes before its
+    answer, and one chunk may carry the end of one and the start of the other.
     """
 
     request_id: str
@@ -89,6 +108,7 @@ class Chunk:
     total_usage: Usage | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     reasoning_text: str = ""
+    tool_call_deltas: tuple[ToolCallDelta, ...] = ()
 
     @property
     def is_last(self) -> bool:
@@ -109,7 +129,9 @@ class Completion:
     timings: Timings | None
     num_chunks: int
     index: int = 0  # the sample's, with n > 1
-    tool_calls: tuple[ToolCall, ...] = ()  # with finish_reason "tool_calls"
+    # With finish_reason "tool_calls" (or "length" for a call cut short, streamed in pieces):
+    # the last chunk's, each call whole; the pieces of the chunks are not joined again.
+    tool_calls: tuple[ToolCall, ...] = ()
     reasoning_text: str = ""  # a thinking model's thoughts, apart from the answer (`text`)
 
 

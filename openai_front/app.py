@@ -277,9 +277,15 @@ async def _event_stream(
                 if header.endpoint == "chat" and index not in started:
                     started.add(index)
                     yield sse(stream_events.role_event(header, index, plan.include_usage))
-                choices[index].add(chunk)
+                choice = choices[index]
+                choice.add(chunk)
                 for event in stream_events.chunk_events(
-                    header, call, chunk, plan.num_top_logprobs, plan.include_usage
+                    header,
+                    call,
+                    chunk,
+                    plan.num_top_logprobs,
+                    plan.include_usage,
+                    len(choice.call_offsets),
                 ):
                     yield sse(event)
             if plan.include_usage:

@@ -30,14 +30,19 @@ def format_constraint(
 
 
 def tool_options(
-    tools: list[dict[str, str]] | None, tool_choice: Any, parallel_tool_calls: bool | None
+    tools: list[dict[str, str]] | None,
+    tool_choice: Any,
+    parallel_tool_calls: bool | None,
+    stream: bool,
 ) -> dict[str, Any]:
     """tools, tool_choice and parallel_tool_calls as the client's keywords, the unset ones
-    left out (the scheduler's defaults)."""
+    left out (the scheduler's defaults). A streamed response with tools that may be called
+    streams the calls too (stream_tool_calls), as OpenAI's do; a whole one gets them whole."""
     options = {
         "tools": tools,
         "tool_choice": tool_choice,
         "parallel_tool_calls": parallel_tool_calls,
+        "stream_tool_calls": (stream and bool(tools) and tool_choice != "none") or None,
     }
     return {name: value for name, value in options.items() if value is not None}
 

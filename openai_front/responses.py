@@ -6,10 +6,10 @@ bytes; a token that holds part of a character shows U+FFFD in the string, its by
 exact); from a server that sends ids only, `token_id:<id>` (the form of vLLM's
 --return-tokens-as-token-ids) with `bytes` null.
 
-Calls of tools come on a sample's last chunk; a whole response gives them in its message
-(the content null when the output held no other text). A thinking model's reasoning
-(Chunk.reasoning_text) is the message's `reasoning_content`, as vLLM and DeepSeek's API
-name it, left out when there is none.
+Calls of tools come whole on a sample's last chunk (and in pieces before it, when they
+stream); a whole response gives them in its message (the content null when the output held
+no other text). A thinking model's reasoning (Chunk.reasoning_text) is the message's
+`reasoning_content`, as vLLM and DeepSeek's API name it, left out when there is none.
 """
 
 from __future__ import annotations
@@ -63,6 +63,10 @@ class Choice:
     finish_reason: str | None = None
     usage: Usage | None = None
     tool_calls: tuple[ToolCall, ...] = ()
+    # Where each call that streamed in pieces began: the length of the text before it (a
+    # chunk's text is taken to come before the calls it begins). Its length is the number
+    # of calls streamed so far; calls that came whole only at the finish have none.
+    call_offsets: list[int] = field(default_factory=list)
 
     @property
     def index(self) -> int:
@@ -70,6 +74,9 @@ class Choice:
 
     def add(self, chunk: Chunk) -> None:
         self.texts.append(chunk.text)
+        for delta in chunk.tool_call_deltas:
+            if delta.index == len(self.call_offsets):  # the call's first piece
+                self.call_offsets.append(sum(map(len, self.texts)))
         self.reasoning_texts.append(chunk.reasoning_text)
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs or ())

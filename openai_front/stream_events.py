@@ -2,21 +2,25 @@
 
 Pure: no I/O. A chat stream opens each choice with a role event, then sends one event per
 chunk that shows something (its text, or its tokens' ids or logprobs when asked for), each
-chunk's logprobs on the event of its text. Calls of tools come on a sample's last chunk:
-its text and tokens first, then one event of all the calls (each whole, by `index`, as
-OpenAI and vLLM stream them: a client joins the `arguments` of one index), then the finish
-"tool_calls". A thinking model's reasoning goes in the delta of the chunk that carried it,
-as `reasoning_content` (vLLM's and DeepSeek's name), beside the chunk's `content` when it
-has both.
+chunk's logprobs on the event of its text. Calls of tools come as OpenAI and vLLM stream
+them, in `tool_calls` deltas by `index` whose `arguments` a client joins: a chunk with
+pieces of calls (stream_tool_calls) sends its text first, then one event of its pieces,
+one entry per call (the call's first with its `id`, `type` and `function.name`, later ones
+with more `function.arguments` only). The last chunk's whole calls are sent only when they
+did not stream (a server that sends them whole), all in one event. Beside calls, the
+finish ("tool_calls", or "length" for a call cut short) is an event of its own. A
+thinking model's reasoning goes in the delta of the chunk that carried it, as
+`reasoning_content` (vLLM's and DeepSeek's name), beside the chunk's `content` when it has
+both.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from pagoda.client.results import Chunk
+from pagoda.client.results import Chunk, ToolCallDelta
 from pagoda.openai_front.responses import (
     Choice,
     Header,
@@ -45,10 +49,12 @@ def chunk_events(
     chunk: Chunk,
     num_top_logprobs: int | None,
     include_usage: bool,
+    num_streamed_calls: int = 0,
 ) -> list[dict[str, Any]]:
     """The stream events of one chunk: one, none for a chunk with nothing to show, or for a
-    last chunk with calls, its text and tokens (when it has any), the calls, then the
-    finish."""
+    chunk with calls, its text and tokens (when it has any), the calls, then the finish
+    (on the last chunk). `num_streamed_calls`: how many of the sample's calls came in
+    pieces, this chunk's included; the last chunk's whole calls repeat none of them."""
     # Tokens whose text is held (a call, a stop string's start) have nothing to show,
     # unless their ids or logprobs were asked for.
     shows = bool(
@@ -57,33 +63,50 @@ def chunk_events(
         or call.return_token_ids
         or (num_top_logprobs is not None and chunk.logprobs)
     )
-    if not chunk.tool_calls:
+    calls = _pieces_json(chunk.tool_call_deltas) + [
+        {"index": k, **tool_call_json(tool_call)}
+        for k, tool_call in enumerate(chunk.tool_calls)
+        if k >= num_streamed_calls
+    ]
+    if not calls:
         if not shows and chunk.finish_reason is None:
             return []
         return [chunk_event(header, call, chunk, num_top_logprobs, include_usage)]
     events = []
     if shows:
-        body = dataclasses.replace(chunk, finish_reason=None, tool_calls=())
+        body = dataclasses.replace(chunk, finish_reason=None)
         events.append(chunk_event(header, call, body, num_top_logprobs, include_usage))
     calls_choice = {
         "index": call.choice_index + chunk.index,
-        "delta": {
-            "tool_calls": [
-                {"index": k, **tool_call_json(tool_call)}
-                for k, tool_call in enumerate(chunk.tool_calls)
-            ]
-        },
+        "delta": {"tool_calls": calls},
         "logprobs": None,
         "finish_reason": None,
     }
     if call.return_token_ids:
         calls_choice["token_ids"] = []
     events.append(_event(header, calls_choice, include_usage))
-    end = dataclasses.replace(
-        chunk, text="", reasoning_text="", token_ids=[], logprobs=None, tool_calls=()
-    )
-    events.append(chunk_event(header, call, end, num_top_logprobs, include_usage))
+    if chunk.finish_reason is not None:
+        end = dataclasses.replace(chunk, text="", reasoning_text="", token_ids=[], logprobs=None)
+        events.append(chunk_event(header, call, end, num_top_logprobs, include_usage))
     return events
+
+
+def _pieces_json(deltas: Sequence[ToolCallDelta]) -> list[dict[str, Any]]:
+    """A chunk's pieces of calls as `tool_calls` delta entries, the pieces of one call
+    joined: its first piece with the id, type and name, a later one with more arguments
+    (none for a later piece of no text)."""
+    entries: list[dict[str, Any]] = []
+    for delta in deltas:
+        if entries and entries[-1]["index"] == delta.index:
+            entries[-1]["function"]["arguments"] += delta.arguments
+        elif delta.id:
+            function = {"name": delta.name, "arguments": delta.arguments}
+            entries.append(
+                {"index": delta.index, "id": delta.id, "type": "function", "function": function}
+            )
+        elif delta.arguments:
+            entries.append({"index": delta.index, "function": {"arguments": delta.arguments}})
+    return entries
 
 
 def chunk_event(

@@ -8,7 +8,8 @@ value is passed on as given and the scheduler validates it (its INVALID_ARGUMENT
 becomes the 400); only what the gRPC API cannot express is refused here. Tools are the
 gRPC Chat's own fields: function tools, tool_choice, parallel_tool_calls, assistant
 messages' calls and tool messages go as they are; the scheduler renders them, reads the
-calls from the output and validates everything. So is chat_template_kwargs (vLLM's name),
+calls from the output and validates everything; a streamed request asks for the calls in
+pieces as they are written (stream_tool_calls). So is chat_template_kwargs (vLLM's name),
 the template's extra variables.
 """
 
@@ -220,7 +221,7 @@ def _tool_options(body: ChatCompletionRequest) -> dict[str, Any]:
     if tools is not None:
         tools = [_tool(index, tool) for index, tool in enumerate(tools)]
     # The client's converter reads tool_choice's forms.
-    return tool_options(tools, body.tool_choice, body.parallel_tool_calls)
+    return tool_options(tools, body.tool_choice, body.parallel_tool_calls, body.stream)
 
 
 def _tool(index: int, tool: Any) -> dict[str, Any]:

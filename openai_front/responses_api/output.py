@@ -1,12 +1,16 @@
 """A finished Chat call -> the Responses API's response object and its output items.
 
 Pure but for the items' random ids. The output is a reasoning item of the model's
-thinking when it thought (a model that thinks: Chunk.reasoning_text), then a message of
-the text when the model wrote text (whitespace alone beside calls is none, as chat's
-content is null then) or called no tool, then one function_call item per call. A finish
-by length is status "incomplete" (reason max_output_tokens); a call is never cut short (a
-cut call is text), so only a message, or thinking that nothing followed, can be
-incomplete.
+thinking when it thought (a model that thinks: Chunk.reasoning_text), then the answer's
+messages and function_call items (`answer_items`): a message of the text when the model
+wrote text (whitespace alone beside calls is none, as chat's content is null then) or
+called no tool, one function_call item per call; calls that streamed in pieces
+(stream_tool_calls) cut the text into a message before each call and one after them, as
+the stream sent them. A finish by length is status "incomplete" (reason
+max_output_tokens), and so is the item the output ended in: a message, thinking that
+nothing followed, or a streamed call that nothing followed (cut short: its arguments are
+not JSON). A call that came whole is never cut short: without stream_tool_calls a cut call
+is text.
 """
 
 from __future__ import annotations
@@ -172,7 +176,35 @@ def whole_response(head: ResponseHead, choice: Choice) -> dict[str, Any]:
     if reasoning:
         thought = reasoning_status(status, bool(text or choice.tool_calls))
         output.append(reasoning_item(new_item_id("rs"), thought, [reasoning_part(reasoning)]))
-    if shows_message(text, choice.tool_calls):
-        output.append(message_item(new_item_id("msg"), status, [text_part(text)]))
-    output += [function_call_item(new_item_id("fc"), call) for call in choice.tool_calls]
+    output += answer_items(text, choice.tool_calls, choice.call_offsets, status)
     return head.response(status, output, choice.usage)
+
+
+def answer_items(
+    text: str, calls: Sequence[ToolCall], call_offsets: Sequence[int], status: str
+) -> list[dict[str, Any]]:
+    """The answer's messages and calls in the order the model wrote them. The first
+    len(call_offsets) calls streamed, call k beginning call_offsets[k] characters into the
+    text: the text before each is a message when it is not blank, completed since the call
+    followed it; the call is completed when text or another streamed call followed it, else
+    it ended the output and has the response's `status`. The text after the streamed calls
+    is the last message (shown blank only when there are no calls), with `status`; the
+    calls that came whole follow it, completed."""
+    items = []
+    start = 0
+    streamed = calls[: len(call_offsets)]
+    for k, call in enumerate(streamed):
+        before, start = text[start : call_offsets[k]], call_offsets[k]
+        if before.strip():
+            items.append(_message(before, "completed"))
+        followed = k + 1 < len(streamed) or len(text) > start
+        call_status = "completed" if followed else status
+        items.append(function_call_item(new_item_id("fc"), call, status=call_status))
+    if shows_message(text[start:], calls):
+        items.append(_message(text[start:], status))
+    items += [function_call_item(new_item_id("fc"), call) for call in calls[len(streamed) :]]
+    return items
+
+
+def _message(text: str, status: str) -> dict[str, Any]:
+    return message_item(new_item_id("msg"), status, [text_part(text)])

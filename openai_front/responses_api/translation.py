@@ -67,7 +67,7 @@ def plan_response(body: ResponsesRequest, response_id: str) -> Plan:
     if tools is not None:
         tools = [_tool(index, tool) for index, tool in enumerate(tools)]
     tool_choice = None if body.tool_choice is None else _tool_choice(body.tool_choice)
-    options.update(tool_options(tools, tool_choice, body.parallel_tool_calls))
+    options.update(tool_options(tools, tool_choice, body.parallel_tool_calls, body.stream))
     call = Call(0, 0, None, _messages(body), cast(GenerationOptions, options))
     return Plan([call], num_top_logprobs=None, include_usage=False)
 

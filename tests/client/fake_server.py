@@ -10,6 +10,9 @@ standard health service, but generates canned text:
   With a tool_choice naming a function, it calls that function instead: FAKE_CALL_TOKENS
   messages of tokens without text (held back, as a call's are), then the last one carries
   the call (id FAKE_CALL_ID, arguments FAKE_CALL_ARGUMENTS) and finish TOOL_CALLS.
+  With stream_tool_calls, those messages carry the call in FAKE_CALL_PIECES (tool_call_deltas:
+  the first with the id and name); a max_new_tokens below FAKE_CALL_TOKENS cuts the call
+  there, and the last message carries the arguments written so far, finish LENGTH.
   A servicer made with `thinks=True` (ModelInfo.thinks) first thinks FAKE_THOUGHT, one word
   of reasoning_text per message; the message of its last word carries the first word of
   the answer too. chat_template_kwargs {"enable_thinking": false} turns the thinking off.
@@ -48,6 +51,8 @@ FIRST_TOKEN_ID = 1000
 FAKE_CALL_ID = "call_" + "0123456789ab" * 2
 FAKE_CALL_ARGUMENTS = '{"city": "Paris"}'
 FAKE_CALL_TOKENS = 3
+# The arguments' text each of the call's token messages adds, when the call streams.
+FAKE_CALL_PIECES = ("", '{"city": ', '"Paris"}')
 FAKE_THOUGHT = "Hm, a greeting."
 # The tool the fake call calls, as an OpenAI client declares it.
 WEATHER_SCHEMA = {
@@ -92,6 +97,22 @@ class RecordedCall:
     method: str
     request: object
     metadata: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class FakeCalls:
+    """The fake chat's calls: whole on the last message, and when they stream, the pieces
+    each token message carries (one tuple per message)."""
+
+    whole: tuple[pb.ToolCall, ...] = ()
+    pieces: tuple[tuple[pb.ToolCallDelta, ...], ...] = ()
+    finish_reason: int = pb.TOOL_CALLS
+
+    def on_message(self, index: int) -> tuple[pb.ToolCallDelta, ...]:
+        return self.pieces[index] if 0 <= index < len(self.pieces) else ()
+
+
+NO_CALLS = FakeCalls()
 
 
 @dataclass(slots=True)
@@ -161,20 +182,21 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
         words = f"({len(request.messages)} messages) you said: {last}".split(" ")
         pieces = _words(words)
         pieces = pieces[: self._num_new_tokens(request, context, default=len(pieces))]
-        tool_calls = []
-        if request.tool_choice.function_name:
-            name = request.tool_choice.function_name
-            tool_calls = [pb.ToolCall(id=FAKE_CALL_ID, name=name, arguments=FAKE_CALL_ARGUMENTS)]
-            pieces = [""] * FAKE_CALL_TOKENS
         thought = []
         kwargs = json.loads(request.chat_template_kwargs or "{}")
         if self.thinks and kwargs.get("enable_thinking", True):
             thought = _words(FAKE_THOUGHT.split(" "))
+        num_thinking_tokens = max(len(thought) - 1, 0)
+        calls = NO_CALLS
+        if request.tool_choice.function_name:
+            calls = _fake_call(request, num_thinking_tokens)
+            pieces = [""] * (len(calls.pieces) or FAKE_CALL_TOKENS)
+        if thought:
             # The thinking counts toward max_new_tokens too.
-            pieces = [""] * (len(thought) - 1) + pieces
+            pieces = [""] * num_thinking_tokens + pieces
             pieces = pieces[: request.stopping.max_new_tokens or None]
         yield from self._stream(
-            request, context, last, len(rendered.split()), pieces, tool_calls, thought
+            request, context, last, len(rendered.split()), pieces, calls, thought
         )
 
     def Tokenize(self, request, context):
@@ -245,7 +267,7 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
         prompt: str,
         num_prompt_tokens: int,
         pieces: list[str],
-        tool_calls=(),
+        calls: FakeCalls = NO_CALLS,
         thought=(),
     ):
         request_id = request.request_id or f"fake-{next(self._ids)}"
@@ -269,7 +291,7 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
                 prompt,
                 num_prompt_tokens,
                 pieces,
-                tool_calls,
+                calls,
                 thought,
                 ended,
             )
@@ -284,7 +306,7 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
         prompt,
         num_prompt_tokens,
         pieces,
-        tool_calls,
+        calls,
         thought,
         ended,
     ):
@@ -313,7 +335,9 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if index == 0:
                     first_token_ms = (time.perf_counter() - arrival) * 1000
                 reasoning = thought[index] if index < len(thought) else ""
-                yield self._token_message(request, request_id, index, piece, reasoning)
+                message = self._token_message(request, request_id, index, piece, reasoning)
+                message.tool_call_deltas.extend(calls.on_message(index - max(len(thought) - 1, 0)))
+                yield message
             if prompt.startswith("error-after:"):
                 self._abort_with(context, prompt.removeprefix("error-after:"))
             if prompt == "hang":
@@ -323,8 +347,8 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
             finish_reason = pb.STOP if prompt == "echo" else pb.LENGTH
             yield pb.GenerateResponse(
                 request_id=request_id,
-                finish_reason=pb.TOOL_CALLS if tool_calls else finish_reason,
-                tool_calls=tool_calls,
+                finish_reason=calls.finish_reason if calls.whole else finish_reason,
+                tool_calls=calls.whole,
                 usage=pb.Usage(
                     prompt_tokens=num_prompt_tokens,
                     completion_tokens=len(pieces),
@@ -366,6 +390,23 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _abort_with(context, code_name: str) -> None:
         code = getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN)
         context.abort(code, f"The fake server was asked to fail with {code_name}.")
+
+
+def _fake_call(request: pb.ChatRequest, num_thinking_tokens: int) -> FakeCalls:
+    """The call of the function tool_choice names: whole, or with stream_tool_calls in
+    FAKE_CALL_PIECES, cut where max_new_tokens (the thinking's tokens counted) runs out."""
+    name = request.tool_choice.function_name
+    if not request.stream_tool_calls:
+        return FakeCalls((pb.ToolCall(id=FAKE_CALL_ID, name=name, arguments=FAKE_CALL_ARGUMENTS),))
+    budget = max(request.stopping.max_new_tokens - num_thinking_tokens, 0)
+    written = FAKE_CALL_PIECES[: budget if request.stopping.max_new_tokens else None]
+    if not written:
+        return NO_CALLS
+    pieces = [(pb.ToolCallDelta(index=0, id=FAKE_CALL_ID, name=name, arguments=written[0]),)]
+    pieces += [(pb.ToolCallDelta(index=0, arguments=text),) for text in written[1:]]
+    call = pb.ToolCall(id=FAKE_CALL_ID, name=name, arguments="".join(written))
+    cut = len(written) < len(FAKE_CALL_PIECES)
+    return FakeCalls((call,), tuple(pieces), pb.LENGTH if cut else pb.TOOL_CALLS)
 
 
 def _words(words: list[str]) -> list[str]:

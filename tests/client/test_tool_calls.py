@@ -112,6 +112,7 @@ def test_a_conversation_with_calls_and_their_answers():
         ({"tool_choice": {"type": "file_search"}}, "tool_choice.type"),
         ({"tool_choice": 1}, "tool_choice"),
         ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"stream_tool_calls": 1}, "stream_tool_calls"),
         ({"tools": [{"name": "f", "strict": "yes"}]}, "tools[0].strict"),
     ],
 )
@@ -153,7 +154,12 @@ def test_malformed_call_messages_are_refused_by_path(message, named):
 
 @pytest.mark.parametrize(
     "options",
-    [{"tools": [WEATHER]}, {"tool_choice": "required"}, {"parallel_tool_calls": False}],
+    [
+        {"tools": [WEATHER]},
+        {"tool_choice": "required"},
+        {"parallel_tool_calls": False},
+        {"stream_tool_calls": True},
+    ],
 )
 def test_generate_refuses_the_chat_only_options(options):
     with pytest.raises(InvalidArgumentError) as caught:
