@@ -1,12 +1,22 @@
-"""How a call of a tool is written, read piece by piece (for tool_call_stream.py): the
-head of a call, {"name": a declared tool, "arguments": up to the arguments' "{", and
-where a JSON value that began ends."""
+"""How a call of a tool is written: a call object whole (call_of, calls_of), and read piece
+by piece (for tool_call_stream.py) the head of a call, {"name": a declared tool,
+"arguments": up to the arguments' "{", and where a JSON value that began ends."""
 
 from __future__ import annotations
 
 import enum
+import json
+import secrets
+from typing import Any
 
 BLANKS = " \t\n\r"  # JSON's whitespace
+
+# A parsed call before it has an id: (name, arguments text).
+Call = tuple[str, str]
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
 
 
 class ScanEnd(enum.Enum):
@@ -96,3 +106,33 @@ def _read_name(rest: str, names: frozenset[str]) -> tuple[str, int] | bool | Non
         return None if any(name.startswith(partial) for name in names) else False
     name = rest[1:end]
     return (name, end + 1) if name in names else False
+
+
+def parse_json(text: str) -> Any:
+    """The value of a JSON text; None when it is not one."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # a model's "[[[[..." nests past json's limit
+        return None
+
+
+def calls_of(value: Any, names: frozenset[str]) -> list[Call] | None:
+    """A call object, or a non-empty list of them, as models write them untagged."""
+    items = value if isinstance(value, list) else [value]
+    calls = [call_of(item, names) for item in items]
+    if not calls or None in calls:
+        return None
+    return calls  # type: ignore[return-value]
+
+
+def call_of(value: Any, names: frozenset[str]) -> Call | None:
+    """{"name": a declared tool, "arguments" (Llama: "parameters"): an object, or an object's
+    JSON text} -> (name, arguments as JSON text)."""
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters"))
+    if isinstance(arguments, str):
+        arguments = parse_json(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return value["name"], json.dumps(arguments, ensure_ascii=False)

@@ -11,7 +11,7 @@ A call streams from its head on: {"name": a declared tool, "arguments" (Llama wr
 "parameters"): up to the arguments' "{", the order in which a constrained call's grammar
 writes it. Its id and name go out then, and the arguments' text as it comes until that
 object closes. A call written otherwise is held until it ends and parsed whole
-(tool_calls.call_of): one piece then, its arguments as JSON text, or text when it is no
+(call_syntax.call_of): one piece then, its arguments as JSON text, or text when it is no
 call. A JSON answer whose first call is not written so is held whole, as without
 streaming. A call is a call from its first piece on: its arguments are the text its pieces
 gave, not JSON where the output ended inside them (`open_call`, as when one opened but
@@ -23,10 +23,18 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
-from pagoda.scheduler_svc.call_syntax import BLANKS, JsonScan, ScanEnd, read_head
+from pagoda.scheduler_svc.call_syntax import (
+    BLANKS,
+    JsonScan,
+    ScanEnd,
+    call_of,
+    calls_of,
+    new_call_id,
+    parse_json,
+    read_head,
+)
 from pagoda.scheduler_svc.core import ToolCall
 from pagoda.scheduler_svc.stop_strings import held_back_length
-from pagoda.scheduler_svc.tool_calls import call_of, calls_of, new_call_id, parse_json
 from pagoda.scheduler_svc.tools import CALL_CLOSE, CALL_OPEN, ToolChoice, ToolFormat, ValidTools
 
 

@@ -23,22 +23,15 @@ passes all text on.
 from __future__ import annotations
 
 import json
-import secrets
-from typing import Any
 
+from pagoda.scheduler_svc.call_syntax import Call, call_of, calls_of, new_call_id, parse_json
 from pagoda.scheduler_svc.core import ToolCall
 from pagoda.scheduler_svc.reasoning import ReasoningSplit, Thinking
 from pagoda.scheduler_svc.stop_strings import StopStringMatcher, held_back_length
+from pagoda.scheduler_svc.tool_call_stream import ToolCallStream
 from pagoda.scheduler_svc.tools import CALL_CLOSE, CALL_OPEN, ToolChoice, ToolFormat, ValidTools
 
 _OPENING = (CALL_OPEN,)
-
-# A parsed call before it has an id: (name, arguments text).
-Call = tuple[str, str]
-
-
-def new_call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
 
 
 class ToolCallReader:
@@ -124,6 +117,7 @@ class ToolCallReader:
         content, calls = parsed
         if not self.tools.parallel:
             calls = calls[:1]
+        calls = as_written(self.tools, held, calls)
         self.calls = tuple(ToolCall(new_call_id(), name, arguments) for name, arguments in calls)
         return text + content
 
@@ -188,6 +182,24 @@ class ToolCallReader:
         return read_tagged_calls(held, tools.names)
 
 
+def as_written(tools: ValidTools, held: str, calls: list[Call]) -> list[Call]:
+    """`calls`, read whole in `held`, with their arguments as the model wrote them where a
+    streamed reading of the same text finds them (tool_call_stream.py), so that a call
+    reads the same whole and streamed. Elsewhere (arguments written as a JSON string, or
+    before the name) they stay as call_of re-serialized them."""
+    stream = ToolCallStream(tools)
+    stream.flush(held)
+    written = stream.calls
+    kept = []
+    for index, (name, arguments) in enumerate(calls):
+        if index < len(written) and written[index].name == name:
+            raw = written[index].arguments
+            if parse_json(raw) == parse_json(arguments):
+                arguments = raw
+        kept.append((name, arguments))
+    return kept
+
+
 def read_tagged_calls(text: str, names: frozenset[str]) -> tuple[str, list[Call]] | None:
     """The calls between <tool_call> tags in `text` (the last one may be left open: EOS came
     first) and the text outside them ("" when only blanks); None unless every pair of tags
@@ -207,33 +219,3 @@ def read_tagged_calls(text: str, names: frozenset[str]) -> tuple[str, list[Call]
     outside.append(text[position:])
     content = "".join(outside)
     return (content if content.strip() else ""), calls
-
-
-def parse_json(text: str) -> Any:
-    """The value of a JSON text; None when it is not one."""
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):  # a model's "[[[[..." nests past json's limit
-        return None
-
-
-def calls_of(value: Any, names: frozenset[str]) -> list[Call] | None:
-    """A call object, or a non-empty list of them, as models write them untagged."""
-    items = value if isinstance(value, list) else [value]
-    calls = [call_of(item, names) for item in items]
-    if not calls or None in calls:
-        return None
-    return calls  # type: ignore[return-value]
-
-
-def call_of(value: Any, names: frozenset[str]) -> Call | None:
-    """{"name": a declared tool, "arguments" (Llama: "parameters"): an object, or an object's
-    JSON text} -> (name, arguments as JSON text)."""
-    if not isinstance(value, dict) or value.get("name") not in names:
-        return None
-    arguments = value.get("arguments", value.get("parameters"))
-    if isinstance(arguments, str):
-        arguments = parse_json(arguments)
-    if not isinstance(arguments, dict):
-        return None
-    return value["name"], json.dumps(arguments, ensure_ascii=False)

@@ -146,11 +146,11 @@ def test_required_and_named_outputs_are_calls_from_the_start():
     reader = ToolCallReader(tools("required"))
     shown, last, _ = read(reader, ['[{"name":"get_weather",', '"arguments":{"city":"Rome"}}]'])
     assert shown == ["", ""] and last == ""
-    assert [(c.name, c.arguments) for c in reader.calls] == [("get_weather", '{"city": "Rome"}')]
+    assert [(c.name, c.arguments) for c in reader.calls] == [("get_weather", '{"city":"Rome"}')]
     reader = ToolCallReader(tools("function", function_name="get_weather"))
-    shown, last, _ = read(reader, ['{"city":', '"Rome"}'])
+    shown, last, _ = read(reader, [' {"city":', '"Rome"}'])
     assert last == "" and [(c.name, c.arguments) for c in reader.calls] == [
-        ("get_weather", '{"city": "Rome"}')  # as every mode writes arguments
+        ("get_weather", '{"city":"Rome"}')  # as the model wrote them, as a stream gives them
     ]
     reader = ToolCallReader(tools("function", function_name="get_weather"))
     assert read(reader, ['{"city":'])[1] == '{"city":'  # cut short: text, whole
