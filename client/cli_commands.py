@@ -17,7 +17,7 @@ from typing import Any
 
 from pagoda.client.convert import GenerationOptions
 from pagoda.client.errors import PagodaError
-from pagoda.client.results import Completion, join_chunks, join_samples
+from pagoda.client.results import Chunk, Completion, join_chunks, join_samples
 from pagoda.client.sync_client import ChunkStream, Client
 
 EXIT_ERROR = 1
@@ -32,6 +32,14 @@ def generation_options(args: argparse.Namespace) -> dict[str, Any]:
     return {name: value for name, value in values.items() if value is not None}
 
 
+def chat_options(args: argparse.Namespace) -> dict[str, Any]:
+    """generation_options, and with tools one sample's calls streamed as they are written."""
+    options = generation_options(args)
+    if options.get("tools") and options.get("n", 1) == 1:
+        options["stream_tool_calls"] = True
+    return options
+
+
 def run_generate(client: Client, args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     started = time.perf_counter()
@@ -40,12 +48,12 @@ def run_generate(client: Client, args: argparse.Namespace) -> int:
     if args.raw or not client.model_info().has_chat_template:
         stream = client.generate(prompt, **generation_options(args))
     else:
-        stream = client.chat([{"role": "user", "content": prompt}], **generation_options(args))
+        stream = client.chat([{"role": "user", "content": prompt}], **chat_options(args))
     with stream:
         if (args.n or 1) > 1:
             return _print_samples(join_samples(stream), args, started)
-        completion, first_token_s = _stream_to_stdout(stream)
-    _finish_answer(completion, args, started, first_token_s)
+        completion, first_token_s, num_calls = _stream_to_stdout(stream)
+    _finish_answer(completion, args, started, first_token_s, num_calls)
     return 0
 
 
@@ -76,15 +84,15 @@ def run_chat(client: Client, args: argparse.Namespace) -> int:
         history.append({"role": "user", "content": line})
         started = time.perf_counter()
         try:
-            with client.chat(history, **generation_options(args)) as stream:
-                completion, first_token_s = _stream_to_stdout(stream)
+            with client.chat(history, **chat_options(args)) as stream:
+                completion, first_token_s, num_calls = _stream_to_stdout(stream)
         except PagodaError as exc:
             history.pop()
             print_error(exc)
             failed = True
             continue
         history.append({"role": "assistant", "content": completion.text})
-        _finish_answer(completion, args, started, first_token_s)
+        _finish_answer(completion, args, started, first_token_s, num_calls)
     return EXIT_ERROR if failed else 0
 
 
@@ -103,15 +111,16 @@ def _user_lines(interactive: bool) -> Iterator[str]:
             return
 
 
-def _stream_to_stdout(stream: ChunkStream) -> tuple[Completion, float | None]:
-    """Write each chunk's text as it arrives; the joined completion and first-token time.
+def _stream_to_stdout(stream: ChunkStream) -> tuple[Completion, float | None, int]:
+    """Write each chunk's text (and calls, when they stream) as it arrives; the joined
+    completion, first-token time and number of calls written.
 
     A thinking model's reasoning goes to stderr between <think> and </think> lines as it
     arrives, so stdout holds the answer alone (all reasoning comes before the answer).
     """
     chunks = []
     first_token_s = None
-    wrote_text = False
+    answer = _Answer()
     reasoning = ""  # written to stderr, its </think> line not yet
     try:
         for chunk in stream:
@@ -123,23 +132,64 @@ def _stream_to_stdout(stream: ChunkStream) -> tuple[Completion, float | None]:
                 reasoning += chunk.reasoning_text
                 sys.stderr.write(chunk.reasoning_text)
                 sys.stderr.flush()
-            if reasoning and (chunk.text or chunk.is_last):
+            if reasoning and (chunk.text or chunk.tool_call_deltas or chunk.is_last):
                 _end_reasoning(reasoning)
                 reasoning = ""
-            if chunk.text:
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-                wrote_text = True
+            answer.write(chunk)
             chunks.append(chunk)
     except PagodaError:
         if reasoning:
             _end_reasoning(reasoning)
-        if wrote_text:
-            # End the partial answer's line before the error line goes to stderr.
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+        # End the partial answer's line before the error line goes to stderr.
+        answer.end_line()
         raise
-    return join_chunks(chunks), first_token_s
+    answer.end_call()
+    if answer.num_calls:  # a line of text after the calls ends here
+        answer.end_line()
+    return join_chunks(chunks), first_token_s, answer.num_calls
+
+
+class _Answer:
+    """The answer on stdout as it streams: its text, and each call that streams
+    (stream_tool_calls) as `name(arguments)` on a line of its own, written as it comes."""
+
+    def __init__(self) -> None:
+        self.at_line_start = True
+        self.in_call = False
+        self.num_calls = 0
+
+    def write(self, chunk: Chunk) -> None:
+        """A chunk's parts in the order written: more of the call open now, the text,
+        the calls the chunk begins."""
+        for delta in chunk.tool_call_deltas:
+            if not delta.id:
+                self._out(delta.arguments)
+        if chunk.text:
+            self.end_call()
+            self._out(chunk.text)
+        for delta in chunk.tool_call_deltas:
+            if delta.id:
+                self.end_call()
+                self.end_line()
+                self._out(f"{delta.name}({delta.arguments}")
+                self.in_call = True
+                self.num_calls += 1
+        sys.stdout.flush()
+
+    def end_call(self) -> None:
+        if self.in_call:
+            self._out(")\n")
+            self.in_call = False
+
+    def end_line(self) -> None:
+        if not self.at_line_start:
+            self._out("\n")
+            sys.stdout.flush()
+
+    def _out(self, text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            self.at_line_start = text.endswith("\n")
 
 
 def _end_reasoning(reasoning: str) -> None:
@@ -149,11 +199,22 @@ def _end_reasoning(reasoning: str) -> None:
 
 
 def _finish_answer(
-    completion: Completion, args: argparse.Namespace, started: float, first_token_s: float | None
+    completion: Completion,
+    args: argparse.Namespace,
+    started: float,
+    first_token_s: float | None,
+    num_calls_shown: int = 0,
 ) -> None:
-    if not completion.text.endswith("\n") and (completion.text or not completion.tool_calls):
+    """The answer's end: its calls but the first `num_calls_shown` (they streamed, each on
+    a line of its own), then what else was asked for."""
+    calls = completion.tool_calls[num_calls_shown:]
+    if (
+        not num_calls_shown
+        and not completion.text.endswith("\n")
+        and (completion.text or not calls)
+    ):
         sys.stdout.write("\n")
-    for call in completion.tool_calls:
+    for call in calls:
         sys.stdout.write(f"{call.name}({call.arguments})\n")
     sys.stdout.flush()
     if completion.logprobs:

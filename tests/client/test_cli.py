@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from pagoda.client.cli_commands import _stream_to_stdout
+from pagoda.client.results import Chunk, ToolCallDelta
 from tests.client.conftest import TEST_API_KEY
 from tests.client.fake_server import FAKE_CALL_ARGUMENTS, WEATHER
 
@@ -109,10 +111,17 @@ def test_generate_with_tools_prints_the_calls(make_server, tmp_path):
         target=server.target,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert result.stdout == f"get_weather({FAKE_CALL_ARGUMENTS})\n"
+    assert result.stdout == f"get_weather({FAKE_CALL_ARGUMENTS})\n"  # written as it streamed
     request = server.servicer.last_request("Chat")
     assert [tool.name for tool in request.tools] == ["get_weather"]
-    assert request.tool_choice.function_name == "get_weather"
+    assert request.tool_choice.function_name == "get_weather" and request.stream_tool_calls
+    two = run_cli(
+        "generate", "Weather?", "--tools", str(tools), "--tool-choice", "get_weather", "--n", "2",
+        target=server.target,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr
+    assert f"--- sample 0 ---\nget_weather({FAKE_CALL_ARGUMENTS})\n" in two.stdout
+    assert not server.servicer.last_request("Chat").stream_tool_calls  # samples print whole
     bad = run_cli("generate", "x", "--tools", str(tmp_path / "missing.json"), target=server.target)
     assert bad.returncode == 2 and "cannot read tools from" in bad.stderr
 
@@ -252,3 +261,24 @@ def test_info_and_stats(fake_server):
     assert re.search(r"^prefix_cache_hit_rate +0\.25$", table, re.M)
     # A list of records is one indented line each, its fields inline.
     assert re.search(r"^workers\n  incarnation_id=fake-incarnation  num_running=0 ", table, re.M)
+
+
+def test_calls_print_as_they_stream_between_the_text_in_the_order_written(capsys):
+    """A chunk's parts in order: more of the open call, its text, the calls it begins."""
+
+    def chunk(text="", *deltas, finish=None, calls=()):
+        return Chunk(
+            "r", text, [1], None, finish, None, None, tool_calls=calls, tool_call_deltas=deltas
+        )
+
+    time_call = ToolCallDelta(1, "call_2", "get_time", "{")
+    chunks = [
+        chunk("Let me see.", ToolCallDelta(0, "call_1", "get_weather", '{"city"')),
+        chunk("Then", ToolCallDelta(0, "", "", ': "Oslo"}'), time_call),
+        chunk("", ToolCallDelta(1, "", "", "}"), finish="tool_calls"),
+    ]
+    completion, _, num_calls = _stream_to_stdout(chunks)
+    assert capsys.readouterr().out == (
+        'Let me see.\nget_weather({"city": "Oslo"})\nThen\nget_time({})\n'
+    )
+    assert num_calls == 2 and completion.text == "Let me see.Then"
