@@ -9,7 +9,8 @@ exact); from a server that sends ids only, `token_id:<id>` (the form of vLLM's
 Calls of tools come whole on a sample's last chunk (and in pieces before it, when they
 stream); a whole response gives them in its message (the content null when the output held
 no other text). A thinking model's reasoning (Chunk.reasoning_text) is the message's
-`reasoning_content`, as vLLM and DeepSeek's API name it, left out when there is none.
+`reasoning_content`, as vLLM and DeepSeek's API name it, and `reasoning`, the name vLLM
+moves to (both, as vLLM sends them), left out when there is none.
 """
 
 from __future__ import annotations
@@ -207,12 +208,17 @@ def _whole_choice(endpoint: Endpoint, choice: Choice, num_top: int | None) -> di
         out["text"] = text
     reasoning = "".join(choice.reasoning_texts)
     if endpoint == "chat" and reasoning:
-        out["message"]["reasoning_content"] = reasoning
+        out["message"].update(reasoning_fields(reasoning))
     out["logprobs"] = logprobs
     out["finish_reason"] = choice.finish_reason
     if choice.call.return_token_ids:
         out["token_ids"] = choice.token_ids
     return out
+
+
+def reasoning_fields(reasoning: str) -> dict[str, str]:
+    """A chat message's or delta's thinking under both names clients read."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning}
 
 
 def tool_call_json(call: ToolCall) -> dict[str, Any]:

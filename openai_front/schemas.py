@@ -98,8 +98,10 @@ class ChatMessage(BaseModel):
     # A "tool" message: the call it answers; the tool's (or a participant's) name.
     tool_call_id: str | None = None
     name: str | None = None
-    # An assistant message's thinking, as a response's reasoning_content gave it.
+    # An assistant message's thinking, as a response's reasoning_content gave it (or its
+    # `reasoning`, the name vLLM moves to; one of the two).
     reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class Function(BaseModel):

@@ -10,7 +10,8 @@ with more `function.arguments` only). The last chunk's whole calls are sent only
 did not stream (a server that sends them whole), all in one event. Beside calls, the
 finish ("tool_calls", or "length" for a call cut short) is an event of its own. A
 thinking model's reasoning goes in the delta of the chunk that carried it, as
-`reasoning_content` (vLLM's and DeepSeek's name), beside the chunk's `content` when it has
+`reasoning_content` (vLLM's and DeepSeek's name) and `reasoning` (the name vLLM moves
+to), beside the chunk's `content` when it has
 both.
 """
 
@@ -26,6 +27,7 @@ from pagoda.openai_front.responses import (
     Header,
     finish_reason,
     logprobs_json,
+    reasoning_fields,
     tool_call_json,
     usage_json,
 )
@@ -138,7 +140,7 @@ def _delta(chunk: Chunk, reason: str | None) -> dict[str, str]:
     """A chat event's delta: the chunk's reasoning and its text; an empty content when it
     has neither (tokens of held text whose ids or logprobs were asked for), nothing beside
     the finish."""
-    delta = {"reasoning_content": chunk.reasoning_text} if chunk.reasoning_text else {}
+    delta = reasoning_fields(chunk.reasoning_text) if chunk.reasoning_text else {}
     if chunk.text or (reason is None and not delta):
         delta["content"] = chunk.text
     return delta

@@ -252,9 +252,21 @@ def _message(index: int, message: Any) -> dict[str, Any]:
         out["tool_call_id"] = message.tool_call_id
     if message.name is not None:
         out["name"] = message.name
-    if message.reasoning_content:
-        out["reasoning_content"] = message.reasoning_content
+    thought = _thought(index, message)
+    if thought:
+        out["reasoning_content"] = thought
     return out
+
+
+def _thought(index: int, message: Any) -> str | None:
+    """An assistant message's thinking, under either name clients send it."""
+    given = {message.reasoning_content, message.reasoning} - {None, ""}
+    if len(given) > 1:
+        raise invalid(
+            f"messages[{index}] gives reasoning_content and reasoning that differ; give one",
+            f"messages[{index}].reasoning",
+        )
+    return given.pop() if given else None
 
 
 def _tool_call(index: int, number: int, call: Any) -> dict[str, Any]:

@@ -72,6 +72,7 @@ def test_a_whole_message_carries_the_reasoning_beside_the_content_and_the_calls(
         "role": "assistant",
         "content": "Yes.",
         "reasoning_content": "Hm, ok.",
+        "reasoning": "Hm, ok.",  # vLLM's newer name, as vLLM sends both
     }
     body = responses.whole_response(HEADER, [called], None)
     message = ChatCompletion.model_validate(body).choices[0].message
@@ -88,8 +89,8 @@ def test_a_stream_sends_reasoning_deltas_then_content_each_with_its_tokens_logpr
     choices = [event["choices"][0] for event in events]
     assert [(c["index"], c["delta"], c["finish_reason"]) for c in choices] == [
         (3, {"role": "assistant", "content": ""}, None),
-        (3, {"reasoning_content": "Hm"}, None),
-        (3, {"reasoning_content": ", ok.", "content": "Yes"}, None),
+        (3, {"reasoning_content": "Hm", "reasoning": "Hm"}, None),
+        (3, {"reasoning_content": ", ok.", "reasoning": ", ok.", "content": "Yes"}, None),
         (3, {"content": "."}, None),
         (3, {}, "stop"),
     ]
@@ -108,7 +109,7 @@ def test_a_stream_of_reasoning_then_calls_sends_no_reasoning_on_the_calls_or_the
         "r", "", [7], None, "tool_calls", USAGE, None, tool_calls=(CALL,), reasoning_text="Go."
     )
     tokens, calls, end = chunk_events(HEADER, Call(0, 0, None, MESSAGES, {}), last, None, False)
-    assert tokens["choices"][0]["delta"] == {"reasoning_content": "Go."}
+    assert tokens["choices"][0]["delta"] == {"reasoning_content": "Go.", "reasoning": "Go."}
     assert list(calls["choices"][0]["delta"]) == ["tool_calls"]
     assert end["choices"][0]["delta"] == {} and end["choices"][0]["finish_reason"] == "tool_calls"
 
@@ -129,6 +130,7 @@ def test_the_whole_answer_has_reasoning_content_and_the_sdk_reads_it(thinking_se
         "role": "assistant",
         "content": ANSWER,
         "reasoning_content": FAKE_THOUGHT,
+        "reasoning": FAKE_THOUGHT,
     }
     assert raw["usage"]["completion_tokens"] == 7  # thinking and answer, one count
     # Of them, the thinking's: the fake's last thought shares its token with the answer.
@@ -236,3 +238,15 @@ def test_an_assistant_turns_reasoning_content_goes_back_to_the_template(thinking
     with_front(thinking_server, scenario)
     sent = thinking_server.servicer.last_request("Chat").messages
     assert [m.reasoning_content for m in sent] == ["", "Greet back.", ""]
+    # Under vLLM's newer name too; under both, they must agree.
+    conversation[1] = {"role": "assistant", "content": "Hello.", "reasoning": "Greet back."}
+    with_front(thinking_server, scenario)
+    sent = thinking_server.servicer.last_request("Chat").messages
+    assert [m.reasoning_content for m in sent] == ["", "Greet back.", ""]
+    conversation[1] = {**conversation[1], "reasoning_content": "Something else."}
+
+    async def refused(_, http):
+        return await http.post("/v1/chat/completions", json={"messages": conversation})
+
+    reply = with_front(thinking_server, refused)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages[1].reasoning"
