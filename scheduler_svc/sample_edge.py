@@ -92,10 +92,11 @@ def sample_edges(
     given each token's text (None: part of a character), for a thinking model's count."""
     reasonings = sample_reasonings(valid.thinking, n, token_text)
     tools = valid.tools
-    streams = isinstance(tools, ValidTools) and tools.reads_calls and tools.streams
-    if not streams and reasonings[0] is None:
+    if not (isinstance(tools, ValidTools) and tools.reads_calls and tools.streams):
+        tools = None
+    if tools is None and reasonings[0] is None:
         return [None] * n
     return [
-        SampleEdge(reasoning, ToolCallStream(tools) if streams else None)  # type: ignore[arg-type]
+        SampleEdge(reasoning, None if tools is None else ToolCallStream(tools))
         for reasoning in reasonings
     ]
