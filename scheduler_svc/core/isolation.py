@@ -20,7 +20,9 @@ handed over when a lane loses its worker) a few group steps rather than N solo o
 
 Steps alternate: after each group step comes an ordinary one for every request that is
 not a suspect (running, or waiting: admitted as usual), so their streams go on while
-suspects are isolated; only requests of a group ever share a step.
+suspects are isolated; only requests of a group ever share a step. A request preempted
+meanwhile goes before the next group, as in the queue, unless that group is halfway
+through a prompt: it holds blocks that the others may need to finish.
 
 Suspects and solo failures survive a new worker's hello: a request that killed the last
 worker would kill the next one too. Called only from the Scheduler; the planner does the
@@ -68,15 +70,17 @@ class Isolation:
         other step an ordinary one (`max_prefill_tokens`: the step budget's cap) when it
         has work, else the next group of suspects, alone, with room made for one of them
         if none fits. The plan may feed nothing (the caller then skips the step)."""
+        group = self._next_group()
         # A request preempted by the others' growth waits ahead of the suspects: it goes
-        # first, as in the queue.
-        tried_ordinary = self._ordinary_turn or self._other_first_in_queue()
+        # first, as in the queue; not ahead of a group halfway through a prompt, which
+        # holds its blocks until it goes on (the others could wait for them forever).
+        started = group is not None and _holds_blocks(group)
+        tried_ordinary = self._ordinary_turn or (self._other_first_in_queue() and not started)
         self._ordinary_turn = False
         if tried_ordinary:
             built = self._ordinary(step_id, now, max_prefill_tokens)
             if built.plan.seq_ids:
                 return built, False
-        group = self._next_group()
         if group is not None:
             built = self._planner.plan(step_id, now, only=group)
             if not built.plan.seq_ids and not self._others(waiting=False):
@@ -218,6 +222,11 @@ class Isolation:
         for index, group in enumerate(self._groups):
             if any(request_id in request_ids for request_id in group):
                 self._groups[index] = [r for r in group if r not in request_ids]
+
+
+def _holds_blocks(group: list[Request]) -> bool:
+    """A request of `group` runs: it holds blocks between the group's steps."""
+    return any(request.state is RequestState.RUNNING for request in group)
 
 
 def _halves(request_ids: list[str]) -> list[list[str]]:

@@ -328,3 +328,39 @@ def test_a_step_that_only_preempted_is_planned_again_at_once():
     )
     streams, _ = run(workload)  # asserts that a plan is None only without work
     check_streams(workload, streams)
+
+
+def test_a_suspect_halfway_through_its_prompt_keeps_its_turn():
+    """Found by the cancels-and-failures property: a suspect recomputed in chunks (a lost
+    step fed it alone) held its blocks between group steps, while the requests that its
+    blocks made preempt themselves waited at the queue's head and went first, every step:
+    the longest could never finish, and nobody ever ended. A group halfway through a
+    prompt now keeps its turn every other step."""
+
+    def request(request_id, length, max_new_tokens, time_limit_s=None):
+        made = make_request(request_id, [0] * length, max_new_tokens=max_new_tokens)
+        return dataclasses.replace(made, time_limit_s=time_limit_s)
+
+    workload = Workload(
+        arrivals=[
+            (0, request("r9", 5, 10)),
+            (7, request("r6", 7, 8)),
+            (8, request("r0", 2, 2, 0.0)),
+            (8, request("r1", 12, 6)),
+            (8, request("r4", 8, 4, 0.0)),
+            (12, request("r8", 12, 8, 46.75)),
+            (15, request("r3", 7, 8, 0.0)),
+        ],
+        knobs=dict(
+            prefill_max_tokens=10,
+            admission_policy="deadline",
+            decode_first=False,
+            prefix_caching=False,
+        ),
+        geometry=make_geometry(
+            num_kv_blocks=27, block_size=1, max_context_tokens=20, vocab_size=60
+        ),
+        failures={6: "lost", 26: "lost"},
+    )
+    streams, _ = run(workload)  # "not finished after 3000 steps" before
+    check_streams(workload, streams)
