@@ -20,6 +20,7 @@ and a request's ToolCallReader, so that no call is read inside the thinking.
 
 from __future__ import annotations
 
+import codecs
 import enum
 from collections.abc import Callable
 
@@ -44,14 +45,14 @@ def thinking_of(rendered_prompt: str) -> Thinking:
 
 
 def sample_reasonings(
-    thinking: object, n: int, token_text: Callable[[int], str | None]
+    thinking: object, n: int, token_bytes: Callable[[int], bytes]
 ) -> list[SampleReasoning | None]:
     """The edge's reasoning of each of a request's n samples, given its
-    ValidRequest.thinking (None each when its output is not split) and each token's text
-    (None: part of a character)."""
+    ValidRequest.thinking (None each when its output is not split) and each token's bytes
+    as decoding gives them."""
     if not isinstance(thinking, Thinking):
         return [None] * n
-    return [SampleReasoning(thinking, token_text) for _ in range(n)]
+    return [SampleReasoning(thinking, token_bytes) for _ in range(n)]
 
 
 class _Part(enum.Enum):
@@ -158,19 +159,31 @@ class ReasoningSplit:
 
 class SampleReasoning:
     """The edge's part for one sample: the split of what the client sees, and the count of
-    the thinking's tokens (Usage.reasoning_tokens): those before the token that holds the
-    answer's first character, the tags and the blanks after </think> included. The
-    count replays each token's own text through a split of its own, so text that a stop
-    string or a tool call held back does not shift it."""
+    the thinking's tokens (Usage.reasoning_tokens): those before the first token that holds
+    (part of) the answer's first character, the tags and the blanks after </think>
+    included. The count replays each token's own bytes, decoded in turn, through a split of
+    its own, so text that a stop string or a tool call held back does not shift it, and a
+    character split across tokens (a blank such as U+3000 among them) counts where it
+    falls."""
 
-    __slots__ = ("split", "num_tokens", "_tokens", "_token_text", "_num_undecided")
+    __slots__ = (
+        "split",
+        "num_tokens",
+        "_tokens",
+        "_token_bytes",
+        "_decoder",
+        "_num_undecided",
+        "_num_partial",
+    )
 
-    def __init__(self, thinking: Thinking, token_text: Callable[[int], str | None]) -> None:
+    def __init__(self, thinking: Thinking, token_bytes: Callable[[int], bytes]) -> None:
         self.split = ReasoningSplit(thinking)
         self.num_tokens = 0
         self._tokens = ReasoningSplit(thinking, verbatim=True)
-        self._token_text = token_text
+        self._token_bytes = token_bytes
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._num_undecided = 0  # tokens of blanks or of "<thi" so far, under MAY_BEGIN
+        self._num_partial = 0  # tokens of a character not whole yet
 
     def push(self, text: str, token_ids, *, last: bool) -> tuple[str, str]:
         """One message's text and tokens -> its (reasoning, answer); `last`: the sample's
@@ -183,10 +196,14 @@ class SampleReasoning:
         for token_id in token_ids:
             if tokens.answering:
                 return
-            text = self._token_text(token_id)
-            tokens.push("\ufffd" if text is None else text)  # part of a character: no blank
+            text = self._decoder.decode(self._token_bytes(token_id))
+            self._num_partial += 1
+            if not text and self._decoder.getstate()[0]:
+                continue  # part of a character: counted with the token that ends it
+            tokens.push(text)
             if tokens.undecided:
-                self._num_undecided += 1
+                self._num_undecided += self._num_partial
             elif not tokens.answering:  # in the thinking, or closing it
-                self.num_tokens += self._num_undecided + 1
+                self.num_tokens += self._num_undecided + self._num_partial
                 self._num_undecided = 0
+            self._num_partial = 0

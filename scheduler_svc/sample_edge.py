@@ -86,11 +86,11 @@ def _hand_over_ending(
 
 
 def sample_edges(
-    valid: ValidRequest, n: int, token_text: Callable[[int], str | None]
+    valid: ValidRequest, n: int, token_bytes: Callable[[int], bytes]
 ) -> list[SampleEdge | None]:
     """The edge's reading of each of a request's n samples (None each where it has none),
-    given each token's text (None: part of a character), for a thinking model's count."""
-    reasonings = sample_reasonings(valid.thinking, n, token_text)
+    given each token's bytes, for a thinking model's count."""
+    reasonings = sample_reasonings(valid.thinking, n, token_bytes)
     tools = valid.tools
     if not (isinstance(tools, ValidTools) and tools.reads_calls and tools.streams):
         tools = None

@@ -331,15 +331,23 @@ def test_an_assistant_turns_thinking_reaches_the_template(thinking_model, tmp_pa
         (MAY_BEGIN, ["\n", "<think>", "x", "</think>", "Hi"], 4),  # its blanks before too
         (MAY_BEGIN, ["\n", " ", "Hi"], 0),  # no thinking: the blanks are the answer's
         (MAY_BEGIN, ["<th", "is"], 0),
-        (BEGUN, ["x", "</think>", "\n", None, "Hi"], 3),  # a character's first part answers
+        (
+            BEGUN,
+            ["x", "</think>", "\n", b"\xc3", b"\xa9t\xc3", b"\xa9"],
+            3,
+        ),  # "été": its first part answers
+        (BEGUN, ["x", "</think>", b"\xe3\x80", b"\x80", "Hi"], 4),  # U+3000, a blank in parts
+        (MAY_BEGIN, [b"\xe3", b"\x80\x80", "<think>", "x", "</think>", "A"], 5),
+        (BEGUN, ["x", "</think>", "", "Hi"], 3),  # a special token (no text) where it falls
     ],
 )
 def test_the_thinking_tokens_are_those_before_the_answers_first_character(
     thinking, texts, num_reasoning
 ):
     """Whatever messages carry them, and whatever text a stop string held back."""
+    pieces = [piece if isinstance(piece, bytes) else piece.encode() for piece in texts]
     for messages in ([[i] for i in range(len(texts))], [list(range(len(texts)))]):
-        sample = SampleReasoning(thinking, texts.__getitem__)
+        sample = SampleReasoning(thinking, pieces.__getitem__)
         for number, token_ids in enumerate(messages):
             sample.push("", token_ids, last=number == len(messages) - 1)
         assert sample.num_tokens == num_reasoning
