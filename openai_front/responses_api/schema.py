@@ -72,6 +72,9 @@ class ResponsesRequest(_Loose):
     stream: bool = False
     metadata: dict[str, str] | None = None  # echoed in the response
     max_tool_calls: int | None = Field(default=None, ge=1)  # of built-in tools: none here
+    # The chat template's extra variables, as chat completions take them (vLLM's name):
+    # {"enable_thinking": false} for Qwen3.
+    chat_template_kwargs: dict[str, Any] | None = None
     # Accepted and unused: the gRPC API has no use for them.
     user: str | None = None
     safety_identifier: str | None = None

@@ -61,6 +61,7 @@ def plan_response(body: ResponsesRequest, response_id: str) -> Plan:
             "text.format.schema",
         ),
         "request_id": response_id,
+        "chat_template_kwargs": body.chat_template_kwargs,
     }
     options = {name: value for name, value in options.items() if value is not None}
     tools = body.tools

@@ -6,6 +6,7 @@ client tests' fake gRPC server."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -220,3 +221,26 @@ def test_a_previous_responses_output_sent_back_is_a_conversation_with_its_thinki
         ("assistant", ANSWER, FAKE_THOUGHT),
         ("user", "more", ""),
     ]
+
+
+def test_chat_template_kwargs_reach_the_grpc_chat_from_the_responses_api(
+    thinking_server, fake_server
+):
+    async def scenario(sdk, _):
+        return await sdk.responses.create(
+            model="fake-model",
+            input="hi",
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        )
+
+    response = with_front(thinking_server, scenario)
+    sent = thinking_server.servicer.last_request("Chat")
+    assert json.loads(sent.chat_template_kwargs) == {"enable_thinking": False}
+    assert [item.type for item in response.output] == ["message"]  # the fake did not think
+
+    async def refused(_, http):
+        body = {"input": "hi", "chat_template_kwargs": "enable_thinking=false"}
+        return await http.post("/v1/responses", json=body)
+
+    reply = with_front(fake_server, refused)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "chat_template_kwargs"
