@@ -27,9 +27,8 @@ from tests.openai_front.scripted_chat import (
     scripted_server,
     token,
 )
+from tests.openai_front.test_tools import MESSAGES, TIME
 
-MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
-TIME = {"type": "function", "function": {"name": "get_time"}}
 HEADER = Header("chatcmpl-1", 5, "m", "chat")
 USAGE = Usage(prompt_tokens=9, completion_tokens=4, cached_prompt_tokens=0)
 
