@@ -353,6 +353,34 @@ def test_the_thinking_tokens_are_those_before_the_answers_first_character(
         assert sample.num_tokens == num_reasoning
 
 
+@settings(max_examples=400, deadline=None)
+@given(
+    pieces=st.lists(
+        st.sampled_from(["<think>", "</think>", " ", "\n", "\u3000", "\u00a0", "é", "a", "Hi"]),
+        max_size=12,
+    ),
+    cuts=st.lists(st.integers(min_value=0, max_value=80), max_size=10),
+    thinking=st.sampled_from([BEGUN, MAY_BEGIN]),
+)
+def test_the_count_is_the_tokens_before_the_first_byte_of_the_answer(pieces, cuts, thinking):
+    """Tokens cut the output's bytes anywhere, through multi-byte blanks and letters: the
+    thinking's tokens are those that end before the answer's first byte (all of them
+    when there is no answer)."""
+    text = "".join(pieces)
+    data = text.encode()
+    bounds = sorted({0, len(data), *(cut for cut in cuts if cut < len(data))})
+    tokens = [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    answer = expected(thinking, text)[1]
+    if answer:
+        answer_start = len(data) - len(answer.encode())
+        num_reasoning = sum(1 for end in bounds[1:] if end <= answer_start)
+    else:
+        num_reasoning = len(tokens)
+    sample = SampleReasoning(thinking, tokens.__getitem__)
+    sample.push(text, list(range(len(tokens))), last=True)
+    assert sample.num_tokens == num_reasoning
+
+
 def test_template_variables_may_not_forge_a_turn_marker(thinking_model, tmp_path):
     """A template that prints a caller's variable (as Llama 3's prints date_string) would
     write a special token's text where only the template writes them: refused, however
