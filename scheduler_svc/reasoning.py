@@ -197,13 +197,19 @@ class SampleReasoning:
             if tokens.answering:
                 return
             text = self._decoder.decode(self._token_bytes(token_id))
-            self._num_partial += 1
-            if not text and self._decoder.getstate()[0]:
-                continue  # part of a character: counted with the token that ends it
-            tokens.push(text)
-            if tokens.undecided:
-                self._num_undecided += self._num_partial
-            elif not tokens.answering:  # in the thinking, or closing it
-                self.num_tokens += self._num_undecided + self._num_partial
-                self._num_undecided = 0
-            self._num_partial = 0
+            # A token that ends inside a character goes where that character does: it is
+            # placed by the token that ends the character.
+            ends_inside = bool(self._decoder.getstate()[0])
+            if text or not ends_inside:
+                passed, _ = tokens.push(text)
+                num_placed = self._num_partial + (0 if ends_inside else 1)
+                if tokens.undecided:
+                    self._num_undecided += num_placed
+                elif not tokens.answering:  # in the thinking, or closing it
+                    self.num_tokens += self._num_undecided + num_placed
+                    self._num_undecided = 0
+                elif passed:  # the answer began in this token, after its text's first character
+                    self.num_tokens += self._num_undecided + self._num_partial
+                self._num_partial = 0
+            if ends_inside:
+                self._num_partial += 1
