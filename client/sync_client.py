@@ -102,18 +102,8 @@ class Client:
         messages: Iterable[Message],
         **options: Unpack[GenerationOptions],
     ) -> ChunkStream:
-        """Stream the assistant's answer to `messages` ({"role", "content"} dicts or pairs;
-        an assistant's calls of tools and the tools' answers as `convert.Message` says).
-
-        With `tools=`, the last chunk may carry the model's calls (`Chunk.tool_calls`,
-        finish_reason "tool_calls"); `tool_choice=` and `parallel_tool_calls=` steer them.
-        `stream_tool_calls=True` also streams each call as the model writes it, in pieces
-        (`Chunk.tool_call_deltas`: the first with its id and name, then its arguments' text).
-        A model that thinks (`ModelInfo.thinks`) streams its thinking in
-        `Chunk.reasoning_text`, before the answer in `Chunk.text`.
-        `chat_template_kwargs=` (a dict, sent as JSON) gives the chat template extra
-        variables, e.g. {"enable_thinking": False} for Qwen3 to answer without thinking.
-        """
+        """Stream the assistant's answer to `messages`: the messages and options, tools,
+        streamed calls and thinking as AsyncClient.chat says."""
         return self._open(lambda: self._client.chat(messages, **options))
 
     def complete(

@@ -260,16 +260,9 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         return wanted or default
 
-    def _stream(
-        self,
-        request,
-        context,
-        prompt: str,
-        num_prompt_tokens: int,
-        pieces: list[str],
-        calls: FakeCalls = NO_CALLS,
-        thought=(),
-    ):
+    def _stream(self, request, context, *answer):
+        """Answer `request` (`answer`: _respond's prompt, num_prompt_tokens, pieces and
+        optional calls and thought), recording a cancellation by the client."""
         request_id = request.request_id or f"fake-{next(self._ids)}"
         # The handler's own endings set `handled`; any other end of the RPC is the client's
         # cancellation (or deadline). Registered before anything is sent, since a callback
@@ -284,17 +277,7 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not context.add_callback(on_rpc_end):
             on_rpc_end()
         try:
-            yield from self._respond(
-                request,
-                request_id,
-                context,
-                prompt,
-                num_prompt_tokens,
-                pieces,
-                calls,
-                thought,
-                ended,
-            )
+            yield from self._respond(request, request_id, context, ended, *answer)
         finally:
             handled.set()
 
@@ -303,12 +286,12 @@ class FakeGenerationServicer(generation_pb2_grpc.GenerationServicer):
         request,
         request_id,
         context,
-        prompt,
-        num_prompt_tokens,
-        pieces,
-        calls,
-        thought,
         ended,
+        prompt: str,
+        num_prompt_tokens: int,
+        pieces: list[str],
+        calls: FakeCalls = NO_CALLS,
+        thought=(),
     ):
         arrival = time.perf_counter()
         if prompt.startswith("error:"):
