@@ -16,11 +16,10 @@ from pagoda.scheduler_svc.reasoning import Thinking
 from tests.conftest import long_context_copy, make_thinking
 from tests.e2e.conftest import running_service
 from tests.e2e.test_tool_calls import assert_streamed_as_whole
+from tests.e2e.test_tool_calls import chat as tool_calls_chat
 from tests.unit.test_reasoning import expected
 
 pytestmark = pytest.mark.slow
-
-QUESTION = pb.ChatMessage(role="user", content="The weather in Paris?")
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +32,7 @@ def thinking_service(tiny_model_factory, tmp_path_factory):
 
 
 def chat(service, **fields) -> list[pb.GenerateResponse]:
-    fields.setdefault("messages", [QUESTION])
-    fields.setdefault("stopping", pb.StoppingCriteria(max_new_tokens=24))
-    with service.channel() as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        return list(stub.Chat(pb.ChatRequest(**fields), timeout=300))
+    return tool_calls_chat(service, max_new_tokens=24, **fields)
 
 
 def decoded(service, responses) -> str:

@@ -44,9 +44,10 @@ def service(tiny_model_factory, tmp_path_factory):
         yield running
 
 
-def chat(service, **fields) -> list[pb.GenerateResponse]:
+def chat(service, max_new_tokens: int = 64, **fields) -> list[pb.GenerateResponse]:
+    """The responses of a Chat (QUESTION, and `max_new_tokens`, unless `fields` say)."""
     fields.setdefault("messages", [QUESTION])
-    fields.setdefault("stopping", pb.StoppingCriteria(max_new_tokens=64))
+    fields.setdefault("stopping", pb.StoppingCriteria(max_new_tokens=max_new_tokens))
     with service.channel() as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         return list(stub.Chat(pb.ChatRequest(**fields), timeout=300))
