@@ -140,14 +140,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         del request
         await answer_logged(context, handling, record)
 
-    def _token_bytes(self, token_id: int) -> bytes:
-        """A generated token's own bytes as decoding gives them (a special token's none),
-        for the count of a thinking model's reasoning tokens."""
-        table = self._tokenizer.token_bytes()
-        if table is None:  # not byte-level BPE: decoded alone
-            return self._tokenizer.decode([token_id]).encode()
-        return table[token_id] if token_id < len(table) else b""
-
     def _call_record(self, method: str, context) -> CallRecord | None:
         return call_record(method, context) if self._config.access_log else None
 
@@ -173,7 +165,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # with DEADLINE_EXCEEDED, and its request is cancelled, under any policy).
         valid = dataclasses.replace(valid, time_limit_s=context.time_remaining())
         slots = self._submit(valid)
-        edges = sample_edges(valid, len(slots), self._token_bytes)
+        edges = sample_edges(valid, len(slots), self._tokenizer.decoded_bytes)
         try:
             if len(slots) == 1:
                 slot, edge = slots[0], edges[0]

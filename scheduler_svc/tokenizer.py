@@ -148,16 +148,19 @@ class TextTokenizer:
             )
         return self._byte_tables[skip_special_tokens]
 
-    def logprob_bytes(self, token_id: int) -> bytes:
-        """A token's text as bytes for its logprobs: the byte table where decoding is
-        concatenation (byte-level BPE), else the token decoded alone; a special token (no
-        text in the table) is spelled as the vocabulary has it."""
+    def decoded_bytes(self, token_id: int) -> bytes:
+        """A token's bytes as decoding gives them: the byte table where decoding is
+        concatenation (byte-level BPE), else the token decoded alone; none for a special
+        token (decoding skips it) or an id beyond the table."""
         table = self.token_bytes()
-        if table is not None:
-            piece = table[token_id] if token_id < len(table) else b""
-        else:
-            piece = self.decode([token_id]).encode()
-        return piece or self.id_to_piece(token_id).encode()
+        if table is None:
+            return self.decode([token_id]).encode()
+        return table[token_id] if token_id < len(table) else b""
+
+    def logprob_bytes(self, token_id: int) -> bytes:
+        """A token's text as bytes for its logprobs: its decoded bytes, and a special token
+        (none) spelled as the vocabulary has it."""
+        return self.decoded_bytes(token_id) or self.id_to_piece(token_id).encode()
 
     def token_texts(self, skip_special_tokens: bool = True) -> list[str | None] | None:
         """Each token's text when its `token_bytes` are whole UTF-8 characters, else None

@@ -84,6 +84,9 @@ class CountingTokenizer:
     def id_to_piece(self, token_id: int) -> str:
         return "x"
 
+    def decoded_bytes(self, token_id: int) -> bytes:
+        return b"x"
+
     def encode_chat(self, rendered: str, contents: list[str]) -> list[int]:
         return self.encode(rendered, add_special_tokens=False)
 
