@@ -1,6 +1,7 @@
-"""How a call of a tool is written: a call object whole (call_of, calls_of), and read piece
-by piece (for tool_call_stream.py) the head of a call, {"name": a declared tool,
-"arguments": up to the arguments' "{", and where a JSON value that began ends."""
+"""How a call of a tool is written: where a tagged call may begin in text
+(shown_before_call), a call object whole (call_of, calls_of), and read piece by piece (for
+tool_call_stream.py) the head of a call, {"name": a declared tool, "arguments": up to the
+arguments' "{", and where a JSON value that began ends."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import enum
 import json
 import secrets
 from typing import Any
+
+from pagoda.scheduler_svc.stop_strings import held_back_length
+from pagoda.scheduler_svc.tools import CALL_OPEN
 
 BLANKS = " \t\n\r"  # JSON's whitespace
 
@@ -17,6 +21,16 @@ Call = tuple[str, str]
 
 def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
+
+
+def shown_before_call(text: str) -> tuple[str, int]:
+    """The part of `text` (outside calls, tagged formats) a client may see now, and where
+    "<tool_call>" begins in it (-1: nowhere). What may begin the tag at the end waits, and
+    so do the blanks before it or at the end: before a call they are no text of the answer
+    (a model writes "\n\n<tool_call>")."""
+    start = text.find(CALL_OPEN)
+    end = start if start >= 0 else len(text) - held_back_length(text, (CALL_OPEN,))
+    return text[:end].rstrip(), start
 
 
 class ScanEnd(enum.Enum):

@@ -32,6 +32,7 @@ from pagoda.scheduler_svc.call_syntax import (
     new_call_id,
     parse_json,
     read_head,
+    shown_before_call,
 )
 from pagoda.scheduler_svc.core import ToolCall
 from pagoda.scheduler_svc.stop_strings import held_back_length
@@ -143,17 +144,13 @@ class ToolCallStream:
         if self._after_call:
             buffer = buffer.lstrip()
             self._after_call = not buffer
-        start = buffer.find(CALL_OPEN)
+        shown, start = shown_before_call(buffer)
+        self._show(shown)
         if start >= 0:
-            shown = buffer[:start].rstrip()
-            self._show(shown)
             self._before = buffer[len(shown) : start]
             self._buffer = buffer[start + len(CALL_OPEN) :]
             self._mode = _Mode.HEAD
             return True
-        # Blanks at the end wait too: before a call they are no text.
-        shown = buffer[: len(buffer) - held_back_length(buffer, (CALL_OPEN,))].rstrip()
-        self._show(shown)
         self._buffer = buffer[len(shown) :]
         return False
 

@@ -24,14 +24,19 @@ from __future__ import annotations
 
 import json
 
-from pagoda.scheduler_svc.call_syntax import Call, call_of, calls_of, new_call_id, parse_json
+from pagoda.scheduler_svc.call_syntax import (
+    Call,
+    call_of,
+    calls_of,
+    new_call_id,
+    parse_json,
+    shown_before_call,
+)
 from pagoda.scheduler_svc.core import ToolCall
 from pagoda.scheduler_svc.reasoning import ReasoningSplit, Thinking
-from pagoda.scheduler_svc.stop_strings import StopStringMatcher, held_back_length
+from pagoda.scheduler_svc.stop_strings import StopStringMatcher
 from pagoda.scheduler_svc.tool_call_stream import ToolCallStream
 from pagoda.scheduler_svc.tools import CALL_CLOSE, CALL_OPEN, ToolChoice, ToolFormat, ValidTools
-
-_OPENING = (CALL_OPEN,)
 
 
 class ToolCallReader:
@@ -144,15 +149,11 @@ class ToolCallReader:
                 return ""
             self._plain = True
             return buffer
-        # Blanks at the end are held too: before a call they are no text of the answer
-        # (a model writes "\n\n<tool_call>"), so an answer of calls alone shows none.
-        index = buffer.find(CALL_OPEN)
-        if index >= 0:
-            shown = buffer[:index].rstrip()
+        shown, start = shown_before_call(buffer)  # so an answer of calls alone shows none
+        if start >= 0:
             self._pending = ""
-            self._held = buffer[len(shown) : index]
-            return shown + self._read(buffer[index:])
-        shown = buffer[: len(buffer) - held_back_length(buffer, _OPENING)].rstrip()
+            self._held = buffer[len(shown) : start]
+            return shown + self._read(buffer[start:])
         self._pending = buffer[len(shown) :]
         return shown
 
