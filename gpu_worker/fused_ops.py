@@ -14,8 +14,11 @@ function here is one launch:
 
 Numerics follow the torch expressions they replace, with the same roundings to the input
 dtype where those round (the sum before the norm, the normalised value before the weight,
-SiLU before the product); reductions are fp32, and RoPE is computed in fp32 and rounded
-once (HF rounds cos/sin and each product to the model dtype). Shapes come from the tensors
+SiLU before the product); reductions are fp32. RoPE rounds as HF's expression does, bit for
+bit: cos/sin and each product to the model dtype, then the sum. It is compiled without
+floating-point contraction (`ROTARY_OPTIONS`): with it, sm_90 code fused a product and the
+sum into one fma.rn.bf16, which skips the product's rounding (the H200 lease of 2026-11-29
+found elements one unit off in bfloat16 and in float32 on every shape). Shapes come from the tensors
 alone and nothing reads back to the host, so every launch can be captured in a CUDA graph.
 
 Triton is needed (CUDA paths only; pagoda.gpu_worker.fused_model decides when). With
@@ -203,6 +206,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out.view(*gate_up.shape[:-1], num_cols)
 
 
+# No floating-point contraction: an FMA of a product and the sum skips the product's rounding.
+ROTARY_OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
+
+
 def rotary_in_place(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -235,7 +242,7 @@ def rotary_in_place(
         HEADS_PAD=triton.next_power_of_2(max(num_heads, num_kv_heads)),
         HALF=half,
         HALF_PAD=triton.next_power_of_2(half),
-        num_warps=4,
+        **ROTARY_OPTIONS,
     )
 
 

@@ -240,7 +240,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from pagoda.gpu_worker import fused_ops as ops
 
-def compile_kernel(fn, constants, pointer_types=None):
+def compile_kernel(fn, constants, pointer_types=None, options=None):
     signature = {}
     for name in fn.arg_names:
         if name in constants:
@@ -251,18 +251,24 @@ def compile_kernel(fn, constants, pointer_types=None):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-    triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32))
+    kernel = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
+                            options=options)
+    return kernel.asm["ptx"]
 
 for hidden in (128, 1024, 2048):
     for residual in (False, True):
         compile_kernel(ops._rms_norm_kernel, dict(HAS_RESIDUAL=residual,
                        BLOCK=triton.next_power_of_2(hidden)))
 compile_kernel(ops._silu_and_mul_kernel, dict(BLOCK=ops.SILU_BLOCK))
-rotary_pointers = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32"}
-for heads, kv_heads, head_dim in ((16, 8, 128), (32, 8, 64)):
-    compile_kernel(ops._rotary_kernel, dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads,
-                   HEADS_PAD=heads, HALF=head_dim // 2, HALF_PAD=head_dim // 2),
-                   rotary_pointers)
+for dtype, multiply in (("*bf16", "mul.rn.bf16"), ("*fp32", "mul.rn.f32")):
+    rotary_pointers = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32",
+                       "query_ptr": dtype, "key_ptr": dtype}
+    for heads, kv_heads, head_dim in ((16, 8, 128), (32, 8, 64)):
+        ptx = compile_kernel(ops._rotary_kernel, dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads,
+                             HEADS_PAD=heads, HALF=head_dim // 2, HALF_PAD=head_dim // 2),
+                             rotary_pointers, ops.ROTARY_OPTIONS)
+        # Each product rounded on its own, as HF's RoPE rounds it: no fma of product and sum.
+        assert "fma." not in ptx and multiply in ptx, (dtype, head_dim)
 print("compiled")
 """
 
