@@ -142,6 +142,7 @@ def test_rotary_in_place_matches_hf(ops, dtype, num_heads, num_kv_heads, head_di
         # Rounded where HF rounds (table, products, sum), so bit for bit: the single
         # rounding the kernel first had differed from HF on 30% of bfloat16 elements, and the
         # engine's bfloat16 greedy parity with generate() fell from 5/6 to 0/6 (H200 lease).
+        # An FMA skips a product's rounding too: ROTARY_OPTIONS turns contraction off.
         assert torch.equal(query, expected_query) and torch.equal(key, expected_key)
     else:  # the interpreter truncates each of the four casts to bfloat16 instead of rounding
         tolerance = {k: 3 * v for k, v in TOLERANCE[dtype].items()}
