@@ -1184,6 +1184,26 @@ def timed_ms(fn, warmup: int, rep: int) -> float:
     return statistics.median(times)
 
 
+def graphed_us(fn, calls: int = 20) -> float:
+    """Median microseconds of one call of fn among `calls` replayed in one CUDA graph: the
+    GPU's time without the host's launches (do_bench times each call from the host, and a
+    small decode call's Python launches take longer than its kernels). The graph's first
+    call starts with a cold L2; K/V that fits in L2 stays there for the others."""
+    import triton
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    ms = triton.testing.do_bench(graph.replay, warmup=5, rep=50, return_mode="median")
+    return ms / calls * 1e3
+
+
 def kbench() -> None:
     """The attention kernel alone: decode GB/s of K/V read and prefill TFLOP/s, beside dense
     torch SDPA on the same shapes (a yardstick: contiguous K/V, no block table)."""
@@ -1215,11 +1235,16 @@ def kbench() -> None:
             v = torch.randn_like(k)
             q = torch.randn(batch, heads, 1, head_dim, device=DEV, dtype=dtype)
             sdpa_ms = timed_ms(partial(sdpa, q, k, v, enable_gqa=True), warmup=25, rep=100)
+            # As the decode step runs it: inside a CUDA graph, no launch from the host.
+            graphed = ""
+            if DEV == "cuda":
+                in_graph = graphed_us(attention), graphed_us(partial(attention, num_segments=1))
+                graphed = f"; in a graph {in_graph[0]:6.1f} us, unsplit {in_graph[1]:6.1f} us"
             say(
                 "TIME",
                 f"kbench decode {name} B={batch:3d} ctx={ctx:5d}: triton {ms * 1e3:8.1f} us "
-                f"({gbytes / ms * 1e3:5.0f} GB/s; unsplit {unsplit_ms * 1e3:8.1f} us) | dense SDPA "
-                f"{sdpa_ms * 1e3:8.1f} us ({gbytes / sdpa_ms * 1e3:5.0f} GB/s)",
+                f"({gbytes / ms * 1e3:5.0f} GB/s; unsplit {unsplit_ms * 1e3:8.1f} us{graphed}) | "
+                f"dense SDPA {sdpa_ms * 1e3:8.1f} us ({gbytes / sdpa_ms * 1e3:5.0f} GB/s)",
             )
             del case, args, attention, k, v, q
         for n in prefill_lengths:
@@ -1242,6 +1267,52 @@ def kbench() -> None:
                 f"TFLOP/s) | SDPA causal {sdpa_ms:.3f} ms ({flops / sdpa_ms / 1e9:.0f} TFLOP/s)",
             )
             del case, args, q, k
+
+
+def tune() -> None:
+    """The decode launch swept where it reads the most K/V (no split): in-graph microseconds
+    of one call for each key tile, num_warps and num_stages, the defaults
+    (triton_paged.key_tile and launch_options) marked. Data for choosing them; changes
+    nothing."""
+    import itertools
+    from functools import partial
+
+    from pagoda.gpu_worker.attention import triton_paged as tp
+
+    dtype = torch.float32 if SMOKE else torch.bfloat16
+    cases = [("qwen3-0.6b", (16, 8, 128), 256, 1024), ("llama3.2-1b", (32, 8, 64), 256, 1024)]
+    configs = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
+    if SMOKE:
+        cases, configs = [("tiny", (4, 2, 16), 4, 48)], configs[:2]
+    key_tile, launch_options = tp.key_tile, tp.launch_options
+    try:
+        for name, (heads, kv_heads, head_dim), batch, ctx in cases:
+            default = (key_tile(head_dim, 16), *launch_options(16).values())
+            case = make_case([(ctx - 1, 1)] * batch, heads, kv_heads, head_dim, 16, dtype)
+            args = (case["q"], case["kc"], case["vc"], case["qsl"], case["cls"], case["bt"])
+            attention = partial(tp.paged_attention, *args, max_query_len=1, scale=head_dim**-0.5)
+            results = []
+            for tile_n, warps, stages in configs:
+                tp.key_tile = lambda *_, tile_n=tile_n: tile_n
+                tp.launch_options = lambda _, w=warps, s=stages: {"num_warps": w, "num_stages": s}
+                label = f"tune decode {name} B={batch} ctx={ctx} TILE_N={tile_n:3d} warps={warps} stages={stages}"
+                try:
+                    us = graphed_us(attention) if DEV == "cuda" else timed_ms(attention, 1, 1) * 1e3
+                except Exception as error:  # a variant past the shared memory: noted, skipped
+                    say("INFO", f"{label}: {type(error).__name__}")
+                    continue
+                results.append((us, (tile_n, warps, stages)))
+                mark = " (default)" if (tile_n, warps, stages) == default else ""
+                say("TIME", f"{label}: {us:7.1f} us{mark}")
+            best_us, best = min(results)
+            default_us = dict((c, u) for u, c in results).get(default, float("nan"))
+            say(
+                "INFO",
+                f"tune best {name}: {best} {best_us:.1f} us; default {default} {default_us:.1f} us",
+            )
+            del case, args, attention
+    finally:
+        tp.key_tile, tp.launch_options = key_tile, launch_options
 
 
 # --------------------------------------------------------------------------- the service
@@ -1450,6 +1521,7 @@ if __name__ == "__main__":
         "kernels": kernels,
         "engine": engine,
         "kbench": kbench,
+        "tune": tune,
         "make-model": lambda: make_model(ARGS[1], ARGS[2]),
         "startup-bench": lambda: startup_bench(ARGS[1]),
         "service": lambda: service(ARGS[1]),

@@ -100,6 +100,8 @@ rm -rf "$MODELS/qwen3-0.6b"
 step service 110 $CHECK service "$MODELS/default-shaped"
 # 5. The attention kernel alone against torch SDPA: decode GB/s, prefill TFLOP/s.
 step kbench 50 $CHECK kbench
+# 5b. Only when named in GPU_CHECK_STEPS: the decode launch's tile and pipelining swept.
+step tune 120 $CHECK tune
 # 6. The kernels at real shapes and block sizes in bf16/fp16/fp32 vs an fp32 reference.
 step kernels 60 $CHECK kernels
 # 7. If time is left: the start path and timings on a Llama-3.2-1B-shaped model.

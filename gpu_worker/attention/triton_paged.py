@@ -445,8 +445,7 @@ def paged_attention(
         USE_WINDOW=sliding_window is not None,
         # fp32 stays fp32 (tl.dot's default is tf32 on CUDA); half types use the default.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4,
-        num_stages=3 if block_m == 16 else 2,
+        **launch_options(block_m),
     )
     if segments > 1:
         _reduce_segments_kernel[(num_tokens, num_heads)](
@@ -486,6 +485,12 @@ def key_tile(head_dim: int, block_m: int) -> int:
     """Keys per iteration: 64 while the K and V tiles stay within registers and shared
     memory at this head size, 32 at a head size of 256 with 64 query rows."""
     return 32 if triton.next_power_of_2(head_dim) * block_m > 128 * 64 else 64
+
+
+def launch_options(block_m: int) -> dict[str, int]:
+    """num_warps and num_stages by query tile: a decode tile (16 matrix rows) pipelines one
+    more key tile ahead. `make gpu-check`'s tune step sweeps these and key_tile's choice."""
+    return {"num_warps": 4, "num_stages": 3 if block_m == 16 else 2}
 
 
 def _check_head_size(head_dim: int, compiled: bool) -> None:
