@@ -1,14 +1,19 @@
 """The numeric path of the forward: float32 Linear layers made batch-invariant on the CPU,
 and the one-line description GetModelInfo and `pagoda info` report.
 
-A float32 GEMM on the CPU (oneDNN/MKL) takes another kernel for a few rows than for many:
-measured here, a row's bits differ at 1-3, 5-7 and 9-11 rows from any multiple of 4 or
-12+ rows, whatever the layer's shape. A decode step of one sequence and the same
-sequence inside a batch would then differ in the last bits, and a greedy chain can part
-there. So on the CPU every float Linear left in the model (all of them under `none`, the
-float layers and the rescored head under `int8`) pads its rows to a multiple of
-ROW_MULTIPLE below MIN_EXACT_ROWS: zero rows, computed and dropped.
-tests/worker/test_batch_invariance.py holds the whole forward to bit-exact logprobs.
+A float32 GEMM on the CPU (oneDNN/MKL) takes another kernel for a few rows than for many,
+so a row's bits depend on how many rows share its call. Where, depends on the CPU:
+- on an AMD EPYC: at 1-3, 5-7 and 9-11 rows against any multiple of 4 or 12+ rows;
+- on an Intel Xeon with AVX-512 and AMX (2026-11-29): at 1 row, at 2-15 rows, and for
+  SmolLM2's down projection (1,536 -> 576) at 57-192 rows too, against 16-56 or 193+ rows,
+  whatever the padding to a multiple.
+A decode step of one sequence and the same sequence inside a batch or a prefill would then
+differ in the last bits, and a greedy chain can part there. So on the CPU every float
+Linear left in the model (all of them under `none`, the float layers and a float32 head
+under `int8`) multiplies ROWS rows at a time: its input padded with zero rows to a multiple
+of ROWS and cut into calls of exactly ROWS rows. Every row then goes through the same
+kernel on every CPU, whatever its batch. tests/worker/test_numerics.py holds one layer to
+that, tests/worker/test_batch_invariance.py the whole forward, both bit for bit.
 
 On CUDA nothing here applies: cuBLAS may also pick kernels by shape; what holds there is
 stated in docs/benchmarks.md ("Batch invariance").
@@ -19,14 +24,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ROW_MULTIPLE = 4
-MIN_EXACT_ROWS = 12
+# Rows per GEMM call: one decode row costs a 16-row GEMM, which reads the same weights.
+ROWS = 16
 
 
 class BatchInvariantLinear(torch.nn.Module):
-    """`inner` (a Linear, or GPT-2's Conv1D) called on its input padded with zero rows to
-    a multiple of ROW_MULTIPLE when it has fewer than MIN_EXACT_ROWS; keeps `inner`'s
-    weights (no copy) and its attributes."""
+    """`inner` (a Linear, or GPT-2's Conv1D) called ROWS rows at a time, its input padded
+    with zero rows to a multiple of ROWS; keeps `inner`'s weights (no copy) and its
+    attributes."""
 
     def __init__(self, inner: torch.nn.Module) -> None:
         super().__init__()
@@ -41,10 +46,10 @@ class BatchInvariantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         num_rows = rows.shape[0]
-        if num_rows >= MIN_EXACT_ROWS or num_rows % ROW_MULTIPLE == 0:
+        if num_rows in (0, ROWS):
             return self.inner(x)
-        padding = ROW_MULTIPLE - num_rows % ROW_MULTIPLE
-        out = self.inner(F.pad(rows, (0, 0, 0, padding)))[:num_rows]
+        padded = F.pad(rows, (0, 0, 0, -num_rows % ROWS))
+        out = torch.cat([self.inner(part) for part in padded.split(ROWS)])[:num_rows]
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
