@@ -7,7 +7,9 @@ and its softmax and P.V sums change their order with the padded key count (measu
 a decode row gave other bits alone, beside a longer row, and as the last row of a
 prefill). So every reduction here has a fixed shape:
 - q.k: one matmul whose reduction is head_dim; the rows of a call are padded to a
-  multiple of ROW_MULTIPLE (oneDNN/MKL take another kernel for 1-3 rows);
+  multiple of ROW_MULTIPLE (oneDNN/MKL take other kernels for a few rows: 1-3 on an AMD
+  EPYC; on an Intel Xeon with AVX-512, at head sizes of 128 and 256, up to 15, so a
+  multiple of 4 was not enough there);
 - the softmax denominator and P.V are summed per KEY_BLOCK keys (fixed-size sums), then
   across blocks with cumsum, which adds in order: blocks of padding add exact zeros.
 tests/worker/test_batch_invariance.py holds this to bit-exact logprobs.
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 KEY_BLOCK = 64
-ROW_MULTIPLE = 4
+ROW_MULTIPLE = 16
 # A causal prefill attends in blocks of this many queries, each over the keys up to its
 # last query (rounded up to KEY_BLOCK): the masked upper triangle is mostly not computed.
 # A row's result is the same either way (its extra keys are masked: exact zeros).
