@@ -77,12 +77,9 @@ def test_padded_pieces_give_the_eager_engines_tokens_and_logprobs(llama_models):
     engine = piecewise_engine(llama_models, steps)
     tokens, logprobs, scheduler = chunked_run(engine, prompts)
     assert tokens == plain_tokens
-    # Padded rows change no real row beyond the GEMM's rounding: a step of 1-2 rows and the
-    # same rows padded to 16 take different MKL kernels on an Intel CPU (one unit of float32
-    # apart), as cuBLAS picks kernels by row count on CUDA.
-    for (lp, top), (plain_lp, plain_top) in zip(logprobs, plain_logprobs, strict=True):
-        assert lp == pytest.approx(plain_lp, abs=1e-5)
-        assert top == pytest.approx(plain_top, abs=1e-5)
+    # Padded rows change no real row, to the bit: on the CPU every float layer multiplies 16
+    # rows per call (numerics.py), so a row's bits do not depend on the padding's count.
+    assert logprobs == plain_logprobs
     assert tokens == {i: llama_models.greedy(p, 10) for i, p in enumerate(prompts)}
     padded = [n for n in steps if n not in BUCKETS]
     assert len(padded) > len(prompts)  # mixed steps of odd sizes ran padded
