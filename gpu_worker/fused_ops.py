@@ -18,8 +18,9 @@ SiLU before the product); reductions are fp32. RoPE rounds as HF's expression do
 bit: cos/sin and each product to the model dtype, then the sum. It is compiled without
 floating-point contraction (`ROTARY_OPTIONS`): with it, sm_90 code fused a product and the
 sum into one fma.rn.bf16, which skips the product's rounding (the H200 lease of 2026-11-29
-found elements off in bfloat16 and in float32 on every shape tested). Shapes come from the tensors
-alone and nothing reads back to the host, so every launch can be captured in a CUDA graph.
+found elements off in bfloat16 and in float32 on every shape tested). Shapes come from the
+tensors alone and nothing reads back to the host, so every launch can be captured in a CUDA
+graph.
 
 Triton is needed (CUDA paths only; pagoda.gpu_worker.fused_model decides when). With
 TRITON_INTERPRET=1 set before triton is first imported the kernels run on CPU tensors:
