@@ -9,7 +9,9 @@
 # .gpu-model/ (the default model's configuration and tokenizer, not its weights) here; the
 # device call carries both. Every step runs under its own timeout inside one deadline
 # (GPU_CHECK_DEADLINE_S); GPU_CHECK_STEPS picks steps by name. Output: $OUT/gpu_check.log
-# (everything) and $OUT/summary.txt (the PASS/FAIL/TIME lines and each step's exit status).
+# (everything), $OUT/summary.txt (the PASS/FAIL/TIME lines and each step's exit status) and,
+# from the bench-worker step, $OUT/benchmarks.md (docs/benchmarks.md with its generated
+# `make bench-worker --device cuda` section filled in).
 set -u
 REPO=$(pwd)
 DRY_RUN=""
@@ -18,7 +20,7 @@ OUT=${OUT:-$(mktemp -d /tmp/pagoda-gpu-check-XXXXXX)}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 DEADLINE_S=${GPU_CHECK_DEADLINE_S:-540}
-STEPS=${GPU_CHECK_STEPS:-"pytest-cuda engine make-qwen3 bench-qwen3 service kbench kernels make-llama bench-llama"}
+STEPS=${GPU_CHECK_STEPS:-"pytest-cuda engine make-qwen3 bench-qwen3 bench-worker service kbench kernels make-llama bench-llama"}
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/pagoda-triton-cache}
 MODELS=$(mktemp -d /tmp/pagoda-gpu-models-XXXXXX)
 trap 'rm -rf "$MODELS"' EXIT
@@ -94,6 +96,14 @@ step engine 100 $CHECK engine
 #    model, then decode and prefill step timings with the roofline beside them.
 step make-qwen3 40 $CHECK make-model qwen3-0.6b "$MODELS/qwen3-0.6b"
 step bench-qwen3 100 $CHECK startup-bench "$MODELS/qwen3-0.6b"
+# 3b. `make bench-worker --device cuda` on the same model: the engine beside transformers'
+#     forward per step shape, its table written into a copy of docs/benchmarks.md in $OUT.
+WORKER_CASES=(--device cuda --decode-batches 1,64,256 --contexts 1024 --prefill-lengths 512,2048)
+[[ -n $DRY_RUN ]] && WORKER_CASES=(--device cpu --decode-batches 1,4 --contexts 48
+  --prefill-lengths 32 --no-mixed)
+[[ " $STEPS " == *" bench-worker "* ]] && cp docs/benchmarks.md "$OUT/benchmarks.md"
+step bench-worker 120 $PY -m benchmarks.worker_step --model "$MODELS/qwen3-0.6b" \
+  "${WORKER_CASES[@]}" --repeats 3 --write-docs "$OUT/benchmarks.md"
 rm -rf "$MODELS/qwen3-0.6b"
 # 4. The service end to end: worker + scheduler processes on the default model's shape,
 #    greedy gRPC text vs generate(), then two make bench workloads against it.

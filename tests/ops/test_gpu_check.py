@@ -13,7 +13,9 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # pytest-cuda is left out: those test files run in this suite anyway.
-STEPS = "engine make-qwen3 bench-qwen3 service kbench tune kernels make-llama bench-llama"
+STEPS = (
+    "engine make-qwen3 bench-qwen3 bench-worker service kbench tune kernels make-llama bench-llama"
+)
 
 
 @pytest.mark.slow
