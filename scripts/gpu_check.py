@@ -1189,8 +1189,6 @@ def graphed_us(fn, calls: int = 20) -> float:
     GPU's time without the host's launches (do_bench times each call from the host, and a
     small decode call's Python launches take longer than its kernels). The graph's first
     call starts with a cold L2; K/V that fits in L2 stays there for the others."""
-    import triton
-
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -1200,8 +1198,7 @@ def graphed_us(fn, calls: int = 20) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    ms = triton.testing.do_bench(graph.replay, warmup=5, rep=50, return_mode="median")
-    return ms / calls * 1e3
+    return timed_ms(graph.replay, warmup=5, rep=50) / calls * 1e3
 
 
 def kbench() -> None:
