@@ -30,6 +30,7 @@ from pagoda.openai_front.config import FrontConfig
 from pagoda.openai_front.errors import (
     FrontError,
     from_pagoda,
+    in_endpoint_terms,
     invalid,
     model_not_found,
     param_for,
@@ -316,11 +317,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error.body(), status_code=error.status)
 
     def named(error: FrontError, request: Request) -> FrontError:
-        """The error with `param` named for the endpoint called, when a scheduler's
-        refusal said which field it refused."""
-        if error.param is None and error.refused_field is not None:
+        """A scheduler's refusal in the terms of the endpoint called: `param` named for
+        the field it refused, the fields its sentence names spelled as the body does."""
+        if error.refused_field is not None:
             endpoint = _ENDPOINTS.get(request.url.path)
-            error.param = param_for(error.refused_field, endpoint)
+            if error.param is None:
+                error.param = param_for(error.refused_field, endpoint)
+            error.message = in_endpoint_terms(error.message, endpoint)
         return error
 
     @app.exception_handler(FrontError)
@@ -338,10 +341,17 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, error: RequestValidationError) -> JSONResponse:
         problem = error.errors()[0] if error.errors() else {}
+        kind = problem.get("type")
+        if kind == "json_invalid":  # its location is a character offset, not a field
+            reason = problem.get("ctx", {}).get("error", "")
+            where = f" at character {problem['loc'][-1]}" if len(problem["loc"]) > 1 else ""
+            return reply(
+                invalid(f"the request body is not valid JSON{where}: {reason}".rstrip(": "))
+            )
         location = [str(part) for part in problem.get("loc", ()) if part != "body"]
         param = ".".join(location) or None
         message = problem.get("msg", "the request body is not valid")
-        if problem.get("type") in ("json_invalid", "model_attributes_type"):
+        if kind == "model_attributes_type":
             message = "the request body must be a JSON object"
         where = f"{param}: " if param else ""
         return reply(invalid(f"{where}{message}", param))

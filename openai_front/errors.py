@@ -106,6 +106,21 @@ def param_for(field: str, endpoint: str | None) -> str | None:
     return _PARAMS.get(endpoint or "", {}).get(key) or _COMMON_PARAMS.get(key)
 
 
+_DOTTED_FIELD = re.compile(r"\b(?:sampling|stopping|constraint|tool_choice)\.[a-z_]+\b")
+_LEADING_NAME = re.compile(r"^[a-z_]+(?=[ \[.(])")
+
+
+def in_endpoint_terms(message: str, endpoint: str | None) -> str:
+    """A scheduler's sentence with the gRPC fields it names spelled as `endpoint`'s body
+    spells them ("stopping.max_new_tokens" -> "max_tokens", a leading "logprobs" ->
+    "top_logprobs" on chat); a field the endpoint has no name for stays as it is."""
+
+    def spelled(match: re.Match) -> str:
+        return param_for(match.group(0), endpoint) or match.group(0)
+
+    return _LEADING_NAME.sub(spelled, _DOTTED_FIELD.sub(spelled, message), count=1)
+
+
 def invalid(message: str, param: str | None = None, code: str | None = None) -> FrontError:
     return FrontError(400, message, "invalid_request_error", param, code)
 

@@ -6,7 +6,13 @@ import grpc
 import pytest
 
 from pagoda.client.errors import error_for_code
-from pagoda.openai_front.errors import from_pagoda, model_not_found, param_for, unsupported
+from pagoda.openai_front.errors import (
+    from_pagoda,
+    in_endpoint_terms,
+    model_not_found,
+    param_for,
+    unsupported,
+)
 from pagoda.openai_front.upstream import call_metadata
 
 
@@ -58,6 +64,36 @@ def test_grpc_status_to_http(code, status, kind):
 def test_a_scheduler_refusal_names_the_body_field_of_the_endpoint(sentence, endpoint, param):
     error = from_pagoda(error_for_code(grpc.StatusCode.INVALID_ARGUMENT, sentence))
     assert param_for(error.refused_field, endpoint) == param
+
+
+@pytest.mark.parametrize(
+    ("sentence", "endpoint", "spoken"),
+    [
+        (
+            "prompt (1 tokens) plus stopping.max_new_tokens (9000) exceeds the context",
+            "completions",
+            "prompt (1 tokens) plus max_tokens (9000) exceeds the context",
+        ),
+        (
+            "prompt (1 tokens) plus stopping.max_new_tokens (9000) exceeds the context",
+            "responses",
+            "input (1 tokens) plus max_output_tokens (9000) exceeds the context",
+        ),
+        ("sampling.logit_bias names token 9, beyond", "chat", "logit_bias names token 9, beyond"),
+        ("logprobs must be at most 20", "chat", "top_logprobs must be at most 20"),
+        ("messages[1].role 'x' is not a role", "responses", "input[1].role 'x' is not a role"),
+        ("constraint.json_schema is invalid: no", "chat", "response_format is invalid: no"),
+        (
+            "a constrained request cannot set sampling.logit_bias",
+            "chat",
+            "a constrained request cannot set logit_bias",
+        ),
+        ("stopping.stop[0] must not be empty", None, "stop[0] must not be empty"),
+        ("cache_salt must be at most 256 bytes", "chat", "cache_salt must be at most 256 bytes"),
+    ],
+)
+def test_a_refusal_names_fields_as_the_endpoint_spells_them(sentence, endpoint, spoken):
+    assert in_endpoint_terms(sentence, endpoint) == spoken
 
 
 def test_only_invalid_arguments_name_a_field():

@@ -249,7 +249,9 @@ def test_errors_have_openai_shape_and_status(front, sdk, model):
                 "json_schema": {"name": "x", "schema": {"type": "nope"}},
             },
         )
-    assert "constraint.json_schema" in caught.value.body["message"]
+    # In this endpoint's terms, not the gRPC request's (constraint.json_schema).
+    assert caught.value.body["message"].startswith("response_format is invalid")
+    assert caught.value.body["param"] == "response_format"
     for unsupported in ({"functions": [{"name": "f"}]}, {"tools": [{"type": "web_search"}]}):
         with pytest.raises(openai.BadRequestError) as caught:
             sdk.chat.completions.create(model=model, messages=MESSAGES, **unsupported)
@@ -267,6 +269,12 @@ def test_errors_have_openai_shape_and_status(front, sdk, model):
             "/v1/completions", content=b"{nope", headers={"content-type": "application/json"}
         )
         assert bad_json.status_code == 400
+        assert bad_json.json()["error"]["param"] is None
+        assert bad_json.json()["error"]["message"].startswith(
+            "the request body is not valid JSON at character 1: "
+        )
+        not_an_object = http.post("/v1/completions", json=["prompt"])
+        assert not_an_object.json()["error"]["message"] == "the request body must be a JSON object"
         missing = http.post("/v1/completions", json={"model": model})
         assert (missing.status_code, missing.json()["error"]["param"]) == (400, "prompt")
         too_big = http.post("/v1/completions", content=b"x" * (9 * 1024 * 1024))
