@@ -10,7 +10,10 @@ nothing left to do):
   activation: the two become one `gate_up_proj` Linear (one GEMM, weights concatenated,
   the old ones freed) followed by `silu_and_mul`;
 - every attention module of a static RoPE type: q/k get RoPE in place from a cos/sin
-  table gathered by position_ids (built once, `num_positions` rows, shared by the layers).
+  table gathered by position_ids (built once, `num_positions` rows, shared by the layers);
+  with the Triton kernels, Qwen3's q_norm/k_norm and that RoPE are one launch
+  (`qk_norm_rotary_in_place`), and q, k and v projections that are plain Linear layers
+  become one `qkv_proj` Linear (one GEMM, weights concatenated, the old ones freed).
 
 What it does not know it leaves as loaded (another architecture, a sharded projection, a
 dynamic RoPE). The ops are fused_ops.py's Triton kernels, which the paged engine patches in
@@ -43,10 +46,11 @@ class FusedCounts:
     layers: int = 0
     mlps: int = 0
     attentions: int = 0
+    joined_qkv: int = 0
 
     @property
     def total(self) -> int:
-        return self.norms + self.layers + self.mlps + self.attentions
+        return self.norms + self.layers + self.mlps + self.attentions + self.joined_qkv
 
 
 def fuse_model(model: torch.nn.Module, num_positions: int, ops=None) -> FusedCounts:
@@ -58,6 +62,7 @@ def fuse_model(model: torch.nn.Module, num_positions: int, ops=None) -> FusedCou
     if model_type not in FUSED_MODEL_TYPES:
         log.info("no fused kernels for model type %s", model_type)
         return counts
+    join_qkv = ops is None  # on the CPU, q/k/v are already one Q4_1 GEMM (or the reference)
     if ops is None:
         from pagoda.gpu_worker import fused_ops as ops
     cos_sin = _rotary_table(model, num_positions)
@@ -76,6 +81,8 @@ def fuse_model(model: torch.nn.Module, num_positions: int, ops=None) -> FusedCou
             counts.mlps += 1
         elif name.endswith("Attention") and cos_sin is not None and hasattr(module, "q_proj"):
             module.rotary_cos_sin = cos_sin
+            if join_qkv and _fuse_qkv(module):
+                counts.joined_qkv += 1
             module.forward = types.MethodType(_attention_forward, module)
             counts.attentions += 1
         else:
@@ -84,11 +91,13 @@ def fuse_model(model: torch.nn.Module, num_positions: int, ops=None) -> FusedCou
         module._pagoda_ops = ops
     if counts.total:
         log.info(
-            "fused kernels: %d RMSNorms, %d residual adds, %d gate/up+SiLU, %d RoPE",
+            "fused kernels: %d RMSNorms, %d residual adds, %d gate/up+SiLU, %d RoPE, "
+            "%d q/k/v projections as one GEMM",
             counts.norms,
             counts.layers,
             counts.mlps,
             counts.attentions,
+            counts.joined_qkv,
         )
     return counts
 
@@ -154,6 +163,36 @@ def _fuse_gate_up(mlp: torch.nn.Module) -> bool:
     fused.requires_grad_(False)
     mlp.gate_up_proj = fused
     del mlp.gate_proj, mlp.up_proj  # one copy of the weights
+    return True
+
+
+def _fuse_qkv(attention: torch.nn.Module) -> bool:
+    """q_proj, k_proj and v_proj as one `qkv_proj` Linear, their output widths kept as
+    `qkv_widths`, when all three are plain Linear layers alike (dtype, device, input, bias
+    or none); else leaves them."""
+    layers = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+    if not all(type(m) is torch.nn.Linear for m in layers):
+        return False
+    alike = {(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in layers}
+    if len(alike) != 1:
+        return False
+    first = layers[0]
+    widths = [m.out_features for m in layers]
+    joined = torch.nn.Linear(
+        first.in_features,
+        sum(widths),
+        bias=first.bias is not None,
+        device=first.weight.device,
+        dtype=first.weight.dtype,
+    )
+    with torch.no_grad():
+        joined.weight.copy_(torch.cat([m.weight for m in layers]))
+        if first.bias is not None:
+            joined.bias.copy_(torch.cat([m.bias for m in layers]))
+    joined.requires_grad_(False)
+    attention.qkv_proj = joined
+    attention.qkv_widths = widths
+    del attention.q_proj, attention.k_proj, attention.v_proj  # one copy of the weights
     return True
 
 
@@ -223,16 +262,41 @@ def _attention_forward(
         raise RuntimeError("the fused attention keeps no Hugging Face KV cache")
     input_shape = hidden_states.shape[:-1]
     head_dim = self.head_dim
+    ops = self._pagoda_ops
+    if hasattr(self, "qkv_proj"):  # views of one GEMM's output
+        query, key, value = self.qkv_proj(hidden_states).split(self.qkv_widths, dim=-1)
+    else:
+        query = self.q_proj(hidden_states)
+        key = self.k_proj(hidden_states)
+        value = self.v_proj(hidden_states)
     # Heads from the projections' widths, not the config (a sharded rank holds fewer).
-    query = self.q_proj(hidden_states).view(-1, self.q_proj.out_features // head_dim, head_dim)
-    key = self.k_proj(hidden_states).view(-1, self.k_proj.out_features // head_dim, head_dim)
-    value = self.v_proj(hidden_states).view(*input_shape, -1, head_dim).transpose(1, 2)
-    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head
-        query, key = self.q_norm(query), self.k_norm(key)
-    if position_ids is not None:
-        self._pagoda_ops.rotary_in_place(query, key, position_ids.reshape(-1), self.rotary_cos_sin)
-    else:  # a caller that passes no position_ids: HF's own expression on its cos/sin
-        query, key = _rotary_from_embeddings(query, key, position_embeddings)
+    query = query.view(-1, query.shape[-1] // head_dim, head_dim)
+    key = key.view(-1, key.shape[-1] // head_dim, head_dim)
+    value = value.view(*input_shape, -1, head_dim).transpose(1, 2)
+    qk_norms = hasattr(self, "q_norm")  # Qwen3: RMSNorm over each head
+    if (
+        qk_norms
+        and position_ids is not None
+        and hasattr(ops, "qk_norm_rotary_in_place")
+        and self.q_norm.weight.dtype == self.k_norm.weight.dtype == query.dtype
+    ):
+        ops.qk_norm_rotary_in_place(
+            query,
+            key,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.q_norm.variance_epsilon,
+            self.k_norm.variance_epsilon,
+            position_ids.reshape(-1),
+            self.rotary_cos_sin,
+        )
+    else:
+        if qk_norms:
+            query, key = self.q_norm(query), self.k_norm(key)
+        if position_ids is not None:
+            ops.rotary_in_place(query, key, position_ids.reshape(-1), self.rotary_cos_sin)
+        else:  # a caller that passes no position_ids: HF's own expression on its cos/sin
+            query, key = _rotary_from_embeddings(query, key, position_embeddings)
     interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
     output, _ = interface(
         self,

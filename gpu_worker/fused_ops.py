@@ -11,6 +11,8 @@ function here is one launch:
 - `silu_and_mul(gate_up)`: SiLU(gate) * up over one [rows, 2 * intermediate] GEMM output.
 - `rotary_in_place(query, key, positions, cos_sin)`: Llama/NeoX-style RoPE (rotate_half)
   on query and key in place, each row's cos/sin gathered from a table by its position.
+- `qk_norm_rotary_in_place(query, key, q_weight, k_weight, ...)`: Qwen3's per-head q_norm
+  and k_norm, then that RoPE, in one launch instead of three.
 
 Numerics follow the torch expressions they replace, with the same roundings to the input
 dtype where those round (the sum before the norm, the normalised value before the weight,
@@ -88,21 +90,48 @@ def _silu_and_mul_kernel(
 
 
 @triton.jit
-def _rotate_half_pairs(first, HALF: tl.constexpr, mask, cos, sin):
-    """(x1 cos - x2 sin, x2 cos + x1 sin) in place, rounded where HF's
-    apply_rotary_pos_emb rounds in the activations' dtype: the table cast to it, each
-    product, then the sum (float32 activations: no rounding at all)."""
-    dtype = first.dtype.element_ty
+def _rotated(x1, x2, cos, sin, dtype):
+    """(x1 cos - x2 sin, x2 cos + x1 sin) of float32 values, rounded where HF's
+    apply_rotary_pos_emb rounds in the activations' `dtype`: the table cast to it, each
+    product, then the sum (left to the caller's store; float32: no rounding at all)."""
     cos = cos.to(dtype).to(tl.float32)
     sin = sin.to(dtype).to(tl.float32)
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     x1_cos = (x1 * cos).to(dtype).to(tl.float32)
     x2_sin = (x2 * sin).to(dtype).to(tl.float32)
     x2_cos = (x2 * cos).to(dtype).to(tl.float32)
     x1_sin = (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(first, (x1_cos - x2_sin).to(dtype), mask=mask)
-    tl.store(first + HALF, (x2_cos + x1_sin).to(dtype), mask=mask)
+    return x1_cos - x2_sin, x2_cos + x1_sin
+
+
+@triton.jit
+def _rotate_half_pairs(first, HALF: tl.constexpr, mask, cos, sin):
+    """RoPE in place on the [heads, HALF] first halves at `first` and their second halves."""
+    dtype = first.dtype.element_ty
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1, out2 = _rotated(x1, x2, cos, sin, dtype)
+    tl.store(first, out1.to(dtype), mask=mask)
+    tl.store(first + HALF, out2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _norm_and_rotate_half_pairs(first, weight_ptr, eps, HALF: tl.constexpr, mask, dims, cos, sin):
+    """Qwen3's per-head RMSNorm, then RoPE, in place on the heads at `first` (as
+    `_rotate_half_pairs`): the norm rounds as `rms_norm` does (the normalised value to the
+    dtype, then its product with the weight), the rotation reads that rounded output."""
+    dtype = first.dtype.element_ty
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+    scale = tl.rsqrt(variance + eps)[:, None]
+    dim_mask = dims < HALF
+    weight1 = tl.load(weight_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
+    weight2 = tl.load(weight_ptr + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
+    normed1 = (weight1 * (x1 * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    normed2 = (weight2 * (x2 * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    out1, out2 = _rotated(normed1, normed2, cos, sin, dtype)
+    tl.store(first, out1.to(dtype), mask=mask)
+    tl.store(first + HALF, out2.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -140,6 +169,47 @@ def _rotary_kernel(
     first = key_ptr + token * stride_key_token + heads[:, None] * stride_key_head
     first = first + dims[None, :]
     _rotate_half_pairs(first, HALF, mask, cos, sin)
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(
+    query_ptr,
+    key_ptr,
+    query_weight_ptr,
+    key_weight_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    stride_query_token,
+    stride_query_head,
+    stride_key_token,
+    stride_key_head,
+    query_eps,
+    key_eps,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HALF_PAD)
+    heads = tl.arange(0, HEADS_PAD)
+    dim_mask = dims < HALF
+    cos = tl.load(cos_sin_ptr + position * (2 * HALF) + dims, mask=dim_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + dims, mask=dim_mask, other=0.0)
+    cos = cos[None, :]
+    sin = sin[None, :]
+
+    mask = (heads[:, None] < NUM_HEADS) & dim_mask[None, :]
+    first = query_ptr + token * stride_query_token + heads[:, None] * stride_query_head
+    first = first + dims[None, :]
+    _norm_and_rotate_half_pairs(first, query_weight_ptr, query_eps, HALF, mask, dims, cos, sin)
+
+    mask = (heads[:, None] < NUM_KV_HEADS) & dim_mask[None, :]
+    first = key_ptr + token * stride_key_token + heads[:, None] * stride_key_head
+    first = first + dims[None, :]
+    _norm_and_rotate_half_pairs(first, key_weight_ptr, key_eps, HALF, mask, dims, cos, sin)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -238,6 +308,58 @@ def rotary_in_place(
         query.stride(1),
         key.stride(0),
         key.stride(1),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(max(num_heads, num_kv_heads)),
+        HALF=half,
+        HALF_PAD=triton.next_power_of_2(half),
+        **ROTARY_OPTIONS,
+    )
+
+
+def qk_norm_rotary_in_place(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    query_weight: torch.Tensor,
+    key_weight: torch.Tensor,
+    query_eps: float,
+    key_eps: float,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+) -> None:
+    """Qwen3's q_norm and k_norm (RMSNorm over each head, weights [head_dim] in the
+    activations' dtype), then `rotary_in_place`'s RoPE, on query [T, heads, head_dim] and
+    key [T, kv_heads, head_dim] in place: one launch where there were three, each value as
+    `rms_norm` then `rotary_in_place` compute it (the norm's sum of squares may add in
+    another order)."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if query.stride(-1) != 1 or key.stride(-1) != 1:
+        raise ValueError("qk_norm_rotary_in_place needs a unit stride along head_dim")
+    if cos_sin.shape[1] != head_dim:
+        raise ValueError(f"a rotary table of width {cos_sin.shape[1]} for head_dim {head_dim}")
+    for weight in (query_weight, key_weight):
+        if weight.shape != (head_dim,) or weight.dtype != query.dtype or not weight.is_contiguous():
+            raise ValueError(
+                f"a norm weight of shape {tuple(weight.shape)} and {weight.dtype} for heads "
+                f"of {head_dim} in {query.dtype}"
+            )
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    _qk_norm_rotary_kernel[(num_tokens,)](
+        query,
+        key,
+        query_weight,
+        key_weight,
+        positions,
+        cos_sin,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        query_eps,
+        key_eps,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(max(num_heads, num_kv_heads)),

@@ -150,6 +150,59 @@ def test_rotary_in_place_matches_hf(ops, dtype, num_heads, num_kv_heads, head_di
         torch.testing.assert_close(key, expected_key, **tolerance)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(16, 8, 128), (9, 3, 64), (4, 2, 256)],  # Qwen3-0.6B, SmolLM2-135M's geometry, wide heads
+)
+@pytest.mark.parametrize("num_tokens", [1, 130])
+def test_qk_norm_rotary_is_the_norms_then_rope(
+    ops, dtype, num_heads, num_kv_heads, head_dim, num_tokens
+):
+    """One launch for Qwen3's q_norm, k_norm and RoPE gives what the three launches gave,
+    and HF's expressions, on q/k/v views of one projection's output (v left alone)."""
+    generator = torch.Generator().manual_seed(num_heads + head_dim + num_tokens)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    cos_sin = rotary_cos_sin(inv_freq.to(DEVICE), 4096, 1.0)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=generator).to(DEVICE)
+    widths = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    qkv = (3 * torch.randn(num_tokens, sum(widths), generator=generator)).to(DEVICE, dtype)
+    weights = [(1 + torch.randn(head_dim, generator=generator) / 4).to(DEVICE, dtype)]
+    weights.append((1 + torch.randn(head_dim, generator=generator) / 4).to(DEVICE, dtype))
+    query, key, value = qkv.split(widths, dim=-1)
+    query = query.view(num_tokens, num_heads, head_dim)
+    key = key.view(num_tokens, num_kv_heads, head_dim)
+    value_before = value.clone()
+
+    # The three launches this replaces, and HF's expressions.
+    three_query = ops.rms_norm(query.clone(), weights[0], 1e-6)
+    three_key = ops.rms_norm(key.clone(), weights[1], 1e-5)
+    hf_query, hf_key = hf_rotary(
+        torch_rms_norm(query, weights[0], 1e-6), torch_rms_norm(key, weights[1], 1e-5),
+        cos_sin, positions,
+    )  # fmt: skip
+    ops.rotary_in_place(three_query, three_key, positions, cos_sin)
+
+    ops.qk_norm_rotary_in_place(query, key, *weights, 1e-6, 1e-5, positions, cos_sin)
+    assert torch.equal(value, value_before)
+    tolerance = TOLERANCE[dtype] if ON_CUDA else {k: 3 * v for k, v in TOLERANCE[dtype].items()}
+    for got, three, hf in ((query, three_query, hf_query), (key, three_key, hf_key)):
+        torch.testing.assert_close(got, three, **tolerance)
+        torch.testing.assert_close(got, hf, **tolerance)
+    if dtype == torch.bfloat16:  # the sum of squares in another order moves few roundings
+        assert (query != three_query).float().mean() < 0.01
+
+
+def test_qk_norm_rotary_refuses_weights_that_do_not_fit(ops):
+    query = torch.zeros(2, 4, 64, device=DEVICE)
+    key = torch.zeros(2, 2, 64, device=DEVICE)
+    table = torch.zeros(8, 64, device=DEVICE)
+    positions = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    for weight in (torch.ones(32, device=DEVICE), torch.ones(64, device=DEVICE).half()):
+        with pytest.raises(ValueError, match="norm weight"):
+            ops.qk_norm_rotary_in_place(query, key, weight, weight, 1e-6, 1e-6, positions, table)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_the_rotary_kernel_rounds_where_hf_rounds(ops, dtype):
     """The kernel's arithmetic (`_rotate_half_pairs`), written with torch's rounding casts,
@@ -203,8 +256,15 @@ def test_fused_model_matches_unfused(ops, family, dtype):
     # 2 norms per layer and the final one, and q_norm/k_norm per Qwen3 layer
     assert counts.norms == (2 + 2 * (family == "qwen3")) * num_layers + 1
     assert (counts.layers, counts.mlps, counts.attentions) == (num_layers,) * 3
+    assert counts.joined_qkv == num_layers
     assert fuse_model(fused, num_positions=256).total == 0  # idempotent
     assert not hasattr(fused.model.layers[0].mlp, "gate_proj")
+    attention = fused.model.layers[0].self_attn
+    assert not hasattr(attention, "q_proj") and attention.qkv_widths == [
+        TINY["num_attention_heads"] * attention.head_dim,
+        TINY["num_key_value_heads"] * attention.head_dim,
+        TINY["num_key_value_heads"] * attention.head_dim,
+    ]
     input_ids = torch.randint(3, 512, (1, 41), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(41)[None, :] + 100  # a chunk after 100 cached tokens
     with torch.inference_mode():
@@ -248,7 +308,7 @@ def compile_kernel(fn, constants, pointer_types=None, options=None):
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
             signature[name] = (pointer_types or {}).get(name, "*bf16")
-        elif name == "eps":
+        elif name.endswith("eps"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
@@ -270,6 +330,11 @@ for dtype, multiply in (("*bf16", "mul.rn.bf16"), ("*fp32", "mul.rn.f32")):
                              rotary_pointers, ops.ROTARY_OPTIONS)
         # Each product rounded on its own, as HF's RoPE rounds it: no fma of product and sum.
         assert "fma." not in ptx and multiply in ptx, (dtype, head_dim)
+        rotary_pointers.update(query_weight_ptr=dtype, key_weight_ptr=dtype)
+        ptx = compile_kernel(ops._qk_norm_rotary_kernel, dict(NUM_HEADS=heads,
+                             NUM_KV_HEADS=kv_heads, HEADS_PAD=heads, HALF=head_dim // 2,
+                             HALF_PAD=head_dim // 2), rotary_pointers, ops.ROTARY_OPTIONS)
+        assert "fma." not in ptx and multiply in ptx, ("qk norms", dtype, head_dim)
 print("compiled")
 """
 
