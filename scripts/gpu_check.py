@@ -898,6 +898,7 @@ def bench(eng) -> None:
             count_syncs_and_kernels(eng, d, entries)
         if (batch, ctx) == (256, 1024) or (SMOKE and batch == 4):
             kernel_breakdown(eng, d, entries, f"B={batch} ctx={ctx}")
+            ahead_breakdown(eng, d, batch, ctx)
             host_waits(eng, d, entries, f"B={batch} ctx={ctx}")
             d.reset(range(batch))
             sampled_decode(eng, d, new, entries, f"B={batch} ctx={ctx}")
@@ -956,6 +957,11 @@ def ahead_decode_ms(eng, d, batch, ctx, num_steps):
     position further each time."""
     from benchmarks.worker_step import launched_ahead_ms
 
+    return launched_ahead_ms(eng, ahead_plans(eng, d, batch, ctx), num_steps)
+
+
+def ahead_plans(eng, d, batch, ctx):
+    """plan_at(k) for ahead_decode_ms, after the serial step it starts from."""
     rows = list(range(batch))
     eng.launches_ahead = True
     d.run([(i, ctx - 1, [5], True) for i in rows])
@@ -965,7 +971,55 @@ def ahead_decode_ms(eng, d, batch, ctx, num_steps):
         plan.last_sampled_rows = list(rows)
         return plan
 
-    return launched_ahead_ms(eng, plan_at, num_steps)
+    return plan_at
+
+
+def ahead_breakdown(eng, d, batch, ctx, num_steps=8, top=8) -> None:
+    """Where a launched-ahead step's time goes beyond its graph replay (the third lease:
+    9.78 ms a step at B=256 ctx 1K against 9.31 ms for the replay alone): the device's
+    kernels and copies over `num_steps` such steps by name, and the time the device sat
+    idle between them, per step. On the CPU (dry run) the same walk over CPU ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.worker_step import launched_ahead_ms
+
+    wanted = "CUDA" if DEV == "cuda" else "CPU"
+    activity = ProfilerActivity.CUDA if DEV == "cuda" else ProfilerActivity.CPU
+    plan_at = ahead_plans(eng, d, batch, ctx)
+    with profile(activities=[activity]) as prof:
+        step_ms = launched_ahead_ms(eng, plan_at, num_steps)
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name[:60])
+        for e in prof.events()
+        if e.device_type.name == wanted
+    )
+    if not spans:
+        say("INFO", f"launched ahead {batch}x{ctx}: the profiler saw no {wanted} work")
+        return
+    busy_us, gaps, reach = 0.0, [], spans[0][0]
+    for start, end, _ in spans:
+        if start > reach:
+            gaps.append(start - reach)
+        busy_us += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    span_us = reach - spans[0][0]
+    by_name: dict[str, list[float]] = {}
+    for start, end, name in spans:
+        by_name.setdefault(name, []).append(end - start)
+    attention = sum(len(v) for n, v in by_name.items() if "paged_attention" in n)
+    say(
+        "INFO",
+        f"launched ahead B={batch} ctx={ctx}, {num_steps} steps profiled ({step_ms:.2f} ms a "
+        f"step under the profiler): {wanted} busy {busy_us / num_steps / 1e3:.2f} ms a step, idle "
+        f"{(span_us - busy_us) / num_steps / 1e3:.2f} ms a step in {len(gaps)} gaps (largest "
+        f"{', '.join(f'{g:.0f}' for g in sorted(gaps)[-3:][::-1]) or '-'} us); attention "
+        f"kernels seen {attention} ({'graph kernels visible' if attention else 'none'})",
+    )
+    for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        say(
+            "INFO",
+            f"  {sum(times) / num_steps / 1e3:7.3f} ms a step x{len(times) / num_steps:6.1f}  {name}",
+        )
 
 
 def replay_ms(eng, batch):
