@@ -104,75 +104,31 @@ def _rotated(x1, x2, cos, sin, dtype):
 
 
 @triton.jit
-def _rotate_half_pairs(first, HALF: tl.constexpr, mask, cos, sin):
-    """RoPE in place on the [heads, HALF] first halves at `first` and their second halves."""
+def _rotate_heads(
+    first, weight_ptr, eps, HALF: tl.constexpr, mask, dims, cos, sin, NORMS: tl.constexpr
+):
+    """RoPE in place on the [heads, HALF] first halves at `first` and their second halves.
+    With NORMS, Qwen3's per-head RMSNorm (weights at `weight_ptr`) first, rounded as
+    `rms_norm` rounds (the normalised value to the dtype, then its product with the
+    weight): the rotation reads that rounded output from registers."""
     dtype = first.dtype.element_ty
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORMS:
+        variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+        scale = tl.rsqrt(variance + eps)[:, None]
+        dim_mask = dims < HALF
+        weight1 = tl.load(weight_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)
+        weight2 = tl.load(weight_ptr + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)
+        x1 = (weight1[None, :] * (x1 * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (weight2[None, :] * (x2 * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     out1, out2 = _rotated(x1, x2, cos, sin, dtype)
     tl.store(first, out1.to(dtype), mask=mask)
     tl.store(first + HALF, out2.to(dtype), mask=mask)
 
 
 @triton.jit
-def _norm_and_rotate_half_pairs(first, weight_ptr, eps, HALF: tl.constexpr, mask, dims, cos, sin):
-    """Qwen3's per-head RMSNorm, then RoPE, in place on the heads at `first` (as
-    `_rotate_half_pairs`): the norm rounds as `rms_norm` does (the normalised value to the
-    dtype, then its product with the weight), the rotation reads that rounded output."""
-    dtype = first.dtype.element_ty
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
-    scale = tl.rsqrt(variance + eps)[:, None]
-    dim_mask = dims < HALF
-    weight1 = tl.load(weight_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
-    weight2 = tl.load(weight_ptr + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
-    normed1 = (weight1 * (x1 * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    normed2 = (weight2 * (x2 * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    out1, out2 = _rotated(normed1, normed2, cos, sin, dtype)
-    tl.store(first, out1.to(dtype), mask=mask)
-    tl.store(first + HALF, out2.to(dtype), mask=mask)
-
-
-@triton.jit
 def _rotary_kernel(
-    query_ptr,
-    key_ptr,
-    positions_ptr,
-    cos_sin_ptr,
-    stride_query_token,
-    stride_query_head,
-    stride_key_token,
-    stride_key_head,
-    NUM_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    HEADS_PAD: tl.constexpr,
-    HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    dims = tl.arange(0, HALF_PAD)
-    heads = tl.arange(0, HEADS_PAD)
-    dim_mask = dims < HALF
-    cos = tl.load(cos_sin_ptr + position * (2 * HALF) + dims, mask=dim_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + dims, mask=dim_mask, other=0.0)
-    cos = cos[None, :]
-    sin = sin[None, :]
-
-    mask = (heads[:, None] < NUM_HEADS) & dim_mask[None, :]
-    first = query_ptr + token * stride_query_token + heads[:, None] * stride_query_head
-    first = first + dims[None, :]
-    _rotate_half_pairs(first, HALF, mask, cos, sin)
-
-    mask = (heads[:, None] < NUM_KV_HEADS) & dim_mask[None, :]
-    first = key_ptr + token * stride_key_token + heads[:, None] * stride_key_head
-    first = first + dims[None, :]
-    _rotate_half_pairs(first, HALF, mask, cos, sin)
-
-
-@triton.jit
-def _qk_norm_rotary_kernel(
     query_ptr,
     key_ptr,
     query_weight_ptr,
@@ -190,6 +146,7 @@ def _qk_norm_rotary_kernel(
     HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    NORMS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
@@ -204,12 +161,12 @@ def _qk_norm_rotary_kernel(
     mask = (heads[:, None] < NUM_HEADS) & dim_mask[None, :]
     first = query_ptr + token * stride_query_token + heads[:, None] * stride_query_head
     first = first + dims[None, :]
-    _norm_and_rotate_half_pairs(first, query_weight_ptr, query_eps, HALF, mask, dims, cos, sin)
+    _rotate_heads(first, query_weight_ptr, query_eps, HALF, mask, dims, cos, sin, NORMS)
 
     mask = (heads[:, None] < NUM_KV_HEADS) & dim_mask[None, :]
     first = key_ptr + token * stride_key_token + heads[:, None] * stride_key_head
     first = first + dims[None, :]
-    _norm_and_rotate_half_pairs(first, key_weight_ptr, key_eps, HALF, mask, dims, cos, sin)
+    _rotate_heads(first, key_weight_ptr, key_eps, HALF, mask, dims, cos, sin, NORMS)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -290,31 +247,7 @@ def rotary_in_place(
     """RoPE on query [T, heads, head_dim] and key [T, kv_heads, head_dim] in place (unit
     stride along head_dim), token t at positions[t] (< cos_sin's rows): for each half
     pair (x1, x2), (x1 cos - x2 sin, x2 cos + x1 sin), as HF's apply_rotary_pos_emb."""
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    if query.stride(-1) != 1 or key.stride(-1) != 1:
-        raise ValueError("rotary_in_place needs a unit stride along head_dim")
-    if cos_sin.shape[1] != head_dim:
-        raise ValueError(f"a rotary table of width {cos_sin.shape[1]} for head_dim {head_dim}")
-    if num_tokens == 0:
-        return
-    half = head_dim // 2
-    _rotary_kernel[(num_tokens,)](
-        query,
-        key,
-        positions,
-        cos_sin,
-        query.stride(0),
-        query.stride(1),
-        key.stride(0),
-        key.stride(1),
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HEADS_PAD=triton.next_power_of_2(max(num_heads, num_kv_heads)),
-        HALF=half,
-        HALF_PAD=triton.next_power_of_2(half),
-        **ROTARY_OPTIONS,
-    )
+    _launch_rotary(query, key, positions, cos_sin, None)
 
 
 def qk_norm_rotary_in_place(
@@ -328,26 +261,32 @@ def qk_norm_rotary_in_place(
     cos_sin: torch.Tensor,
 ) -> None:
     """Qwen3's q_norm and k_norm (RMSNorm over each head, weights [head_dim] in the
-    activations' dtype), then `rotary_in_place`'s RoPE, on query [T, heads, head_dim] and
-    key [T, kv_heads, head_dim] in place: one launch where there were three, each value as
-    `rms_norm` then `rotary_in_place` compute it (the norm's sum of squares may add in
-    another order)."""
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    if query.stride(-1) != 1 or key.stride(-1) != 1:
-        raise ValueError("qk_norm_rotary_in_place needs a unit stride along head_dim")
-    if cos_sin.shape[1] != head_dim:
-        raise ValueError(f"a rotary table of width {cos_sin.shape[1]} for head_dim {head_dim}")
+    activations' dtype), then `rotary_in_place`'s RoPE, on query and key in place: one
+    launch where there were three, each value as `rms_norm` then `rotary_in_place` compute
+    it (the norm's sum of squares may add in another order)."""
+    head_dim = query.shape[-1]
     for weight in (query_weight, key_weight):
         if weight.shape != (head_dim,) or weight.dtype != query.dtype or not weight.is_contiguous():
             raise ValueError(
                 f"a norm weight of shape {tuple(weight.shape)} and {weight.dtype} for heads "
                 f"of {head_dim} in {query.dtype}"
             )
+    _launch_rotary(query, key, positions, cos_sin, (query_weight, key_weight, query_eps, key_eps))
+
+
+def _launch_rotary(query, key, positions, cos_sin, norms) -> None:
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if query.stride(-1) != 1 or key.stride(-1) != 1:
+        raise ValueError("RoPE in place needs a unit stride along head_dim")
+    if cos_sin.shape[1] != head_dim:
+        raise ValueError(f"a rotary table of width {cos_sin.shape[1]} for head_dim {head_dim}")
     if num_tokens == 0:
         return
+    # Without norms the weight pointers are never read.
+    query_weight, key_weight, query_eps, key_eps = norms or (query, key, 0.0, 0.0)
     half = head_dim // 2
-    _qk_norm_rotary_kernel[(num_tokens,)](
+    _rotary_kernel[(num_tokens,)](
         query,
         key,
         query_weight,
@@ -365,6 +304,7 @@ def qk_norm_rotary_in_place(
         HEADS_PAD=triton.next_power_of_2(max(num_heads, num_kv_heads)),
         HALF=half,
         HALF_PAD=triton.next_power_of_2(half),
+        NORMS=norms is not None,
         **ROTARY_OPTIONS,
     )
 

@@ -131,7 +131,6 @@ def compiled_variants() -> int | None:
         fused_ops._rms_norm_kernel,
         fused_ops._silu_and_mul_kernel,
         fused_ops._rotary_kernel,
-        fused_ops._qk_norm_rotary_kernel,
     ]
     total = 0
     for kernel in kernels:

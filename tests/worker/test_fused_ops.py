@@ -205,7 +205,7 @@ def test_qk_norm_rotary_refuses_weights_that_do_not_fit(ops):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_the_rotary_kernel_rounds_where_hf_rounds(ops, dtype):
-    """The kernel's arithmetic (`_rotate_half_pairs`), written with torch's rounding casts,
+    """The kernel's arithmetic (`_rotated`), written with torch's rounding casts,
     equals HF's apply_rotary_pos_emb bit for bit; one rounding at the end does not."""
     generator = torch.Generator().manual_seed(5)
     head_dim, half = 128, 64
@@ -322,19 +322,17 @@ for hidden in (128, 1024, 2048):
                        BLOCK=triton.next_power_of_2(hidden)))
 compile_kernel(ops._silu_and_mul_kernel, dict(BLOCK=ops.SILU_BLOCK))
 for dtype, multiply in (("*bf16", "mul.rn.bf16"), ("*fp32", "mul.rn.f32")):
-    rotary_pointers = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32",
-                       "query_ptr": dtype, "key_ptr": dtype}
+    rotary_pointers = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "query_ptr": dtype,
+                       "key_ptr": dtype, "query_weight_ptr": dtype, "key_weight_ptr": dtype}
     for heads, kv_heads, head_dim in ((16, 8, 128), (32, 8, 64)):
-        ptx = compile_kernel(ops._rotary_kernel, dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads,
-                             HEADS_PAD=heads, HALF=head_dim // 2, HALF_PAD=head_dim // 2),
-                             rotary_pointers, ops.ROTARY_OPTIONS)
-        # Each product rounded on its own, as HF's RoPE rounds it: no fma of product and sum.
-        assert "fma." not in ptx and multiply in ptx, (dtype, head_dim)
-        rotary_pointers.update(query_weight_ptr=dtype, key_weight_ptr=dtype)
-        ptx = compile_kernel(ops._qk_norm_rotary_kernel, dict(NUM_HEADS=heads,
-                             NUM_KV_HEADS=kv_heads, HEADS_PAD=heads, HALF=head_dim // 2,
-                             HALF_PAD=head_dim // 2), rotary_pointers, ops.ROTARY_OPTIONS)
-        assert "fma." not in ptx and multiply in ptx, ("qk norms", dtype, head_dim)
+        for norms in (False, True):  # RoPE alone, and with Qwen3's q/k norms first
+            ptx = compile_kernel(ops._rotary_kernel, dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads,
+                                 HEADS_PAD=heads, HALF=head_dim // 2, HALF_PAD=head_dim // 2,
+                                 NORMS=norms), rotary_pointers,
+                                 ops.ROTARY_OPTIONS)
+            # Each product rounded on its own, as HF's RoPE rounds it: no fma of product
+            # and sum.
+            assert "fma." not in ptx and multiply in ptx, (dtype, head_dim, norms)
 print("compiled")
 """
 
