@@ -243,7 +243,9 @@ def _message(index: int, message: Any) -> dict[str, Any]:
         raise invalid(f"messages[{index}].content must be given", f"messages[{index}].content")
     if isinstance(content, list):
         content = joined_text(content, ("text",), f"messages[{index}].content")
-    out: dict[str, Any] = {"role": message.role, "content": content}
+    # OpenAI's newer name for the system instructions, as the Responses API reads it too.
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": content}
     if message.tool_calls:
         out["tool_calls"] = [
             _tool_call(index, n, call) for n, call in enumerate(message.tool_calls)

@@ -41,6 +41,12 @@ def test_every_sampling_field_is_passed_on_as_given():
     }  # fmt: skip
 
 
+def test_a_developer_message_is_the_system_message():
+    messages = [{"role": "developer", "content": "Be brief."}, *MESSAGES]
+    (call,) = plan_chat(ChatCompletionRequest(messages=messages), "id", max_n=4).calls
+    assert call.messages == [{"role": "system", "content": "Be brief."}, *MESSAGES]
+
+
 def test_max_completion_tokens_wins_over_max_tokens():
     (call,) = plan_chat(chat(max_tokens=9, max_completion_tokens=4), "id", 4).calls
     assert call.options["max_new_tokens"] == 4
