@@ -974,27 +974,36 @@ def ahead_plans(eng, d, batch, ctx):
     return plan_at
 
 
-def ahead_breakdown(eng, d, batch, ctx, num_steps=8, top=8) -> None:
+def ahead_breakdown(eng, d, batch, ctx, num_steps=8) -> None:
     """Where a launched-ahead step's time goes beyond its graph replay (the third lease:
-    9.78 ms a step at B=256 ctx 1K against 9.31 ms for the replay alone): the device's
-    kernels and copies over `num_steps` such steps by name, and the time the device sat
-    idle between them, per step. On the CPU (dry run) the same walk over CPU ops."""
-    from torch.profiler import ProfilerActivity, profile
-
+    9.78 ms a step at B=256 ctx 1K against 9.31 ms for the replay alone)."""
     from benchmarks.worker_step import launched_ahead_ms
+
+    plan_at = ahead_plans(eng, d, batch, ctx)
+    profiled_steps(
+        lambda: launched_ahead_ms(eng, plan_at, num_steps),
+        num_steps,
+        f"launched ahead B={batch} ctx={ctx}",
+    )
+
+
+def profiled_steps(run, num_steps: int, label: str, top: int = 8) -> None:
+    """`run()` (`num_steps` steps; returns ms a step) under the profiler: the device's
+    kernels and copies by name a step, and the time the device sat idle between them. On
+    the CPU (dry run) the same walk over CPU ops."""
+    from torch.profiler import ProfilerActivity, profile
 
     wanted = "CUDA" if DEV == "cuda" else "CPU"
     activity = ProfilerActivity.CUDA if DEV == "cuda" else ProfilerActivity.CPU
-    plan_at = ahead_plans(eng, d, batch, ctx)
     with profile(activities=[activity]) as prof:
-        step_ms = launched_ahead_ms(eng, plan_at, num_steps)
+        step_ms = run()
     spans = sorted(
         (e.time_range.start, e.time_range.end, e.name[:60])
         for e in prof.events()
         if e.device_type.name == wanted
     )
     if not spans:
-        say("INFO", f"launched ahead {batch}x{ctx}: the profiler saw no {wanted} work")
+        say("INFO", f"{label}: the profiler saw no {wanted} work")
         return
     busy_us, gaps, reach = 0.0, [], spans[0][0]
     for start, end, _ in spans:
@@ -1009,8 +1018,8 @@ def ahead_breakdown(eng, d, batch, ctx, num_steps=8, top=8) -> None:
     attention = sum(len(v) for n, v in by_name.items() if "paged_attention" in n)
     say(
         "INFO",
-        f"launched ahead B={batch} ctx={ctx}, {num_steps} steps profiled ({step_ms:.2f} ms a "
-        f"step under the profiler): {wanted} busy {busy_us / num_steps / 1e3:.2f} ms a step, idle "
+        f"{label}, {num_steps} steps profiled ({step_ms:.2f} ms a step under the profiler): "
+        f"{wanted} busy {busy_us / num_steps / 1e3:.2f} ms a step, idle "
         f"{(span_us - busy_us) / num_steps / 1e3:.2f} ms a step in {len(gaps)} gaps (largest "
         f"{', '.join(f'{g:.0f}' for g in sorted(gaps)[-3:][::-1]) or '-'} us); attention "
         f"kernels seen {attention} ({'graph kernels visible' if attention else 'none'})",
@@ -1222,6 +1231,17 @@ def sampled_decode(eng, d, new, entries, label: str) -> None:
         "PASS" if len(uploads) == 1 else "FAIL",
         f"sampling parameters uploaded in {len(uploads)} copy per sampled step",
     )
+    # Where the sampling's 4.2 ms (third lease, B=256) go: one more step, by kernel.
+    position = entries[0][1] + 1
+
+    def one_step() -> float:
+        sync()
+        started = time.perf_counter()
+        d.run([(i, position, [5], True) for i in rows])
+        sync()
+        return (time.perf_counter() - started) * 1e3
+
+    profiled_steps(one_step, 1, f"sampled decode {label}", top=12)
 
 
 # --------------------------------------------------------------------------- kernel bench
