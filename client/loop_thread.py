@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import threading
 from collections.abc import Callable, Coroutine
+from concurrent.futures import CancelledError
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -30,25 +32,36 @@ class LoopThread:
         self._thread.start()
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Run `coroutine` on the loop and return its result or raise its exception.
+        """Run `coroutine` on the loop and return its result or raise its exception (a task
+        cancelled by `stop` raises concurrent.futures.CancelledError).
 
         Anything that interrupts the wait (KeyboardInterrupt) cancels the coroutine's task
         before it propagates, so an RPC it awaits is cancelled too, even when it lands
-        between scheduling the coroutine and waiting for it.
+        between scheduling the coroutine and waiting for it. The wait is a bare lock's
+        acquire, a C call: a Ctrl-C raised inside Python-level locking code (a
+        concurrent.futures.Future's Condition, as `future.result()` used here) could leave
+        that lock held, and the loop thread, next to take it, would hang the exit.
         """
-        future = None
+        finished = _thread.allocate_lock()
+        finished.acquire()
+        task: list[asyncio.Task[T]] = []
+
+        def start() -> None:
+            task.append(self._loop.create_task(coroutine))
+            task[0].add_done_callback(lambda _: finished.release())
+
         try:
-            with self._lock:
-                if self._stopped:
-                    coroutine.close()
-                    # The type grpc raises for a call on a closed channel.
-                    raise ValueError(f"{self._thread.name} is closed")
-                future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-            return future.result()
+            if not self.call_soon(start):
+                coroutine.close()
+                # The type grpc raises for a call on a closed channel.
+                raise ValueError(f"{self._thread.name} is closed")
+            finished.acquire()
         except BaseException:
-            if future is not None:
-                future.cancel()
+            self.call_soon(lambda: task and task[0].cancel())
             raise
+        if task[0].cancelled():
+            raise CancelledError
+        return task[0].result()
 
     def call_soon(self, callback: Callable[[], object]) -> bool:
         """Schedule `callback` on the loop without waiting; False once the loop is stopped."""

@@ -77,13 +77,16 @@ def test_a_finalizer_that_runs_inside_run_does_not_deadlock(monkeypatch):
     from pagoda.client import loop_thread as module
 
     loop = module.LoopThread("pagoda client")
-    schedule = module.asyncio.run_coroutine_threadsafe
+    schedule = loop._loop.call_soon_threadsafe
+    finalized: list[bool] = []
 
-    def schedule_after_a_finalizer(coroutine, event_loop):
-        loop.call_soon(lambda: None)  # what ChunkStream.__del__ does
-        return schedule(coroutine, event_loop)
+    def schedule_after_a_finalizer(callback, *args, **kwargs):
+        if not finalized:  # inside run's guarded region, on run's thread
+            finalized.append(True)
+            loop.call_soon(lambda: None)  # what ChunkStream.__del__ does
+        return schedule(callback, *args, **kwargs)
 
-    monkeypatch.setattr(module.asyncio, "run_coroutine_threadsafe", schedule_after_a_finalizer)
+    monkeypatch.setattr(loop._loop, "call_soon_threadsafe", schedule_after_a_finalizer)
 
     async def answer() -> int:
         return 42
@@ -96,4 +99,78 @@ def test_a_finalizer_that_runs_inside_run_does_not_deadlock(monkeypatch):
     deadlocked = caller.is_alive()
     if not deadlocked:
         loop.stop()
-    assert not deadlocked and results == [42]
+    assert not deadlocked and results == [42] and finalized
+
+
+def test_an_interrupt_inside_python_level_locking_cannot_hang_stop(monkeypatch):
+    """Ctrl-C raises KeyboardInterrupt between two bytecodes of whatever the main thread
+    runs. Landing in threading.Condition's `__enter__` just after it took its lock, it
+    leaves the lock held: `future.result()` waited on a concurrent.futures.Future's
+    Condition here, the loop thread then blocked on that lock as it settled the future,
+    and `stop()` (leaving `with Client`) joined it forever (`pagoda generate`'s exit, seen
+    once in the suite: test_ctrl_c_cancels_the_stream_and_exits_130). Such an interrupt is
+    made to land there at once; `run` must not wait through a Condition on its thread."""
+    import asyncio
+
+    from pagoda.client import loop_thread as module
+
+    loop = module.LoopThread("pagoda client")
+    caller = threading.current_thread()
+    take = threading.Condition.__enter__
+
+    def interrupted_after_taking_the_lock(condition):
+        entered = take(condition)
+        if threading.current_thread() is caller:
+            raise KeyboardInterrupt  # the lock stays held, as it would
+        return entered
+
+    async def answer() -> int:
+        await asyncio.sleep(0.2)  # long enough to be waited for
+        return 42
+
+    monkeypatch.setattr(threading.Condition, "__enter__", interrupted_after_taking_the_lock)
+    try:
+        result = loop.run(answer())
+    except KeyboardInterrupt:
+        result = None
+    finally:
+        monkeypatch.undo()
+    stopper = threading.Thread(target=loop.stop, daemon=True)
+    stopper.start()
+    stopper.join(timeout=30)
+    assert not stopper.is_alive(), (
+        "stop() hangs: the loop thread waits on a lock run's thread holds"
+    )
+    assert result == 42
+
+
+def test_ctrl_c_during_run_cancels_the_coroutine():
+    """A SIGINT while `run` waits raises KeyboardInterrupt there and cancels the task (the
+    RPC it awaits), and the loop still stops."""
+    import asyncio
+    import signal
+
+    from pagoda.client import loop_thread as module
+
+    loop = module.LoopThread("pagoda client")
+    main = threading.get_ident()
+    cancelled = threading.Event()
+
+    async def forever() -> None:
+        signal.pthread_kill(main, signal.SIGINT)  # the coroutine runs: interrupt the waiter
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            loop.run(forever())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    stopper = threading.Thread(target=loop.stop, daemon=True)
+    stopper.start()
+    stopper.join(timeout=30)
+    assert not stopper.is_alive() and cancelled.is_set()
