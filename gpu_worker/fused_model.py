@@ -149,33 +149,34 @@ def _fuse_gate_up(mlp: torch.nn.Module) -> bool:
     if joined is not None:  # already one GEMM (quantization.FusedQ4Linear): call it
         mlp.gate_up_proj = joined
         return True
-    if not all(type(m) is torch.nn.Linear and m.bias is None for m in (gate, up)):
+    if any(getattr(m, "bias", None) is not None for m in (gate, up)):
         return False
-    fused = torch.nn.Linear(
-        gate.in_features,
-        gate.out_features + up.out_features,
-        bias=False,
-        device=gate.weight.device,
-        dtype=gate.weight.dtype,
-    )
-    with torch.no_grad():
-        fused.weight.copy_(torch.cat([gate.weight, up.weight]))
-    fused.requires_grad_(False)
-    mlp.gate_up_proj = fused
-    del mlp.gate_proj, mlp.up_proj  # one copy of the weights
-    return True
+    return _join_linears(mlp, ("gate_proj", "up_proj"), "gate_up_proj") is not None
 
 
 def _fuse_qkv(attention: torch.nn.Module) -> bool:
     """q_proj, k_proj and v_proj as one `qkv_proj` Linear, their output widths kept as
-    `qkv_widths`, when all three are plain Linear layers alike (dtype, device, input, bias
-    or none); else leaves them."""
-    layers = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-    if not all(type(m) is torch.nn.Linear for m in layers):
+    `qkv_widths`; else leaves them."""
+    widths = _join_linears(attention, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+    if widths is None:
         return False
+    attention.qkv_widths = widths
+    return True
+
+
+def _join_linears(
+    parent: torch.nn.Module, names: tuple[str, ...], joined_name: str
+) -> list[int] | None:
+    """`parent`'s Linear layers `names` as one Linear `joined_name` (one GEMM, weights and
+    biases concatenated in that order, the old layers freed) when all are plain Linear
+    layers alike (dtype, device, input, bias or none); returns their output widths, or None
+    and leaves them."""
+    layers = [getattr(parent, name, None) for name in names]
+    if not all(type(m) is torch.nn.Linear for m in layers):
+        return None
     alike = {(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in layers}
     if len(alike) != 1:
-        return False
+        return None
     first = layers[0]
     widths = [m.out_features for m in layers]
     joined = torch.nn.Linear(
@@ -190,10 +191,10 @@ def _fuse_qkv(attention: torch.nn.Module) -> bool:
         if first.bias is not None:
             joined.bias.copy_(torch.cat([m.bias for m in layers]))
     joined.requires_grad_(False)
-    attention.qkv_proj = joined
-    attention.qkv_widths = widths
-    del attention.q_proj, attention.k_proj, attention.v_proj  # one copy of the weights
-    return True
+    setattr(parent, joined_name, joined)
+    for name in names:  # one copy of the weights
+        delattr(parent, name)
+    return widths
 
 
 def _joined_q4(gate, up) -> torch.nn.Module | None:

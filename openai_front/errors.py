@@ -65,7 +65,10 @@ def from_pagoda(error: PagodaError) -> FrontError:
     return FrontError(status, error.details, kind, None, code, field)
 
 
-_LEADING_FIELD = re.compile(r"((?:sampling|stopping|constraint|tool_choice)\.[a-z_]+|[a-z_]+)\b")
+# A field of one of the request's nested messages (sampling.temperature), as the
+# scheduler's sentences spell it.
+_NESTED_FIELD = r"(?:sampling|stopping|constraint|tool_choice)\.[a-z_]+"
+_LEADING_FIELD = re.compile(rf"({_NESTED_FIELD}|[a-z_]+)\b")
 
 # A gRPC request field -> the body field of each endpoint family that carries it.
 _PARAMS: dict[str, dict[str, str]] = {
@@ -106,7 +109,7 @@ def param_for(field: str, endpoint: str | None) -> str | None:
     return _PARAMS.get(endpoint or "", {}).get(key) or _COMMON_PARAMS.get(key)
 
 
-_DOTTED_FIELD = re.compile(r"\b(?:sampling|stopping|constraint|tool_choice)\.[a-z_]+\b")
+_DOTTED_FIELD = re.compile(rf"\b{_NESTED_FIELD}\b")
 _LEADING_NAME = re.compile(r"^[a-z_]+(?=[ \[.(])")
 
 

@@ -989,19 +989,9 @@ def ahead_breakdown(eng, d, batch, ctx, num_steps=8) -> None:
 
 def profiled_steps(run, num_steps: int, label: str, top: int = 8) -> None:
     """`run()` (`num_steps` steps; returns ms a step) under the profiler: the device's
-    kernels and copies by name a step, and the time the device sat idle between them. On
-    the CPU (dry run) the same walk over CPU ops."""
-    from torch.profiler import ProfilerActivity, profile
-
-    wanted = "CUDA" if DEV == "cuda" else "CPU"
-    activity = ProfilerActivity.CUDA if DEV == "cuda" else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        step_ms = run()
-    spans = sorted(
-        (e.time_range.start, e.time_range.end, e.name[:60])
-        for e in prof.events()
-        if e.device_type.name == wanted
-    )
+    kernels and copies by name a step, and the time the device sat idle between them."""
+    wanted = DEV.upper()
+    step_ms, spans = profiled(run)
     if not spans:
         say("INFO", f"{label}: the profiler saw no {wanted} work")
         return
@@ -1012,9 +1002,7 @@ def profiled_steps(run, num_steps: int, label: str, top: int = 8) -> None:
         busy_us += max(0.0, end - max(start, reach))
         reach = max(reach, end)
     span_us = reach - spans[0][0]
-    by_name: dict[str, list[float]] = {}
-    for start, end, name in spans:
-        by_name.setdefault(name, []).append(end - start)
+    by_name = spans_by_name(spans)
     attention = sum(len(v) for n, v in by_name.items() if "paged_attention" in n)
     say(
         "INFO",
@@ -1029,6 +1017,30 @@ def profiled_steps(run, num_steps: int, label: str, top: int = 8) -> None:
             "INFO",
             f"  {sum(times) / num_steps / 1e3:7.3f} ms a step x{len(times) / num_steps:6.1f}  {name}",
         )
+
+
+def profiled(run):
+    """`run()` under the profiler: its result and the device's work (CUDA kernels and
+    copies; in the dry run, CPU ops) as (start us, end us, name) spans in start order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if DEV == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        result = run()
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name[:70])
+        for e in prof.events()
+        if e.device_type.name == DEV.upper()
+    )
+    return result, spans
+
+
+def spans_by_name(spans) -> dict[str, list[float]]:
+    """Each name's span lengths (us)."""
+    by_name: dict[str, list[float]] = {}
+    for start, end, name in spans:
+        by_name.setdefault(name, []).append(end - start)
+    return by_name
 
 
 def replay_ms(eng, batch):
@@ -1096,19 +1108,11 @@ def count_syncs_and_kernels(eng, d, entries):
 
 def kernel_breakdown(eng, d, entries, label: str, top: int = 14) -> None:
     """Where an eager decode step's device time goes: the kernels summed by name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CUDA] if DEV == "cuda" else [ProfilerActivity.CPU]
     with eager(eng):
         d.run(entries)  # warm
-        with profile(activities=activities) as prof:
-            d.run(entries)
-            sync()
-    wanted = "CUDA" if DEV == "cuda" else "CPU"
-    by_name: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type.name == wanted:
-            by_name.setdefault(e.name[:70], []).append(e.time_range.elapsed_us())
+        _, spans = profiled(lambda: (d.run(entries), sync()))
+    wanted = DEV.upper()
+    by_name = spans_by_name(spans)
     total = sum(sum(v) for v in by_name.values()) or 1.0
     rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     say("INFO", f"kernel breakdown, eager decode {label}: {total / 1e3:.2f} ms of {wanted} time")
